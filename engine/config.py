@@ -1,0 +1,335 @@
+"""Typed run configuration: YAML files + dotted overrides, merged and validated by OmegaConf.
+
+A config file may name another with `extends: other.yaml` (a path relative to the file);
+the base is loaded first and the file's keys are merged over it. The `model` section's
+schema is the chosen model's own dataclass (see models/), so each model has typed keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from engine.errors import UsageError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"  # digits | synthetic | npz | idx | cifar10 | text | synthetic_text
+    path: Optional[str] = None  # file or directory for npz, idx, cifar10 and text
+    eval_fraction: float = 0.2  # held-out share when the source has no test split
+    shuffle: bool = True  # reshuffle every epoch (order is a function of seed and epoch)
+    prefetch: int = 2  # batches put on device ahead of the step (0 = none)
+    # synthetic sources
+    num_examples: int = 4096  # training examples generated (eval gets a quarter)
+    image_shape: list[int] = field(default_factory=lambda: [8, 8, 1])  # [height, width, channels]
+    num_classes: int = 10
+    # token sources (text, synthetic_text)
+    seq_len: int = 128  # tokens per example (the model sees seq_len, predicts the next)
+    vocab_size: int = 256  # synthetic_text only; byte-level text is always 256
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps in the whole run
+    global_batch_size: int = 128  # examples per step, over all devices and processes
+    grad_accum_steps: int = 1  # microbatches per step; each is global_batch_size / this
+    param_dtype: str = "float32"  # dtype the parameters are stored and updated in
+    compute_dtype: str = "float32"  # dtype of activations and matmuls (bfloat16 for speed)
+    nan_policy: str = "stop"  # stop | warn: what a non-finite loss does
+    eager: bool = False  # run the step without jit (slow; for debugging, like TF eager)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  # sgd | momentum | adam | adamw
+    learning_rate: float = 1e-3  # peak learning rate
+    schedule: str = "constant"  # constant | warmup_cosine | warmup_linear
+    warmup_steps: int = 0  # linear warm-up from 0 to learning_rate
+    end_learning_rate_factor: float = 0.0  # final lr = factor * learning_rate (decaying schedules)
+    momentum: float = 0.9  # momentum (sgd momentum) or Adam's b1
+    b2: float = 0.999  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
+    weight_decay: float = 0.0  # decoupled weight decay (adamw)
+    grad_clip_norm: float = 0.0  # clip gradients to this global norm (0 = off)
+
+
+@dataclass
+class MeshConfig:
+    data: int = -1  # data-parallel replicas (-1 = all remaining devices)
+    fsdp: int = 1  # devices params and optimizer state are sharded over (ZeRO-3)
+    tensor: int = 1  # tensor-parallel (Megatron) devices
+    num_devices: int = -1  # how many of the visible devices to use (-1 = all)
+    # multi-slice / multi-host: how many of each axis's factors cross the slow data-center
+    # network (these become the outer part of the axis); 1 = all on the fast interconnect
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+    backend: str = "jit"  # jit (NamedSharding, any layout) | pmap (replicated data parallel)
+    # logical axis name -> mesh axes to try in order; the first that is free, larger than 1
+    # and divides the dimension is used (fsdp falls back to replication, tensor must divide)
+    rules: dict[str, list[str]] = field(
+        default_factory=lambda: {
+            "embed": ["fsdp"],
+            "mlp": ["tensor", "fsdp"],
+            "heads": ["tensor", "fsdp"],
+            "kv": [],
+            "vocab": ["tensor", "fsdp"],
+            "conv_in": ["fsdp"],
+            "conv_out": ["tensor"],
+            "classes": [],
+        }
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # save every N steps (0 = only at the end)
+    keep: int = 3  # most recent checkpoints kept
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # evaluate every N steps (0 = only at the end)
+    batch_size: int = 0  # examples per eval batch (0 = train.global_batch_size)
+    max_batches: int = 0  # cap on eval batches (0 = the whole eval split)
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 50  # metrics to console, metrics.jsonl and TensorBoard every N steps
+    progress: bool = True  # show a progress bar on the console
+    tensorboard: bool = True  # write TensorBoard event files into the workdir
+
+
+@dataclass
+class Config:
+    seed: int = 0  # every random draw (init, dropout, data order) derives from this
+    workdir: str = ""  # where outputs go ("" = runs/<config file name>)
+    model: Any = None  # the chosen model's dataclass, see models/
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+CHOICES = {
+    "data.name": ("digits", "synthetic", "npz", "idx", "cifar10", "text", "synthetic_text"),
+    "train.param_dtype": ("float32", "bfloat16", "float16"),
+    "train.compute_dtype": ("float32", "bfloat16", "float16"),
+    "train.nan_policy": ("stop", "warn"),
+    "optimizer.name": ("sgd", "momentum", "adam", "adamw"),
+    "optimizer.schedule": ("constant", "warmup_cosine", "warmup_linear"),
+    "mesh.backend": ("jit", "pmap"),
+}
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Reads a config file (safe YAML), following `extends:` to its base first."""
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist; shipped configs: {', '.join(shipped_configs())}")
+    if path in seen:
+        raise UsageError(f"config {path} extends itself through {' -> '.join(map(str, seen))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    merged = _read_yaml((path.parent / base).resolve(), seen + (path,))
+    return _deep_merge(merged, data)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name != "base.yaml")
+
+
+def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        keys.append(full)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and child._is_missing() is False and child._get_flag("struct"):
+            keys.extend(_all_keys(child, full + "."))
+    return keys
+
+
+def _schema(model_name: str) -> DictConfig:
+    from models import REGISTRY  # the registry knows each model's config dataclass
+
+    if model_name not in REGISTRY:
+        raise UsageError(_choice_message("model.name", model_name, sorted(REGISTRY)))
+    schema = OmegaConf.structured(Config)
+    schema.model = OmegaConf.structured(REGISTRY[model_name].config_cls)
+    OmegaConf.set_struct(schema, True)
+    OmegaConf.set_struct(schema.mesh.rules, False)  # users may add logical axis names
+    return schema
+
+
+def _choice_message(key: str, value: Any, choices) -> str:
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"did you mean {key}={close[0]}? " if close else ""
+    return f"{key}={value!r} is not one of {', '.join(map(str, choices))}; {hint}".rstrip("; ")
+
+
+def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError) or "not in struct" in str(err):
+        close = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"
+        return f"unknown config key '{key}' (from {source}){hint}"
+    if isinstance(err, ValidationError):
+        expected = _expected_type(schema, key)
+        value = getattr(err, "value", None)
+        return (f"config key '{key}' got {value!r} ({type(value).__name__}) from {source}, "
+                f"but it must be {expected}; e.g. {key}={_example(expected)}")
+    return f"bad config ({source}): {str(err).splitlines()[0]}"
+
+
+def _expected_type(schema: DictConfig, key: str) -> str:
+    node = schema
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node._get_node(part)
+        if node is None:
+            return "a valid value"
+    leaf = node._get_node(parts[-1]) if isinstance(node, DictConfig) else None
+    if leaf is None:
+        return "a valid value"
+    ref = leaf._metadata.ref_type
+    name = getattr(ref, "__name__", None) or str(ref).replace("typing.", "")
+    if name == "Optional":  # Optional[X]
+        name = str(ref).replace("typing.", "")
+    return {"int": "an int", "float": "a float", "bool": "a bool (true/false)", "str": "a string"}.get(name, name)
+
+
+def _example(expected: str) -> str:
+    return {"an int": "8", "a float": "0.001", "a bool (true/false)": "true", "a string": "name"}.get(expected, "[1, 2]")
+
+
+def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None) -> Config:
+    """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
+    path = Path(config_path)
+    if not path.is_file() and (CONFIG_DIR / path).is_file():
+        path = CONFIG_DIR / path
+    raw = _read_yaml(path.resolve())
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise UsageError(f"override '{item}' is not of the form dotted.key=value, e.g. train.steps=100")
+    try:
+        override_cfg = OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise UsageError(f"could not parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
+    model_name = OmegaConf.select(override_cfg, "model.name") or (raw.get("model") or {}).get("name") or "mlp"
+    schema = _schema(str(model_name))
+    cfg = schema
+    for source, layer in ((str(path), OmegaConf.create(raw)), ("the command line", override_cfg)):
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as e:
+            raise UsageError(_explain(e, schema, source)) from None
+    if workdir is not None:
+        cfg.workdir = workdir
+    if not cfg.workdir:
+        cfg.workdir = str(Path("runs") / path.stem)
+    config: Config = OmegaConf.to_object(cfg)
+    validate(config)
+    return config
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that types alone do not catch; each message names the key and a fix."""
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise UsageError(_choice_message(key, value, choices))
+    positive = {
+        "train.steps": cfg.train.steps,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.grad_accum_steps": cfg.train.grad_accum_steps,
+        "log.every_steps": cfg.log.every_steps,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "data.seq_len": cfg.data.seq_len,
+        "data.num_examples": cfg.data.num_examples,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise UsageError(f"{key}={value} must be positive")
+    non_negative = {
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "eval.every_steps": cfg.eval.every_steps,
+        "eval.batch_size": cfg.eval.batch_size,
+        "eval.max_batches": cfg.eval.max_batches,
+        "data.prefetch": cfg.data.prefetch,
+        "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
+        "optimizer.grad_clip_norm": cfg.optimizer.grad_clip_norm,
+        "optimizer.weight_decay": cfg.optimizer.weight_decay,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise UsageError(f"{key}={value} must be 0 or more")
+    if cfg.optimizer.learning_rate <= 0:
+        raise UsageError(f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive, e.g. 1e-3")
+    if not 0.0 < cfg.data.eval_fraction < 1.0:
+        raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction} must be between 0 and 1, e.g. 0.2")
+    if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
+        raise UsageError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; use a multiple of {cfg.train.grad_accum_steps}")
+    if cfg.optimizer.warmup_steps > cfg.train.steps and cfg.optimizer.schedule != "constant":
+        raise UsageError(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}")
+    for axis in MESH_AXES:
+        size = getattr(cfg.mesh, axis)
+        if size == 0 or size < -1:
+            raise UsageError(f"mesh.{axis}={size} must be a positive device count or -1 (the remaining devices)")
+    if [getattr(cfg.mesh, a) for a in MESH_AXES].count(-1) > 1:
+        raise UsageError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    for logical, axes in cfg.mesh.rules.items():
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise UsageError(_choice_message(f"mesh.rules.{logical}", axis, MESH_AXES))
+    if cfg.data.name in ("npz", "idx", "cifar10", "text") and not cfg.data.path:
+        raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
+    if hasattr(cfg.model, "validate"):
+        cfg.model.validate()
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Writes the resolved config; `launch.py --config <this file>` reproduces the run."""
+    Path(path).write_text(to_yaml(cfg))
+
+
+def replace(cfg: Config, **sections) -> Config:
+    return dataclasses.replace(cfg, **sections)

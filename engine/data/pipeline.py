@@ -1,0 +1,130 @@
+"""Deterministic, resumable batching and background prefetch to device.
+
+The global batch for step s is a function of (seed, s) alone: epoch e = s // steps_per_epoch
+is a permutation drawn from (seed, e), and the step takes its slice. So the iterator's whole
+state is the next step number, and a resumed run sees exactly the batches it would have.
+Each process gathers only its own rows of the global batch (so reads only its share).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from engine.errors import UsageError
+
+
+class TrainBatches:
+    """Host batches of one process's rows of the global batch, by step."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int, shuffle: bool = True,
+                 process_index: int = 0, process_count: int = 1):
+        self.arrays = arrays
+        self.num_examples = len(next(iter(arrays.values())))
+        if global_batch > self.num_examples:
+            raise UsageError(f"train.global_batch_size={global_batch} is larger than the training split "
+                             f"({self.num_examples} examples); use at most {self.num_examples}")
+        if global_batch % process_count:
+            raise UsageError(f"train.global_batch_size={global_batch} is not divisible by the {process_count} "
+                             f"processes; use a multiple of {process_count}")
+        self.global_batch = global_batch
+        self.steps_per_epoch = self.num_examples // global_batch  # the remainder is dropped
+        self.seed, self.shuffle = seed, shuffle
+        per_process = global_batch // process_count
+        self.rows = slice(process_index * per_process, (process_index + 1) * per_process)
+        self._order_epoch, self._order = -1, None
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            else:
+                self._order = np.arange(self.num_examples)
+            self._order_epoch = epoch
+        return self._order
+
+    def indices(self, step: int) -> np.ndarray:
+        """Example indices of the whole global batch at `step`."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        start = within * self.global_batch
+        return self._epoch_order(epoch)[start:start + self.global_batch]
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        rows = self.indices(step)[self.rows]
+        return {name: np.asarray(array[rows]) for name, array in self.arrays.items()}
+
+
+def eval_batches(arrays: dict[str, np.ndarray], batch_size: int, max_batches: int = 0,
+                 process_index: int = 0, process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    """The eval split in order, the last batch padded; `mask` is 1 for real examples."""
+    num = len(next(iter(arrays.values())))
+    count = -(-num // batch_size)
+    if max_batches:
+        count = min(count, max_batches)
+    per_process = batch_size // process_count
+    for b in range(count):
+        idx = np.arange(b * batch_size, (b + 1) * batch_size)
+        mask = (idx < num).astype(np.float32)
+        idx = np.minimum(idx, num - 1)[process_index * per_process:(process_index + 1) * per_process]
+        batch = {name: np.asarray(array[idx]) for name, array in arrays.items()}
+        batch["mask"] = mask[process_index * per_process:(process_index + 1) * per_process]
+        yield batch
+
+
+class Prefetcher:
+    """Runs `make(step)` for steps start, start+1, … in a background thread, `depth` ahead.
+
+    `make` builds the host batch and puts it on device, so both overlap the running step.
+    `wait_seconds` adds up the time the training loop spent waiting for a batch.
+    """
+
+    _DONE = object()
+
+    def __init__(self, make: Callable[[int], object], start_step: int, depth: int):
+        self.make, self.next_step, self.depth = make, start_step, depth
+        self.wait_seconds = 0.0
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._fill, args=(start_step,), daemon=True, name="prefetch")
+            self._thread.start()
+
+    def _fill(self, step: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (step, self.make(step), None)
+            except Exception as e:  # handed to the training thread, which re-raises it
+                item = (step, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+            step += 1
+
+    def __next__(self):
+        start = time.perf_counter()
+        if self.depth == 0:
+            batch = self.make(self.next_step)
+        else:
+            step, batch, error = self._queue.get()
+            if error is not None:
+                raise error
+            assert step == self.next_step, (step, self.next_step)
+        self.wait_seconds += time.perf_counter() - start
+        self.next_step += 1
+        return batch
+
+    def __iter__(self):
+        return self
+
+    def close(self) -> None:
+        if self.depth > 0:
+            self._stop.set()
+            self._thread.join(timeout=5)

@@ -1,0 +1,239 @@
+"""Dataset sources chosen by `data.name`. Each returns a Dataset of in-memory (or
+memory-mapped) numpy arrays, indexed by example. Files are read in their real formats:
+MNIST IDX, CIFAR-10 binary batches, .npz/.npy (never unpickled) and raw text bytes."""
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from engine.errors import UsageError
+
+SPLIT_SEED = 20240521  # the held-out split is fixed, whatever the run's seed
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    kind: str  # "image" (image, label) or "tokens" (tokens)
+    num_train: int
+    num_eval: int
+    input_shape: tuple[int, ...] = ()  # image: [height, width, channels]
+    num_classes: int = 0
+    vocab_size: int = 0
+    seq_len: int = 0  # tokens the model sees per example
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: dict[str, np.ndarray]
+    eval: dict[str, np.ndarray]
+    info: DataInfo
+
+
+def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None) -> Dataset:
+    train_x, eval_x = _as_float_images(train_x), _as_float_images(eval_x)
+    train_y, eval_y = train_y.astype(np.int32).reshape(-1), eval_y.astype(np.int32).reshape(-1)
+    classes = num_classes or int(max(train_y.max(initial=0), eval_y.max(initial=0))) + 1
+    info = DataInfo("image", len(train_x), len(eval_x), tuple(train_x.shape[1:]), num_classes=classes)
+    return Dataset({"image": train_x, "label": train_y}, {"image": eval_x, "label": eval_y}, info)
+
+
+def _as_float_images(x: np.ndarray) -> np.ndarray:
+    scale = 255.0 if x.dtype == np.uint8 else 1.0
+    x = x.astype(np.float32) / scale
+    if x.ndim == 3:  # [n, h, w] → [n, h, w, 1]
+        x = x[..., None]
+    return x
+
+
+def _split(x: np.ndarray, y: np.ndarray, eval_fraction: float):
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    n_eval = max(1, int(round(len(x) * eval_fraction)))
+    return x[order[n_eval:]], y[order[n_eval:]], x[order[:n_eval]], y[order[:n_eval]]
+
+
+def digits(cfg) -> Dataset:
+    """scikit-learn's handwritten digits (1,797 real 8x8 scans, shipped inside the package)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (bunch.images / 16.0).astype(np.float32)  # pixel values are 0..16
+    return _images(*_split(images, bunch.target, cfg.eval_fraction), num_classes=10)
+
+
+def synthetic(cfg) -> Dataset:
+    """Gaussian images labelled by a fixed random linear map: learnable, any shape."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    shape = tuple(cfg.image_shape)
+    n_eval = max(cfg.num_examples // 4, 1)
+    x = rng.standard_normal((cfg.num_examples + n_eval, *shape), dtype=np.float32)
+    w = rng.standard_normal((int(np.prod(shape)), cfg.num_classes), dtype=np.float32)
+    y = np.argmax(x.reshape(len(x), -1) @ w, axis=1)
+    return _images(x[:cfg.num_examples], y[:cfg.num_examples], x[cfg.num_examples:], y[cfg.num_examples:],
+                   cfg.num_classes)
+
+
+def npz(cfg) -> Dataset:
+    """A .npz file, or a directory of .npy files, holding x_train, y_train[, x_test, y_test] or x, y."""
+    path = Path(cfg.path)
+    expected = "arrays x_train, y_train (and optionally x_test, y_test), or x, y"
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {k: archive[k] for k in archive.files}
+        except (ValueError, OSError) as e:
+            raise UsageError(f"data.path={path} is not a readable .npz file of {expected}: {e}") from None
+    elif path.is_dir():
+        arrays = {}
+        for file in sorted(path.glob("*.npy")):
+            try:
+                arrays[file.stem] = np.load(file, allow_pickle=False)
+            except (ValueError, OSError) as e:
+                raise UsageError(f"{file} is not a readable .npy array: {e}") from None
+    else:
+        raise UsageError(f"data.path={path} does not exist; expected a .npz file or a directory of .npy files")
+    if {"x_train", "y_train"} <= arrays.keys():
+        if {"x_test", "y_test"} <= arrays.keys():
+            parts = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
+        else:
+            parts = _split(arrays["x_train"], arrays["y_train"], cfg.eval_fraction)
+    elif {"x", "y"} <= arrays.keys():
+        parts = _split(arrays["x"], arrays["y"], cfg.eval_fraction)
+    else:
+        raise UsageError(f"data.path={path} holds {sorted(arrays)}; expected {expected}")
+    for x, y in (parts[:2], parts[2:]):
+        if len(x) != len(y) or x.ndim < 2 or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise UsageError(f"data.path={path}: x must be [n, ...] and y [n] integer labels; "
+                             f"got x {x.shape} {x.dtype}, y {y.shape} {y.dtype}")
+    return _images(*parts)
+
+
+def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
+    """One IDX file (the MNIST format: magic 0x0000 08 ndim, big-endian sizes, uint8 data)."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] != expect_dims:
+        raise UsageError(f"{path} is not an IDX file of uint8 with {expect_dims} dimension(s) "
+                         f"(expected magic 0x000008{expect_dims:02x})")
+    dims = np.frombuffer(raw, dtype=">u4", count=expect_dims, offset=4).astype(int)
+    body = raw[4 + 4 * expect_dims:]
+    if len(body) != int(np.prod(dims)):
+        raise UsageError(f"{path} is truncated or padded: header says {tuple(dims)} = {int(np.prod(dims))} bytes, "
+                         f"file has {len(body)}")
+    return np.frombuffer(body, dtype=np.uint8).reshape(dims)
+
+
+def _find(directory: Path, stems: tuple[str, ...]) -> Path:
+    for stem in stems:
+        for name in (stem, stem + ".gz"):
+            if (directory / name).is_file():
+                return directory / name
+    raise UsageError(f"{directory} has no {stems[0]}[.gz]; an MNIST/Fashion-MNIST directory holds "
+                     "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte")
+
+
+def idx(cfg) -> Dataset:
+    """MNIST or Fashion-MNIST in their original IDX files (optionally gzipped)."""
+    directory = _existing_dir(cfg.path, "MNIST-style IDX files")
+    parts = []
+    for split in ("train", "t10k"):
+        images = _read_idx(_find(directory, (f"{split}-images-idx3-ubyte", f"{split}-images.idx3-ubyte")), 3)
+        labels = _read_idx(_find(directory, (f"{split}-labels-idx1-ubyte", f"{split}-labels.idx1-ubyte")), 1)
+        if len(images) != len(labels):
+            raise UsageError(f"{directory}: {split} has {len(images)} images but {len(labels)} labels")
+        parts += [images, labels]
+    return _images(*parts, num_classes=10)
+
+
+CIFAR_RECORD = 1 + 3 * 32 * 32  # label byte + 3x32x32 pixels (channel-major)
+
+
+def _read_cifar(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    records = []
+    for file in files:
+        raw = np.fromfile(file, dtype=np.uint8)
+        if raw.size == 0 or raw.size % CIFAR_RECORD:
+            raise UsageError(f"{file} is not a CIFAR-10 binary batch: {raw.size} bytes is not a multiple of "
+                             f"{CIFAR_RECORD} (1 label byte + 3072 pixel bytes per image)")
+        records.append(raw.reshape(-1, CIFAR_RECORD))
+    data = np.concatenate(records)
+    if data[:, 0].max() > 9:
+        raise UsageError(f"{files[0].parent}: CIFAR-10 labels must be 0..9, found {int(data[:, 0].max())}")
+    images = data[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # → [n, h, w, c]
+    return images, data[:, 0]
+
+
+def cifar10(cfg) -> Dataset:
+    """CIFAR-10 binary version: data_batch_1..5.bin and test_batch.bin."""
+    directory = _existing_dir(cfg.path, "CIFAR-10 binary batches")
+    if (directory / "cifar-10-batches-bin").is_dir():
+        directory = directory / "cifar-10-batches-bin"
+    train_files = sorted(directory.glob("data_batch_*.bin"))
+    test_file = directory / "test_batch.bin"
+    if not train_files or not test_file.is_file():
+        raise UsageError(f"{directory} must hold data_batch_1.bin … data_batch_5.bin and test_batch.bin "
+                         "(the CIFAR-10 binary version)")
+    return _images(*_read_cifar(train_files), *_read_cifar([test_file]), num_classes=10)
+
+
+def _existing_dir(path: str, what: str) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise UsageError(f"data.path={path} is not a directory; expected a directory of {what}")
+    return directory
+
+
+def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """Non-overlapping examples of seq_len + 1 tokens (inputs and shifted targets), as a view."""
+    count = (len(tokens) - 1) // seq_len
+    return np.lib.stride_tricks.as_strided(tokens, (count, seq_len + 1), (seq_len * tokens.strides[0],
+                                                                         tokens.strides[0]), writeable=False)
+
+
+def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str) -> Dataset:
+    n_eval = int(len(tokens) * cfg.eval_fraction)
+    train_tokens, eval_tokens = tokens[:len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
+    train, evals = _windows(train_tokens, cfg.seq_len), _windows(eval_tokens, cfg.seq_len)
+    if len(train) == 0 or len(evals) == 0:
+        raise UsageError(f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
+                         f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len")
+    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len)
+    return Dataset({"tokens": train}, {"tokens": evals}, info)
+
+
+def text(cfg) -> Dataset:
+    """Byte-level text: a file, or every file under a directory (sorted), as tokens 0..255."""
+    path = Path(cfg.path)
+    if path.is_file():
+        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise UsageError(f"data.path={path} holds no files; expected text files")
+        tokens = np.concatenate([np.fromfile(p, dtype=np.uint8) for p in files])
+    else:
+        raise UsageError(f"data.path={path} does not exist; expected a text file or a directory of them")
+    return _token_dataset(tokens, cfg, 256, f"data.path={path}")
+
+
+def synthetic_text(cfg) -> Dataset:
+    """A stream of 64 fixed random 6-token "words" in random order: within a word the next
+    token is predictable from the context, so the loss can fall well below log(vocab)."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    length = int(cfg.num_examples * 1.25) * cfg.seq_len + 1
+    words = rng.integers(0, cfg.vocab_size, (64, 6), dtype=np.int32)
+    tokens = words[rng.integers(0, len(words), length // 6 + 1)].reshape(-1)[:length]
+    return _token_dataset(tokens, cfg, cfg.vocab_size, "data.name=synthetic_text")
+
+
+SOURCES = {
+    "digits": digits, "synthetic": synthetic, "npz": npz, "idx": idx, "cifar10": cifar10,
+    "text": text, "synthetic_text": synthetic_text,
+}
+
+
+def load_dataset(cfg) -> Dataset:
+    """The dataset named by cfg.name (a DataConfig)."""
+    return SOURCES[cfg.name](cfg)

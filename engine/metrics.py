@@ -1,0 +1,78 @@
+"""Metric output on process 0: a tqdm progress bar, metrics.jsonl and TensorBoard events."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+
+class MetricWriter:
+    """Writes each metrics record to every sink; on other processes it does nothing."""
+
+    def __init__(self, workdir: str | Path, *, enabled: bool, total_steps: int, start_step: int,
+                 progress: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.bar: Optional[tqdm] = None
+        self.summary = None
+        self.jsonl = None
+        if not enabled:
+            return
+        workdir = Path(workdir)
+        self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)  # line-buffered: readable while running
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.summary = SummaryWriter(str(workdir))
+        if progress:
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0.5)
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def write(self, step: int, split: str, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.summary is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.summary.add_scalar(f"{split}/{name}", value, step)
+            self.summary.flush()
+        if self.bar is not None:
+            shown = {k: values[k] for k in ("loss", "accuracy") if k in values}
+            if split == "train":
+                self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            else:
+                self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+        elif split != "train":
+            print(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.summary is not None:
+            self.summary.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def _plain(value):
+    """JSON-safe numbers (NaN and Inf become strings, as JSON has no literal for them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

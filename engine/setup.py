@@ -1,0 +1,223 @@
+"""Everything a run is built from, in the order of the one-way flow: config → mesh → data →
+model → shardings → train state created already sharded → compiled steps.
+
+`build_run` returns a `Run`; the trainer only drives it. The jit and pmap backends differ
+only inside `_compile_jit` and `_compile_pmap`; nothing else asks which one is in use.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engine import sharding
+from engine.config import Config
+from engine.data import Dataset, TrainBatches, load_dataset
+from engine.errors import UsageError
+from engine.mesh import make_mesh
+from engine.optim import learning_rate_schedule, make_optimizer
+from engine.step import TrainState, make_eval_step, make_loss_fn, make_train_step
+from models import REGISTRY
+
+PMAP_AXIS = "batch"
+TASK_DATA = {"classification": "image", "lm": "tokens"}
+
+
+@dataclass
+class Run:
+    cfg: Config
+    mesh: Mesh
+    dataset: Dataset
+    module: Any  # the flax module
+    state: TrainState  # on device, in its target shardings (ShapeDtypeStructs in a dry run)
+    state_shardings: Any  # TrainState of NamedShardings
+    param_layouts: list  # sharding.ParamLayout per parameter
+    train_batches: TrainBatches  # step → this process's host batch
+    put_batch: Callable  # host batch → global device batch
+    train_step: Callable  # (state, device batch) → (state, metrics)
+    eval_step: Callable  # (state, device batch) → metric sums
+    sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
+    compile_seconds: float
+    flops_per_step: float  # from the compiled step's cost analysis (0 if unknown)
+    memory_analysis: Any  # the compiled step's memory estimate (None in eager mode)
+    eval_batch_size: int
+
+
+def _dtype(name: str):
+    return jnp.dtype(name)
+
+
+def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
+    """Batch-size and backend checks that need the mesh; returns the eval batch size."""
+    want = TASK_DATA[task]
+    if dataset.info.kind != want:
+        raise UsageError(f"model.name={cfg.model.name} needs {want} data but data.name={cfg.data.name} gives "
+                         f"{dataset.info.kind}; pick a matching data.name")
+    shards = sharding.batch_shards(mesh)
+    layout = f"data*fsdp={mesh.shape['data']}*{mesh.shape['fsdp']}={shards}"
+    batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    if batch % shards:
+        raise UsageError(f"train.global_batch_size={batch} is not divisible by {layout}; "
+                         f"use a multiple of {shards}")
+    if (batch // accum) % shards:
+        raise UsageError(f"the microbatch train.global_batch_size / train.grad_accum_steps = {batch // accum} is not "
+                         f"divisible by {layout}; use a global batch that is a multiple of {shards * accum}")
+    if cfg.mesh.backend == "pmap" and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
+        raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp=1 mesh.tensor=1 "
+                         "or use mesh.backend=jit")
+    eval_batch = cfg.eval.batch_size or batch
+    if eval_batch % shards or eval_batch % jax.process_count():
+        raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
+    return eval_batch
+
+
+def _sample_inputs(info, task: str):
+    if task == "lm":
+        return jnp.zeros((1, info.seq_len), jnp.int32)
+    return jnp.zeros((1, *info.input_shape), jnp.float32)
+
+
+def build_run(cfg: Config, allocate: bool = True) -> Run:
+    """Builds and compiles a run; with allocate=False (a dry run) no state is created."""
+    mesh = make_mesh(cfg.mesh)
+    dataset = load_dataset(cfg.data)
+    spec = REGISTRY[cfg.model.name]
+    eval_batch_size = _check_layout(cfg, mesh, dataset, spec.task)
+    pmap_axis = PMAP_AXIS if cfg.mesh.backend == "pmap" else None
+    module = spec.build(cfg.model, dataset.info, _dtype(cfg.train.compute_dtype), _dtype(cfg.train.param_dtype),
+                        pmap_axis)
+    loss_fn = make_loss_fn(module, spec.task)
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    tx = make_optimizer(cfg.optimizer, schedule)
+    sample = _sample_inputs(dataset.info, spec.task)
+
+    def init_state(seed) -> TrainState:
+        init_key, train_key = jax.random.split(jax.random.key(seed))
+        variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
+        variables = sharding.unbox(variables)
+        params = variables.pop("params")
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables,
+                          opt_state=tx.init(params), rng=jax.random.key_data(train_key))
+
+    # Shapes first, no allocation: the logical axes on the abstract parameters give the layout.
+    abstract_vars = jax.eval_shape(lambda: module.init({"params": jax.random.key(0), "dropout": jax.random.key(0)},
+                                                       sample, train=False))
+    param_layouts = sharding.layouts(abstract_vars["params"], cfg.mesh.rules, mesh)
+    replicated = sharding.replicated(mesh)
+    param_shardings = sharding.tree_shardings(abstract_vars["params"], cfg.mesh.rules, mesh)
+    abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    model_state = {k: v for k, v in sharding.unbox(abstract_vars).items() if k != "params"}
+    state_shardings = TrainState(step=replicated, params=param_shardings,
+                                 model_state=jax.tree.map(lambda _: replicated, model_state),
+                                 opt_state=opt_shardings, rng=replicated)
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  jax.eval_shape(init_state, cfg.seed), state_shardings)
+    state = abstract_state
+    if allocate:  # created inside jit with output shardings: no device ever holds the whole state
+        state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)(cfg.seed)
+
+    train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
+                                 jax.process_index(), jax.process_count())
+    train_step = make_train_step(loss_fn, tx, schedule, cfg.train.grad_accum_steps, pmap_axis)
+    eval_step = make_eval_step(loss_fn, pmap_axis)
+    compile_fn = _compile_pmap if pmap_axis else _compile_jit
+    compiled = compile_fn(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step)
+    return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, state=compiled["state"],
+               state_shardings=state_shardings, param_layouts=param_layouts, train_batches=train_batches,
+               put_batch=compiled["put_batch"], train_step=compiled["train_step"],
+               eval_step=compiled["eval_step"],
+               # CPU collectives deadlock when a second multi-device step is dispatched before
+               # the first finishes (see JAX-CPU-NOTES); accelerators keep async dispatch.
+               sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
+               compile_seconds=compiled["compile_seconds"], flops_per_step=compiled["flops"],
+               memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size)
+
+
+def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Process-local rows → one global array per key, split over the batch axes."""
+    return {name: jax.make_array_from_process_local_data(array_sharding, value)
+            for name, value in host_batch.items()}
+
+
+def _compile_jit(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step) -> dict:
+    batch_sharding = sharding.batch_sharding(mesh)
+
+    def put_batch(host_batch):
+        return _global_arrays(host_batch, batch_sharding)
+
+    if cfg.train.eager:
+        def eager(fn):
+            def run(*args):
+                with jax.disable_jit():
+                    return fn(*args)
+            return run
+        return dict(state=state, put_batch=put_batch, train_step=eager(train_step), eval_step=eager(eval_step),
+                    compile_seconds=0.0, flops=0.0, memory=None)
+    # The state is donated: its buffers are reused for the new state instead of copied.
+    jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+    start = time.perf_counter()
+    compiled = jitted.lower(state, _abstract_batch(train_batches, batch_sharding)).compile()
+    compile_seconds = time.perf_counter() - start
+    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=sharding.replicated(mesh))
+    return dict(state=state, put_batch=put_batch, train_step=compiled, eval_step=eval_jit,
+                compile_seconds=compile_seconds, flops=_flops(compiled), memory=compiled.memory_analysis())
+
+
+def _abstract_batch(train_batches: TrainBatches, batch_sharding: NamedSharding) -> dict:
+    """The global batch's shapes, without reading data."""
+    rows = train_batches.global_batch
+    return {name: jax.ShapeDtypeStruct((rows, *array.shape[1:]), array.dtype, sharding=batch_sharding)
+            for name, array in train_batches.arrays.items()}
+
+
+def _compile_pmap(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step) -> dict:
+    devices = mesh.devices.reshape(-1)
+    count = len(devices)
+    pmap_mesh = Mesh(devices, (PMAP_AXIS,))
+    stacked = NamedSharding(pmap_mesh, PartitionSpec(PMAP_AXIS))
+    # Classic replicated data parallel: a copy of the state per device on a leading axis.
+    if isinstance(jax.tree.leaves(state)[0], jax.ShapeDtypeStruct):  # a dry run
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((count, *x.shape), x.dtype, sharding=stacked), state)
+    else:
+        state = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), s),
+                        out_shardings=stacked)(state)
+
+    def put_batch(host_batch):
+        local = len(pmap_mesh.local_devices)  # this process's rows, one slice per local device
+        return _global_arrays({k: v.reshape(local, -1, *v.shape[1:]) for k, v in host_batch.items()}, stacked)
+
+    pmapped = jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
+    pmapped_eval = jax.pmap(eval_step, axis_name=PMAP_AXIS, devices=list(devices))
+    start = time.perf_counter()
+    abstract_batch = {name: jax.ShapeDtypeStruct((count, train_batches.global_batch // count, *array.shape[1:]),
+                                                 array.dtype, sharding=stacked)
+                      for name, array in train_batches.arrays.items()}
+    compiled = pmapped.lower(state, abstract_batch).compile()
+    compile_seconds = time.perf_counter() - start
+
+    def step(state, batch):
+        state, metrics = compiled(state, batch)
+        return state, jax.tree.map(lambda x: x[0], metrics)  # psum'd: every replica holds the same
+
+    def evaluate(state, batch):
+        return jax.tree.map(lambda x: x[0], pmapped_eval(state, batch))
+
+    return dict(state=state, put_batch=put_batch, train_step=step, eval_step=evaluate,
+                compile_seconds=compile_seconds, flops=_flops(compiled), memory=compiled.memory_analysis())
+
+
+def _flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))

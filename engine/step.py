@@ -1,0 +1,110 @@
+"""The pure train and eval steps. Nothing here knows about files, logging or meshes."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any
+    model_state: Any  # non-parameter collections, e.g. {"batch_stats": ...}
+    opt_state: Any
+    rng: jax.Array  # uint32 key data; the step's key is fold_in(rng, step)
+
+
+def make_loss_fn(module: nn.Module, task: str) -> Callable:
+    """loss(params, model_state, batch, rng, train) → (mean loss, (metric sums, new model_state)).
+
+    Metric sums (`loss_sum`, `correct`, `count`) are summed over (weighted) examples, so
+    they add up exactly across microbatches, devices and eval batches.
+    """
+
+    def loss_fn(params, model_state, batch, rng, train: bool):
+        if task == "lm":
+            tokens = batch["tokens"].astype(jnp.int32)  # [batch, seq + 1]
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        else:
+            inputs, targets = batch["image"], batch["label"]
+        weights = batch.get("mask", jnp.ones(targets.shape[:1], jnp.float32))
+        weights = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (targets.ndim - 1)), targets.shape)
+        variables = {"params": params, **model_state}
+        mutable = list(model_state) if train and model_state else False
+        out = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
+                           rngs={"dropout": rng} if train else None, mutable=mutable)
+        logits, new_model_state = (out if mutable else (out, model_state))
+        logits = logits.astype(jnp.float32)  # the loss is always computed in float32
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        count = jnp.sum(weights)
+        loss_sum = jnp.sum(losses * weights)
+        correct = jnp.sum((jnp.argmax(logits, -1) == targets) * weights)
+        metrics = {"loss_sum": loss_sum, "correct": correct, "count": count}
+        return loss_sum / jnp.maximum(count, 1.0), (metrics, new_model_state)
+
+    return loss_fn
+
+
+def _example_ids(batch, axis_name: Optional[str]) -> jax.Array:
+    """Each example's row in the global batch (dropout masks are drawn per row)."""
+    local = next(iter(batch.values())).shape[0]
+    ids = jnp.arange(local, dtype=jnp.int32)
+    if axis_name is not None:  # under pmap each device holds rows [index * local, (index + 1) * local)
+        ids = ids + jax.lax.axis_index(axis_name) * local
+    return ids
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    grad_accum_steps: int = 1, axis_name: Optional[str] = None) -> Callable:
+    """train_step(state, batch) → (state, metrics); pure, so jit, pmap and eager all run it."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        batch = dict(batch, example_id=_example_ids(batch, axis_name))
+        if grad_accum_steps == 1:
+            (_, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch, rng, True)
+        else:
+            # Microbatch k takes rows k, k + n, k + 2n, … (n = grad_accum_steps): each device keeps
+            # its own rows, so splitting a batch sharded on dim 0 needs no communication.
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]).swapaxes(0, 1),
+                batch)
+
+            def accumulate(carry, microbatch):
+                grad_sum, model_state = carry
+                (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, microbatch, rng, True)
+                return (jax.tree.map(jnp.add, grad_sum, grads), model_state), metrics
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (grads, model_state), metrics = jax.lax.scan(accumulate, (zeros, state.model_state), micro)
+            grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)  # mean of equal-sized microbatch means
+            metrics = jax.tree.map(jnp.sum, metrics)
+        if axis_name is not None:  # pmap: average over replicas (jit does this from the shardings)
+            grads = jax.lax.pmean(grads, axis_name)
+            metrics = jax.lax.psum(metrics, axis_name)
+            model_state = jax.lax.pmean(model_state, axis_name)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+        new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callable:
+    """eval_step(state, batch) → metric sums over the batch's real (mask = 1) examples."""
+
+    def eval_step(state: TrainState, batch):
+        _, (metrics, _) = loss_fn(state.params, state.model_state, batch, None, False)
+        if axis_name is not None:
+            metrics = jax.lax.psum(metrics, axis_name)
+        return metrics
+
+    return eval_step

@@ -1,0 +1,49 @@
+"""Layers shared by the models: parameter initialisers that carry logical axis names, and
+a dropout whose mask depends on each example's position in the global batch, not on how
+the batch is split over devices, microbatches or a pmap axis."""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def param_init(init, axes: tuple[Optional[str], ...]):
+    """An initialiser whose parameter carries logical axis names (mapped to a mesh by config)."""
+    return nn.with_logical_partitioning(init, axes)
+
+
+def dense(features: int, axes: tuple[Optional[str], Optional[str]], dtype, param_dtype, name=None, use_bias=True):
+    """nn.Dense with logical names on kernel [in, out] and bias [out]."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=param_init(nn.initializers.lecun_normal(), axes),
+        bias_init=param_init(nn.initializers.zeros_init(), (axes[1],)),
+        name=name,
+    )
+
+
+class Dropout(nn.Module):
+    """Inverted dropout; example i's mask is drawn from fold_in(rng, example_ids[i])."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x, *, train: bool, example_ids: Optional[jax.Array] = None):
+        if not train or self.rate == 0.0:
+            return x
+        if example_ids is None:  # a standalone call: ids are the row numbers
+            example_ids = jnp.arange(x.shape[0])
+        key = self.make_rng("dropout")
+        keep = 1.0 - self.rate
+
+        def row_mask(example_id):
+            return jax.random.bernoulli(jax.random.fold_in(key, example_id), keep, x.shape[1:])
+
+        mask = jax.vmap(row_mask)(example_ids)  # [batch, ...]
+        return jnp.where(mask, x / keep, 0).astype(x.dtype)

@@ -1,0 +1,112 @@
+"""A GPT-style decoder-only language model: token + learned position embeddings, pre-norm
+blocks of causal self-attention (jax.nn.dot_product_attention) and an MLP, optional remat."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from engine.errors import UsageError
+from models.layers import Dropout, dense, param_init
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute every activation
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep matmul outputs
+}
+
+
+@dataclass
+class TransformerConfig:
+    name: str = "transformer"
+    num_layers: int = 4
+    d_model: int = 256  # width of the residual stream
+    num_heads: int = 4
+    mlp_dim: int = 1024  # hidden width of each block's MLP
+    dropout_rate: float = 0.1
+    remat: str = "none"  # none | full | dots: activation rematerialisation per block
+
+    def validate(self):
+        if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
+            raise UsageError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
+        if self.d_model % self.num_heads:
+            raise UsageError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
+        if self.remat not in REMAT_POLICIES:
+            raise UsageError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise UsageError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+
+
+def layer_norm(dtype, param_dtype, name=None):
+    return nn.LayerNorm(
+        dtype=dtype, param_dtype=param_dtype, name=name,
+        scale_init=param_init(nn.initializers.ones_init(), ("embed",)),
+        bias_init=param_init(nn.initializers.zeros_init(), ("embed",)),
+    )
+
+
+class Block(nn.Module):
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, example_ids, train: bool):
+        d_model = x.shape[-1]
+        head_dim = d_model // self.num_heads
+        qkv_init = param_init(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
+        y = layer_norm(self.dtype, self.param_dtype, "attn_norm")(x)
+        q, k, v = (
+            nn.DenseGeneral((self.num_heads, head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
+                            kernel_init=qkv_init, use_bias=False, name=name)(y)  # [batch, seq, heads, kv]
+            for name in ("query", "key", "value")
+        )
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [batch, seq, heads, kv]
+        y = nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False,
+                            kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
+                            name="attn_out")(y)
+        x = x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids)
+        y = layer_norm(self.dtype, self.param_dtype, "mlp_norm")(x)
+        y = nn.gelu(dense(self.mlp_dim, ("embed", "mlp"), self.dtype, self.param_dtype, name="mlp_in")(y))
+        y = dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y)
+        return x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids)
+
+
+class Transformer(nn.Module):
+    vocab_size: int
+    max_len: int
+    num_layers: int
+    d_model: int
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float = 0.0
+    remat: str = "none"
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, *, train: bool, example_ids=None):
+        seq = tokens.shape[1]  # tokens: [batch, seq] int32
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
+                         embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
+        positions = self.param("positions", param_init(nn.initializers.normal(0.01), (None, "embed")),
+                               (self.max_len, self.d_model), self.param_dtype)
+        x = embed(tokens) + positions[:seq].astype(self.dtype)  # [batch, seq, embed]
+        block_cls = Block
+        if self.remat != "none":
+            block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
+        for i in range(self.num_layers):
+            x = block_cls(self.num_heads, self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
+                          name=f"block_{i}")(x, example_ids, train)
+        x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
+        return dense(self.vocab_size, ("embed", "vocab"), self.dtype, self.param_dtype, name="lm_head",
+                     use_bias=False)(x)  # [batch, seq, vocab]
+
+
+def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+    return Transformer(info.vocab_size, info.seq_len, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.mlp_dim,
+                       cfg.dropout_rate, cfg.remat, dtype, param_dtype)
