@@ -247,7 +247,10 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
         override_cfg = OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as e:
         raise UsageError(f"could not parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
-    model_name = OmegaConf.select(override_cfg, "model.name") or (raw.get("model") or {}).get("name") or "mlp"
+    file_model = (raw.get("model") or {}).get("name") or "mlp"
+    model_name = OmegaConf.select(override_cfg, "model.name") or file_model
+    if model_name != file_model:  # the file's model keys belong to another model: start from defaults
+        raw["model"] = {"name": model_name}
     schema = _schema(str(model_name))
     cfg = schema
     for source, layer in ((str(path), OmegaConf.create(raw)), ("the command line", override_cfg)):

@@ -91,7 +91,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
             model_state = jax.lax.pmean(model_state, axis_name)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
         new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
         return new_state, metrics
 

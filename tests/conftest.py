@@ -1,0 +1,51 @@
+"""Tests run on 8 simulated CPU devices; these variables must be set before jax is imported."""
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import load_config  # noqa: E402
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """load_config with quiet, fast defaults for tests: make_config("mnist_mlp.yaml", "train.steps=3")."""
+
+    def make(config="mnist_mlp.yaml", *overrides, workdir=None):
+        quiet = ["log.progress=false", "log.tensorboard=false"]
+        return load_config(ROOT / "configs" / config, quiet + list(overrides), str(workdir or tmp_path / "run"))
+
+    return make
+
+
+@pytest.fixture
+def mesh8():
+    return jax.make_mesh((8,), ("data",))
+
+
+@pytest.fixture
+def mesh2x4():
+    return jax.make_mesh((2, 4), ("data", "fsdp"))
+
+
+@pytest.fixture
+def mesh2x2x2():
+    return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+
+
+def run_cli(*args, env=None, timeout=300, cwd=ROOT):
+    """Runs launch.py in a subprocess (1 CPU device unless env says otherwise)."""
+    import subprocess
+
+    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd)

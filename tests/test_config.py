@@ -1,0 +1,101 @@
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from engine.config import load_config, to_yaml
+from engine.errors import UsageError
+
+
+def test_defaults_and_base_config_are_merged(make_config):
+    cfg = make_config()
+    assert cfg.model.name == "mlp" and cfg.model.hidden_sizes == [128] and cfg.model.dropout_rate == 0.2
+    assert cfg.data.name == "digits"
+    assert cfg.train.param_dtype == "float32"  # from base.yaml
+    assert cfg.mesh.rules["embed"] == ["fsdp"]  # a schema default no file mentions
+    assert cfg.checkpoint.keep == 3
+
+
+def test_overrides_are_typed_and_nested(make_config):
+    cfg = make_config("mnist_mlp.yaml", "train.steps=7", "optimizer.learning_rate=3e-4", "model.hidden_sizes=[32,16]",
+                      "mesh.rules.embed=[tensor]", "mesh.rules.newaxis=[fsdp]")
+    assert cfg.train.steps == 7 and cfg.optimizer.learning_rate == pytest.approx(3e-4)
+    assert cfg.model.hidden_sizes == [32, 16]
+    assert cfg.mesh.rules["embed"] == ["tensor"] and cfg.mesh.rules["newaxis"] == ["fsdp"]
+
+
+def test_model_name_override_switches_model_schema(make_config):
+    cfg = make_config("mnist_mlp.yaml", "model.name=cnn", "model.channels=[4]")
+    assert cfg.model.name == "cnn" and cfg.model.channels == [4]
+
+
+def test_unknown_key_names_the_key_and_the_closest_valid_one(make_config):
+    with pytest.raises(UsageError, match=r"unknown config key 'train.stepz'.*did you mean 'train.steps'"):
+        make_config("mnist_mlp.yaml", "train.stepz=3")
+    with pytest.raises(UsageError, match=r"'model.hiden_sizes'.*'model.hidden_sizes'"):
+        make_config("mnist_mlp.yaml", "model.hiden_sizes=[3]")
+
+
+def test_wrong_type_names_key_value_and_expected_type(make_config):
+    with pytest.raises(UsageError, match=r"'train.steps' got 'abc' \(str\).*must be an int"):
+        make_config("mnist_mlp.yaml", "train.steps=abc")
+    with pytest.raises(UsageError, match=r"'optimizer.learning_rate' got 'fast'.*must be a float"):
+        make_config("mnist_mlp.yaml", "optimizer.learning_rate=fast")
+
+
+def test_bad_values_are_rejected_with_a_fix(make_config):
+    with pytest.raises(UsageError, match=r"optimizer.name='adamm'.*did you mean optimizer.name=adam"):
+        make_config("mnist_mlp.yaml", "optimizer.name=adamm")
+    with pytest.raises(UsageError, match="not divisible by train.grad_accum_steps=3"):
+        make_config("mnist_mlp.yaml", "train.global_batch_size=64", "train.grad_accum_steps=3")
+    with pytest.raises(UsageError, match="model.name='mlpp'"):
+        make_config("mnist_mlp.yaml", "model.name=mlpp")
+    with pytest.raises(UsageError, match="train.steps=0 must be positive"):
+        make_config("mnist_mlp.yaml", "train.steps=0")
+
+
+def test_unknown_key_in_a_file_is_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"extends: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ntrain:\n  step: 5\n")
+    with pytest.raises(UsageError, match=r"'train.step' \(from .*bad.yaml\).*did you mean 'train.steps'"):
+        load_config(path)
+
+
+def test_resolved_config_reproduces_the_run(make_config, tmp_path):
+    cfg = make_config("mnist_mlp.yaml", "train.steps=11", "model.hidden_sizes=[20]")
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert "extends" not in yaml.safe_load(path.read_text())
+    again = load_config(path)
+    assert again == cfg
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("seed: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(UsageError, match="not valid YAML"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train.stepz=3"], "did you mean 'train.steps'"),
+    (["train.steps=abc"], "must be an int"),
+    (["mesh.data=3"], "mesh data=3 x fsdp=1 x tensor=1 uses 3 devices but 1 are in use"),
+    (["notakeyvalue"], "is not of the form dotted.key=value"),
+])
+def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expected):
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    proc = run_cli("--config", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "mnist_mlp.yaml" in proc.stderr
+
+
+def test_cli_help_lists_shipped_configs():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    assert "mnist_mlp.yaml" in proc.stdout and "key=value" in proc.stdout

@@ -1,0 +1,181 @@
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from engine.config import DataConfig
+from engine.data import Prefetcher, TrainBatches, eval_batches, load_dataset
+from engine.errors import UsageError
+
+
+def write_idx(path, array, gz=False):
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def make_mnist_dir(directory, n_train=30, n_test=10, gz=False):
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if gz else ""
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(directory / f"{split}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), gz)
+        write_idx(directory / f"{split}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, (n,)), gz)
+    return directory
+
+
+def write_cifar(path, n, rng):
+    labels = rng.integers(0, 10, (n, 1), dtype=np.uint8)
+    pixels = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+    path.write_bytes(np.concatenate([labels, pixels], axis=1).tobytes())
+    return labels[:, 0], pixels
+
+
+def test_digits_is_the_real_embedded_dataset():
+    ds = load_dataset(DataConfig(name="digits", eval_fraction=0.2))
+    assert ds.info.num_train + ds.info.num_eval == 1797
+    assert ds.info.input_shape == (8, 8, 1) and ds.info.num_classes == 10
+    assert 0.0 <= ds.train["image"].min() and ds.train["image"].max() <= 1.0
+
+
+def test_synthetic_has_requested_shapes():
+    ds = load_dataset(DataConfig(name="synthetic", image_shape=[4, 4, 3], num_classes=5, num_examples=100))
+    assert ds.train["image"].shape == (100, 4, 4, 3) and ds.info.num_classes == 5
+    assert set(np.unique(ds.train["label"])) <= set(range(5))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_reads_mnist_format(tmp_path, gz):
+    make_mnist_dir(tmp_path, gz=gz)
+    ds = load_dataset(DataConfig(name="idx", path=str(tmp_path)))
+    assert ds.train["image"].shape == (30, 28, 28, 1) and ds.eval["image"].shape == (10, 28, 28, 1)
+    raw = np.frombuffer((gzip.decompress if gz else bytes)((tmp_path / f"train-images-idx3-ubyte{'.gz' if gz else ''}")
+                                                           .read_bytes())[16:], np.uint8)
+    np.testing.assert_allclose(ds.train["image"].reshape(-1), raw / 255.0, rtol=1e-6)
+
+
+def test_idx_truncated_file_is_a_usage_error(tmp_path):
+    make_mnist_dir(tmp_path)
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(UsageError, match="train-images-idx3-ubyte is truncated"):
+        load_dataset(DataConfig(name="idx", path=str(tmp_path)))
+
+
+def test_idx_wrong_magic_and_missing_dir(tmp_path):
+    make_mnist_dir(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x01\x02\x03\x04garbage")
+    with pytest.raises(UsageError, match="is not an IDX file"):
+        load_dataset(DataConfig(name="idx", path=str(tmp_path)))
+    with pytest.raises(UsageError, match="is not a directory"):
+        load_dataset(DataConfig(name="idx", path=str(tmp_path / "missing")))
+
+
+def test_cifar10_binary_batches(tmp_path):
+    rng = np.random.default_rng(1)
+    labels, pixels = write_cifar(tmp_path / "data_batch_1.bin", 6, rng)
+    write_cifar(tmp_path / "data_batch_2.bin", 4, rng)
+    write_cifar(tmp_path / "test_batch.bin", 5, rng)
+    ds = load_dataset(DataConfig(name="cifar10", path=str(tmp_path)))
+    assert ds.train["image"].shape == (10, 32, 32, 3) and ds.eval["image"].shape == (5, 32, 32, 3)
+    np.testing.assert_array_equal(ds.train["label"][:6], labels)
+    # channel-major on disk → channels-last in memory
+    np.testing.assert_allclose(ds.train["image"][0, :, :, 1].reshape(-1), pixels[0, 1024:2048] / 255.0, rtol=1e-6)
+
+
+def test_cifar10_malformed_batch(tmp_path):
+    (tmp_path / "data_batch_1.bin").write_bytes(b"\x00" * 3000)
+    (tmp_path / "test_batch.bin").write_bytes(b"\x00" * 3073)
+    with pytest.raises(UsageError, match="data_batch_1.bin is not a CIFAR-10 binary batch"):
+        load_dataset(DataConfig(name="cifar10", path=str(tmp_path)))
+
+
+def test_npz_file_and_npy_directory(tmp_path):
+    rng = np.random.default_rng(2)
+    x, y = rng.random((20, 5, 5), dtype=np.float32), rng.integers(0, 3, 20)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    ds = load_dataset(DataConfig(name="npz", path=str(tmp_path / "data.npz"), eval_fraction=0.25))
+    assert ds.info.num_train == 15 and ds.info.num_eval == 5 and ds.info.input_shape == (5, 5, 1)
+    npy_dir = tmp_path / "arrays"
+    npy_dir.mkdir()
+    for name, arr in (("x_train", x), ("y_train", y), ("x_test", x[:4]), ("y_test", y[:4])):
+        np.save(npy_dir / f"{name}.npy", arr)
+    ds = load_dataset(DataConfig(name="npz", path=str(npy_dir)))
+    np.testing.assert_array_equal(ds.eval["label"], y[:4])
+
+
+def test_npz_refuses_pickles_and_wrong_keys(tmp_path):
+    np.save(tmp_path / "x.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "y.npy", np.arange(1))
+    with pytest.raises(UsageError, match="x.npy is not a readable .npy array"):
+        load_dataset(DataConfig(name="npz", path=str(tmp_path)))
+    np.savez(tmp_path / "other.npz", features=np.zeros((3, 2)))
+    with pytest.raises(UsageError, match=r"holds \['features'\]; expected arrays x_train"):
+        load_dataset(DataConfig(name="npz", path=str(tmp_path / "other.npz")))
+
+
+def test_text_bytes_become_shifted_windows(tmp_path):
+    (tmp_path / "a.txt").write_bytes(bytes(range(100)))
+    (tmp_path / "b.txt").write_bytes(bytes(range(100, 200)))
+    ds = load_dataset(DataConfig(name="text", path=str(tmp_path), seq_len=8, eval_fraction=0.1))
+    assert ds.info.vocab_size == 256 and ds.info.seq_len == 8
+    first = ds.train["tokens"][0]
+    assert first.shape == (9,) and list(first) == list(range(9))
+    assert list(ds.train["tokens"][1]) == list(range(8, 17))  # windows overlap by the one target token
+    with pytest.raises(UsageError, match="too few for data.seq_len=500"):
+        load_dataset(DataConfig(name="text", path=str(tmp_path / "a.txt"), seq_len=500))
+
+
+def test_synthetic_text_is_deterministic():
+    a = load_dataset(DataConfig(name="synthetic_text", seq_len=16, num_examples=64, vocab_size=32))
+    b = load_dataset(DataConfig(name="synthetic_text", seq_len=16, num_examples=64, vocab_size=32))
+    np.testing.assert_array_equal(a.train["tokens"], b.train["tokens"])
+    assert a.train["tokens"].max() < 32
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    arrays = {"x": np.arange(100)}
+    batches = TrainBatches(arrays, 8, seed=3)
+    again = TrainBatches(arrays, 8, seed=3)
+    for step in (0, 5, 11, 12, 40):  # 12 steps per epoch: 11 and 12 straddle an epoch
+        np.testing.assert_array_equal(batches(step)["x"], again(step)["x"])
+    epoch0 = np.concatenate([batches(s)["x"] for s in range(12)])
+    assert len(set(epoch0)) == 96  # each example at most once per epoch, remainder dropped
+    assert not np.array_equal(batches(0)["x"], TrainBatches(arrays, 8, seed=4)(0)["x"])
+    assert not np.array_equal(batches(0)["x"], batches(12)["x"])  # reshuffled each epoch
+
+
+def test_process_shards_partition_the_global_batch():
+    arrays = {"x": np.arange(64)}
+    whole = TrainBatches(arrays, 16, seed=0)(3)["x"]
+    parts = [TrainBatches(arrays, 16, seed=0, process_index=i, process_count=4)(3)["x"] for i in range(4)]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_batch_larger_than_dataset_is_a_usage_error():
+    with pytest.raises(UsageError, match="larger than the training split"):
+        TrainBatches({"x": np.arange(10)}, 16, seed=0)
+
+
+def test_eval_batches_pad_and_mask():
+    batches = list(eval_batches({"x": np.arange(10)}, 4))
+    assert len(batches) == 3
+    assert batches[-1]["mask"].tolist() == [1, 1, 0, 0]
+    assert sum(b["mask"].sum() for b in batches) == 10
+
+
+def test_prefetcher_yields_in_order_from_any_start_and_reraises():
+    prefetch = Prefetcher(lambda step: step * 10, start_step=5, depth=3)
+    assert [next(prefetch) for _ in range(4)] == [50, 60, 70, 80]
+    prefetch.close()
+
+    def failing(step):
+        if step == 2:
+            raise ValueError("bad batch")
+        return step
+
+    prefetch = Prefetcher(failing, 0, depth=2)
+    assert next(prefetch) == 0 and next(prefetch) == 1
+    with pytest.raises(ValueError, match="bad batch"):
+        next(prefetch)
+    prefetch.close()

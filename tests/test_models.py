@@ -1,0 +1,107 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.data import DataInfo
+from engine.sharding import unbox
+from engine.step import make_loss_fn
+from models import REGISTRY
+from models.resnet import ResNetConfig
+from models.transformer import TransformerConfig
+
+IMAGE = DataInfo("image", 8, 8, input_shape=(16, 16, 3), num_classes=5)
+TOKENS = DataInfo("tokens", 8, 8, vocab_size=32, seq_len=12)
+
+
+def batch_for(info, n=4):
+    rng = np.random.default_rng(0)
+    if info.kind == "tokens":
+        return {"tokens": jnp.asarray(rng.integers(0, info.vocab_size, (n, info.seq_len + 1)), jnp.int32)}
+    return {"image": jnp.asarray(rng.random((n, *info.input_shape)), jnp.float32),
+            "label": jnp.asarray(rng.integers(0, info.num_classes, n), jnp.int32)}
+
+
+CASES = [
+    ("mlp", {"hidden_sizes": [16]}, IMAGE),
+    ("cnn", {"channels": [4, 8], "dense_size": 16}, IMAGE),
+    ("resnet", {"depth": 18, "width": 4}, IMAGE),
+    ("resnet", {"depth": 50, "width": 2}, IMAGE),
+    ("transformer", {"num_layers": 2, "d_model": 16, "num_heads": 2, "mlp_dim": 32}, TOKENS),
+    ("transformer", {"num_layers": 1, "d_model": 16, "num_heads": 2, "mlp_dim": 32, "remat": "full"}, TOKENS),
+]
+
+
+def init(name, overrides, info):
+    spec = REGISTRY[name]
+    cfg = spec.config_cls(**overrides)
+    cfg.validate()
+    module = spec.build(cfg, info, jnp.float32, jnp.float32)
+    batch = batch_for(info)
+    inputs = batch["tokens"][:, :-1] if info.kind == "tokens" else batch["image"]
+    variables = unbox(module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, inputs, train=False))
+    return spec, module, variables, batch
+
+
+@pytest.mark.parametrize("name, overrides, info", CASES, ids=lambda c: str(c) if isinstance(c, str) else None)
+def test_forward_and_backward(name, overrides, info):
+    spec, module, variables, batch = init(name, overrides, info)
+    params = variables.pop("params")
+    loss_fn = make_loss_fn(module, spec.task)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=4)
+    (loss, (metrics, new_state)), grads = grad_fn(params, variables, batch, jax.random.key(2), True)
+    assert np.isfinite(loss) and loss > 0
+    assert float(metrics["count"]) == (4 * info.seq_len if info.kind == "tokens" else 4)
+    norms = {jax.tree_util.keystr(path): float(jnp.linalg.norm(g))
+             for path, g in jax.tree_util.tree_leaves_with_path(grads)}
+    assert all(np.isfinite(list(norms.values())))
+    first, last = list(norms)[0], list(norms)[-1]
+    assert norms[first] > 0 and norms[last] > 0, norms  # the gradient reaches the input layer
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    # every parameter of every model carries logical axis names (the sharding rules need them)
+    boxed = module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                        batch["tokens"][:, :-1] if info.kind == "tokens" else batch["image"], train=False)
+    boxes = jax.tree.leaves(boxed["params"], is_leaf=lambda x: hasattr(x, "names"))
+    assert all(hasattr(b, "names") and len(b.names) == b.value.ndim for b in boxes)
+
+
+def test_resnet_batch_stats_update_in_training_and_are_used_in_eval():
+    spec, module, variables, batch = init("resnet", {"depth": 18, "width": 4}, IMAGE)
+    params = variables.pop("params")
+    loss_fn = make_loss_fn(module, spec.task)
+    _, (_, new_state) = loss_fn(params, variables, batch, jax.random.key(0), True)
+    before = jax.tree.leaves(variables["batch_stats"])
+    after = jax.tree.leaves(new_state["batch_stats"])
+    assert any(not np.allclose(a, b) for a, b in zip(before, after))
+    eval_before, _ = loss_fn(params, variables, batch, None, False)
+    eval_after, (_, unchanged) = loss_fn(params, new_state, batch, None, False)
+    assert float(eval_before) != pytest.approx(float(eval_after))  # eval reads the running statistics
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), unchanged, new_state))  # eval does not write
+
+
+def test_dropout_is_on_in_training_only_and_depends_on_example_id():
+    spec, module, variables, batch = init("mlp", {"hidden_sizes": [64], "dropout_rate": 0.5}, IMAGE)
+    x = jnp.repeat(batch["image"][:1], 2, axis=0)  # two identical examples
+    ids = jnp.array([0, 1])
+    out = module.apply(variables, x, train=True, example_ids=ids, rngs={"dropout": jax.random.key(0)})
+    assert not np.allclose(out[0], out[1])
+    same = module.apply(variables, x, train=True, example_ids=jnp.array([7, 7]), rngs={"dropout": jax.random.key(0)})
+    np.testing.assert_allclose(same[0], same[1])
+    evals = module.apply(variables, x, train=False)
+    np.testing.assert_allclose(evals[0], evals[1])
+
+
+def test_model_config_validation():
+    with pytest.raises(ValueError, match="model.depth=20"):
+        ResNetConfig(depth=20).validate()
+    with pytest.raises(ValueError, match="not divisible by model.num_heads=3"):
+        TransformerConfig(d_model=16, num_heads=3).validate()
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    spec = REGISTRY["mlp"]
+    module = spec.build(spec.config_cls(hidden_sizes=[8]), IMAGE, jnp.bfloat16, jnp.float32)
+    batch = batch_for(IMAGE)
+    variables = unbox(module.init({"params": jax.random.key(0)}, batch["image"], train=False))
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(variables))
+    assert module.apply(variables, batch["image"], train=False).dtype == jnp.bfloat16

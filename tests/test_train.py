@@ -1,0 +1,75 @@
+"""End to end through launch.py: the default job, its outputs, and failure exits."""
+import json
+import struct
+
+import numpy as np
+import yaml
+
+from conftest import run_cli
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_tensorboard_scalars(workdir):
+    """Parses TensorBoard event files (TFRecord frames of Event protos) into {tag: [(step, value)]}."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    files = sorted(workdir.glob("events.out.tfevents.*"))
+    assert files, "no TensorBoard event file"
+    for file in files:
+        data, offset = file.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_default_job_reaches_95_percent_and_writes_its_outputs(tmp_path):
+    workdir = tmp_path / "mnist"
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(workdir / "metrics.jsonl")
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert evals[-1]["step"] == 1500 and evals[-1]["accuracy"] >= 0.95
+    assert train[-1]["loss"] < 0.5 * train[0]["loss"]  # the loss falls
+    assert all({"step", "loss", "accuracy", "steps_per_sec", "examples_per_sec"} <= r.keys() for r in train)
+    assert [r["step"] for r in train] == list(range(100, 1501, 100))
+    assert "step/s" in proc.stderr  # the progress bar
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    assert config["model"]["name"] == "mlp" and config["workdir"] == str(workdir)
+    scalars = read_tensorboard_scalars(workdir)
+    assert [s for s, _ in scalars["train/loss"]] == list(range(100, 1501, 100))
+    np.testing.assert_allclose([v for _, v in scalars["eval/accuracy"]], [r["accuracy"] for r in evals], rtol=1e-6)
+
+
+def test_written_config_alone_reproduces_the_run(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    args = ["train.steps=30", "log.every_steps=10", "log.progress=false"]
+    assert run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(first), *args).returncode == 0
+    proc = run_cli("--config", str(first / "config.yaml"), "--workdir", str(second))
+    assert proc.returncode == 0, proc.stderr
+    losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (first, second)]
+    assert losses[0] == losses[1]
+
+
+def test_non_finite_loss_stops_with_the_step_named(tmp_path):
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "nan"), "train.steps=40",
+                   "optimizer.name=sgd", "optimizer.learning_rate=1e30", "log.every_steps=20", "log.progress=false")
+    assert proc.returncode == 1
+    assert "training stopped: loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dry_run_prints_layout_without_training(tmp_path):
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "dry"), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "hidden_0/kernel" in proc.stdout and "('embed', 'mlp')" in proc.stdout
+    assert "model FLOPs per step" in proc.stdout and "compiled step memory" in proc.stdout
+    assert not (tmp_path / "dry").exists()
