@@ -24,7 +24,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # digits | synthetic | npz | idx | cifar10 | text | synthetic_text
+    name: str = "digits"  # digits | synthetic | npz | idx | cifar10 | text | synthetic_text | python_source
     path: Optional[str] = None  # file or directory for npz, idx, cifar10 and text
     eval_fraction: float = 0.2  # held-out share when the source has no test split
     shuffle: bool = True  # reshuffle every epoch (order is a function of seed and epoch)
@@ -36,6 +36,7 @@ class DataConfig:
     # token sources (text, synthetic_text)
     seq_len: int = 128  # tokens per example (the model sees seq_len, predicts the next)
     vocab_size: int = 256  # synthetic_text only; byte-level text is always 256
+    max_bytes: int = 4_000_000  # python_source: bytes of text read
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Config:
 
 
 CHOICES = {
-    "data.name": ("digits", "synthetic", "npz", "idx", "cifar10", "text", "synthetic_text"),
+    "data.name": ("digits", "synthetic", "npz", "idx", "cifar10", "text", "synthetic_text", "python_source"),
     "train.param_dtype": ("float32", "bfloat16", "float16"),
     "train.compute_dtype": ("float32", "bfloat16", "float16"),
     "train.nan_policy": ("stop", "warn"),

@@ -4,6 +4,7 @@ MNIST IDX, CIFAR-10 binary batches, .npz/.npy (never unpickled) and raw text byt
 from __future__ import annotations
 
 import gzip
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -218,6 +219,21 @@ def text(cfg) -> Dataset:
     return _token_dataset(tokens, cfg, 256, f"data.path={path}")
 
 
+def python_source(cfg) -> Dataset:
+    """Byte-level text of the Python standard library's own modules: real text (code and
+    English docstrings) present wherever Python is, so it needs no download."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py"))
+    chunks, size = [], 0
+    for file in files:
+        data = np.fromfile(file, dtype=np.uint8)
+        chunks.append(data)
+        size += len(data)
+        if size >= cfg.max_bytes:
+            break
+    return _token_dataset(np.concatenate(chunks)[:cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}")
+
+
 def synthetic_text(cfg) -> Dataset:
     """A stream of 64 fixed random 6-token "words" in random order: within a word the next
     token is predictable from the context, so the loss can fall well below log(vocab)."""
@@ -230,7 +246,7 @@ def synthetic_text(cfg) -> Dataset:
 
 SOURCES = {
     "digits": digits, "synthetic": synthetic, "npz": npz, "idx": idx, "cifar10": cifar10,
-    "text": text, "synthetic_text": synthetic_text,
+    "text": text, "synthetic_text": synthetic_text, "python_source": python_source,
 }
 
 
