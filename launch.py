@@ -44,13 +44,16 @@ def main(argv: list[str]) -> int:
 
             dry_run(cfg)
             return 0
-        from engine.trainer import NonFiniteLoss, fit
+        from engine.trainer import NonFiniteLoss, Preempted, fit
 
         try:
             result = fit(cfg)
         except NonFiniteLoss as e:
             sys.stderr.write(f"error: training stopped: {e}\n")
             return 1
+        except Preempted as e:
+            sys.stderr.write(f"{e}\n")
+            return 143
     except UsageError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2

@@ -96,6 +96,8 @@ class MeshConfig:
 class CheckpointConfig:
     every_steps: int = 0  # save every N steps (0 = only at the end)
     keep: int = 3  # most recent checkpoints kept
+    restore_from: str = ""  # start a new run from another run's checkpoints directory
+    restore_mode: str = "params"  # params (fresh optimizer, step 0) | all (continue that run's state)
 
 
 @dataclass
@@ -134,6 +136,7 @@ CHOICES = {
     "optimizer.name": ("sgd", "momentum", "adam", "adamw"),
     "optimizer.schedule": ("constant", "warmup_cosine", "warmup_linear"),
     "mesh.backend": ("jit", "pmap"),
+    "checkpoint.restore_mode": ("params", "all"),
 }
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -37,12 +37,12 @@ def dry_run_report(run: Run) -> str:
     for row in [header] + rows:
         lines.append("  ".join(col.ljust(w) for col, w in zip(row, widths)))
     total_params = sum(math.prod(p.shape) for p in run.param_layouts)
-    state = run.state
+    state = run.abstract_state
     lines.append(f"parameters: {total_params:,} ({_bytes(sum(p.nbytes for p in run.param_layouts))})")
-    if cfg.mesh.backend == "jit":
-        lines.append(f"per device: params {_bytes(per_device_bytes(state.params))}, "
-                     f"optimizer state {_bytes(per_device_bytes(state.opt_state))}, "
-                     f"model state {_bytes(per_device_bytes(state.model_state))}")
+    lines.append(f"per device: params {_bytes(per_device_bytes(state.params))}, "
+                 f"optimizer state {_bytes(per_device_bytes(state.opt_state))}, "
+                 f"model state {_bytes(per_device_bytes(state.model_state))}"
+                 + (" (pmap keeps a full copy on every device)" if cfg.mesh.backend == "pmap" else ""))
     if run.memory_analysis is not None:
         m = run.memory_analysis
         lines.append(f"compiled step memory per device: arguments {_bytes(m.argument_size_in_bytes)}, "
@@ -54,4 +54,4 @@ def dry_run_report(run: Run) -> str:
 
 
 def dry_run(cfg: Config) -> None:
-    print(dry_run_report(build_run(cfg, allocate=False)))
+    print(dry_run_report(build_run(cfg)))

@@ -26,7 +26,8 @@ class MetricWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.summary = SummaryWriter(str(workdir))
+            # purge_step: after a resume, TensorBoard hides points logged past the checkpoint
+            self.summary = SummaryWriter(str(workdir), purge_step=start_step or None)
         if progress:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                             file=sys.stderr, mininterval=0.5)

@@ -35,8 +35,10 @@ class Run:
     mesh: Mesh
     dataset: Dataset
     module: Any  # the flax module
-    state: TrainState  # on device, in its target shardings (ShapeDtypeStructs in a dry run)
-    state_shardings: Any  # TrainState of NamedShardings
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their target NamedShardings
+    init_state: Callable  # () → a fresh TrainState, created already sharded
+    to_step_layout: Callable  # TrainState → what train_step takes (pmap: one copy per device)
+    from_step_layout: Callable  # the inverse, e.g. for saving a checkpoint
     param_layouts: list  # sharding.ParamLayout per parameter
     train_batches: TrainBatches  # step → this process's host batch
     put_batch: Callable  # host batch → global device batch
@@ -83,8 +85,8 @@ def _sample_inputs(info, task: str):
     return jnp.zeros((1, *info.input_shape), jnp.float32)
 
 
-def build_run(cfg: Config, allocate: bool = True) -> Run:
-    """Builds and compiles a run; with allocate=False (a dry run) no state is created."""
+def build_run(cfg: Config) -> Run:
+    """Builds and compiles a run from shapes alone; no state is allocated until init_state()."""
     mesh = make_mesh(cfg.mesh)
     dataset = load_dataset(cfg.data)
     spec = REGISTRY[cfg.model.name]
@@ -120,18 +122,19 @@ def build_run(cfg: Config, allocate: bool = True) -> Run:
                                  opt_state=opt_shardings, rng=replicated)
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   jax.eval_shape(init_state, cfg.seed), state_shardings)
-    state = abstract_state
-    if allocate:  # created inside jit with output shardings: no device ever holds the whole state
-        state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)(cfg.seed)
+    # Created inside jit with output shardings: no device ever holds the whole state.
+    create_state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
 
     train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
                                  jax.process_index(), jax.process_count())
     train_step = make_train_step(loss_fn, tx, schedule, cfg.train.grad_accum_steps, pmap_axis)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
-    compiled = compile_fn(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step)
-    return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, state=compiled["state"],
-               state_shardings=state_shardings, param_layouts=param_layouts, train_batches=train_batches,
+    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, train_batches, train_step, eval_step)
+    return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
+               init_state=lambda: create_state(cfg.seed), to_step_layout=compiled["to_step_layout"],
+               from_step_layout=compiled["from_step_layout"], param_layouts=param_layouts,
+               train_batches=train_batches,
                put_batch=compiled["put_batch"], train_step=compiled["train_step"],
                eval_step=compiled["eval_step"],
                # CPU collectives deadlock when a second multi-device step is dispatched before
@@ -147,8 +150,13 @@ def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedShard
             for name, value in host_batch.items()}
 
 
+def _identity(state):
+    return state
+
+
 def _compile_jit(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step) -> dict:
     batch_sharding = sharding.batch_sharding(mesh)
+    layouts = dict(to_step_layout=_identity, from_step_layout=_identity)
 
     def put_batch(host_batch):
         return _global_arrays(host_batch, batch_sharding)
@@ -159,8 +167,8 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_batches, train_step, e
                 with jax.disable_jit():
                     return fn(*args)
             return run
-        return dict(state=state, put_batch=put_batch, train_step=eager(train_step), eval_step=eager(eval_step),
-                    compile_seconds=0.0, flops=0.0, memory=None)
+        return dict(put_batch=put_batch, train_step=eager(train_step), eval_step=eager(eval_step),
+                    compile_seconds=0.0, flops=0.0, memory=None, **layouts)
     # The state is donated: its buffers are reused for the new state instead of copied.
     jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
@@ -169,8 +177,8 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_batches, train_step, e
     compile_seconds = time.perf_counter() - start
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=sharding.replicated(mesh))
-    return dict(state=state, put_batch=put_batch, train_step=compiled, eval_step=eval_jit,
-                compile_seconds=compile_seconds, flops=_flops(compiled), memory=compiled.memory_analysis())
+    return dict(put_batch=put_batch, train_step=compiled, eval_step=eval_jit, compile_seconds=compile_seconds,
+                flops=_flops(compiled), memory=compiled.memory_analysis(), **layouts)
 
 
 def _abstract_batch(train_batches: TrainBatches, batch_sharding: NamedSharding) -> dict:
@@ -186,11 +194,10 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_batches, train_step, 
     pmap_mesh = Mesh(devices, (PMAP_AXIS,))
     stacked = NamedSharding(pmap_mesh, PartitionSpec(PMAP_AXIS))
     # Classic replicated data parallel: a copy of the state per device on a leading axis.
-    if isinstance(jax.tree.leaves(state)[0], jax.ShapeDtypeStruct):  # a dry run
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((count, *x.shape), x.dtype, sharding=stacked), state)
-    else:
-        state = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), s),
-                        out_shardings=stacked)(state)
+    to_step_layout = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), s),
+                             out_shardings=stacked)
+    from_step_layout = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=state_shardings)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((count, *x.shape), x.dtype, sharding=stacked), state)
 
     def put_batch(host_batch):
         local = len(pmap_mesh.local_devices)  # this process's rows, one slice per local device
@@ -212,8 +219,9 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_batches, train_step, 
     def evaluate(state, batch):
         return jax.tree.map(lambda x: x[0], pmapped_eval(state, batch))
 
-    return dict(state=state, put_batch=put_batch, train_step=step, eval_step=evaluate,
-                compile_seconds=compile_seconds, flops=_flops(compiled), memory=compiled.memory_analysis())
+    return dict(put_batch=put_batch, train_step=step, eval_step=evaluate, compile_seconds=compile_seconds,
+                flops=_flops(compiled), memory=compiled.memory_analysis(), to_step_layout=to_step_layout,
+                from_step_layout=from_step_layout)
 
 
 def _flops(compiled) -> float:

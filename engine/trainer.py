@@ -1,15 +1,21 @@
 """The training loop: wires the built Run to batches, metrics and evaluation."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from engine.config import Config, save_config
+from engine.checkpoint import Checkpointer
+from engine.config import Config, save_config, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.metrics import MetricWriter
 from engine.setup import Run, build_run
@@ -17,6 +23,37 @@ from engine.setup import Run, build_run
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or Inf (train.nan_policy=stop)."""
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint at `step` was saved and completed (exit code 143)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted by SIGTERM: saved a checkpoint at step {step}; re-run the same command "
+                         f"to resume")
+        self.step = step
+
+
+class PreemptionWatch:
+    """Notes SIGTERM; with several processes all agree on the step through JAX's sync point."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+    def should_stop(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def close(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 @dataclass
@@ -48,22 +85,67 @@ def evaluate(run: Run, state) -> dict[str, float]:
     return {"loss": totals["loss_sum"] / totals["count"], "accuracy": totals["correct"] / totals["count"]}
 
 
+def initial_state(run: Run, checkpointer: Checkpointer):
+    """(state, step): the workdir's newest readable checkpoint, else checkpoint.restore_from, else fresh."""
+    cfg = run.cfg
+    restored = checkpointer.restore(run.abstract_state)
+    if restored is not None:
+        state, meta, step = restored
+        return state, step
+    if cfg.checkpoint.restore_from:
+        source = Checkpointer(cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True)
+        if cfg.checkpoint.restore_mode == "all":
+            restored = source.restore(run.abstract_state)
+            if restored is None:
+                raise_no_checkpoint(cfg.checkpoint.restore_from)
+            return restored[0], restored[2]
+        params, _ = source.restore_params(run.abstract_state.params)
+        return run.init_state().replace(params=params), 0
+    return run.init_state(), 0
+
+
+def raise_no_checkpoint(path: str):
+    from engine.errors import UsageError
+
+    raise UsageError(f"checkpoint.restore_from={path} holds no complete checkpoint")
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """On resume, forget metrics logged after the checkpoint: those steps run again, identically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def fit(cfg: Config, run: Run | None = None) -> FitResult:
-    """Trains cfg.train.steps steps from the run's current state, logging and evaluating."""
+    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
     run = run or build_run(cfg)
     workdir = Path(cfg.workdir)
     is_chief = jax.process_index() == 0
     if is_chief:
         workdir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, workdir / "config.yaml")
-    state = run.state
-    start = int(jax.device_get(state.step).reshape(-1)[0])
+    checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep)
+    state, start = initial_state(run, checkpointer)
+    if is_chief:
+        drop_records_after(workdir / "metrics.jsonl", start)
+    state = run.to_step_layout(state)
     total = cfg.train.steps
     writer = MetricWriter(workdir, enabled=is_chief, total_steps=total, start_step=start,
                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
     batches = Prefetcher(lambda step: run.put_batch(run.train_batches(step)), start, cfg.data.prefetch)
+    preemption = PreemptionWatch()
     result = FitResult(state)
     window, window_start, window_time = [], start, time.perf_counter()
+    last_saved = start if start else None
+
+    def save(step):
+        meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg)}
+        checkpointer.save(step, run.from_step_layout(state), meta)
+
     try:
         for step in range(start, total):
             state, metrics = run.train_step(state, next(batches))
@@ -87,9 +169,22 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
                 result.eval_metrics = evaluate(run, state)
                 writer.write(done, "eval", result.eval_metrics)
                 window_time = time.perf_counter()  # eval time is not training throughput
+            if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or done == total:
+                save(done)
+                last_saved = done
+            if preemption.should_stop(done):
+                if last_saved != done:
+                    save(done)
+                checkpointer.wait()
+                raise Preempted(done)
+        if start >= total:
+            writer.message(f"already finished: the newest checkpoint is at step {start} of {total}")
+        checkpointer.wait()  # the last save is complete before the run reports success
     finally:
+        preemption.close()
         batches.close()
         writer.close()
+        checkpointer.close()
     result.state = state
     return result
 

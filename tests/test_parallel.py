@@ -27,7 +27,7 @@ LAYOUTS = {
 
 
 def train_losses(run, steps):
-    state, losses = run.state, []
+    state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
         state, metrics = run.train_step(state, run.put_batch(run.train_batches(step)))
         metrics = jax.device_get(metrics)  # waits: CPU collectives must not overlap steps
@@ -55,7 +55,8 @@ def addressable_bytes(tree, device):
 @pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
 def test_fsdp_shards_params_and_optimizer_state(make_config, model):
     run = build_run(make_config("mnist_mlp.yaml", *model, *LAYOUTS["fsdp=8"]))
-    state = (run.state.params, run.state.opt_state)
+    initial = run.init_state()
+    state = (initial.params, initial.opt_state)
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     for device in run.mesh.devices.flat:
         assert addressable_bytes(state, device) <= 1.1 * total / 8, device
@@ -83,7 +84,7 @@ def test_hlo_fsdp_gathers_parameters_and_reduces_gradients_to_shards(make_config
     ops = collectives(hlo)
     gathered = " ".join(ops["all-gather"])
     assert "f32[64,128]" in gathered and "f32[128,10]" in gathered  # full kernels rebuilt from their shards
-    kernel = run.state.params["hidden_0"]["kernel"]
+    kernel = run.abstract_state.params["hidden_0"]["kernel"]
     assert kernel.sharding.shard_shape(kernel.shape) == (8, 128)  # each device keeps 1/8 of the kernel
     if jax.default_backend() == "cpu":
         # XLA:CPU has no reduce-scatter creator pass: the gradient reduce-scatter appears as an

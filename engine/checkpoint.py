@@ -1,0 +1,122 @@
+"""Checkpoints on orbax's CheckpointManager: asynchronous saves, restore of the latest
+complete checkpoint straight into the target shardings, and clear errors.
+
+A checkpoint holds two items: `state` (the whole TrainState: step, params, optimizer state,
+model state, RNG) and `meta` (JSON: the data iterator's position and the resolved config).
+Orbax writes each step into a temporary directory and renames it when complete, so a save
+cut off by a crash is never listed; a finished checkpoint that fails to read (a truncated
+file) is skipped with a warning, and the previous one is used.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from engine.errors import UsageError
+from engine.sharding import path_name
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        if read_only and not self.directory.is_dir():
+            raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
+                                               enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first (re-read from disk: another process may be writing)."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """Starts an asynchronous save: returns once the arrays are copied off the devices."""
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                                         meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def _check_compatible(self, step: int, abstract_state) -> None:
+        """UsageError listing parameters whose saved shape differs from the model's."""
+        saved = self.manager.item_metadata(step)["state"]
+        saved_params = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved["params"])}
+        want = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_state.params)}
+        problems = [f"{name}: saved {saved_params.get(name, 'absent')}, expected {want.get(name, 'absent')}"
+                    for name in sorted(saved_params.keys() | want.keys()) if saved_params.get(name) != want.get(name)]
+        if problems:
+            raise UsageError(f"checkpoint {self.directory}/{step} does not fit this model's config: "
+                             + "; ".join(problems) + ". Use the model settings it was saved with, or a new workdir")
+
+    def restore(self, abstract_state, step: Optional[int] = None):
+        """(state, meta, step) from `step` or the newest readable checkpoint; None if there is none.
+
+        Arrays are read directly into the shardings that `abstract_state` carries.
+        """
+        steps = [step] if step is not None else list(reversed(self.steps()))
+        if not steps:
+            return None
+        failures = []
+        for candidate in steps:
+            try:
+                self._check_compatible(candidate, abstract_state)
+                restored = self.manager.restore(candidate, args=ocp.args.Composite(
+                    state=_restore_args(abstract_state), meta=ocp.args.JsonRestore()))
+            except UsageError:
+                raise
+            except Exception as e:  # any read failure makes this step unusable: try the one before
+                reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+                failures.append(f"step {candidate}: {reason}")
+                print(f"warning: checkpoint {self.directory}/{candidate} is unreadable ({reason}); "
+                      f"trying an earlier one", file=sys.stderr)
+                continue
+            check_shardings(restored["state"], abstract_state)
+            return restored["state"], restored["meta"], candidate
+        raise UsageError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "
+                         f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
+                         f"good checkpoint")
+
+    def restore_params(self, abstract_params):
+        """Only the parameters of the newest checkpoint, into the shardings of `abstract_params`."""
+        steps = self.steps()
+        if not steps:
+            raise UsageError(f"checkpoint.restore_from={self.directory} holds no complete checkpoint")
+        step = steps[-1]
+        saved = self.manager.item_metadata(step)["state"]["params"]
+        saved_shapes = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+        want = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
+        if saved_shapes != want:
+            problems = [f"{n}: saved {saved_shapes.get(n, 'absent')}, expected {want.get(n, 'absent')}"
+                        for n in sorted(saved_shapes.keys() | want.keys()) if saved_shapes.get(n) != want.get(n)]
+            raise UsageError(f"checkpoint.restore_from={self.directory} (step {step}) does not fit this model: "
+                             + "; ".join(problems))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=_restore_args({"params": abstract_params}, partial=True)))
+        params = restored["state"]["params"]
+        check_shardings(params, abstract_params)
+        return params, step
+
+
+def _restore_args(target, partial: bool = False) -> ocp.args.PyTreeRestore:
+    """Restore into the shapes, dtypes and shardings of `target` (ShapeDtypeStructs)."""
+    return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                  partial_restore=partial)
+
+
+def check_shardings(state, abstract_state) -> None:
+    """RuntimeError unless every restored array carries its target sharding (a restore that
+    kept the saved layout would silently change the memory plan)."""
+    for (path, array), target in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(abstract_state)):
+        if not array.sharding.is_equivalent_to(target.sharding, array.ndim):
+            raise RuntimeError(f"restored {path_name(path)} has sharding {array.sharding}, not the target "
+                               f"{target.sharding}")
