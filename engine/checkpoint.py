@@ -9,7 +9,9 @@ file) is skipped with a warning, and the previous one is used.
 """
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -20,16 +22,65 @@ from engine.errors import UsageError
 from engine.sharding import path_name
 
 
+class _DropOrphanedTaskErrors(logging.Filter):
+    """A failed restore leaves orbax's sibling read tasks holding the same error; asyncio would
+    print each with a traceback. The error itself is raised to us and reported once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
+
+
+class _WithoutClosedLoopTracebacks:
+    """sys.stderr, less one kind of noise. After a failed restore, tensorstore's other pending
+    reads complete into orbax's closed event loop, and each callback thread prints a
+    'RuntimeError: Event loop is closed' traceback (some seconds later) that says nothing the
+    one-line warning does not. Writes from other threads are held per thread until their
+    traceback ends, then dropped if it is that one; everything else passes through."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.held: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        if threading.current_thread() is threading.main_thread():
+            return self.stream.write(text)
+        with self.lock:
+            held = self.held.pop(threading.get_ident(), "") + text
+            if not held.startswith("Traceback"):
+                return self.stream.write(held)
+            last = held.rstrip("\n").rsplit("\n", 1)[-1]
+            if not held.endswith("\n") or last.startswith((" ", "Traceback")):
+                self.held[threading.get_ident()] = held  # the traceback is still being written
+            elif "Event loop is closed" not in last:
+                self.stream.write(held)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _filter_event_loop_noise() -> None:
+    if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
+        sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True):
         self.directory = Path(directory).absolute()
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
+                                               read_only=read_only, save_interval_steps=0 if read_only else 1,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        if read_only:  # orbax would log "directory is read only" at every read
+            logging.getLogger("absl").setLevel(logging.ERROR)
 
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first (re-read from disk: another process may be writing)."""
@@ -66,6 +117,7 @@ class Checkpointer:
         steps = [step] if step is not None else list(reversed(self.steps()))
         if not steps:
             return None
+        _filter_event_loop_noise()
         failures = []
         for candidate in steps:
             try:
@@ -77,11 +129,14 @@ class Checkpointer:
             except Exception as e:  # any read failure makes this step unusable: try the one before
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
                 failures.append(f"step {candidate}: {reason}")
-                print(f"warning: checkpoint {self.directory}/{candidate} is unreadable ({reason}); "
-                      f"trying an earlier one", file=sys.stderr)
+                if step is None:
+                    print(f"warning: checkpoint {self.directory}/{candidate} is unreadable ({reason}); "
+                          f"trying an earlier one", file=sys.stderr)
                 continue
             check_shardings(restored["state"], abstract_state)
             return restored["state"], restored["meta"], candidate
+        if step is not None:
+            raise UsageError(f"checkpoint {self.directory}/{step} is unreadable: {failures[0]}")
         raise UsageError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "
                          f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
                          f"good checkpoint")

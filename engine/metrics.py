@@ -53,7 +53,8 @@ class MetricWriter:
             else:
                 self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
         elif split != "train":
-            print(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
+            print(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()
+                                                      if isinstance(v, (int, float))), flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

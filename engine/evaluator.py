@@ -1,0 +1,81 @@
+"""The sidecar evaluator (tf.distribute's evaluator task): evaluates each checkpoint of a
+training run as it appears, appending `split: "eval"` records to the run's metrics."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from engine.checkpoint import Checkpointer
+from engine.config import Config
+from engine.errors import UsageError
+from engine.metrics import MetricWriter
+from engine.setup import build_run
+from engine.trainer import evaluate
+
+SOURCE = "evaluator"
+
+
+def evaluated_steps(metrics_path: Path) -> set[int]:
+    """Steps an evaluator already wrote (so a restarted evaluator does not repeat them)."""
+    if not metrics_path.exists():
+        return set()
+    records = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
+    return {r["step"] for r in records if r.get("source") == SOURCE}
+
+
+def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_timeout: float = 3600.0) -> int:
+    """Evaluates the newest checkpoint (or, with watch, every new one until training ends)."""
+    workdir = Path(cfg.workdir)
+    directory = workdir / "checkpoints"
+    waited = 0.0
+    while watch and not directory.is_dir():  # the trainer may not have saved yet
+        if waited > idle_timeout:
+            raise UsageError(f"no checkpoints appeared in {directory} within {idle_timeout:.0f}s")
+        time.sleep(poll_seconds)
+        waited += poll_seconds
+    checkpointer = Checkpointer(directory, cfg.checkpoint.keep, read_only=True)
+    run = build_run(cfg)
+    writer = MetricWriter(workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
+                          tensorboard=False)
+    summary = None
+    if cfg.log.tensorboard:  # a subdirectory of its own: two writers must not share an event file
+        from tensorboardX import SummaryWriter
+
+        summary = SummaryWriter(str(workdir / "evaluator"))
+    done = evaluated_steps(workdir / "metrics.jsonl")
+    idle_since = time.monotonic()
+    try:
+        while True:
+            steps = checkpointer.steps()
+            pending = [s for s in steps if s not in done] if watch else steps[-1:]
+            if not watch and not pending:
+                raise UsageError(f"no complete checkpoint in {directory} to evaluate")
+            for step in pending:
+                try:
+                    state, _, _ = checkpointer.restore(run.abstract_state, step=step)
+                except UsageError as e:  # deleted by checkpoint.keep, or unreadable: note it, go on
+                    print(f"warning: skipping step {step}: {e}", file=sys.stderr)
+                    done.add(step)
+                    continue
+                metrics = evaluate(run, run.to_step_layout(state))
+                writer.write(step, "eval", {**metrics, "source": SOURCE})
+                if summary is not None:
+                    for name, value in metrics.items():
+                        summary.add_scalar(f"eval/{name}", value, step)
+                    summary.flush()
+                done.add(step)
+                idle_since = time.monotonic()
+            if not watch or (steps and max(steps) >= cfg.train.steps and not pending):
+                return 0
+            if not pending and time.monotonic() - idle_since > idle_timeout:
+                print(f"error: no new checkpoint in {directory} for {idle_timeout:.0f}s; is training running?",
+                      file=sys.stderr)
+                return 1
+            time.sleep(poll_seconds)
+    finally:
+        writer.close()
+        if summary is not None:
+            summary.close()
+        checkpointer.close()

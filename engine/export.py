@@ -1,0 +1,55 @@
+"""`launch.py export`: a trained run's inference variables (orbax) and its forward function
+serialised with jax.export (StableHLO, batch size left symbolic), for serving without this code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from engine.checkpoint import Checkpointer
+from engine.config import load_config
+from engine.errors import UsageError
+from engine.setup import build_run
+
+SINGLE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit"]
+
+
+def export_run(workdir: str, out: str) -> Path:
+    workdir_path, out_path = Path(workdir), Path(out).absolute()
+    if not (workdir_path / "config.yaml").is_file():
+        raise UsageError(f"{workdir_path} has no config.yaml; --workdir must be a training run's directory")
+    if out_path.exists() and any(out_path.iterdir()):
+        raise UsageError(f"--out {out_path} exists and is not empty; choose a new directory")
+    # Gathered onto one device: the exported program is independent of the training mesh.
+    cfg = load_config(workdir_path / "config.yaml", SINGLE_DEVICE + ["log.progress=false"], str(workdir_path))
+    run = build_run(cfg)
+    checkpointer = Checkpointer(workdir_path / "checkpoints", cfg.checkpoint.keep, read_only=True)
+    restored = checkpointer.restore(run.abstract_state)
+    checkpointer.close()
+    if restored is None:
+        raise UsageError(f"{workdir_path}/checkpoints holds no complete checkpoint to export")
+    state, _, step = restored
+    variables = {"params": state.params, **state.model_state}
+
+    def forward(variables, inputs):
+        return run.module.apply(variables, inputs, train=False)
+
+    sample = run.train_batches.arrays["tokens" if "tokens" in run.train_batches.arrays else "image"]
+    shape = (cfg.data.seq_len,) if "tokens" in run.train_batches.arrays else sample.shape[1:]
+    (batch,) = jax.export.symbolic_shape("batch")
+    dtype = "int32" if "tokens" in run.train_batches.arrays else "float32"
+    inputs = jax.ShapeDtypeStruct((batch, *shape), dtype)
+    exported = jax.export.export(jax.jit(forward))(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                                 variables), inputs)
+    serialized = exported.serialize()  # before anything is written: a failure leaves no partial export
+    out_path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(out_path / "variables", variables)
+    (out_path / "forward.stablehlo").write_bytes(serialized)
+    (out_path / "export.json").write_text(json.dumps({
+        "model": cfg.model.name, "step": step, "input_shape": ["batch", *map(int, shape)], "input_dtype": dtype,
+        "variables": "variables/", "forward": "forward.stablehlo",
+        "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits"}, indent=2))
+    return out_path

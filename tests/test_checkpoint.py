@@ -1,0 +1,230 @@
+"""Checkpointing and fault tolerance: exact resume after SIGKILL, SIGTERM, damaged
+checkpoints, incompatible models, restore onto other meshes, the evaluator, export."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from engine.checkpoint import Checkpointer
+from engine.errors import UsageError
+from engine.setup import build_run
+from engine.trainer import fit
+
+# dropout on, a warm-up + cosine schedule, a log line per step: every step's loss is compared
+RUN = ["train.steps=120", "checkpoint.every_steps=10", "checkpoint.keep=20", "log.every_steps=1",
+       "log.progress=false", "eval.every_steps=0", "optimizer.schedule=warmup_cosine", "optimizer.warmup_steps=10"]
+
+
+def losses(workdir):
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+
+def saved_arrays(workdir, step):
+    import orbax.checkpoint as ocp
+
+    path = workdir / "checkpoints" / str(step) / "state"
+    restored = ocp.PyTreeCheckpointer().restore(path)  # a dict keyed by TrainState's fields
+    return [leaf for name in ("step", "params", "model_state", "opt_state", "rng")
+            for leaf in jax.tree.leaves(restored.get(name, {}))]
+
+
+def start_training(workdir, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
+                             "--workdir", str(workdir), *RUN, *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(workdir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (workdir / "metrics.jsonl").exists() and losses(workdir) and losses(workdir)[-1][0] >= step:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = start_training(workdir)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return workdir
+
+
+def assert_same_run(workdir, reference):
+    assert losses(workdir) == losses(reference)  # bit-identical: JSON floats round-trip exactly
+    for a, b in zip(saved_arrays(workdir, 120), saved_arrays(reference, 120)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [23, 67])
+def test_sigkill_then_rerun_is_bit_identical(tmp_path, uninterrupted, kill_at):
+    workdir = tmp_path / "killed"
+    proc = start_training(workdir)
+    wait_for_step(workdir, kill_at, proc)
+    proc.kill()
+    proc.wait()
+    assert losses(workdir)[-1][0] < 120  # it really was cut short
+    proc = start_training(workdir)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert_same_run(workdir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_resumes_without_losing_a_step(tmp_path, uninterrupted):
+    workdir = tmp_path / "preempted"
+    proc = start_training(workdir, "checkpoint.every_steps=1000")  # only the preemption save
+    wait_for_step(workdir, 30, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "preempted by SIGTERM: saved a checkpoint at step" in err
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] == losses(workdir)[-1][0]  # the save is at the last step run
+    proc = start_training(workdir, "checkpoint.every_steps=1000")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert_same_run(workdir, uninterrupted)
+
+
+def train_briefly(make_config, workdir, *extra):
+    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=30", "checkpoint.every_steps=10",
+                      "checkpoint.keep=5", "log.every_steps=10", *extra, workdir=workdir)
+    fit(cfg)
+    return cfg
+
+
+def test_checkpoint_truncated_mid_write_is_skipped(make_config, tmp_path, capfd):
+    workdir = tmp_path / "run"
+    cfg = train_briefly(make_config, workdir)
+    newest = workdir / "checkpoints" / "30" / "state"
+    biggest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    # a save cut off before orbax finalised it: a temporary directory, never listed
+    (workdir / "checkpoints" / "40.orbax-checkpoint-tmp-123").mkdir()
+    run = build_run(cfg)
+    state, meta, step = Checkpointer(workdir / "checkpoints", 5).restore(run.abstract_state)
+    assert step == 20 and int(state.step) == 20 and meta["data"]["next_step"] == 20
+    assert "checkpoints/30 is unreadable" in capfd.readouterr().err
+
+
+def test_all_checkpoints_corrupt_is_exit_2_and_nothing_deleted(tmp_path):
+    workdir = tmp_path / "run"
+    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=20",
+            "checkpoint.every_steps=10", "log.progress=false"]
+    assert run_cli(*args).returncode == 0
+    files = sorted(p for p in (workdir / "checkpoints").rglob("*") if p.is_file())
+    for path in files:
+        if path.parent.name in ("d", "ocdbt.process_0") or path.name == "manifest.ocdbt":
+            path.write_bytes(b"garbage")
+    before = sorted(p for p in (workdir / "checkpoints").rglob("*"))
+    proc = run_cli(*args[:4], "train.steps=30", "log.progress=false")
+    assert proc.returncode == 2, proc.stderr
+    assert f"every checkpoint in {workdir / 'checkpoints'} is unreadable" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p for p in (workdir / "checkpoints").rglob("*")) == before
+
+
+def test_incompatible_model_lists_mismatched_parameters(make_config, tmp_path):
+    workdir = tmp_path / "run"
+    train_briefly(make_config, workdir)
+    with pytest.raises(UsageError, match=r"hidden_0/kernel: saved \(64, 128\), expected \(64, 32\)"):
+        train_briefly(make_config, workdir, "model.hidden_sizes=[32]", "train.steps=40")
+
+
+FSDP8 = ["mesh.data=1", "mesh.fsdp=8", "model.dropout_rate=0.2", "checkpoint.keep=5", "log.every_steps=1",
+         "eval.every_steps=0"]
+
+
+@pytest.mark.slow
+def test_restore_onto_other_meshes_continues_the_same_run(make_config, tmp_path):
+    reference = fit(make_config("mnist_mlp.yaml", *FSDP8, "train.steps=20", workdir=tmp_path / "ref")).losses
+    saved = tmp_path / "saved"
+    fit(make_config("mnist_mlp.yaml", *FSDP8, "train.steps=10", workdir=saved))
+    saved_values = saved_arrays(saved, 10)
+    for name, layout in {"data2_tensor4": ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"],
+                         "one_device": ["mesh.num_devices=1", "mesh.fsdp=1"]}.items():
+        workdir = tmp_path / name
+        cfg = make_config("mnist_mlp.yaml", *FSDP8, *layout, "train.steps=20", f"checkpoint.restore_from={saved}/checkpoints",
+                          "checkpoint.restore_mode=all", workdir=workdir)
+        run = build_run(cfg)
+        state, _, step = Checkpointer(saved / "checkpoints", 5, read_only=True).restore(run.abstract_state)
+        for array, target, value in zip(jax.tree.leaves(state), jax.tree.leaves(run.abstract_state), saved_values):
+            assert array.sharding.is_equivalent_to(target.sharding, array.ndim)  # the new layout, not the saved one
+            np.testing.assert_array_equal(np.asarray(array), value)
+        kernel = state.params["hidden_0"]["kernel"]
+        expected_shard = (64, 32) if name == "data2_tensor4" else (64, 128)
+        assert kernel.addressable_shards[0].data.shape == expected_shard
+        continued = fit(cfg, run).losses
+        assert sorted(continued) == list(range(11, 21))
+        np.testing.assert_allclose([continued[s] for s in range(11, 21)], [reference[s] for s in range(11, 21)],
+                                   rtol=1e-5, err_msg=name)
+
+
+def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path):
+    source = tmp_path / "source"
+    train_briefly(make_config, source)
+    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=5", "optimizer.name=sgd",
+                      f"checkpoint.restore_from={source}/checkpoints", workdir=tmp_path / "finetune")
+    run = build_run(cfg)
+    from engine.trainer import initial_state
+
+    state, step = initial_state(run, Checkpointer(tmp_path / "finetune" / "checkpoints", 3))
+    assert step == 0 and int(state.step) == 0
+    params, _ = Checkpointer(source / "checkpoints", 5, read_only=True).restore_params(run.abstract_state.params)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_evaluator_evaluates_each_checkpoint_of_a_live_run_once(tmp_path):
+    workdir = tmp_path / "live"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    evaluator = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "eval", "--config", "configs/mnist_mlp.yaml", "--workdir",
+         str(workdir), "--watch", *RUN], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = start_training(workdir)
+    _, err = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, err
+    _, err = evaluator.communicate(timeout=300)
+    assert evaluator.returncode == 0, err
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r["step"] for r in records if r.get("source") == "evaluator"]
+    assert sorted(evaluated) == list(range(10, 121, 10))  # every checkpoint, each once
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in records if r.get("source") == "evaluator")
+    assert list((workdir / "evaluator").glob("events.out.tfevents.*"))
+    # without --watch: the newest checkpoint once
+    proc = run_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *RUN)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
+    workdir = tmp_path / "run"
+    cfg = train_briefly(make_config, workdir)
+    out = tmp_path / "export"
+    proc = run_cli("export", "--workdir", str(workdir), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    import orbax.checkpoint as ocp
+
+    exported = jax.export.deserialize(bytearray((out / "forward.stablehlo").read_bytes()))
+    variables = ocp.StandardCheckpointer().restore(out / "variables")
+    run = build_run(cfg)
+    state, _, _ = Checkpointer(workdir / "checkpoints", 5).restore(run.abstract_state)
+    images = run.dataset.eval["image"][:7]
+    expected = run.module.apply({"params": state.params}, images, train=False)
+    np.testing.assert_allclose(exported.call(variables, images), expected, rtol=1e-6)
+    assert run_cli("export", "--workdir", str(workdir), "--out", str(out)).returncode == 2  # never overwrites
