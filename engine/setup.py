@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine import sharding
 from engine.config import Config
-from engine.data import Dataset, TrainBatches, load_dataset
+from engine.data import Dataset, TrainBatches, load_dataset, process_rows
 from engine.errors import UsageError
 from engine.mesh import make_mesh
 from engine.optim import learning_rate_schedule, make_optimizer
@@ -41,7 +41,8 @@ class Run:
     from_step_layout: Callable  # the inverse, e.g. for saving a checkpoint
     param_layouts: list  # sharding.ParamLayout per parameter
     train_batches: TrainBatches  # step → this process's host batch
-    put_batch: Callable  # host batch → global device batch
+    put_batch: Callable  # (host batch, global batch size) → global device batch
+    eval_rows: Any  # positions in each eval batch this process loads
     train_step: Callable  # (state, device batch) → (state, metrics)
     eval_step: Callable  # (state, device batch) → metric sums
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
@@ -74,7 +75,7 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
         raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp=1 mesh.tensor=1 "
                          "or use mesh.backend=jit")
     eval_batch = cfg.eval.batch_size or batch
-    if eval_batch % shards or eval_batch % jax.process_count():
+    if eval_batch % shards:
         raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
     return eval_batch
 
@@ -125,12 +126,12 @@ def build_run(cfg: Config) -> Run:
     # Created inside jit with output shardings: no device ever holds the whole state.
     create_state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
 
-    train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
-                                 jax.process_index(), jax.process_count())
     train_step = make_train_step(loss_fn, tx, schedule, cfg.train.grad_accum_steps, pmap_axis)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
-    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, train_batches, train_step, eval_step)
+    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train, train_step, eval_step)
+    train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
+                                 compiled["rows"](cfg.train.global_batch_size))
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
                init_state=lambda: create_state(cfg.seed), to_step_layout=compiled["to_step_layout"],
                from_step_layout=compiled["from_step_layout"], param_layouts=param_layouts,
@@ -141,25 +142,28 @@ def build_run(cfg: Config) -> Run:
                # the first finishes (see JAX-CPU-NOTES); accelerators keep async dispatch.
                sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
                compile_seconds=compiled["compile_seconds"], flops_per_step=compiled["flops"],
-               memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size)
+               memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
+               eval_rows=compiled["rows"](eval_batch_size))
 
 
-def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Process-local rows → one global array per key, split over the batch axes."""
-    return {name: jax.make_array_from_process_local_data(array_sharding, value)
-            for name, value in host_batch.items()}
+def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,
+                   global_rows: tuple[int, ...]) -> dict[str, jax.Array]:
+    """This process's rows (see data.process_rows) → one global array per key."""
+    return {name: jax.make_array_from_process_local_data(array_sharding, value, (*global_rows, *value.shape[
+        len(global_rows):])) for name, value in host_batch.items()}
 
 
 def _identity(state):
     return state
 
 
-def _compile_jit(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step) -> dict:
+def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step) -> dict:
     batch_sharding = sharding.batch_sharding(mesh)
-    layouts = dict(to_step_layout=_identity, from_step_layout=_identity)
+    common = dict(to_step_layout=_identity, from_step_layout=_identity,
+                  rows=lambda global_batch: process_rows(batch_sharding, global_batch))
 
-    def put_batch(host_batch):
-        return _global_arrays(host_batch, batch_sharding)
+    def put_batch(host_batch, global_batch):
+        return _global_arrays(host_batch, batch_sharding, (global_batch,))
 
     if cfg.train.eager:
         def eager(fn):
@@ -168,27 +172,22 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_batches, train_step, e
                     return fn(*args)
             return run
         return dict(put_batch=put_batch, train_step=eager(train_step), eval_step=eager(eval_step),
-                    compile_seconds=0.0, flops=0.0, memory=None, **layouts)
+                    compile_seconds=0.0, flops=0.0, memory=None, **common)
     # The state is donated: its buffers are reused for the new state instead of copied.
     jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
     start = time.perf_counter()
-    compiled = jitted.lower(state, _abstract_batch(train_batches, batch_sharding)).compile()
+    abstract_batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *array.shape[1:]), array.dtype,
+                                                 sharding=batch_sharding) for name, array in train_arrays.items()}
+    compiled = jitted.lower(state, abstract_batch).compile()
     compile_seconds = time.perf_counter() - start
     eval_jit = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
                        out_shardings=sharding.replicated(mesh))
     return dict(put_batch=put_batch, train_step=compiled, eval_step=eval_jit, compile_seconds=compile_seconds,
-                flops=_flops(compiled), memory=compiled.memory_analysis(), **layouts)
+                flops=_flops(compiled), memory=compiled.memory_analysis(), **common)
 
 
-def _abstract_batch(train_batches: TrainBatches, batch_sharding: NamedSharding) -> dict:
-    """The global batch's shapes, without reading data."""
-    rows = train_batches.global_batch
-    return {name: jax.ShapeDtypeStruct((rows, *array.shape[1:]), array.dtype, sharding=batch_sharding)
-            for name, array in train_batches.arrays.items()}
-
-
-def _compile_pmap(cfg, mesh, state, state_shardings, train_batches, train_step, eval_step) -> dict:
+def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step) -> dict:
     devices = mesh.devices.reshape(-1)
     count = len(devices)
     pmap_mesh = Mesh(devices, (PMAP_AXIS,))
@@ -199,16 +198,17 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_batches, train_step, 
     from_step_layout = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=state_shardings)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((count, *x.shape), x.dtype, sharding=stacked), state)
 
-    def put_batch(host_batch):
-        local = len(pmap_mesh.local_devices)  # this process's rows, one slice per local device
-        return _global_arrays({k: v.reshape(local, -1, *v.shape[1:]) for k, v in host_batch.items()}, stacked)
+    def put_batch(host_batch, global_batch):  # [rows] → [devices, rows per device]
+        local = len(pmap_mesh.local_devices)
+        return _global_arrays({k: v.reshape(local, -1, *v.shape[1:]) for k, v in host_batch.items()}, stacked,
+                              (count, global_batch // count))
 
     pmapped = jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
     pmapped_eval = jax.pmap(eval_step, axis_name=PMAP_AXIS, devices=list(devices))
     start = time.perf_counter()
-    abstract_batch = {name: jax.ShapeDtypeStruct((count, train_batches.global_batch // count, *array.shape[1:]),
+    abstract_batch = {name: jax.ShapeDtypeStruct((count, cfg.train.global_batch_size // count, *array.shape[1:]),
                                                  array.dtype, sharding=stacked)
-                      for name, array in train_batches.arrays.items()}
+                      for name, array in train_arrays.items()}
     compiled = pmapped.lower(state, abstract_batch).compile()
     compile_seconds = time.perf_counter() - start
 
@@ -221,7 +221,8 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_batches, train_step, 
 
     return dict(put_batch=put_batch, train_step=step, eval_step=evaluate, compile_seconds=compile_seconds,
                 flops=_flops(compiled), memory=compiled.memory_analysis(), to_step_layout=to_step_layout,
-                from_step_layout=from_step_layout)
+                from_step_layout=from_step_layout,
+                rows=lambda global_batch: process_rows(stacked, global_batch, global_batch // count))
 
 
 def _flops(compiled) -> float:

@@ -77,9 +77,8 @@ def _summarise(step_metrics: list[dict[str, np.ndarray]]) -> dict[str, float]:
 def evaluate(run: Run, state) -> dict[str, float]:
     """Loss and accuracy over the eval split (padding masked out)."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    for host_batch in eval_batches(run.dataset.eval, run.eval_batch_size, run.cfg.eval.max_batches,
-                                   jax.process_index(), jax.process_count()):
-        sums = jax.device_get(run.eval_step(state, run.put_batch(host_batch)))  # one host sync per batch
+    for host_batch in eval_batches(run.dataset.eval, run.eval_batch_size, run.cfg.eval.max_batches, run.eval_rows):
+        sums = jax.device_get(run.eval_step(state, run.put_batch(host_batch, run.eval_batch_size)))  # host sync
         for name in totals:
             totals[name] += float(sums[name])
     return {"loss": totals["loss_sum"] / totals["count"], "accuracy": totals["correct"] / totals["count"]}
@@ -136,7 +135,8 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
     total = cfg.train.steps
     writer = MetricWriter(workdir, enabled=is_chief, total_steps=total, start_step=start,
                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
-    batches = Prefetcher(lambda step: run.put_batch(run.train_batches(step)), start, cfg.data.prefetch)
+    batches = Prefetcher(lambda step: run.put_batch(run.train_batches(step), cfg.train.global_batch_size), start,
+                         cfg.data.prefetch)
     preemption = PreemptionWatch()
     result = FitResult(state)
     window, window_start, window_time = [], start, time.perf_counter()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine.config import DataConfig
-from engine.data import Prefetcher, TrainBatches, eval_batches, load_dataset
+from engine.data import Prefetcher, TrainBatches, eval_batches, load_dataset, process_rows
 from engine.errors import UsageError
 
 
@@ -145,11 +145,23 @@ def test_batches_are_a_function_of_seed_and_step():
     assert not np.array_equal(batches(0)["x"], batches(12)["x"])  # reshuffled each epoch
 
 
-def test_process_shards_partition_the_global_batch():
+def test_process_rows_partition_the_global_batch():
     arrays = {"x": np.arange(64)}
     whole = TrainBatches(arrays, 16, seed=0)(3)["x"]
-    parts = [TrainBatches(arrays, 16, seed=0, process_index=i, process_count=4)(3)["x"] for i in range(4)]
+    parts = [TrainBatches(arrays, 16, seed=0, rows=np.arange(4 * i, 4 * i + 4))(3)["x"] for i in range(4)]
     np.testing.assert_array_equal(np.concatenate(parts), whole)
+    evals = list(eval_batches({"x": np.arange(10)}, 4, rows=np.array([2, 3])))
+    assert [b["x"].tolist() for b in evals] == [[2, 3], [6, 7], [9, 9]]
+    assert evals[-1]["mask"].tolist() == [0, 0]
+
+
+def test_process_rows_follow_the_sharding(mesh2x4):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = process_rows(NamedSharding(mesh2x4, PartitionSpec(("data", "fsdp"))), 16)
+    np.testing.assert_array_equal(rows, np.arange(16))  # one process holds every row
+    stacked = NamedSharding(mesh2x4, PartitionSpec(("data", "fsdp")))
+    np.testing.assert_array_equal(process_rows(stacked, 32, per_row=4), np.arange(32))
 
 
 def test_batch_larger_than_dataset_is_a_usage_error():

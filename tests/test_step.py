@@ -12,7 +12,7 @@ from engine.trainer import fit
 def first_steps(run, steps):
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
-        state, metrics = run.train_step(state, run.put_batch(run.train_batches(step)))
+        state, metrics = run.train_step(state, run.put_batch(run.train_batches(step), run.cfg.train.global_batch_size))
         losses.append(float(metrics["loss_sum"]) / float(metrics["count"]))
     return state, losses
 

@@ -3,7 +3,8 @@
 The global batch for step s is a function of (seed, s) alone: epoch e = s // steps_per_epoch
 is a permutation drawn from (seed, e), and the step takes its slice. So the iterator's whole
 state is the next step number, and a resumed run sees exactly the batches it would have.
-Each process gathers only its own rows of the global batch (so reads only its share).
+Each process gathers only the rows of the global batch that its own devices hold (so it
+reads only its share); which rows those are follows from the batch sharding (see `process_rows`).
 """
 from __future__ import annotations
 
@@ -17,24 +18,32 @@ import numpy as np
 from engine.errors import UsageError
 
 
+def process_rows(sharding, global_batch: int, per_row: int = 1) -> np.ndarray:
+    """Positions in the global batch that this process's devices hold, in order.
+
+    `sharding` shards dimension 0; with per_row > 1 (pmap's [devices, rows per device]
+    layout) each index along dimension 0 stands for per_row consecutive rows.
+    """
+    size = global_batch // per_row
+    index_map = sharding.addressable_devices_indices_map((size,))
+    blocks = sorted({idx[0].indices(size) for idx in index_map.values()})
+    return np.concatenate([np.arange(start * per_row, stop * per_row) for start, stop, _ in blocks])
+
+
 class TrainBatches:
     """Host batches of one process's rows of the global batch, by step."""
 
     def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int, shuffle: bool = True,
-                 process_index: int = 0, process_count: int = 1):
+                 rows: np.ndarray | None = None):
         self.arrays = arrays
         self.num_examples = len(next(iter(arrays.values())))
         if global_batch > self.num_examples:
             raise UsageError(f"train.global_batch_size={global_batch} is larger than the training split "
                              f"({self.num_examples} examples); use at most {self.num_examples}")
-        if global_batch % process_count:
-            raise UsageError(f"train.global_batch_size={global_batch} is not divisible by the {process_count} "
-                             f"processes; use a multiple of {process_count}")
         self.global_batch = global_batch
         self.steps_per_epoch = self.num_examples // global_batch  # the remainder is dropped
         self.seed, self.shuffle = seed, shuffle
-        per_process = global_batch // process_count
-        self.rows = slice(process_index * per_process, (process_index + 1) * per_process)
+        self.rows = np.arange(global_batch) if rows is None else rows
         self._order_epoch, self._order = -1, None
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
@@ -58,19 +67,19 @@ class TrainBatches:
 
 
 def eval_batches(arrays: dict[str, np.ndarray], batch_size: int, max_batches: int = 0,
-                 process_index: int = 0, process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
-    """The eval split in order, the last batch padded; `mask` is 1 for real examples."""
+                 rows: np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The eval split in order, the last batch padded; `mask` is 1 for real examples.
+
+    `rows` are the positions within each batch that this process loads (default all)."""
     num = len(next(iter(arrays.values())))
     count = -(-num // batch_size)
     if max_batches:
         count = min(count, max_batches)
-    per_process = batch_size // process_count
+    rows = np.arange(batch_size) if rows is None else rows
     for b in range(count):
-        idx = np.arange(b * batch_size, (b + 1) * batch_size)
-        mask = (idx < num).astype(np.float32)
-        idx = np.minimum(idx, num - 1)[process_index * per_process:(process_index + 1) * per_process]
-        batch = {name: np.asarray(array[idx]) for name, array in arrays.items()}
-        batch["mask"] = mask[process_index * per_process:(process_index + 1) * per_process]
+        idx = b * batch_size + rows
+        batch = {name: np.asarray(array[np.minimum(idx, num - 1)]) for name, array in arrays.items()}
+        batch["mask"] = (idx < num).astype(np.float32)
         yield batch
 
 

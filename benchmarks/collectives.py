@@ -1,0 +1,301 @@
+"""Collective communication per training step, by mesh layout, read from the compiled HLO.
+
+Runs on 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, set
+below before jax is imported). For each model (the MNIST MLP of configs/mnist_mlp.yaml and
+the small GPT of tests/test_parallel.py) and each layout (data=8; fsdp=8; data=4,tensor=2;
+fsdp=4,tensor=2) it builds the run, times the step (median over --steps steps after
+--warmup, each step waited on: CPU collectives deadlock if steps overlap), and lists every
+all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute in
+`run.train_step.as_text()`.
+
+How bytes are counted (per device, per step):
+  bytes       the size of the buffer the collective produces, from the HLO result shape
+              (a tuple result counts every element; f32 = 4 bytes, bf16 = 2, s32 = 4, …).
+              For reduce-scatter the full input is counted (result x group size), so that a
+              gradient reduce-scatter and a gradient all-reduce both count the gradient once.
+  ring bytes  an estimate of what each device sends with ring algorithms over a group of n:
+              all-reduce 2(n-1)/n x bytes; all-gather, reduce-scatter, all-to-all
+              (n-1)/n x bytes; collective-permute 1 x bytes.
+Ops are counted as they appear in the program text: an op inside a loop counts once.
+Async pairs (-start/-done) count once, with the -done result.
+
+Theoretical minimum, from each parameter's PartitionSpec (P = the bytes of a parameter's
+gradient that one tensor-parallel shard holds, i.e. its bytes / mesh.tensor if it is split
+over `tensor`, else its bytes):
+  data parallel    all-reduce of the gradients                           = 1 x P
+  fsdp             all-gather the params for the forward pass, again for
+                   the backward pass, reduce-scatter the gradients        = 2 x P + 1 x P = 3 x P
+                   (a parameter fsdp cannot split stays replicated: an all-reduce, 1 x P;
+                   with data > 1 as well, the fsdp gradient shards are also all-reduced
+                   over data: + P / fsdp)
+  tensor parallel  depends on the activations, not the parameters. Megatron-style estimate
+                   with B = the global batch / (data x fsdp), S = sequence length, D = d_model,
+                   c = bytes of the compute dtype, L = layers:
+                     transformer: (4 L + 2) all-reduces of [B, S, D] (2 per block forward,
+                       2 per block backward, the vocab-split embedding forward and the
+                       vocab-split head backward) + 3 all-reduces of [B, S] f32 for the
+                       softmax over the vocab-split logits;
+                     mlp: for a Dense whose input dimension is split over tensor, a forward
+                       all-reduce of its output [B, out]; for one whose output dimension is
+                       split (other than the first layer), a backward all-reduce of its input
+                       gradient [B, in].
+The minimum also omits the few scalar all-reduces the metrics need (loss, count, grad norm).
+
+Reading the output: the measured bytes at or near the minimum mean XLA's SPMD partitioner
+found the textbook communication; more means extra collectives (e.g. re-sharding
+activations with all-to-all, or all-reducing q, k and v input gradients separately).
+Less than the fsdp minimum usually means XLA kept the parameters gathered in the forward
+pass alive for the backward pass (one all-gather instead of two), trading memory for
+communication. XLA:CPU has no reduce-scatter creation pass: on CPU the fsdp gradient
+reduce-scatter appears as an all-reduce whose result is then sliced to the local shard.
+It counts the same bytes here, but moves about 2x the data of a reduce-scatter (see the
+ring column). CPU step times say how the layouts compare on this machine only; they are
+no guide to accelerator speed.
+
+    python benchmarks/collectives.py
+    python benchmarks/collectives.py --models transformer --layouts fsdp=8 "fsdp=4,tensor=2"
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import load_config  # noqa: E402
+from engine.setup import build_run  # noqa: E402
+
+QUIET = ["log.progress=false", "log.tensorboard=false"]
+MODELS = {
+    "mlp": [],  # configs/mnist_mlp.yaml as shipped
+    # the small GPT of tests/test_parallel.py
+    "transformer": ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
+                    "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4",
+                    "model.mlp_dim=64", "model.dropout_rate=0.1", "train.global_batch_size=16"],
+}
+LAYOUTS = {
+    "data=8": ["mesh.data=8"],
+    "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
+    "data=4,tensor=2": ["mesh.data=4", "mesh.tensor=2"],
+    "fsdp=4,tensor=2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
+}
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(OPS)
+                         + r")(?P<suffix>-start|-done)?\(")
+ARRAY_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+
+
+# --- collectives in the HLO ----------------------------------------------------------------
+
+@dataclass
+class Collective:
+    op: str
+    bytes: int  # see the module docstring
+    group: int  # devices taking part in each group
+
+    @property
+    def ring_bytes(self) -> float:
+        n = self.group
+        if self.op == "collective-permute":
+            return float(self.bytes)
+        factor = 2 * (n - 1) / n if self.op == "all-reduce" else (n - 1) / n
+        return factor * self.bytes
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape such as `f32[64,128]{1,0}` or a tuple `(f32[10]{0}, bf16[4,8]{1,0})`."""
+    return sum(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in ARRAY_SHAPE.findall(shape))
+
+
+def group_size(line: str, num_devices: int) -> int:
+    """Devices per replica group, from any of the forms XLA prints."""
+    mesh_form = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh_form:  # mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}
+        sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh_form.group(1))}
+        return math.prod(sizes[name] for name in re.findall(r"'(\w+)'", mesh_form.group(2)))
+    iota_form = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if iota_form:  # [num_groups,group_size]<=[devices]
+        return int(iota_form.group(2))
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if listed:  # {{0,2,4,6},{1,3,5,7}}
+        return len(listed.group(1).split(","))
+    return num_devices  # replica_groups={} (every device) or none (collective-permute)
+
+
+def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
+    found = []
+    for line in hlo.splitlines():
+        match = INSTRUCTION.match(line)
+        if not match or match.group("suffix") == "-start":  # async pairs count once, at -done
+            continue
+        op, size = match.group("op"), shape_bytes(match.group("shape"))
+        group = group_size(line, num_devices)
+        found.append(Collective(op, size * group if op == "reduce-scatter" else size, group))
+    return found
+
+
+# --- the theoretical minimum ---------------------------------------------------------------
+
+def spec_axes(spec) -> set[str]:
+    axes = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            axes.add(entry)
+        elif entry:
+            axes.update(entry)
+    return axes
+
+
+def parameter_minimum(run) -> list[Collective]:
+    """Gradient all-reduces (data) or param all-gathers + gradient reduce-scatters (fsdp)."""
+    mesh = run.mesh.shape
+    batch_ways = mesh["data"] * mesh["fsdp"]
+    needed = []
+    for layout in run.param_layouts:
+        axes = spec_axes(layout.spec)
+        local = layout.nbytes // (mesh["tensor"] if "tensor" in axes else 1)
+        if "fsdp" in axes:
+            needed += [Collective("all-gather", local, mesh["fsdp"])] * 2
+            needed.append(Collective("reduce-scatter", local, mesh["fsdp"]))
+            if mesh["data"] > 1:
+                needed.append(Collective("all-reduce", local // mesh["fsdp"], mesh["data"]))
+        elif batch_ways > 1:
+            needed.append(Collective("all-reduce", local, batch_ways))
+    return needed
+
+
+def activation_minimum(run) -> list[Collective]:
+    """Megatron-style tensor-parallel activation all-reduces (see the module docstring)."""
+    cfg, mesh = run.cfg, run.mesh.shape
+    tensor = mesh["tensor"]
+    if tensor == 1:
+        return []
+    rows = cfg.train.global_batch_size // (mesh["data"] * mesh["fsdp"])
+    itemsize = np.dtype(cfg.train.compute_dtype).itemsize
+    if cfg.model.name == "transformer":
+        seq, width = run.dataset.info.seq_len, cfg.model.d_model
+        residual = Collective("all-reduce", rows * seq * width * itemsize, tensor)
+        softmax = Collective("all-reduce", rows * seq * 4, tensor)
+        return [residual] * (4 * cfg.model.num_layers + 2) + [softmax] * 3
+    layouts = {layout.path: layout for layout in run.param_layouts}
+    names = [f"hidden_{i}" for i in range(len(cfg.model.hidden_sizes))] + ["logits"]
+    needed = []
+    for index, name in enumerate(names):
+        kernel = layouts[f"{name}/kernel"]
+        fan_in, fan_out = kernel.shape
+        split_in, split_out = (spec_axes(kernel.spec[i:i + 1]) for i in (0, 1))
+        if "tensor" in split_in:  # row-parallel: partial sums of the output
+            needed.append(Collective("all-reduce", rows * fan_out * itemsize, tensor))
+        if "tensor" in split_out and index > 0:  # column-parallel: partial sums of the input gradient
+            needed.append(Collective("all-reduce", rows * fan_in * itemsize, tensor))
+    return needed
+
+
+# --- driver --------------------------------------------------------------------------------
+
+def median_step_seconds(run, steps: int, warmup: int) -> float:
+    state = run.to_step_layout(run.init_state())
+    batch_size = run.cfg.train.global_batch_size
+    times = []
+    for step in range(warmup + steps):
+        batch = run.put_batch(run.train_batches(step), batch_size)
+        start = time.perf_counter()
+        state, metrics = run.train_step(state, batch)
+        jax.block_until_ready((state, metrics))  # never let two CPU multi-device steps overlap
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def totals(collectives: list[Collective], op: str | None = None) -> tuple[int, int, float]:
+    chosen = [c for c in collectives if op is None or c.op == op]
+    return len(chosen), sum(c.bytes for c in chosen), sum(c.ring_bytes for c in chosen)
+
+
+def report(model: str, layout: str, run, seconds: float, measured: list[Collective], minimum: list[Collective],
+           activations: bool) -> None:
+    mesh = run.mesh.shape
+    params = sum(layout.nbytes for layout in run.param_layouts)
+    print(f"\n{model} | {layout}  (mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
+          f"global batch {run.cfg.train.global_batch_size})")
+    print(f"step {seconds * 1e3:.2f} ms (median)   parameters {human(params)}")
+    print(f"  {'op':<20}{'count':>6}{'bytes':>12}{'ring bytes':>12}   |{'minimum bytes':>15}{'ring bytes':>12}")
+    for op in OPS:
+        count, size, ring = totals(measured, op)
+        _, low, low_ring = totals(minimum, op)
+        if count or low:
+            print(f"  {op:<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}")
+    count, size, ring = totals(measured)
+    _, low, low_ring = totals(minimum)
+    note = "" if activations or mesh["tensor"] == 1 else "  (tensor activations: n/a)"
+    print(f"  {'total':<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}{note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per layout")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--batch-size", type=int, help="train.global_batch_size (default: the model's)")
+    args = parser.parse_args()
+
+    print(f"{jax.device_count()} {jax.devices()[0].platform} devices. Bytes per device per step, from the "
+          f"compiled HLO result shapes (reduce-scatter: its full input).")
+    print("minimum: data parallel 1 x P (all-reduce grads); fsdp 2 x P all-gather params (fwd + bwd) + 1 x P "
+          "reduce-scatter grads = 3 x P; tensor: Megatron activation all-reduces (see the docstring).")
+    print("ring bytes: what each device sends, all-reduce 2(n-1)/n x bytes, gather/scatter/all-to-all (n-1)/n x.")
+    if jax.default_backend() == "cpu":
+        print("note: XLA:CPU has no reduce-scatter pass: the fsdp gradient reduce-scatter shows as an all-reduce "
+              "(same bytes here, 2x the ring bytes of a reduce-scatter).")
+    workdir = tempfile.mkdtemp(prefix="collectives_")
+    summary = []
+    for model in args.models:
+        for layout in args.layouts:
+            overrides = QUIET + MODELS[model] + LAYOUTS[layout]
+            if args.batch_size:
+                overrides.append(f"train.global_batch_size={args.batch_size}")
+            run = build_run(load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir))
+            measured = hlo_collectives(run.train_step.as_text(), run.mesh.size)
+            activations = activation_minimum(run)
+            minimum = parameter_minimum(run) + activations
+            seconds = median_step_seconds(run, args.steps, args.warmup)
+            report(model, layout, run, seconds, measured, minimum, bool(activations))
+            summary.append((model, layout, seconds, totals(measured), totals(minimum)))
+
+    print(f"\n{'model':<12}{'layout':<17}{'step ms':>8}{'ops':>5}{'bytes':>12}{'minimum':>12}{'ratio':>7}"
+          f"{'ring bytes':>12}{'ring min':>11}")
+    for model, layout, seconds, (count, size, ring), (_, low, low_ring) in summary:
+        print(f"{model:<12}{layout:<17}{seconds * 1e3:>8.2f}{count:>5}{human(size):>12}{human(low):>12}"
+              f"{size / low:>7.2f}{human(ring):>12}{human(low_ring):>11}")
+
+
+if __name__ == "__main__":
+    main()
