@@ -10,6 +10,7 @@ resume); 1 a failed run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 COMMANDS = ("train", "eval", "export")
@@ -47,14 +48,39 @@ def _parser(command: str) -> argparse.ArgumentParser:
     else:
         parser.add_argument("--watch", action="store_true",
                             help="evaluate every new checkpoint until training finishes (else the newest once)")
+    if command in ("train", "eval"):
+        group = parser.add_argument_group("multi-process (see README: multi-host)")
+        group.add_argument("--local-processes", type=int, metavar="N",
+                           help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
+        group.add_argument("--devices-per-process", type=int, default=1, metavar="M",
+                           help="simulated CPU devices per local process (default 1)")
+        group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
+        group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
+        group.add_argument("--process-id", type=int, help="= distributed.process_id")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser
 
 
+def _distributed_overrides(args) -> list[str]:
+    flags = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
+             "process_id": args.process_id}
+    return [f"distributed.{key}={value}" for key, value in flags.items() if value is not None]
+
+
 def main(argv: list[str]) -> int:
     command = argv[0] if argv and argv[0] in COMMANDS else "train"
-    args = _parser(command).parse_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
+    args = _parser(command).parse_intermixed_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
     from engine.errors import UsageError
+
+    if command != "export" and args.local_processes:
+        if args.local_processes < 1 or args.devices_per_process < 1:
+            sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
+            return 2
+        from engine.launcher import run_local
+
+        child_args = _without_local_flags(argv)
+        return run_local(child_args, args.local_processes, args.devices_per_process)
+    from engine.distributed import DistributedError
 
     try:
         if command == "export":
@@ -63,12 +89,15 @@ def main(argv: list[str]) -> int:
             print(f"exported to {export_run(args.workdir, args.out)}")
             return 0
         from engine.config import load_config
+        from engine.distributed import initialize, parse_tf_config
 
-        cfg = load_config(args.config, args.overrides, args.workdir)
-        if command == "eval":
+        cfg = load_config(args.config, args.overrides + _distributed_overrides(args), args.workdir)
+        tf_config = os.environ.get("TF_CONFIG")
+        if command == "eval" or (tf_config and parse_tf_config(tf_config).kind == "evaluator"):
             from engine.evaluator import run_evaluator
 
-            return run_evaluator(cfg, watch=args.watch)
+            return run_evaluator(cfg, watch=command != "eval" or args.watch)
+        initialize(cfg.distributed)
         if args.dry_run:
             from engine.dryrun import dry_run
 
@@ -87,10 +116,28 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
+    except DistributedError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
     if result.eval_metrics:
         summary = " ".join(f"{k}={v:.4f}" for k, v in result.eval_metrics.items())
         print(f"done: {cfg.train.steps} steps; eval {summary}; outputs in {cfg.workdir}")
     return 0
+
+
+def _without_local_flags(argv: list[str]) -> list[str]:
+    """argv less --local-processes/--devices-per-process (and their values)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in ("--local-processes", "--devices-per-process"):
+            skip = "=" not in item
+            continue
+        out.append(item)
+    return out
 
 
 if __name__ == "__main__":

@@ -156,14 +156,15 @@ def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
 
 # --- the theoretical minimum ---------------------------------------------------------------
 
+def entry_axes(entry) -> set[str]:
+    """Mesh axes one PartitionSpec entry splits a dimension over (None, 'fsdp' or ('data', 'fsdp'))."""
+    if entry is None:
+        return set()
+    return {entry} if isinstance(entry, str) else set(entry)
+
+
 def spec_axes(spec) -> set[str]:
-    axes = set()
-    for entry in spec:
-        if isinstance(entry, str):
-            axes.add(entry)
-        elif entry:
-            axes.update(entry)
-    return axes
+    return set().union(*(entry_axes(entry) for entry in spec))
 
 
 def parameter_minimum(run) -> list[Collective]:
@@ -203,7 +204,7 @@ def activation_minimum(run) -> list[Collective]:
     for index, name in enumerate(names):
         kernel = layouts[f"{name}/kernel"]
         fan_in, fan_out = kernel.shape
-        split_in, split_out = (spec_axes(kernel.spec[i:i + 1]) for i in (0, 1))
+        split_in, split_out = (entry_axes(entry) for entry in kernel.spec)
         if "tensor" in split_in:  # row-parallel: partial sums of the output
             needed.append(Collective("all-reduce", rows * fan_out * itemsize, tensor))
         if "tensor" in split_out and index > 0:  # column-parallel: partial sums of the input gradient
@@ -239,8 +240,8 @@ def totals(collectives: list[Collective], op: str | None = None) -> tuple[int, i
     return len(chosen), sum(c.bytes for c in chosen), sum(c.ring_bytes for c in chosen)
 
 
-def report(model: str, layout: str, run, seconds: float, measured: list[Collective], minimum: list[Collective],
-           activations: bool) -> None:
+def report(model: str, layout: str, run, seconds: float, measured: list[Collective],
+           minimum: list[Collective]) -> None:
     mesh = run.mesh.shape
     params = sum(layout.nbytes for layout in run.param_layouts)
     print(f"\n{model} | {layout}  (mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
@@ -254,8 +255,7 @@ def report(model: str, layout: str, run, seconds: float, measured: list[Collecti
             print(f"  {op:<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}")
     count, size, ring = totals(measured)
     _, low, low_ring = totals(minimum)
-    note = "" if activations or mesh["tensor"] == 1 else "  (tensor activations: n/a)"
-    print(f"  {'total':<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}{note}")
+    print(f"  {'total':<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}")
 
 
 def main() -> None:
@@ -284,10 +284,9 @@ def main() -> None:
                 overrides.append(f"train.global_batch_size={args.batch_size}")
             run = build_run(load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir))
             measured = hlo_collectives(run.train_step.as_text(), run.mesh.size)
-            activations = activation_minimum(run)
-            minimum = parameter_minimum(run) + activations
+            minimum = parameter_minimum(run) + activation_minimum(run)
             seconds = median_step_seconds(run, args.steps, args.warmup)
-            report(model, layout, run, seconds, measured, minimum, bool(activations))
+            report(model, layout, run, seconds, measured, minimum)
             summary.append((model, layout, seconds, totals(measured), totals(minimum)))
 
     print(f"\n{'model':<12}{'layout':<17}{'step ms':>8}{'ops':>5}{'bytes':>12}{'minimum':>12}{'ratio':>7}"

@@ -115,6 +115,20 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    # How the processes of a multi-host job find each other. Left unset, a cluster environment
+    # (SLURM, Open MPI, TPU pod) or TF_CONFIG is used, else the run is one process. These are
+    # per-launch settings: config.yaml records only the timeouts.
+    coordinator_address: str = ""  # host:port of process 0's coordinator
+    coordinator_bind_address: str = ""  # where the coordinator listens (default: all interfaces)
+    num_processes: int = 0  # processes in the job (0 = not set)
+    process_id: int = -1  # this process's index, 0..num_processes-1 (-1 = not set)
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+    heartbeat_timeout: int = 100  # seconds without a heartbeat before a process counts as dead
+    barrier_timeout: int = 600  # seconds to wait at restore, checkpoint commit and the end
+
+
+@dataclass
 class Config:
     seed: int = 0  # every random draw (init, dropout, data order) derives from this
     workdir: str = ""  # where outputs go ("" = runs/<config file name>)
@@ -126,6 +140,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 CHOICES = {
@@ -334,9 +349,11 @@ def to_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Writes the resolved config; `launch.py --config <this file>` reproduces the run."""
-    Path(path).write_text(to_yaml(cfg))
+    """Writes the resolved config; `launch.py --config <this file>` reproduces the run.
 
+    How processes found each other belongs to one launch, not to the experiment: only the
+    distributed timeouts are kept."""
+    launch_free = dataclasses.replace(cfg.distributed, coordinator_address="", coordinator_bind_address="",
+                                      num_processes=0, process_id=-1)
+    Path(path).write_text(to_yaml(dataclasses.replace(cfg, distributed=launch_free)))
 
-def replace(cfg: Config, **sections) -> Config:
-    return dataclasses.replace(cfg, **sections)

@@ -1,0 +1,168 @@
+"""jax.distributed initialisation, from (in order): explicit settings, a cluster environment
+JAX detects (SLURM, Open MPI, TPU pods, Kubernetes), a tf.distribute TF_CONFIG, or none
+(one process). Also the timed barriers that say which process did not arrive."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+
+from engine.config import DistributedConfig
+from engine.errors import UsageError
+
+
+class DistributedError(RuntimeError):
+    """A process did not join, or did not reach a barrier, in time (exit code 1)."""
+
+
+@dataclass(frozen=True)
+class TFConfigTask:
+    """What a TF_CONFIG says this process is."""
+    kind: str  # "trainer" or "evaluator"
+    coordinator_address: Optional[str] = None
+    num_processes: int = 1
+    process_id: int = 0
+
+
+def parse_tf_config(text: str) -> TFConfigTask:
+    """tf.distribute's TF_CONFIG → coordinator address and process id.
+
+    chief (if any) then workers, in order, are processes 0..N-1; the first of them hosts the
+    coordinator at its address. An `evaluator` task runs the sidecar evaluator; `ps` tasks
+    have no counterpart: parameter servers are replaced by sharding over the fsdp axis.
+    """
+    try:
+        spec = json.loads(text)
+        cluster, task = spec["cluster"], spec["task"]
+        kind, index = task["type"], int(task["index"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"TF_CONFIG is not valid: {e!s}; expected "
+                         '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}') from None
+    if kind == "ps":
+        raise UsageError("TF_CONFIG task type 'ps': parameter servers are not used here; parameters and optimizer "
+                         "state are sharded over the mesh's fsdp axis instead (mesh.fsdp=N). Start only chief and "
+                         "worker tasks (and optionally an evaluator)")
+    if kind == "evaluator":
+        return TFConfigTask("evaluator")
+    trainers = [(role, i, address) for role in ("chief", "worker") for i, address in enumerate(cluster.get(role, []))]
+    if not trainers:
+        raise UsageError("TF_CONFIG has no chief or worker addresses in 'cluster'")
+    ids = {(role, i): n for n, (role, i, _) in enumerate(trainers)}
+    if (kind, index) not in ids:
+        raise UsageError(f"TF_CONFIG task {kind}:{index} is not in its cluster ({len(trainers)} chief/worker tasks)")
+    return TFConfigTask("trainer", trainers[0][2], len(trainers), ids[(kind, index)])
+
+
+def detected_cluster() -> Optional[str]:
+    """The cluster environment JAX can initialise from by itself, if it holds several processes."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))) > 1:
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("MEGASCALE_NUM_SLICES", "1")) > 1:
+        return "TPU pod"
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env and "JAX_COORDINATOR_ADDRESS" not in env:
+        return None  # an indexed Job: pass distributed.* explicitly (see README)
+    return None
+
+
+def initialize(cfg: DistributedConfig) -> str:
+    """Starts jax.distributed when the job has several processes; returns how they were found."""
+    explicit = cfg.coordinator_address or cfg.num_processes > 1
+    cluster = None if explicit else detected_cluster()
+    tf_config = os.environ.get("TF_CONFIG") if not (explicit or cluster) else None
+    kwargs = {}
+    if explicit:
+        if not cfg.coordinator_address or cfg.num_processes < 1 or cfg.process_id < 0:
+            raise UsageError("set all of distributed.coordinator_address (host:port), distributed.num_processes "
+                             "and distributed.process_id (or --coordinator-address, --num-processes, --process-id)")
+        if cfg.process_id >= cfg.num_processes:
+            raise UsageError(f"distributed.process_id={cfg.process_id} must be below "
+                             f"distributed.num_processes={cfg.num_processes}")
+        kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
+                      process_id=cfg.process_id)
+        source = "explicit settings"
+    elif cluster:
+        source = cluster
+    elif tf_config:
+        task = parse_tf_config(tf_config)
+        if task.kind == "evaluator" or task.num_processes == 1:
+            return "TF_CONFIG (single process)"
+        kwargs = dict(coordinator_address=task.coordinator_address, num_processes=task.num_processes,
+                      process_id=task.process_id)
+        source = "TF_CONFIG"
+    else:
+        return "single process"
+    if cfg.coordinator_bind_address:
+        kwargs["coordinator_bind_address"] = cfg.coordinator_bind_address
+    # CPU collectives between processes go through gloo (a no-op setting on GPU and TPU).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "coordinator_address" in kwargs:
+        # JAX aborts the whole process (no Python error) when the others do not join in time;
+        # say first what is being waited for, and fail cleanly if the coordinator never answers.
+        print(f"process {kwargs['process_id']} of {kwargs['num_processes']}: joining the job at "
+              f"{kwargs['coordinator_address']} ({source}; timeout {cfg.initialization_timeout}s)",
+              file=sys.stderr, flush=True)
+        if kwargs["process_id"] != 0:
+            wait_for_coordinator(kwargs["coordinator_address"], cfg.initialization_timeout, kwargs["process_id"])
+    try:
+        jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout,
+                                   heartbeat_timeout_seconds=cfg.heartbeat_timeout, **kwargs)
+    except (RuntimeError, ValueError) as e:  # jaxlib's errors derive from RuntimeError
+        where = kwargs.get("coordinator_address", f"the {source} coordinator")
+        raise DistributedError(
+            f"process {kwargs.get('process_id', '?')} could not join the job at {where} within "
+            f"{cfg.initialization_timeout}s ({source}): {first_line(e)}. Check that every process was started "
+            f"with the same coordinator and process count, and that the coordinator's port is reachable") from None
+    return source
+
+
+def wait_for_coordinator(address: str, timeout_seconds: int, process_id: int) -> None:
+    """Retries a TCP connection to the coordinator until it answers or the timeout passes."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedError(f"process {process_id} could not reach the coordinator (process 0) at "
+                                       f"{address} within {timeout_seconds}s: {e}. Is process 0 running, and is "
+                                       f"that address reachable from here?") from None
+            time.sleep(0.5)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+
+
+def barrier(name: str, timeout_seconds: int) -> None:
+    """Waits until every process reaches `name`; DistributedError naming the ones that did not."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the coordination-service client
+
+    client = jax_distributed.global_state.client
+    try:
+        client.wait_at_barrier(name, timeout_seconds * 1000)
+    except Exception as e:  # the client raises jaxlib's own error type, which names the missing tasks
+        missing = missing_processes(first_line(e))
+        who = f"process(es) {missing}" if missing else "some process"
+        raise DistributedError(f"{who} did not reach '{name}' within {timeout_seconds}s "
+                               f"(distributed.barrier_timeout): {first_line(e)}") from None
+
+
+def missing_processes(message: str) -> str:
+    """Task numbers that the coordination service reports in a barrier error, e.g. '/task:1'."""
+    import re
+
+    tasks = sorted({int(t) for t in re.findall(r"task:(\d+)", message)})
+    return ", ".join(map(str, tasks))

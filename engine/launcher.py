@@ -1,0 +1,90 @@
+"""`launch.py ... --local-processes N`: a multi-process job on this host, for trying and
+testing multi-host code on CPU. Each process gets M simulated CPU devices; they meet at a
+coordinator bound to 127.0.0.1 only. Output lines are prefixed with the process id. If one
+process fails, the others are stopped and the launcher exits non-zero naming it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
+GRACE_SECONDS = 10  # after SIGTERM, how long a process may take to exit before SIGKILL
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _relay(index: int, stream, sink) -> None:
+    for line in stream:
+        sink.write(f"[{index}] {line}")
+        sink.flush()
+
+
+def _describe(code: int) -> str:
+    return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+
+
+def run_local(args: list[str], processes: int, devices_per_process: int) -> int:
+    """Runs `launch.py args` as `processes` processes; returns the job's exit code."""
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    children = []
+    for index in range(processes):
+        command = [sys.executable, str(LAUNCH), *args, f"distributed.coordinator_address=127.0.0.1:{port}",
+                   f"distributed.coordinator_bind_address=127.0.0.1:{port}",
+                   f"distributed.num_processes={processes}", f"distributed.process_id={index}"]
+        child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+        threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True).start()
+        children.append(child)
+
+    preempted = []
+
+    def forward_sigterm(signum, frame):  # preemption of the launcher preempts every process
+        preempted.append(True)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward_sigterm)
+    try:
+        while True:
+            codes = [child.poll() for child in children]
+            if preempted:  # every process is saving its part of the checkpoint: let them finish
+                codes = [child.wait() for child in children]
+                return 143 if all(code == 143 for code in codes) else max(codes, key=abs)
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                index, code = failed[0]
+                sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
+                _stop(children)
+                return code if code == 143 and all(c == 143 for _, c in failed) else 1
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop(children)
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for child in children:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # its whole process group
+            child.wait()
