@@ -228,11 +228,13 @@ def median_step_seconds(run, steps: int, warmup: int) -> float:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
         n /= 1024
-    return ""
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
 
 
 def totals(collectives: list[Collective], op: str | None = None) -> tuple[int, int, float]:
@@ -272,6 +274,8 @@ def main() -> None:
     print("minimum: data parallel 1 x P (all-reduce grads); fsdp 2 x P all-gather params (fwd + bwd) + 1 x P "
           "reduce-scatter grads = 3 x P; tensor: Megatron activation all-reduces (see the docstring).")
     print("ring bytes: what each device sends, all-reduce 2(n-1)/n x bytes, gather/scatter/all-to-all (n-1)/n x.")
+    print("ratio = bytes / minimum; below 1 under fsdp when XLA gathers each parameter once and keeps it for the "
+          "backward pass.")
     if jax.default_backend() == "cpu":
         print("note: XLA:CPU has no reduce-scatter pass: the fsdp gradient reduce-scatter shows as an all-reduce "
               "(same bytes here, 2x the ring bytes of a reduce-scatter).")

@@ -121,6 +121,8 @@ def initialize(cfg: DistributedConfig) -> str:
             f"process {kwargs.get('process_id', '?')} could not join the job at {where} within "
             f"{cfg.initialization_timeout}s ({source}): {first_line(e)}. Check that every process was started "
             f"with the same coordinator and process count, and that the coordinator's port is reachable") from None
+    print(f"process {jax.process_index()} of {jax.process_count()}: joined the job ({source}); "
+          f"{jax.device_count()} devices in all, {jax.local_device_count()} here", file=sys.stderr, flush=True)
     return source
 
 

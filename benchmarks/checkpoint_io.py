@@ -1,0 +1,173 @@
+"""Checkpoint cost: how long an asynchronous save blocks training, against a synchronous save
+and a plain numpy.save of the same bytes.
+
+Builds the transformer of configs/gpt_small.yaml, made moderately large (by default
+d_model=256, 6 layers, mlp_dim=1024: about 5M parameters, ~60 MB of train state with Adam's
+two moments), initialises its state (`run.init_state()`), trains --train-steps steps so
+that Adam's moments are no longer all zeros, and saves it with
+engine.checkpoint.Checkpointer, the class the trainer uses, with the trainer's metadata
+(config and data position):
+
+  (a) blocked      async save (the default): time until `save()` returns, i.e. what the
+                   training loop waits for. Orbax copies the arrays off the devices before
+                   returning and writes them in a background thread.
+  (c) async total  the same save, until `wait()` returns: everything on disk.
+  (b) synchronous  `Checkpointer(..., async_save=False)`: save + wait.
+  (d) bytes on disk of that synchronous checkpoint (all files under its step directory)
+                   and its write throughput: bytes on disk / (b), and state bytes / (b).
+                   Orbax compresses arrays (zstd), so the disk holds fewer bytes than the
+                   state; a freshly initialised state's zero Adam moments compress to almost
+                   nothing (--train-steps 0 shows it), hence the training steps first.
+  (e) numpy.save   `jax.device_get` of every state leaf, `np.save` of each into one file,
+                   then fsync (orbax's tensorstore writes also sync to disk by default):
+                   the throughput of a plain write of the same bytes to the same disk.
+
+Each measurement is repeated --reps times (after one untimed warm-up of each kind), every
+save into a fresh directory with its own step number; the table gives medians.
+`blocked / synchronous` is the share of a synchronous save's time that training still
+loses with async saving; the target is at most 10%. `(b) / (e)` compares orbax with the
+plain write. MB = 10^6 bytes. Directories go under /tmp (or --dir) and are removed at the
+end unless --keep; note that /tmp may be a RAM-backed tmpfs on some systems, which makes
+every write look fast.
+
+    python benchmarks/checkpoint_io.py
+    python benchmarks/checkpoint_io.py --d-model 512 --num-layers 8 --mlp-dim 2048 --dir /data/scratch
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.checkpoint import Checkpointer  # noqa: E402
+from engine.config import load_config, to_yaml  # noqa: E402
+from engine.setup import build_run  # noqa: E402
+
+QUIET = ["log.progress=false", "log.tensorboard=false"]
+
+
+def disk_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def async_save(directory: Path, step: int, state, meta: dict) -> tuple[float, float]:
+    """(seconds until save() returned, seconds until wait() returned)."""
+    checkpointer = Checkpointer(directory, keep=3)
+    start = time.perf_counter()
+    checkpointer.save(step, state, meta)
+    returned = time.perf_counter()
+    checkpointer.wait()
+    finished = time.perf_counter()
+    checkpointer.close()
+    return returned - start, finished - start
+
+
+def sync_save(directory: Path, step: int, state, meta: dict) -> tuple[float, int]:
+    """(seconds for save + wait, bytes on disk of the step's checkpoint)."""
+    checkpointer = Checkpointer(directory, keep=3, async_save=False)
+    start = time.perf_counter()
+    checkpointer.save(step, state, meta)
+    checkpointer.wait()
+    seconds = time.perf_counter() - start
+    checkpointer.close()
+    return seconds, disk_bytes(directory / str(step))
+
+
+def numpy_save(path: Path, state, fsync: bool) -> tuple[float, int]:
+    """(seconds to fetch the leaves and write them into one .npy stream, bytes written)."""
+    start = time.perf_counter()
+    leaves = jax.device_get(jax.tree.leaves(state))
+    with open(path, "wb") as f:
+        for leaf in leaves:
+            np.save(f, np.asarray(leaf))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return time.perf_counter() - start, path.stat().st_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=6)
+    parser.add_argument("--mlp-dim", type=int, default=1024)
+    parser.add_argument("--max-bytes", type=int, default=200_000, help="data.max_bytes (only the data loads)")
+    parser.add_argument("--train-steps", type=int, default=2, help="steps trained before saving (0 = fresh state)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions of each measurement")
+    parser.add_argument("--dir", default=None, help="where to write (a fresh subdirectory; default under /tmp)")
+    parser.add_argument("--no-fsync", dest="fsync", action="store_false", help="numpy.save without fsync")
+    parser.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra engine config overrides")
+    args = parser.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=args.dir))
+    overrides = QUIET + [f"model.d_model={args.d_model}", f"model.num_layers={args.num_layers}",
+                         f"model.mlp_dim={args.mlp_dim}", f"data.max_bytes={args.max_bytes}", *args.overrides]
+    cfg = load_config(ROOT / "configs" / "gpt_small.yaml", overrides, str(base / "run"))
+    run = build_run(cfg)
+    state = run.to_step_layout(run.init_state())
+    for step in range(args.train_steps):
+        state, _ = run.train_step(state, run.put_batch(run.train_batches(step), cfg.train.global_batch_size))
+    state = run.from_step_layout(jax.block_until_ready(state))
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    params = sum(leaf.size for leaf in jax.tree.leaves(state.params))
+
+    def meta(step):  # what the trainer saves alongside the state
+        return {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg)}
+
+    async_save(base / "warmup_async", 1, state, meta(1))
+    sync_save(base / "warmup_sync", 2, state, meta(2))
+    numpy_save(base / "warmup.npy", state, args.fsync)
+
+    blocked, async_total, synchronous, on_disk, plain = [], [], [], [], []
+    for rep in range(args.reps):
+        step = 100 * (rep + 1)
+        returned, finished = async_save(base / f"async_{rep}", step, state, meta(step))
+        blocked.append(returned)
+        async_total.append(finished)
+        seconds, size = sync_save(base / f"sync_{rep}", step + 1, state, meta(step + 1))
+        synchronous.append(seconds)
+        on_disk.append(size)
+        plain.append(numpy_save(base / f"numpy_{rep}.npy", state, args.fsync))
+
+    median = statistics.median
+    sync_seconds, disk = median(synchronous), median(on_disk)
+    numpy_seconds = median([seconds for seconds, _ in plain])
+    numpy_bytes = plain[0][1]
+
+    def row(label: str, values: list[float], extra: str = "") -> None:
+        runs = " ".join(f"{v * 1e3:.1f}" for v in values)
+        print(f"{label:<44}{median(values) * 1e3:>10.1f} ms   [{runs}]{extra}")
+
+    print(f"transformer d_model={args.d_model} num_layers={args.num_layers} mlp_dim={args.mlp_dim}: "
+          f"{params / 1e6:.2f}M parameters; train state {state_bytes / 1e6:.1f} MB in "
+          f"{len(jax.tree.leaves(state))} arrays after {args.train_steps} training steps; "
+          f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    print(f"writing under {base}; medians of {args.reps} (runs in brackets)")
+    row("(a) async save, loop blocked (save returns)", blocked)
+    row("(c) async save, total (until wait returns)", async_total)
+    row("(b) synchronous save (save + wait)", synchronous)
+    print(f"{'(d) synchronous: bytes on disk, throughput':<44}{disk / 1e6:>10.1f} MB   "
+          f"{disk / 1e6 / sync_seconds:.0f} MB/s on disk, {state_bytes / 1e6 / sync_seconds:.0f} MB/s of state")
+    fsync = "+ fsync" if args.fsync else "no fsync"
+    row(f"(e) numpy.save of the same bytes ({fsync})", [s for s, _ in plain],
+        f"   {numpy_bytes / 1e6:.1f} MB, {numpy_bytes / 1e6 / numpy_seconds:.0f} MB/s")
+    print(f"blocked / synchronous = {median(blocked) / sync_seconds:.1%} (target <= 10%); "
+          f"synchronous / numpy.save = {sync_seconds / numpy_seconds:.2f}x")
+    if not args.keep:
+        shutil.rmtree(base)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Real multi-process jobs on localhost (gloo CPU collectives): equal to one process, checkpoints
+across process counts, TF_CONFIG, a killed process, and a run under a real SLURM cluster."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import slurm_cluster
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.multiprocess
+
+MLP = ["configs/mnist_mlp.yaml", "train.global_batch_size=32", "model.dropout_rate=0.2"]
+GPT = ["configs/gpt_small.yaml", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
+       "data.vocab_size=64", "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
+       "train.global_batch_size=8", "optimizer.warmup_steps=2"]
+COMMON = ["log.every_steps=1", "log.progress=false", "eval.every_steps=0", "eval.max_batches=2"]
+FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def train_losses(workdir):
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def local_job(workdir, config, *overrides, processes=2, devices=2, timeout=400):
+    return run_cli("--config", config, "--workdir", str(workdir), "--local-processes", str(processes),
+                   "--devices-per-process", str(devices), *overrides, *COMMON, timeout=timeout)
+
+
+def one_process(workdir, config, *overrides, timeout=400):
+    return run_cli("--config", config, "--workdir", str(workdir), *overrides, *COMMON, env=FOUR_DEVICES,
+                   timeout=timeout)
+
+
+@pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
+def test_two_processes_match_one_process(tmp_path, model):
+    config, *overrides = model
+    two = local_job(tmp_path / "two", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "[1] " in two.stdout and "[0] " in two.stdout  # output prefixed by process id
+    one = one_process(tmp_path / "one", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert sorted(a) == list(range(1, 9))
+    np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(a)], rtol=1e-5)
+
+
+def test_checkpoints_move_between_process_counts(tmp_path):
+    config, *overrides = MLP
+    args = [*overrides, "checkpoint.every_steps=4"]
+    reference = one_process(tmp_path / "ref", config, *args, "train.steps=8")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    expected = train_losses(tmp_path / "ref")
+    # saved by 2 processes, resumed by 1
+    first = local_job(tmp_path / "a", config, *args, "train.steps=4")
+    assert first.returncode == 0, first.stdout[-3000:]
+    second = one_process(tmp_path / "a", config, *args, "train.steps=8")
+    assert second.returncode == 0, second.stderr[-2000:]
+    # saved by 1 process, resumed by 2
+    assert one_process(tmp_path / "b", config, *args, "train.steps=4").returncode == 0
+    second = local_job(tmp_path / "b", config, *args, "train.steps=8")
+    assert second.returncode == 0, second.stdout[-3000:]
+    for workdir in (tmp_path / "a", tmp_path / "b"):
+        losses = train_losses(workdir)
+        assert sorted(losses) == list(range(1, 9))
+        np.testing.assert_allclose([losses[s] for s in range(5, 9)], [expected[s] for s in range(5, 9)], rtol=1e-5)
+
+
+def test_tf_config_two_workers_train(tmp_path):
+    from engine.launcher import free_port
+
+    port = free_port()
+    cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]}
+    procs = []
+    for index in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir",
+             str(tmp_path / "tf"), "train.steps=6", *COMMON], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    assert "TF_CONFIG" in outputs[1][1]  # process 1 says how it found the job
+    assert sorted(train_losses(tmp_path / "tf")) == list(range(1, 7))
+    finals = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(finals) == 1 and finals.pop().startswith("done: 6 steps")  # both end with the same eval
+
+
+def test_tf_config_parameter_server_is_refused(tmp_path):
+    env = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
+                                    "task": {"type": "ps", "index": 0}})}
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "ps"), env=env)
+    assert proc.returncode == 2 and "sharded over the mesh's fsdp axis" in proc.stderr
+
+
+def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
+    workdir = tmp_path / "kill"
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
+         "--local-processes", "2", "train.steps=1000000", *COMMON], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    deadline = time.time() + 180
+    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
+        assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.2)
+    victim = subprocess.run(["pgrep", "-f", "distributed.process_id=1"], capture_output=True, text=True)
+    pid = int(victim.stdout.split()[0])
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=90)
+    assert time.monotonic() - killed_at < 60
+    assert launcher.returncode != 0
+    assert "process 1 was killed by signal 9 (SIGKILL)" in err
+    assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).returncode == 1  # none left
+
+
+def test_unreachable_coordinator_fails_cleanly(tmp_path):
+    from engine.launcher import free_port
+
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "--coordinator-address",
+                   f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "1",
+                   "distributed.initialization_timeout=2")
+    assert proc.returncode == 1
+    assert "process 1 could not reach the coordinator (process 0)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge "
+                                                            "(.ci/run installs them)")
+def test_srun_two_processes_found_through_slurm(tmp_path):
+    workdir = tmp_path / "slurm"
+    with slurm_cluster.SlurmCluster(tmp_path / "cluster") as cluster:
+        env = dict(cluster.env, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        proc = subprocess.run(
+            ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(ROOT / "launch.py"), "--config",
+             "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=6", "train.global_batch_size=32",
+             *COMMON], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for index in range(2):  # both processes found the job through SLURM's environment
+        assert f"process {index} of 2: joined the job (SLURM); 4 devices in all, 2 here" in proc.stderr
+    assert sorted(train_losses(workdir)) == list(range(1, 7))
+    assert proc.stdout.count("done: 6 steps") == 2
