@@ -69,13 +69,16 @@ def _filter_event_loop_noise() -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True):
+    def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
+                 timeout_seconds: int = 600):
         self.directory = Path(directory).absolute()
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
         options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
                                                read_only=read_only, save_interval_steps=0 if read_only else 1,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=async_save,
+                                               # how long processes wait for each other to commit a save
+                                               async_options=ocp.AsyncOptions(timeout_secs=timeout_seconds))
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})

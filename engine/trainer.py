@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from engine.checkpoint import Checkpointer
 from engine.config import Config, save_config, to_yaml
 from engine.data import Prefetcher, eval_batches
+from engine.distributed import barrier
 from engine.metrics import MetricWriter
 from engine.setup import Run, build_run
 
@@ -127,8 +128,10 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
     if is_chief:
         workdir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, workdir / "config.yaml")
-    checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep)
+    timeout = cfg.distributed.barrier_timeout
+    checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout)
     state, start = initial_state(run, checkpointer)
+    barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
     if is_chief:
         drop_records_after(workdir / "metrics.jsonl", start)
     state = run.to_step_layout(state)
@@ -180,6 +183,7 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
         if start >= total:
             writer.message(f"already finished: the newest checkpoint is at step {start} of {total}")
         checkpointer.wait()  # the last save is complete before the run reports success
+        barrier("finished", timeout)
     finally:
         preemption.close()
         batches.close()
