@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-COMMANDS = ("train", "eval", "export")
+COMMANDS = ("train", "eval", "export", "sweep", "report")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,6 +25,25 @@ class _Parser(argparse.ArgumentParser):
 def _parser(command: str) -> argparse.ArgumentParser:
     from engine.config import shipped_configs
 
+    if command == "sweep":
+        parser = _Parser(prog="launch.py sweep", description="Run every config of a sweep file (grid, zip, random "
+                                                             "search); re-running resumes what is unfinished.")
+        parser.add_argument("sweep_file", help="the sweep YAML (see engine/sweep.py and README)")
+        parser.add_argument("--parallel", type=int, default=1, metavar="K", help="runs at a time (local backend)")
+        parser.add_argument("--backend", choices=("local", "slurm"), default="local",
+                            help="local processes, or one SLURM job array (sbatch)")
+        parser.add_argument("--retry-failed", action="store_true", help="run failed runs again")
+        parser.add_argument("--run-task", type=int, help=argparse.SUPPRESS)  # inside a SLURM array task
+        parser.add_argument("--task-runs", help=argparse.SUPPRESS)
+        return parser
+    if command == "report":
+        parser = _Parser(prog="launch.py report", description="Rank runs by a metric: a console table, report.csv, "
+                                                              "report.md and report.png (loss curves).")
+        parser.add_argument("paths", nargs="+", help="a sweep directory, or run workdirs")
+        parser.add_argument("--metric", help="split/name to rank by (default: the sweep's, else eval/loss)")
+        parser.add_argument("--mode", choices=("min", "max"), help="best is min or max (default: the sweep's)")
+        parser.add_argument("--out", help="where to write the report (default: the sweep directory, else .)")
+        return parser
     if command == "export":
         parser = _Parser(prog="launch.py export", description="Export a trained run's variables and forward "
                                                               "function (jax.export StableHLO) for inference.")
@@ -72,7 +91,7 @@ def main(argv: list[str]) -> int:
     args = _parser(command).parse_intermixed_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
     from engine.errors import UsageError
 
-    if command != "export" and args.local_processes:
+    if command in ("train", "eval") and args.local_processes:
         if args.local_processes < 1 or args.devices_per_process < 1:
             sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
             return 2
@@ -83,6 +102,18 @@ def main(argv: list[str]) -> int:
     from engine.distributed import DistributedError
 
     try:
+        if command == "sweep":
+            from engine.sweep import main as sweep_main
+
+            if args.parallel < 1:
+                raise UsageError(f"--parallel {args.parallel} must be at least 1")
+            return sweep_main(args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task,
+                              args.task_runs)
+        if command == "report":
+            from engine.report import report
+
+            report(args.paths, args.metric, args.mode, args.out)
+            return 0
         if command == "export":
             from engine.export import export_run
 

@@ -1,0 +1,113 @@
+"""`launch.py report SWEEP_DIR_OR_WORKDIRS...`: runs ranked by a metric, as a console table,
+CSV and Markdown, and one PNG of every run's train and eval loss curves."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from engine.errors import UsageError
+from engine.sweep import final_metrics, read_status
+
+
+def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
+    """(name, workdir, status) for each run: a sweep directory's runs, or workdirs themselves."""
+    runs = []
+    for path in paths:
+        if (path / "sweep.json").exists():
+            for name in json.loads((path / "sweep.json").read_text())["runs"]:
+                runs.append((name, path / name, read_status(path / name).get("status", "pending")))
+        elif (path / "metrics.jsonl").exists():
+            runs.append((path.name, path, read_status(path).get("status", "finished")))
+        else:
+            raise UsageError(f"{path} is neither a sweep directory (sweep.json) nor a run's workdir (metrics.jsonl)")
+    return runs
+
+
+def _curves(workdir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    path = workdir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "loss" in record and record.get("source") != "evaluator":
+                steps, values = curves.setdefault(record["split"], ([], []))
+                steps.append(record["step"])
+                values.append(record["loss"])
+    return curves
+
+
+def report(paths: list[Path | str], metric: str | None = None, mode: str | None = None,
+           out: Path | str | None = None) -> list[dict]:
+    """Writes report.csv, report.md and report.png into `out`; prints and returns the ranked rows."""
+    paths = [Path(p) for p in paths]
+    sweep_meta = next((json.loads((p / "sweep.json").read_text()) for p in paths if (p / "sweep.json").exists()), {})
+    metric = metric or sweep_meta.get("metric", "eval/loss")
+    mode = mode or sweep_meta.get("mode", "min")
+    out = Path(out) if out else (paths[0] if len(paths) == 1 and (paths[0] / "sweep.json").exists() else Path("."))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, workdir, status in _runs(paths):
+        final = final_metrics(workdir)
+        rows.append({"run": name, "status": status, metric: final.get(metric),
+                     **{k: v for k, v in sorted(final.items()) if k != metric and not k.endswith("_per_sec")}})
+    ranked = sorted(rows, key=lambda r: (r[metric] is None, (r[metric] or 0) * (-1 if mode == "max" else 1)))
+    for rank, row in enumerate(ranked, 1):
+        row["rank"] = rank if row[metric] is not None else None
+    columns = ["rank", "run", "status", metric] + sorted({k for r in ranked for k in r} -
+                                                         {"rank", "run", "status", metric})
+    with open(out / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(ranked)
+    cells = [[_cell(row.get(c)) for c in columns] for row in ranked]
+    (out / "report.md").write_text(_markdown(columns, cells, f"Runs ranked by {metric} ({mode})"))
+    print(_console(columns, cells, f"runs ranked by {metric} ({mode}); best first"))
+    _plot([(name, _curves(workdir)) for name, workdir, _ in _runs(paths)], out / "report.png")
+    print(f"wrote {out / 'report.csv'}, {out / 'report.md'}, {out / 'report.png'}")
+    return ranked
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _markdown(columns, cells, title) -> str:
+    lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def _console(columns, cells, title) -> str:
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = [title, "  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _plot(curves: list[tuple[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, split in zip(axes, ("train", "eval")):
+        for name, by_split in curves:
+            if split in by_split:
+                steps, losses = by_split[split]
+                ax.plot(steps, losses, marker="o" if len(steps) < 15 else None, markersize=3, label=name)
+        ax.set_title(f"{split} loss")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("loss")
+    handles, labels = axes[0].get_legend_handles_labels() or axes[1].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) - 1) // 3 + 1) if handles else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

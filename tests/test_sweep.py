@@ -1,0 +1,156 @@
+"""Config sweeps: expansion, validation, running (sequential, parallel, resumed), the report."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from engine.errors import UsageError
+from engine.sweep import load_sweep
+
+FAST = {"train.steps": 40, "log.every_steps": 20, "eval.every_steps": 20, "log.tensorboard": False,
+        "checkpoint.every_steps": 20, "train.global_batch_size": 32}
+
+
+def write_sweep(path, **spec):
+    spec.setdefault("base", str(ROOT / "configs" / "mnist_mlp.yaml"))
+    spec.setdefault("overrides", FAST)
+    spec.setdefault("directory", str(path.parent / "out"))
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def index(directory):
+    return [json.loads(line) for line in (directory / "sweep.jsonl").read_text().splitlines()]
+
+
+def test_grid_zip_and_random_expansion(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", grid={"optimizer.learning_rate": [0.001, 0.01],
+                                                              "model.hidden_sizes": [[32], [64, 32]]},
+                                   zip={"optimizer.warmup_steps": [0, 5], "optimizer.schedule":
+                                        ["constant", "warmup_cosine"]}))
+    assert len(sweep.runs) == 8
+    assert sweep.runs[0].name == "learning_rate=0.001,hidden_sizes=[32],warmup_steps=0,schedule=constant"
+    assert len({r.name for r in sweep.runs}) == 8
+    spec = {"random": {"samples": 5, "seed": 7, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]},
+                                                            "model.dropout_rate": {"uniform": [0.0, 0.5]},
+                                                            "train.global_batch_size": {"choice": [16, 32]}}}}
+    first = load_sweep(write_sweep(tmp_path / "r.yaml", **spec))
+    second = load_sweep(write_sweep(tmp_path / "r2.yaml", **spec))
+    assert [r.overrides for r in first.runs] == [r.overrides for r in second.runs]  # same seed, same configs
+    assert all(1e-4 <= r.overrides["optimizer.learning_rate"] <= 1e-2 for r in first.runs)
+    assert len({r.overrides["optimizer.learning_rate"] for r in first.runs}) == 5
+    other = load_sweep(write_sweep(tmp_path / "r3.yaml", random={**spec["random"], "seed": 8}))
+    assert [r.overrides for r in other.runs] != [r.overrides for r in first.runs]
+
+
+def test_malformed_sweep_files_are_refused(tmp_path):
+    with pytest.raises(UsageError, match="zip lists must have equal lengths"):
+        load_sweep(write_sweep(tmp_path / "a.yaml", zip={"a.b": [1, 2], "c.d": [1]}))
+    with pytest.raises(UsageError, match=r"unknown key\(s\) \['gird'\]"):
+        load_sweep(write_sweep(tmp_path / "b.yaml", gird={"a.b": [1]}))
+    with pytest.raises(UsageError, match="log_uniform"):
+        load_sweep(write_sweep(tmp_path / "c.yaml", random={"samples": 2, "params": {"x.y": {"normal": [0, 1]}}}))
+
+
+def test_a_bad_value_stops_the_sweep_before_any_run(tmp_path):
+    path = write_sweep(tmp_path / "bad.yaml", grid={"optimizer.learning_rate": [0.001, "fast"]})
+    proc = run_cli("sweep", str(path))
+    assert proc.returncode == 2
+    assert "run 'learning_rate=fast': config key 'optimizer.learning_rate' got 'fast'" in proc.stderr
+    assert not any((tmp_path / "out").glob("*/metrics.jsonl"))  # nothing ran
+
+
+@pytest.mark.slow
+def test_grid_runs_ranks_and_plots(tmp_path):
+    path = write_sweep(tmp_path / "grid.yaml", grid={"optimizer.learning_rate": [0.001, 0.003],
+                                                     "model.hidden_sizes": [[32], [64]]},
+                       metric="eval/accuracy", mode="max")
+    proc = run_cli("sweep", str(path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "out"
+    runs = index(out)
+    assert len(runs) == 4 and all(r["status"] == "finished" for r in runs)
+    assert len([d for d in out.iterdir() if d.is_dir()]) == 4
+    assert all(r["final"]["eval/accuracy"] > 0 for r in runs)
+    table = (out / "report.csv").read_text().splitlines()
+    assert len(table) == 5 and table[0].startswith("rank,run,status,eval/accuracy")
+    accuracies = [float(line.split(",")[3]) for line in table[1:]]
+    assert accuracies == sorted(accuracies, reverse=True)  # best first
+    assert "| rank | run | status | eval/accuracy |" in (out / "report.md").read_text()
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    again = run_cli("report", str(out), "--out", str(tmp_path / "again"))
+    assert again.returncode == 0 and (tmp_path / "again" / "report.png").exists()
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
+    path = write_sweep(tmp_path / "kill.yaml", grid={"optimizer.learning_rate": [0.001, 0.002, 0.003]},
+                       overrides={**FAST, "train.steps": 300})
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    sweep = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(path)], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "sweep.jsonl").exists() or sum(r["status"] == "finished" for r in index(out)) < 1:
+        assert time.time() < deadline and sweep.poll() is None, sweep.communicate()
+        time.sleep(0.2)
+    while read_metrics_steps(out / "learning_rate=0.002") < 40:  # the second run is under way
+        assert time.time() < deadline and sweep.poll() is None, sweep.communicate()
+        time.sleep(0.1)
+    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its run, with no chance to clean up
+    sweep.wait()
+    finished = {r["name"] for r in index(out) if r["status"] == "finished"}
+    assert finished == {"learning_rate=0.001"}
+    first_log = (out / "learning_rate=0.001" / "metrics.jsonl").read_text()
+    proc = run_cli("sweep", str(path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "3 runs, 1 already done or failed, 2 to run" in proc.stdout
+    assert (out / "learning_rate=0.001" / "metrics.jsonl").read_text() == first_log  # not run again
+    assert all(r["status"] == "finished" for r in index(out))
+    resumed = (out / "learning_rate=0.002" / "run.log").read_text()
+    assert resumed.count("done: 300 steps") == 1
+
+
+def read_metrics_steps(workdir):
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
+    return max(steps, default=0)
+
+
+@pytest.mark.slow
+def test_parallel_finishes_the_same_runs_as_sequential(tmp_path):
+    grid = {"optimizer.learning_rate": [0.001, 0.003], "model.hidden_sizes": [[32], [64]]}
+    sequential = write_sweep(tmp_path / "seq.yaml", grid=grid, directory=str(tmp_path / "seq"))
+    parallel = write_sweep(tmp_path / "par.yaml", grid=grid, directory=str(tmp_path / "par"))
+    assert run_cli("sweep", str(sequential), timeout=600).returncode == 0
+    proc = run_cli("sweep", str(parallel), "--parallel", "2", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    seq, par = index(tmp_path / "seq"), index(tmp_path / "par")
+    assert [r["name"] for r in seq] == [r["name"] for r in par]
+    assert all(r["status"] == "finished" for r in par)
+    for a, b in zip(seq, par):  # same configs, same seeds: the same results
+        assert a["final"]["eval/loss"] == pytest.approx(b["final"]["eval/loss"], rel=1e-6)
+
+
+def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
+    path = write_sweep(tmp_path / "fail.yaml", grid={"optimizer.learning_rate": [0.001, 1e30]},
+                       overrides={**FAST, "train.steps": 20, "optimizer.name": "sgd"})
+    proc = run_cli("sweep", str(path), timeout=600)
+    assert proc.returncode == 1
+    runs = {r["name"]: r for r in index(tmp_path / "out")}
+    assert runs["learning_rate=0.001"]["status"] == "finished"
+    assert runs["learning_rate=1e+30"]["status"] == "failed"
+    assert "loss is" in runs["learning_rate=1e+30"]["error"]
+    proc = run_cli("sweep", str(path))
+    assert "0 to run" in proc.stdout
+    proc = run_cli("sweep", str(path), "--retry-failed")
+    assert "1 to run" in proc.stdout
