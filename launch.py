@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+STARTED = time.time()  # goodput and time to first step count from here
 
 COMMANDS = ("train", "eval", "export", "sweep", "report")
 
@@ -137,7 +140,7 @@ def main(argv: list[str]) -> int:
         from engine.trainer import NonFiniteLoss, Preempted, fit
 
         try:
-            result = fit(cfg)
+            result = fit(cfg, started=STARTED)
         except NonFiniteLoss as e:
             sys.stderr.write(f"error: training stopped: {e}\n")
             return 1

@@ -48,6 +48,7 @@ class TrainConfig:
     compute_dtype: str = "float32"  # dtype of activations and matmuls (bfloat16 for speed)
     nan_policy: str = "stop"  # stop | warn: what a non-finite loss does
     eager: bool = False  # run the step without jit (slow; for debugging, like TF eager)
+    compilation_cache_dir: str = "~/.cache/jax-engine/xla"  # JAX's persistent compilation cache ("" = off)
 
 
 @dataclass

@@ -46,6 +46,8 @@ class MetricWriter:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.summary.add_scalar(f"{split}/{name}", value, step)
             self.summary.flush()
+        if split == "summary":  # the trainer prints its own one-paragraph summary
+            return
         if self.bar is not None:
             shown = {k: values[k] for k in ("loss", "accuracy") if k in values}
             if split == "train":

@@ -1,36 +1,64 @@
-"""Optimizer and learning-rate schedule, built by name from the config."""
+"""Optimizer and learning-rate schedule, built by name from the config.
+
+Hyperparameters that do not change shapes (learning rate, warm-up, decay length, weight
+decay, Adam's betas) are arrays in the train state, not constants in the compiled program,
+so runs that differ only in them share one compiled step (and its persistent cache entry).
+"""
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from engine.config import OptimizerConfig
 
 
-def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_learning_rate_factor
-    if cfg.schedule == "constant":
-        if cfg.warmup_steps:
-            return optax.linear_schedule(0.0, peak, cfg.warmup_steps)
-        return optax.constant_schedule(peak)
-    if cfg.schedule == "warmup_cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, cfg.warmup_steps, max(total_steps, cfg.warmup_steps + 1),
-                                                  end)
-    # warmup_linear
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, peak, cfg.warmup_steps),
-         optax.linear_schedule(peak, end, max(total_steps - cfg.warmup_steps, 1))],
-        [cfg.warmup_steps])
+def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.ndarray]:
+    """The learning-rate schedule's numbers, as float32 scalars carried in the train state."""
+    return {"peak_learning_rate": np.float32(cfg.learning_rate), "warmup_steps": np.float32(cfg.warmup_steps),
+            "decay_steps": np.float32(total_steps), "end_factor": np.float32(cfg.end_learning_rate_factor)}
 
 
-def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    if cfg.name == "sgd":
-        tx = optax.sgd(schedule)
-    elif cfg.name == "momentum":
-        tx = optax.sgd(schedule, momentum=cfg.momentum)
-    elif cfg.name == "adam":
-        tx = optax.adam(schedule, b1=cfg.momentum, b2=cfg.b2, eps=cfg.eps)
-    else:
-        tx = optax.adamw(schedule, b1=cfg.momentum, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.grad_clip_norm:
-        tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
-    return tx
+def learning_rate_at(kind: str, step, hp: dict):
+    """The learning rate at `step` for schedule `kind` (constant, warmup_cosine, warmup_linear)."""
+    step = jnp.asarray(step, jnp.float32)
+    peak, warmup = hp["peak_learning_rate"], hp["warmup_steps"]
+    warming = peak * step / jnp.maximum(warmup, 1.0)
+    if kind == "constant":
+        return jnp.where(step < warmup, warming, peak)
+    end = peak * hp["end_factor"]
+    progress = jnp.clip((step - warmup) / jnp.maximum(hp["decay_steps"] - warmup, 1.0), 0.0, 1.0)
+    if kind == "warmup_cosine":
+        decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    else:  # warmup_linear
+        decayed = peak + (end - peak) * progress
+    return jnp.where(step < warmup, warming, decayed)
+
+
+def optimizer_hparams(cfg: OptimizerConfig) -> dict[str, float]:
+    """Numeric optimizer settings injected into the optimizer state (learning_rate set per step)."""
+    hp = {"learning_rate": 0.0}
+    if cfg.name == "momentum":
+        hp["momentum"] = cfg.momentum
+    if cfg.name in ("adam", "adamw"):
+        hp.update(b1=cfg.momentum, b2=cfg.b2, eps=cfg.eps)
+    if cfg.name == "adamw":
+        hp["weight_decay"] = cfg.weight_decay
+    return hp
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """The optimizer (with optional global-norm clipping), its numbers held in its state."""
+
+    def clipped(tx):
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx) if cfg.grad_clip_norm else tx
+
+    # inject_hyperparams reads each builder's parameter names: those become state arrays
+    builders = {
+        "sgd": lambda learning_rate: clipped(optax.sgd(learning_rate)),
+        "momentum": lambda learning_rate, momentum: clipped(optax.sgd(learning_rate, momentum=momentum)),
+        "adam": lambda learning_rate, b1, b2, eps: clipped(optax.adam(learning_rate, b1=b1, b2=b2, eps=eps)),
+        "adamw": lambda learning_rate, b1, b2, eps, weight_decay: clipped(
+            optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)),
+    }
+    return optax.inject_hyperparams(builders[cfg.name])(**optimizer_hparams(cfg))

@@ -50,7 +50,7 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
     for name, workdir, status in _runs(paths):
         final = final_metrics(workdir)
         rows.append({"run": name, "status": status, metric: final.get(metric),
-                     **{k: v for k, v in sorted(final.items()) if k != metric and not k.endswith("_per_sec")}})
+                     **{k: v for k, v in sorted(final.items()) if k != metric and k in _shown(final)}})
     ranked = sorted(rows, key=lambda r: (r[metric] is None, (r[metric] or 0) * (-1 if mode == "max" else 1)))
     for rank, row in enumerate(ranked, 1):
         row["rank"] = rank if row[metric] is not None else None
@@ -66,6 +66,13 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
     _plot([(name, _curves(workdir)) for name, workdir, _ in _runs(paths)], out / "report.png")
     print(f"wrote {out / 'report.csv'}, {out / 'report.md'}, {out / 'report.png'}")
     return ranked
+
+
+def _shown(final: dict) -> set[str]:
+    """Columns worth a glance: eval metrics, train loss/accuracy, time to first step, compile time."""
+    keep = {"train/loss", "train/accuracy", "summary/time_to_first_step", "summary/compile_seconds",
+            "summary/compile_cache_hits"}
+    return {k for k in final if k.startswith("eval/") or k in keep}
 
 
 def _cell(value) -> str:

@@ -21,7 +21,8 @@ from engine.config import Config
 from engine.data import Dataset, TrainBatches, load_dataset, process_rows
 from engine.errors import UsageError
 from engine.mesh import make_mesh
-from engine.optim import learning_rate_schedule, make_optimizer
+from engine.perf import compile_cache_events, enable_compilation_cache
+from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.step import TrainState, make_eval_step, make_loss_fn, make_train_step
 from models import REGISTRY
 
@@ -47,9 +48,10 @@ class Run:
     eval_step: Callable  # (state, device batch) → metric sums
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
     compile_seconds: float
-    flops_per_step: float  # from the compiled step's cost analysis (0 if unknown)
+    flops_per_device_step: float  # from the compiled step's cost analysis (0 if unknown)
     memory_analysis: Any  # the compiled step's memory estimate (None in eager mode)
     eval_batch_size: int
+    compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
 
 
 def _dtype(name: str):
@@ -80,6 +82,25 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
     return eval_batch
 
 
+def run_hparams(cfg: Config) -> dict:
+    """The shape-independent numbers of a run, as float32 scalars the compiled programs take."""
+    return {"schedule": schedule_hparams(cfg.optimizer, cfg.train.steps),
+            "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
+
+
+def with_config_hparams(state: TrainState, cfg: Config) -> TrainState:
+    """The state with the config's hyperparameters (a resumed run follows its current config)."""
+    hparams = run_hparams(cfg)
+
+    def put(value, like):
+        return jax.device_put(jnp.asarray(value, like.dtype), like.sharding)
+
+    schedule = {k: put(v, state.hparams[k]) for k, v in hparams["schedule"].items()}
+    optimizer = {k: put(hparams["optimizer"].get(k, v), v) if k != "learning_rate" else v
+                 for k, v in state.opt_state.hyperparams.items()}
+    return state.replace(hparams=schedule, opt_state=state.opt_state._replace(hyperparams=optimizer))
+
+
 def _sample_inputs(info, task: str):
     if task == "lm":
         return jnp.zeros((1, info.seq_len), jnp.int32)
@@ -88,6 +109,8 @@ def _sample_inputs(info, task: str):
 
 def build_run(cfg: Config) -> Run:
     """Builds and compiles a run from shapes alone; no state is allocated until init_state()."""
+    enable_compilation_cache(cfg.train.compilation_cache_dir)
+    cache_before = dict(compile_cache_events)
     mesh = make_mesh(cfg.mesh)
     dataset = load_dataset(cfg.data)
     spec = REGISTRY[cfg.model.name]
@@ -96,17 +119,20 @@ def build_run(cfg: Config) -> Run:
     module = spec.build(cfg.model, dataset.info, _dtype(cfg.train.compute_dtype), _dtype(cfg.train.param_dtype),
                         pmap_axis)
     loss_fn = make_loss_fn(module, spec.task)
-    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    tx = make_optimizer(cfg.optimizer, schedule)
+    tx = make_optimizer(cfg.optimizer)
     sample = _sample_inputs(dataset.info, spec.task)
 
-    def init_state(seed) -> TrainState:
+    def init_state(seed, hparams) -> TrainState:
+        """Seed and hyperparameters are traced inputs: one compiled init serves every value."""
         init_key, train_key = jax.random.split(jax.random.key(seed))
         variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
         variables = sharding.unbox(variables)
         params = variables.pop("params")
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables,
-                          opt_state=tx.init(params), rng=jax.random.key_data(train_key))
+        opt_state = tx.init(params)
+        opt_state = opt_state._replace(hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype)
+                                                    for k, v in opt_state.hyperparams.items()})
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables, opt_state=opt_state,
+                          rng=jax.random.key_data(train_key), hparams=hparams["schedule"])
 
     # Shapes first, no allocation: the logical axes on the abstract parameters give the layout.
     abstract_vars = jax.eval_shape(lambda: module.init({"params": jax.random.key(0), "dropout": jax.random.key(0)},
@@ -118,22 +144,25 @@ def build_run(cfg: Config) -> Run:
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
                                           transform_non_params=lambda _: replicated)
     model_state = {k: v for k, v in sharding.unbox(abstract_vars).items() if k != "params"}
+    hparams = run_hparams(cfg)
     state_shardings = TrainState(step=replicated, params=param_shardings,
                                  model_state=jax.tree.map(lambda _: replicated, model_state),
-                                 opt_state=opt_shardings, rng=replicated)
+                                 opt_state=opt_shardings, rng=replicated,
+                                 hparams=jax.tree.map(lambda _: replicated, hparams["schedule"]))
+    seed = np.int32(cfg.seed)
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                  jax.eval_shape(init_state, cfg.seed), state_shardings)
+                                  jax.eval_shape(init_state, seed, hparams), state_shardings)
     # Created inside jit with output shardings: no device ever holds the whole state.
-    create_state = jax.jit(init_state, static_argnums=0, out_shardings=state_shardings)
+    create_state = jax.jit(init_state, out_shardings=state_shardings)
 
-    train_step = make_train_step(loss_fn, tx, schedule, cfg.train.grad_accum_steps, pmap_axis)
+    train_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, pmap_axis)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
     compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train, train_step, eval_step)
     train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
                                  compiled["rows"](cfg.train.global_batch_size))
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
-               init_state=lambda: create_state(cfg.seed), to_step_layout=compiled["to_step_layout"],
+               init_state=lambda: create_state(seed, hparams), to_step_layout=compiled["to_step_layout"],
                from_step_layout=compiled["from_step_layout"], param_layouts=param_layouts,
                train_batches=train_batches,
                put_batch=compiled["put_batch"], train_step=compiled["train_step"],
@@ -141,9 +170,10 @@ def build_run(cfg: Config) -> Run:
                # CPU collectives deadlock when a second multi-device step is dispatched before
                # the first finishes (see JAX-CPU-NOTES); accelerators keep async dispatch.
                sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
-               compile_seconds=compiled["compile_seconds"], flops_per_step=compiled["flops"],
+               compile_seconds=compiled["compile_seconds"], flops_per_device_step=compiled["flops"],
                memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
-               eval_rows=compiled["rows"](eval_batch_size))
+               eval_rows=compiled["rows"](eval_batch_size),
+               compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()})
 
 
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,

@@ -9,14 +9,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from engine.optim import learning_rate_at
+
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: Any
     model_state: Any  # non-parameter collections, e.g. {"batch_stats": ...}
-    opt_state: Any
+    opt_state: Any  # optax.inject_hyperparams state: optimizer numbers are arrays, not constants
     rng: jax.Array  # uint32 key data; the step's key is fold_in(rng, step)
+    hparams: Any  # learning-rate schedule numbers (optim.schedule_hparams), inputs to the step
 
 
 def make_loss_fn(module: nn.Module, task: str) -> Callable:
@@ -59,7 +62,7 @@ def _example_ids(batch, axis_name: Optional[str]) -> jax.Array:
     return ids
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: optax.Schedule,
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: str,
                     grad_accum_steps: int = 1, axis_name: Optional[str] = None) -> Callable:
     """train_step(state, batch) → (state, metrics); pure, so jit, pmap and eager all run it."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -89,9 +92,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
             grads = jax.lax.pmean(grads, axis_name)
             metrics = jax.lax.psum(metrics, axis_name)
             model_state = jax.lax.pmean(model_state, axis_name)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        learning_rate = learning_rate_at(schedule, state.step, state.hparams)
+        opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate})
+        updates, opt_state = tx.update(grads, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=learning_rate)
         new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
         return new_state, metrics
 

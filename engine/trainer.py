@@ -19,7 +19,8 @@ from engine.config import Config, save_config, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.distributed import barrier
 from engine.metrics import MetricWriter
-from engine.setup import Run, build_run
+from engine.perf import Goodput, peak_flops, transformer_flops
+from engine.setup import Run, build_run, with_config_hparams
 
 
 class NonFiniteLoss(RuntimeError):
@@ -62,6 +63,7 @@ class FitResult:
     state: object  # the final TrainState
     losses: dict[int, float] = field(default_factory=dict)  # step → train loss of that step
     eval_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
+    summary: dict = field(default_factory=dict)  # time, goodput and MFU of this run
 
 
 def _summarise(step_metrics: list[dict[str, np.ndarray]]) -> dict[str, float]:
@@ -110,19 +112,26 @@ def raise_no_checkpoint(path: str):
     raise UsageError(f"checkpoint.restore_from={path} holds no complete checkpoint")
 
 
-def drop_records_after(path: Path, step: int) -> None:
-    """On resume, forget metrics logged after the checkpoint: those steps run again, identically."""
+def drop_records_after(path: Path, step: int) -> int:
+    """On resume, forget metrics logged after the checkpoint: those steps run again, identically.
+
+    Returns how many logged training steps will be redone (badput of the restart)."""
     if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        return 0
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
+    kept = [r for r in records if r["step"] <= step and r["split"] != "summary"]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
+    return max(logged - step, 0)
 
 
-def fit(cfg: Config, run: Run | None = None) -> FitResult:
+def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> FitResult:
     """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
+    goodput = Goodput(started or time.time())
     run = run or build_run(cfg)
+    goodput.compile_seconds = run.compile_seconds
     workdir = Path(cfg.workdir)
     is_chief = jax.process_index() == 0
     if is_chief:
@@ -131,47 +140,51 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
     timeout = cfg.distributed.barrier_timeout
     checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout)
     state, start = initial_state(run, checkpointer)
+    state = run.to_step_layout(with_config_hparams(state, cfg))
     barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
     if is_chief:
-        drop_records_after(workdir / "metrics.jsonl", start)
-    state = run.to_step_layout(state)
+        goodput.redone_steps = drop_records_after(workdir / "metrics.jsonl", start)
     total = cfg.train.steps
     writer = MetricWriter(workdir, enabled=is_chief, total_steps=total, start_step=start,
                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
     batches = Prefetcher(lambda step: run.put_batch(run.train_batches(step), cfg.train.global_batch_size), start,
                          cfg.data.prefetch)
     preemption = PreemptionWatch()
+    rates = Rates(run)
     result = FitResult(state)
-    window, window_start, window_time = [], start, time.perf_counter()
+    window = Window(start)
     last_saved = start if start else None
 
     def save(step):
+        began = time.perf_counter()
         meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg)}
-        checkpointer.save(step, run.from_step_layout(state), meta)
+        checkpointer.save(step, run.from_step_layout(state), meta)  # returns once copied off the devices
+        window.pause(time.perf_counter() - began)
+        goodput.checkpoint_seconds += time.perf_counter() - began
 
     try:
         for step in range(start, total):
             state, metrics = run.train_step(state, next(batches))
-            if run.sync_each_step:
+            if run.sync_each_step or goodput.first_step_at is None:
                 jax.block_until_ready(metrics)
-            window.append(metrics)
+                goodput.first_step_at = goodput.first_step_at or time.time()
+            window.add(metrics)
             writer.advance()
             done = step + 1
             if done % cfg.log.every_steps == 0 or done == total:
-                host = jax.device_get(window)  # the loop's only regular host sync
-                _check_finite(host, window_start, cfg.train.nan_policy, writer)
-                elapsed = time.perf_counter() - window_time
-                values = _summarise(host)
-                values["steps_per_sec"] = len(window) / elapsed
-                values["examples_per_sec"] = values["steps_per_sec"] * cfg.train.global_batch_size
-                for offset, m in enumerate(host):
-                    result.losses[window_start + offset + 1] = float(m["loss_sum"]) / float(m["count"])
-                writer.write(done, "train", values)
-                window, window_start, window_time = [], done, time.perf_counter()
+                host = jax.device_get(window.metrics)  # the loop's only regular host sync
+                _check_finite(host, window.start, cfg.train.nan_policy, writer)
+                seconds_per_step = window.seconds_per_step()
+                goodput.step_seconds.append(seconds_per_step)
+                result.losses.update(_step_losses(host, window.start))
+                writer.write(done, "train", {**_summarise(host), **rates.per_step(seconds_per_step)})
+                window = Window(done)
             if (cfg.eval.every_steps and done % cfg.eval.every_steps == 0) or done == total:
+                began = time.perf_counter()
                 result.eval_metrics = evaluate(run, state)
                 writer.write(done, "eval", result.eval_metrics)
-                window_time = time.perf_counter()  # eval time is not training throughput
+                window.pause(time.perf_counter() - began)  # eval time is not training throughput
+                goodput.eval_seconds += time.perf_counter() - began
             if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or done == total:
                 save(done)
                 last_saved = done
@@ -182,8 +195,16 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
                 raise Preempted(done)
         if start >= total:
             writer.message(f"already finished: the newest checkpoint is at step {start} of {total}")
+        began = time.perf_counter()
         checkpointer.wait()  # the last save is complete before the run reports success
+        goodput.checkpoint_seconds += time.perf_counter() - began
         barrier("finished", timeout)
+        goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds
+        if total > start:
+            timing = goodput.summary(time.time())
+            result.summary = {**timing, **rates.summary(timing["mean_step_seconds"])}
+            writer.write(total, "summary", result.summary)
+            writer.message(_summary_text(result.summary))
     finally:
         preemption.close()
         batches.close()
@@ -191,6 +212,73 @@ def fit(cfg: Config, run: Run | None = None) -> FitResult:
         checkpointer.close()
     result.state = state
     return result
+
+
+class Window:
+    """The steps between two log lines, and the time they took (less pauses for eval/saves)."""
+
+    def __init__(self, start: int):
+        self.start, self.metrics = start, []
+        self.began, self.paused = time.perf_counter(), 0.0
+
+    def add(self, metrics) -> None:
+        self.metrics.append(metrics)
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def seconds_per_step(self) -> float:
+        """Wall time per step, waits for data included (they slow training down)."""
+        return max(time.perf_counter() - self.began - self.paused, 1e-9) / len(self.metrics)
+
+
+class Rates:
+    """Throughput figures of one step: steps/s, examples/s, tokens/s, TFLOP/s per device, MFU."""
+
+    def __init__(self, run: Run):
+        cfg, info = run.cfg, run.dataset.info
+        self.batch = cfg.train.global_batch_size
+        self.tokens = self.batch * info.seq_len if info.kind == "tokens" else 0
+        self.flops = run.flops_per_device_step
+        self.cache = run.compile_cache
+        device = run.mesh.devices.flat[0]
+        self.peak, self.peak_source = peak_flops(device, cfg.train.compute_dtype)
+        self.analytic = 0.0
+        if cfg.model.name == "transformer":
+            num_params = sum(math.prod(p.shape) for p in run.param_layouts)
+            self.analytic = transformer_flops(num_params, cfg.model.num_layers, cfg.model.d_model, info.seq_len,
+                                              self.tokens) / run.mesh.size
+
+    def per_step(self, seconds: float) -> dict[str, float]:
+        values = {"steps_per_sec": 1.0 / seconds, "examples_per_sec": self.batch / seconds}
+        if self.tokens:
+            values["tokens_per_sec"] = self.tokens / seconds
+        if self.flops:
+            values["tflops_per_device"] = self.flops / seconds / 1e12
+            if self.peak:
+                values["mfu"] = self.flops / seconds / self.peak
+        return values
+
+    def summary(self, mean_step_seconds: float) -> dict:
+        return {**self.per_step(max(mean_step_seconds, 1e-9)), "flops_per_device_step": self.flops,
+                "compile_cache_hits": self.cache.get("hits", 0), "compile_cache_misses": self.cache.get("misses", 0),
+                "flops_source": "compiled step's cost analysis (per device)",
+                "analytic_flops_per_device_step": self.analytic or None,
+                "analytic_flops_formula": "6*N*tokens + 12*layers*d_model*seq_len*tokens" if self.analytic else None,
+                "peak_flops_per_device": self.peak, "peak_source": self.peak_source}
+
+
+def _step_losses(host_window: list[dict], first_step: int) -> dict[int, float]:
+    return {first_step + offset + 1: float(m["loss_sum"]) / float(m["count"]) for offset, m in enumerate(host_window)}
+
+
+def _summary_text(summary: dict) -> str:
+    badput = ", ".join(f"{k.removeprefix('badput_')} {v:.1%}" for k, v in summary.items() if k.startswith("badput_"))
+    mfu = f", MFU {summary['mfu']:.1%} ({summary['peak_source']})" if summary.get("mfu") is not None else ""
+    return (f"summary: time to first step {summary['time_to_first_step']:.1f}s (compile "
+            f"{summary['compile_seconds']:.1f}s), mean step {summary['mean_step_seconds'] * 1e3:.2f} ms, data wait "
+            f"{summary['data_wait_seconds']:.2f}s, checkpoint blocking {summary['checkpoint_blocking_seconds']:.2f}s; "
+            f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}")
 
 
 def _check_finite(host_window: list[dict], first_step: int, policy: str, writer: MetricWriter) -> None:

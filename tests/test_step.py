@@ -3,7 +3,9 @@ import jax
 import numpy as np
 import pytest
 
-from engine.optim import learning_rate_schedule
+import optax
+
+from engine.optim import learning_rate_at, schedule_hparams
 from engine.config import OptimizerConfig
 from engine.setup import build_run
 from engine.trainer import fit
@@ -51,12 +53,29 @@ def test_each_optimizer_lowers_the_loss(make_config, name):
     assert np.mean([losses[s] for s in range(51, 61)]) < 0.6 * np.mean([losses[s] for s in range(1, 11)])
 
 
-def test_schedules():
-    warm_cos = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, schedule="warmup_cosine", warmup_steps=10,
-                                                      end_learning_rate_factor=0.1), 110)
-    assert float(warm_cos(0)) == 0.0 and float(warm_cos(10)) == pytest.approx(1.0)
-    assert float(warm_cos(110)) == pytest.approx(0.1)
-    linear = learning_rate_schedule(OptimizerConfig(learning_rate=2.0, schedule="warmup_linear", warmup_steps=4), 24)
-    assert float(linear(2)) == pytest.approx(1.0) and float(linear(14)) == pytest.approx(1.0)
-    assert float(linear(24)) == pytest.approx(0.0)
-    assert float(learning_rate_schedule(OptimizerConfig(learning_rate=0.3), 5)(3)) == pytest.approx(0.3)
+@pytest.mark.parametrize("kind, warmup, end", [("constant", 0, 0.0), ("constant", 10, 0.0),
+                                               ("warmup_cosine", 10, 0.1), ("warmup_linear", 4, 0.0)])
+def test_schedules_match_optax(kind, warmup, end):
+    cfg = OptimizerConfig(learning_rate=2.0, schedule=kind, warmup_steps=warmup, end_learning_rate_factor=end)
+    total = 110
+    if kind == "constant":
+        reference = optax.linear_schedule(0.0, 2.0, warmup) if warmup else optax.constant_schedule(2.0)
+    elif kind == "warmup_cosine":
+        reference = optax.warmup_cosine_decay_schedule(0.0, 2.0, warmup, total, 2.0 * end)
+    else:
+        reference = optax.join_schedules([optax.linear_schedule(0.0, 2.0, warmup),
+                                          optax.linear_schedule(2.0, 2.0 * end, total - warmup)], [warmup])
+    hp = schedule_hparams(cfg, total)
+    for step in (0, 1, warmup // 2, warmup, warmup + 1, 50, 109, 110):
+        assert float(learning_rate_at(kind, step, hp)) == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-6)
+
+
+def test_hyperparameters_are_inputs_not_constants(make_config):
+    """Runs that differ only in learning rate, warm-up, weight decay or seed lower to the same program."""
+    texts = set()
+    for args in (["optimizer.learning_rate=0.001", "seed=0"], ["optimizer.learning_rate=0.02", "seed=3",
+                                                               "optimizer.weight_decay=0.1", "optimizer.warmup_steps=7"]):
+        run = build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "optimizer.name=adamw",
+                                    "optimizer.schedule=warmup_cosine", *args))
+        texts.add(run.train_step.as_text())
+    assert len(texts) == 1
