@@ -1,4 +1,5 @@
 """Config sweeps: expansion, validation, running (sequential, parallel, resumed), the report."""
+import csv
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 import pytest
 import yaml
 
+import slurm_cluster
 from conftest import ROOT, run_cli
 from engine.errors import UsageError
 from engine.sweep import load_sweep
@@ -21,7 +23,7 @@ def write_sweep(path, **spec):
     spec.setdefault("base", str(ROOT / "configs" / "mnist_mlp.yaml"))
     spec.setdefault("overrides", FAST)
     spec.setdefault("directory", str(path.parent / "out"))
-    path.write_text(yaml.safe_dump(spec))
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
 
@@ -78,10 +80,12 @@ def test_grid_runs_ranks_and_plots(tmp_path):
     assert len(runs) == 4 and all(r["status"] == "finished" for r in runs)
     assert len([d for d in out.iterdir() if d.is_dir()]) == 4
     assert all(r["final"]["eval/accuracy"] > 0 for r in runs)
-    table = (out / "report.csv").read_text().splitlines()
-    assert len(table) == 5 and table[0].startswith("rank,run,status,eval/accuracy")
-    accuracies = [float(line.split(",")[3]) for line in table[1:]]
+    with open(out / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 4 and list(table[0])[:4] == ["rank", "run", "status", "eval/accuracy"]
+    accuracies = [float(row["eval/accuracy"]) for row in table]
     assert accuracies == sorted(accuracies, reverse=True)  # best first
+    assert [row["rank"] for row in table] == ["1", "2", "3", "4"]
     assert "| rank | run | status | eval/accuracy |" in (out / "report.md").read_text()
     png = (out / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -154,3 +158,27 @@ def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
     assert "0 to run" in proc.stdout
     proc = run_cli("sweep", str(path), "--retry-failed")
     assert "1 to run" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge "
+                                                            "(.ci/run installs them)")
+def test_slurm_backend_submits_a_job_array(tmp_path):
+    path = write_sweep(tmp_path / "array.yaml", grid={"optimizer.learning_rate": [0.001, 0.003]},
+                       slurm={"cpus_per_task": 1, "time": "00:10:00"})
+    out = tmp_path / "out"
+    with slurm_cluster.SlurmCluster(tmp_path / "cluster") as cluster:
+        env = {k: v for k, v in cluster.env.items() if k != "XLA_FLAGS"}
+        proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "sweep", str(path), "--backend", "slurm"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "submitted job array" in proc.stdout
+        script = (out / "sweep.sbatch").read_text()
+        assert "#SBATCH --array=0-1" in script and "#SBATCH --cpus-per-task=1" in script
+        deadline = time.time() + 400
+        while not all(r["status"] in ("finished", "failed") for r in index(out)):
+            assert time.time() < deadline, [r["status"] for r in index(out)]
+            time.sleep(1)
+    runs = index(out)
+    assert [r["status"] for r in runs] == ["finished", "finished"], [r.get("error") for r in runs]
+    assert all(r["final"]["eval/accuracy"] > 0 for r in runs)
