@@ -279,14 +279,15 @@ def main() -> None:
     if jax.default_backend() == "cpu":
         print("note: XLA:CPU has no reduce-scatter pass: the fsdp gradient reduce-scatter shows as an all-reduce "
               "(same bytes here, 2x the ring bytes of a reduce-scatter).")
-    workdir = tempfile.mkdtemp(prefix="collectives_")
     summary = []
     for model in args.models:
         for layout in args.layouts:
             overrides = QUIET + MODELS[model] + LAYOUTS[layout]
             if args.batch_size:
                 overrides.append(f"train.global_batch_size={args.batch_size}")
-            run = build_run(load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir))
+            with tempfile.TemporaryDirectory() as workdir:  # required by the config; build_run writes nothing there
+                cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir)
+            run = build_run(cfg)
             measured = hlo_collectives(run.train_step.as_text(), run.mesh.size)
             minimum = parameter_minimum(run) + activation_minimum(run)
             seconds = median_step_seconds(run, args.steps, args.warmup)

@@ -3,12 +3,10 @@
 Both loops train the same model on the same data with the same global batch, on one CPU
 device, in one process:
 
-  engine        `build_run(cfg)`, then per step exactly what `engine.trainer.fit` does:
-                a `Prefetcher` (engine.data) builds the next host batch and puts it on device
-                in a background thread, `run.train_step(state, batch)`, the metrics appended
-                to a window, and every `log.every_steps` one `jax.device_get` of the window,
-                its summary and the per-step losses. Evaluation, checkpoints and metric
-                writers are left out: they run at their own cadence, not per step.
+  engine        `build_run(cfg)` once, then `engine.trainer.fit(cfg, run)` itself for each
+                timing (a fresh workdir, no periodic checkpoints). Its steps/s is fit's own
+                mean step time: the loop between log lines, including waits for data, the
+                metric windows and the writers, excluding the final eval and save.
   hand-written  `jax.jit(train_step, donate_argnums=0)` around an optax update, host numpy
                 batches sliced from `run.dataset.train` beforehand, `jax.device_put` per step;
                 the step returns the loss, which is never fetched.
@@ -41,6 +39,7 @@ os.environ["XLA_FLAGS"] = ""  # one device: this measures the loop, not collecti
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -57,10 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
-from engine.data import Prefetcher  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 from engine.step import make_loss_fn  # noqa: E402
-from engine.trainer import _summarise  # noqa: E402  (fit's own window summary)
+from engine.trainer import fit  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.num_devices=1"]
 # The small GPT of tests/test_parallel.py, on the same base config.
@@ -71,31 +69,24 @@ GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", 
 
 # --- the engine's loop ---------------------------------------------------------------------
 
-def engine_loop(run, state, start: int, steps: int):
-    """Steps start .. start+steps-1 the way `fit` runs them; returns the state once ready."""
-    cfg = run.cfg
-    end = start + steps
-    batches = Prefetcher(lambda step: run.put_batch(run.train_batches(step), cfg.train.global_batch_size), start,
-                         cfg.data.prefetch)
-    window, window_start, window_time = [], start, time.perf_counter()
-    losses = {}  # fit keeps every step's loss for its result
-    for step in range(start, end):
-        state, metrics = run.train_step(state, next(batches))
-        if run.sync_each_step:
-            jax.block_until_ready(metrics)
-        window.append(metrics)
-        done = step + 1
-        if done % cfg.log.every_steps == 0 or done == end:
-            host = jax.device_get(window)  # the loop's only regular host sync
-            values = _summarise(host)
-            values["steps_per_sec"] = len(window) / (time.perf_counter() - window_time)
-            values["examples_per_sec"] = values["steps_per_sec"] * cfg.train.global_batch_size
-            for offset, m in enumerate(host):
-                losses[window_start + offset + 1] = float(m["loss_sum"]) / float(m["count"])
-            window, window_start, window_time = [], done, time.perf_counter()
-    state = jax.block_until_ready(state)
-    batches.close()
-    return state
+class EngineLoop:
+    """The real `engine.trainer.fit` on a built run; its steps/s is fit's own mean step time
+    (the loop between log lines, waits for data included, eval and checkpoint saves excluded)."""
+
+    def __init__(self, run):
+        self.run, self.name = run, f"engine (fit, prefetch={run.cfg.data.prefetch})"
+        self.steps_per_sec: list[float] = []
+        self.workdirs = tempfile.TemporaryDirectory()
+
+    def run_steps(self, steps: int) -> float:
+        workdir = tempfile.mkdtemp(dir=self.workdirs.name)
+        cfg = dataclasses.replace(self.run.cfg, workdir=workdir, train=dataclasses.replace(
+            self.run.cfg.train, steps=steps), checkpoint=dataclasses.replace(self.run.cfg.checkpoint, every_steps=0))
+        return 1.0 / fit(cfg, self.run).summary["mean_step_seconds"]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.steps_per_sec)
 
 
 # --- the hand-written loop -----------------------------------------------------------------
@@ -173,7 +164,7 @@ class Loop:
         self.next_step = 0
         self.steps_per_sec: list[float] = []
 
-    def run(self, steps: int) -> float:
+    def run_steps(self, steps: int) -> float:
         start = time.perf_counter()
         self.state = self.advance(self.state, self.next_step, steps)
         seconds = time.perf_counter() - start
@@ -189,7 +180,7 @@ def build_loops(run, task: str) -> list[Loop]:
     cfg = run.cfg
     tx = optax.adam(cfg.optimizer.learning_rate)
     host_batches = slice_batches(run.dataset.train, cfg.train.global_batch_size)
-    loops = [Loop(f"engine (fit loop, prefetch={cfg.data.prefetch})", partial(engine_loop, run), run.init_state())]
+    loops = [EngineLoop(run)]
     variants = [("hand-written, engine module + loss", engine_model_loss(run, task))]
     if cfg.model.name == "mlp":
         variants.insert(0, ("hand-written, plain flax MLP", plain_mlp_loss(run)))
@@ -213,17 +204,17 @@ def main() -> None:
     if args.batch_size:
         overrides.append(f"train.global_batch_size={args.batch_size}")
     overrides += args.overrides
-    workdir = tempfile.mkdtemp(prefix="loop_overhead_")
-    cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir)
+    with tempfile.TemporaryDirectory() as workdir:  # required by the config; build_run writes nothing there
+        cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir)
     run = build_run(cfg)
     task = "lm" if args.model == "transformer" else "classification"
     loops = build_loops(run, task)
 
     for loop in loops:  # compile (hand-written) and warm up
-        loop.run(args.warmup)
+        loop.run_steps(args.warmup)
     for _ in range(args.rounds):
         for loop in loops:
-            loop.steps_per_sec.append(loop.run(args.steps))
+            loop.steps_per_sec.append(loop.run_steps(args.steps))
 
     print(f"model {args.model}: data.name={cfg.data.name}, global batch {cfg.train.global_batch_size}, "
           f"{args.steps} steps x {args.rounds} rounds, 1 {jax.devices()[0].platform} device, "

@@ -179,6 +179,8 @@ def build_run(cfg: Config) -> Run:
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,
                    global_rows: tuple[int, ...]) -> dict[str, jax.Array]:
     """This process's rows (see data.process_rows) → one global array per key."""
+    if jax.process_count() == 1:  # the rows are the whole batch: one transfer of the tree is cheapest
+        return jax.device_put(host_batch, array_sharding)
     return {name: jax.make_array_from_process_local_data(array_sharding, value, (*global_rows, *value.shape[
         len(global_rows):])) for name, value in host_batch.items()}
 
