@@ -157,18 +157,24 @@ CHOICES = {
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
+def read_yaml_mapping(path: Path, what: str) -> dict:
+    """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{what} {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """Reads a config file (safe YAML), following `extends:` to its base first."""
+    """Reads a config file, following `extends:` to its base first."""
     if not path.is_file():
         raise UsageError(f"config file {path} does not exist; shipped configs: {', '.join(shipped_configs())}")
     if path in seen:
         raise UsageError(f"config {path} extends itself through {' -> '.join(map(str, seen))}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UsageError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    data = read_yaml_mapping(path, "config file")
     base = data.pop("extends", None)
     if base is None:
         return data

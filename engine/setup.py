@@ -158,7 +158,8 @@ def build_run(cfg: Config) -> Run:
     train_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, pmap_axis)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
-    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train, train_step, eval_step)
+    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train, train_step, eval_step,
+                          eval_batch_size)
     train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
                                  compiled["rows"](cfg.train.global_batch_size))
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
@@ -189,7 +190,7 @@ def _identity(state):
     return state
 
 
-def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step) -> dict:
+def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step, eval_batch_size) -> dict:
     batch_sharding = sharding.batch_sharding(mesh)
     common = dict(to_step_layout=_identity, from_step_layout=_identity,
                   rows=lambda global_batch: process_rows(batch_sharding, global_batch))
@@ -211,15 +212,19 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, ev
     start = time.perf_counter()
     abstract_batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *array.shape[1:]), array.dtype,
                                                  sharding=batch_sharding) for name, array in train_arrays.items()}
-    compiled = jitted.lower(state, abstract_batch).compile()
-    compile_seconds = time.perf_counter() - start
-    eval_jit = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
-                       out_shardings=sharding.replicated(mesh))
+    with sharding.activation_layout(mesh):  # traced here: the models' activation constraints apply
+        compiled = jitted.lower(state, abstract_batch).compile()
+        compile_seconds = time.perf_counter() - start
+        eval_batch = {**{name: jax.ShapeDtypeStruct((eval_batch_size, *a.shape[1:]), a.dtype, sharding=batch_sharding)
+                         for name, a in train_arrays.items()},
+                      "mask": jax.ShapeDtypeStruct((eval_batch_size,), jnp.float32, sharding=batch_sharding)}
+        eval_jit = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
+                           out_shardings=sharding.replicated(mesh)).lower(state, eval_batch).compile()
     return dict(put_batch=put_batch, train_step=compiled, eval_step=eval_jit, compile_seconds=compile_seconds,
                 flops=_flops(compiled), memory=compiled.memory_analysis(), **common)
 
 
-def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step) -> dict:
+def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step, eval_batch_size) -> dict:
     devices = mesh.devices.reshape(-1)
     count = len(devices)
     pmap_mesh = Mesh(devices, (PMAP_AXIS,))

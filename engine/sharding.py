@@ -8,6 +8,7 @@ rules must divide: silently replicating it would change the memory plan the user
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -92,6 +93,40 @@ def tree_shardings(abstract_boxed, rules: dict[str, list[str]], mesh: Mesh):
     """NamedShardings for the unboxed version of `abstract_boxed` (same structure)."""
     specs = iter(layout.spec for layout in layouts(abstract_boxed, rules, mesh))
     return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), abstract_boxed, is_leaf=_is_box)
+
+
+ACTIVATION_AXES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}  # Megatron: split where weights are
+
+
+def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], mesh: Mesh) -> PartitionSpec:
+    """Activations: the batch over data and fsdp; heads, mlp and vocab over tensor; the rest whole."""
+    spec = []
+    for dim, name in zip(shape, logical):
+        if name == "batch":
+            axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+            size = int(np.prod([mesh.shape[a] for a in axes]))
+            spec.append(axes if axes and dim % size == 0 else None)
+        elif name in ACTIVATION_AXES and mesh.shape[ACTIVATION_AXES[name]] > 1 and \
+                dim % mesh.shape[ACTIVATION_AXES[name]] == 0:
+            spec.append(ACTIVATION_AXES[name])
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+@contextlib.contextmanager
+def activation_layout(mesh: Mesh):
+    """While a step is traced, models' `constrain(x, axes)` calls pin activations to the mesh."""
+    from models.layers import activation_constraint
+
+    def apply(x, logical):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x.shape, logical, mesh)))
+
+    token = activation_constraint.set(apply)
+    try:
+        yield
+    finally:
+        activation_constraint.reset(token)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

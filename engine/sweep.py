@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from engine.config import load_config
+from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
@@ -123,12 +123,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     path = Path(path).absolute()
     if not path.is_file():
         raise UsageError(f"sweep file {path} does not exist")
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UsageError(f"sweep file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(spec, dict):
-        raise UsageError(f"sweep file {path} must hold a mapping")
+    spec = read_yaml_mapping(path, "sweep file")
     unknown = set(spec) - SWEEP_KEYS
     if unknown:
         raise UsageError(f"sweep file {path}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(SWEEP_KEYS)}")

@@ -3,11 +3,24 @@ a dropout whose mask depends on each example's position in the global batch, not
 the batch is split over devices, microbatches or a pmap axis."""
 from __future__ import annotations
 
-from typing import Optional
+import contextvars
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+
+# Set by the engine while it traces a step: logical activation axes → a sharding constraint.
+# Models only name the axes; unset (eager, pmap, tests of a bare module) it does nothing.
+activation_constraint: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
+    "activation_constraint", default=None)
+
+
+def constrain(x, axes: tuple[Optional[str], ...]):
+    """Asks that activation `x` be laid out by its logical axes, e.g. ("batch", "seq", "embed")."""
+    apply = activation_constraint.get()
+    return x if apply is None else apply(x, axes)
 
 
 def param_init(init, axes: tuple[Optional[str], ...]):

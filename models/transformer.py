@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.errors import UsageError
-from models.layers import Dropout, dense, param_init
+from models.layers import Dropout, constrain, dense, param_init
 
 REMAT_POLICIES = {
     "none": None,
@@ -65,15 +65,17 @@ class Block(nn.Module):
                             kernel_init=qkv_init, use_bias=False, name=name)(y)  # [batch, seq, heads, kv]
             for name in ("query", "key", "value")
         )
+        q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [batch, seq, heads, kv]
         y = nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False,
                             kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
                             name="attn_out")(y)
-        x = x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids)
+        x = constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids), ("batch", "seq", None))
         y = layer_norm(self.dtype, self.param_dtype, "mlp_norm")(x)
         y = nn.gelu(dense(self.mlp_dim, ("embed", "mlp"), self.dtype, self.param_dtype, name="mlp_in")(y))
+        y = constrain(y, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
         y = dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y)
-        return x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids)
+        return constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids), ("batch", "seq", None))
 
 
 class Transformer(nn.Module):
@@ -96,6 +98,7 @@ class Transformer(nn.Module):
         positions = self.param("positions", param_init(nn.initializers.normal(0.01), (None, "embed")),
                                (self.max_len, self.d_model), self.param_dtype)
         x = embed(tokens) + positions[:seq].astype(self.dtype)  # [batch, seq, embed]
+        x = constrain(x, ("batch", "seq", None))
         block_cls = Block
         if self.remat != "none":
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
