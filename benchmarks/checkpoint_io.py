@@ -118,7 +118,7 @@ def main() -> None:
     run = build_run(cfg)
     state = run.to_step_layout(run.init_state())
     for step in range(args.train_steps):
-        state, _ = run.train_step(state, run.put_batch(run.train_batches(step), cfg.train.global_batch_size))
+        state, _ = run.train_step(state, run.train_input(step))
     state = run.from_step_layout(jax.block_until_ready(state))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     params = sum(leaf.size for leaf in jax.tree.leaves(state.params))

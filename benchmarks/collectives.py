@@ -219,7 +219,7 @@ def median_step_seconds(run, steps: int, warmup: int) -> float:
     batch_size = run.cfg.train.global_batch_size
     times = []
     for step in range(warmup + steps):
-        batch = run.put_batch(run.train_batches(step), batch_size)
+        batch = run.train_input(step)
         start = time.perf_counter()
         state, metrics = run.train_step(state, batch)
         jax.block_until_ready((state, metrics))  # never let two CPU multi-device steps overlap

@@ -28,7 +28,8 @@ class DataConfig:
     path: Optional[str] = None  # file or directory for npz, idx, cifar10 and text
     eval_fraction: float = 0.2  # held-out share when the source has no test split
     shuffle: bool = True  # reshuffle every epoch (order is a function of seed and epoch)
-    prefetch: int = 2  # batches put on device ahead of the step (0 = none)
+    prefetch: int = 2  # blocks of batches put on device ahead of the step (0 = none)
+    steps_per_transfer: int = 1  # training batches moved to the device together (fewer, larger copies)
     # synthetic sources
     num_examples: int = 4096  # training examples generated (eval gets a quarter)
     image_shape: list[int] = field(default_factory=lambda: [8, 8, 1])  # [height, width, channels]
@@ -308,6 +309,7 @@ def validate(cfg: Config) -> None:
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.seq_len": cfg.data.seq_len,
         "data.num_examples": cfg.data.num_examples,
+        "data.steps_per_transfer": cfg.data.steps_per_transfer,
     }
     for key, value in positive.items():
         if value <= 0:

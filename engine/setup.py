@@ -23,7 +23,7 @@ from engine.errors import UsageError
 from engine.mesh import make_mesh
 from engine.perf import compile_cache_events, enable_compilation_cache
 from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
-from engine.step import TrainState, make_eval_step, make_loss_fn, make_train_step
+from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step
 from models import REGISTRY
 
 PMAP_AXIS = "batch"
@@ -42,9 +42,10 @@ class Run:
     from_step_layout: Callable  # the inverse, e.g. for saving a checkpoint
     param_layouts: list  # sharding.ParamLayout per parameter
     train_batches: TrainBatches  # step → this process's host batch
-    put_batch: Callable  # (host batch, global batch size) → global device batch
+    put_batch: Callable  # (host batch, global batch size) → global device batch (eval)
+    put_block: Callable  # host block of steps_per_block batches → the device input of train_step
     eval_rows: Any  # positions in each eval batch this process loads
-    train_step: Callable  # (state, device batch) → (state, metrics)
+    train_step: Callable  # (state, device block) → (state, metrics); uses batch state.step % block
     eval_step: Callable  # (state, device batch) → metric sums
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
     compile_seconds: float
@@ -52,6 +53,15 @@ class Run:
     memory_analysis: Any  # the compiled step's memory estimate (None in eager mode)
     eval_batch_size: int
     compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
+    steps_per_block: int  # training batches moved to the device together (data.steps_per_transfer)
+
+    def train_block(self, block: int):
+        """The device input for steps [block * steps_per_block, (block + 1) * steps_per_block)."""
+        return self.put_block(self.train_batches.block(block, self.steps_per_block))
+
+    def train_input(self, step: int):
+        """The device input that train_step needs at `step` (its whole block)."""
+        return self.train_block(step // self.steps_per_block)
 
 
 def _dtype(name: str):
@@ -76,6 +86,7 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
     if cfg.mesh.backend == "pmap" and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
         raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp=1 mesh.tensor=1 "
                          "or use mesh.backend=jit")
+
     eval_batch = cfg.eval.batch_size or batch
     if eval_batch % shards:
         raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
@@ -155,7 +166,8 @@ def build_run(cfg: Config) -> Run:
     # Created inside jit with output shardings: no device ever holds the whole state.
     create_state = jax.jit(init_state, out_shardings=state_shardings)
 
-    train_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, pmap_axis)
+    train_step = make_block_step(make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps,
+                                                 pmap_axis), cfg.data.steps_per_transfer)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
     compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train, train_step, eval_step,
@@ -166,7 +178,7 @@ def build_run(cfg: Config) -> Run:
                init_state=lambda: create_state(seed, hparams), to_step_layout=compiled["to_step_layout"],
                from_step_layout=compiled["from_step_layout"], param_layouts=param_layouts,
                train_batches=train_batches,
-               put_batch=compiled["put_batch"], train_step=compiled["train_step"],
+               put_batch=compiled["put_batch"], put_block=compiled["put_block"], train_step=compiled["train_step"],
                eval_step=compiled["eval_step"],
                # CPU collectives deadlock when a second multi-device step is dispatched before
                # the first finishes (see JAX-CPU-NOTES); accelerators keep async dispatch.
@@ -174,7 +186,8 @@ def build_run(cfg: Config) -> Run:
                compile_seconds=compiled["compile_seconds"], flops_per_device_step=compiled["flops"],
                memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
                eval_rows=compiled["rows"](eval_batch_size),
-               compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()})
+               compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
+               steps_per_block=cfg.data.steps_per_transfer)
 
 
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,
@@ -198,6 +211,15 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, ev
     def put_batch(host_batch, global_batch):
         return _global_arrays(host_batch, batch_sharding, (global_batch,))
 
+    # Training batches travel in blocks of K steps ([K, batch, ...]): one transfer per block,
+    # and the step picks its own batch, so the host's per-step work is a dispatch alone.
+    steps = cfg.data.steps_per_transfer
+    block_sharding = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES))
+
+    def put_block(host_block):
+        return _global_arrays(host_block, block_sharding, (steps, cfg.train.global_batch_size))
+
+    common["put_block"] = put_block
     if cfg.train.eager:
         def eager(fn):
             def run(*args):
@@ -207,13 +229,13 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, ev
         return dict(put_batch=put_batch, train_step=eager(train_step), eval_step=eager(eval_step),
                     compile_seconds=0.0, flops=0.0, memory=None, **common)
     # The state is donated: its buffers are reused for the new state instead of copied.
-    jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+    jitted = jax.jit(train_step, in_shardings=(state_shardings, block_sharding),
                      out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
     start = time.perf_counter()
-    abstract_batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *array.shape[1:]), array.dtype,
-                                                 sharding=batch_sharding) for name, array in train_arrays.items()}
+    abstract_block = {name: jax.ShapeDtypeStruct((steps, cfg.train.global_batch_size, *array.shape[1:]), array.dtype,
+                                                 sharding=block_sharding) for name, array in train_arrays.items()}
     with sharding.activation_layout(mesh):  # traced here: the models' activation constraints apply
-        compiled = jitted.lower(state, abstract_batch).compile()
+        compiled = jitted.lower(state, abstract_block).compile()
         compile_seconds = time.perf_counter() - start
         eval_batch = {**{name: jax.ShapeDtypeStruct((eval_batch_size, *a.shape[1:]), a.dtype, sharding=batch_sharding)
                          for name, a in train_arrays.items()},
@@ -240,13 +262,20 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, e
         return _global_arrays({k: v.reshape(local, -1, *v.shape[1:]) for k, v in host_batch.items()}, stacked,
                               (count, global_batch // count))
 
+    steps = cfg.data.steps_per_transfer
+
+    def put_block(host_block):  # [steps, rows] → [devices, steps, rows per device]
+        local = len(pmap_mesh.local_devices)
+        per_device = {k: v.reshape(steps, local, -1, *v.shape[2:]).swapaxes(0, 1) for k, v in host_block.items()}
+        return _global_arrays(per_device, stacked, (count, steps, cfg.train.global_batch_size // count))
+
     pmapped = jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
     pmapped_eval = jax.pmap(eval_step, axis_name=PMAP_AXIS, devices=list(devices))
     start = time.perf_counter()
-    abstract_batch = {name: jax.ShapeDtypeStruct((count, cfg.train.global_batch_size // count, *array.shape[1:]),
-                                                 array.dtype, sharding=stacked)
+    abstract_block = {name: jax.ShapeDtypeStruct((count, steps, cfg.train.global_batch_size // count,
+                                                  *array.shape[1:]), array.dtype, sharding=stacked)
                       for name, array in train_arrays.items()}
-    compiled = pmapped.lower(state, abstract_batch).compile()
+    compiled = pmapped.lower(state, abstract_block).compile()
     compile_seconds = time.perf_counter() - start
 
     def step(state, batch):
@@ -256,7 +285,8 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, e
     def evaluate(state, batch):
         return jax.tree.map(lambda x: x[0], pmapped_eval(state, batch))
 
-    return dict(put_batch=put_batch, train_step=step, eval_step=evaluate, compile_seconds=compile_seconds,
+    return dict(put_batch=put_batch, put_block=put_block, train_step=step, eval_step=evaluate,
+                compile_seconds=compile_seconds,
                 flops=_flops(compiled), memory=compiled.memory_analysis(), to_step_layout=to_step_layout,
                 from_step_layout=from_step_layout,
                 rows=lambda global_batch: process_rows(stacked, global_batch, global_batch // count))

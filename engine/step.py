@@ -103,6 +103,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     return train_step
 
 
+def make_block_step(train_step: Callable, steps: int) -> Callable:
+    """train_step over a block of `steps` batches ([steps, batch, ...]): step s uses batch s % steps.
+
+    Batches travel to the device a block at a time, so per step the host only dispatches."""
+
+    def block_step(state: TrainState, block):
+        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
+        return train_step(state, batch)
+
+    return block_step
+
+
 def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callable:
     """eval_step(state, batch) → metric sums over the batch's real (mask = 1) examples."""
 

@@ -42,6 +42,7 @@ class PreemptionWatch:
 
     def __init__(self):
         self.requested = False
+        self.multi_process = jax.process_count() > 1
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -50,7 +51,7 @@ class PreemptionWatch:
         self.requested = True
 
     def should_stop(self, step: int) -> bool:
-        if jax.process_count() > 1:
+        if self.multi_process:
             return multihost_utils.reached_preemption_sync_point(step)
         return self.requested
 
@@ -148,8 +149,9 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
     total = cfg.train.steps
     writer = MetricWriter(workdir, enabled=is_chief, total_steps=total, start_step=start,
                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
-    batches = Prefetcher(lambda step: run.put_batch(run.train_batches(step), cfg.train.global_batch_size), start,
-                         cfg.data.prefetch)
+    per_block = run.steps_per_block
+    batches = Prefetcher(run.train_block, start // per_block, cfg.data.prefetch)  # yields blocks of batches
+    block = None
     preemption = PreemptionWatch()
     rates = Rates(run)
     result = FitResult(state)
@@ -165,7 +167,9 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
 
     try:
         for step in range(start, total):
-            state, metrics = run.train_step(state, next(batches))
+            if block is None or step % per_block == 0:
+                block = next(batches)
+            state, metrics = run.train_step(state, block)  # takes batch step % per_block of the block
             if run.sync_each_step or goodput.first_step_at is None:
                 jax.block_until_ready(metrics)
                 goodput.first_step_at = goodput.first_step_at or time.time()

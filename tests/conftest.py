@@ -15,12 +15,18 @@ sys.path.insert(0, str(ROOT))
 from engine.config import load_config  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory):
+    """A persistent compilation cache of this test session's own (set once per process)."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
 @pytest.fixture
-def make_config(tmp_path):
+def make_config(tmp_path, compilation_cache):
     """load_config with quiet, fast defaults for tests: make_config("mnist_mlp.yaml", "train.steps=3")."""
 
     def make(config="mnist_mlp.yaml", *overrides, workdir=None):
-        quiet = ["log.progress=false", "log.tensorboard=false"]
+        quiet = ["log.progress=false", "log.tensorboard=false", f"train.compilation_cache_dir={compilation_cache}"]
         return load_config(ROOT / "configs" / config, quiet + list(overrides), str(workdir or tmp_path / "run"))
 
     return make

@@ -29,7 +29,7 @@ LAYOUTS = {
 def train_losses(run, steps):
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
-        state, metrics = run.train_step(state, run.put_batch(run.train_batches(step), run.cfg.train.global_batch_size))
+        state, metrics = run.train_step(state, run.train_input(step))
         metrics = jax.device_get(metrics)  # waits: CPU collectives must not overlap steps
         losses.append(float(metrics["loss_sum"]) / float(metrics["count"]))
     return np.array(losses), state

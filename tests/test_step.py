@@ -14,7 +14,7 @@ from engine.trainer import fit
 def first_steps(run, steps):
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
-        state, metrics = run.train_step(state, run.put_batch(run.train_batches(step), run.cfg.train.global_batch_size))
+        state, metrics = run.train_step(state, run.train_input(step))
         losses.append(float(metrics["loss_sum"]) / float(metrics["count"]))
     return state, losses
 
@@ -70,12 +70,21 @@ def test_schedules_match_optax(kind, warmup, end):
         assert float(learning_rate_at(kind, step, hp)) == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-6)
 
 
-def test_hyperparameters_are_inputs_not_constants(make_config):
-    """Runs that differ only in learning rate, warm-up, weight decay or seed lower to the same program."""
-    texts = set()
-    for args in (["optimizer.learning_rate=0.001", "seed=0"], ["optimizer.learning_rate=0.02", "seed=3",
-                                                               "optimizer.weight_decay=0.1", "optimizer.warmup_steps=7"]):
-        run = build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "optimizer.name=adamw",
-                                    "optimizer.schedule=warmup_cosine", *args))
-        texts.add(run.train_step.as_text())
-    assert len(texts) == 1
+def test_hyperparameters_are_inputs_not_constants(make_config, tmp_path):
+    """Runs that differ only in learning rate, warm-up, weight decay or seed lower to the same
+    programs, so the second run loads every one of them from the persistent compilation cache."""
+    common = ["mesh.num_devices=1", "optimizer.name=adamw", "optimizer.schedule=warmup_cosine"]
+    first = build_run(make_config("mnist_mlp.yaml", *common, "optimizer.learning_rate=0.001", "seed=0"))
+    second = build_run(make_config("mnist_mlp.yaml", *common, "optimizer.learning_rate=0.02", "seed=3",
+                                   "optimizer.weight_decay=0.1", "optimizer.warmup_steps=7"))
+    assert first.compile_cache.get("hits", 0) + first.compile_cache.get("misses", 0) >= 2  # the cache is in use
+    assert second.compile_cache.get("misses", 0) == 0 and second.compile_cache.get("hits", 0) >= 2
+    changed = build_run(make_config("mnist_mlp.yaml", *common, "model.hidden_sizes=[47]"))
+    assert changed.compile_cache.get("misses", 0) >= 1  # a new shape does compile
+
+
+def test_steps_per_transfer_changes_nothing_but_speed(make_config):
+    args = ["mesh.num_devices=1", "train.global_batch_size=32", "model.dropout_rate=0.2"]
+    _, one = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "data.steps_per_transfer=1")), 12)
+    _, five = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "data.steps_per_transfer=5")), 12)
+    assert one == five  # bit-identical, including steps that start mid-block

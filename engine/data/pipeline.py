@@ -65,6 +65,11 @@ class TrainBatches:
         rows = self.indices(step)[self.rows]
         return {name: np.asarray(array[rows]) for name, array in self.arrays.items()}
 
+    def block(self, index: int, steps: int) -> dict[str, np.ndarray]:
+        """The batches of steps [index * steps, (index + 1) * steps), stacked: [steps, rows, ...]."""
+        batches = [self(index * steps + i) for i in range(steps)]
+        return {name: np.stack([batch[name] for batch in batches]) for name in self.arrays}
+
 
 def eval_batches(arrays: dict[str, np.ndarray], batch_size: int, max_batches: int = 0,
                  rows: np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
