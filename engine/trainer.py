@@ -19,6 +19,7 @@ from engine.checkpoint import Checkpointer
 from engine.config import Config, save_config, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.distributed import barrier
+from engine.errors import UsageError
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, peak_flops, transformer_flops
 from engine.setup import Run, build_run, with_config_hparams
@@ -101,17 +102,11 @@ def initial_state(run: Run, checkpointer: Checkpointer):
         if cfg.checkpoint.restore_mode == "all":
             restored = source.restore(run.abstract_state)
             if restored is None:
-                raise_no_checkpoint(cfg.checkpoint.restore_from)
+                raise UsageError(f"checkpoint.restore_from={cfg.checkpoint.restore_from} holds no complete checkpoint")
             return restored[0], restored[2]
         params, _ = source.restore_params(run.abstract_state.params)
         return run.init_state().replace(params=params), 0
     return run.init_state(), 0
-
-
-def raise_no_checkpoint(path: str):
-    from engine.errors import UsageError
-
-    raise UsageError(f"checkpoint.restore_from={path} holds no complete checkpoint")
 
 
 def drop_records_after(path: Path, step: int) -> int:
@@ -122,7 +117,7 @@ def drop_records_after(path: Path, step: int) -> int:
         return 0
     records = [json.loads(line) for line in path.read_text().splitlines() if line]
     logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
-    kept = [r for r in records if r["step"] <= step and r["split"] != "summary"]
+    kept = [r for r in records if r["step"] <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)

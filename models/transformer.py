@@ -27,12 +27,15 @@ class TransformerConfig:
     mlp_dim: int = 1024  # hidden width of each block's MLP
     dropout_rate: float = 0.1
     remat: str = "none"  # none | full | dots: activation rematerialisation per block
+    attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
             raise UsageError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
         if self.d_model % self.num_heads:
             raise UsageError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise UsageError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
         if self.remat not in REMAT_POLICIES:
             raise UsageError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         if not 0.0 <= self.dropout_rate < 1.0:
@@ -53,6 +56,7 @@ class Block(nn.Module):
     dropout_rate: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation
 
     @nn.compact
     def __call__(self, x, example_ids, train: bool):
@@ -66,7 +70,7 @@ class Block(nn.Module):
             for name in ("query", "key", "value")
         )
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [batch, seq, heads, kv]
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)  # [b, s, h, kv]
         y = nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False,
                             kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
                             name="attn_out")(y)
@@ -89,6 +93,7 @@ class Transformer(nn.Module):
     remat: str = "none"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, tokens, *, train: bool, example_ids=None):
@@ -104,12 +109,16 @@ class Transformer(nn.Module):
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
         for i in range(self.num_layers):
             x = block_cls(self.num_heads, self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
-                          name=f"block_{i}")(x, example_ids, train)
+                          self.attention, name=f"block_{i}")(x, example_ids, train)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
         return dense(self.vocab_size, ("embed", "vocab"), self.dtype, self.param_dtype, name="lm_head",
                      use_bias=False)(x)  # [batch, seq, vocab]
 
 
 def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+    attention = cfg.attention
+    if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
+        low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
     return Transformer(info.vocab_size, info.seq_len, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.mlp_dim,
-                       cfg.dropout_rate, cfg.remat, dtype, param_dtype)
+                       cfg.dropout_rate, cfg.remat, dtype, param_dtype, attention)
