@@ -64,10 +64,6 @@ class Run:
         return self.train_block(step // self.steps_per_block)
 
 
-def _dtype(name: str):
-    return jnp.dtype(name)
-
-
 def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
     """Batch-size and backend checks that need the mesh; returns the eval batch size."""
     want = TASK_DATA[task]
@@ -86,7 +82,6 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
     if cfg.mesh.backend == "pmap" and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
         raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp=1 mesh.tensor=1 "
                          "or use mesh.backend=jit")
-
     eval_batch = cfg.eval.batch_size or batch
     if eval_batch % shards:
         raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
@@ -127,7 +122,7 @@ def build_run(cfg: Config) -> Run:
     spec = REGISTRY[cfg.model.name]
     eval_batch_size = _check_layout(cfg, mesh, dataset, spec.task)
     pmap_axis = PMAP_AXIS if cfg.mesh.backend == "pmap" else None
-    module = spec.build(cfg.model, dataset.info, _dtype(cfg.train.compute_dtype), _dtype(cfg.train.param_dtype),
+    module = spec.build(cfg.model, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype),
                         pmap_axis)
     loss_fn = make_loss_fn(module, spec.task)
     tx = make_optimizer(cfg.optimizer)
@@ -180,8 +175,8 @@ def build_run(cfg: Config) -> Run:
                train_batches=train_batches,
                put_batch=compiled["put_batch"], put_block=compiled["put_block"], train_step=compiled["train_step"],
                eval_step=compiled["eval_step"],
-               # CPU collectives deadlock when a second multi-device step is dispatched before
-               # the first finishes (see JAX-CPU-NOTES); accelerators keep async dispatch.
+               # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
+               # before the first has finished; accelerators keep asynchronous dispatch.
                sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
                compile_seconds=compiled["compile_seconds"], flops_per_device_step=compiled["flops"],
                memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
