@@ -55,8 +55,26 @@ def test_written_config_alone_reproduces_the_run(tmp_path):
     assert run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(first), *args).returncode == 0
     proc = run_cli("--config", str(first / "config.yaml"), "--workdir", str(second))
     assert proc.returncode == 0, proc.stderr
-    losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (first, second)]
-    assert losses[0] == losses[1]
+    losses = [[(r["step"], r["split"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if "loss" in r]
+              for d in (first, second)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4  # 3 train lines and the final eval
+
+
+def test_summary_line_reports_time_goodput_and_mfu(tmp_path):
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "s"), "train.steps=40",
+                   "log.every_steps=20", "log.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    summary = read_jsonl(tmp_path / "s" / "metrics.jsonl")[-1]
+    assert summary["split"] == "summary" and summary["step"] == 40
+    assert 0 < summary["goodput"] < 1 and summary["mean_step_seconds"] > 0
+    assert summary["time_to_first_step"] >= summary["compile_seconds"] > 0
+    parts = sum(v for k, v in summary.items() if k.startswith("badput_"))
+    assert abs(summary["goodput"] + parts - 1.0) < 1e-6  # productive + every badput = the wall time
+    assert 0 < summary["mfu"] < 1 and summary["peak_source"] == "measured float32 matmul on this CPU"
+    assert summary["flops_per_device_step"] > 0
+    train = [r for r in read_jsonl(tmp_path / "s" / "metrics.jsonl") if r["split"] == "train"]
+    assert all(r["tflops_per_device"] > 0 and 0 < r["mfu"] < 1 for r in train)
+    assert "goodput" in proc.stdout  # printed at the end
 
 
 def test_non_finite_loss_stops_with_the_step_named(tmp_path):
