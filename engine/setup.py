@@ -90,7 +90,10 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
 
 def run_hparams(cfg: Config) -> dict:
     """The shape-independent numbers of a run, as float32 scalars the compiled programs take."""
-    return {"schedule": schedule_hparams(cfg.optimizer, cfg.train.steps),
+    schedule = schedule_hparams(cfg.optimizer, cfg.train.steps)
+    if hasattr(cfg.model, "dropout_rate"):
+        schedule["dropout_rate"] = np.float32(cfg.model.dropout_rate)
+    return {"schedule": schedule,
             "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
 
 

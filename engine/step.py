@@ -19,7 +19,7 @@ class TrainState:
     model_state: Any  # non-parameter collections, e.g. {"batch_stats": ...}
     opt_state: Any  # optax.inject_hyperparams state: optimizer numbers are arrays, not constants
     rng: jax.Array  # uint32 key data; the step's key is fold_in(rng, step)
-    hparams: Any  # learning-rate schedule numbers (optim.schedule_hparams), inputs to the step
+    hparams: Any  # schedule numbers (optim.schedule_hparams) and the dropout rate: inputs to the step
 
 
 def make_loss_fn(module: nn.Module, task: str) -> Callable:
@@ -29,7 +29,7 @@ def make_loss_fn(module: nn.Module, task: str) -> Callable:
     they add up exactly across microbatches, devices and eval batches.
     """
 
-    def loss_fn(params, model_state, batch, rng, train: bool):
+    def loss_fn(params, model_state, batch, rng, train: bool, dropout_rate=None):
         if task == "lm":
             tokens = batch["tokens"].astype(jnp.int32)  # [batch, seq + 1]
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -40,7 +40,7 @@ def make_loss_fn(module: nn.Module, task: str) -> Callable:
         variables = {"params": params, **model_state}
         mutable = list(model_state) if train and model_state else False
         out = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
-                           rngs={"dropout": rng} if train else None, mutable=mutable)
+                           dropout_rate=dropout_rate, rngs={"dropout": rng} if train else None, mutable=mutable)
         logits, new_model_state = (out if mutable else (out, model_state))
         logits = logits.astype(jnp.float32)  # the loss is always computed in float32
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
@@ -68,10 +68,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state: TrainState, batch):
+        dropout_rate = state.hparams.get("dropout_rate")  # an input, not a constant (when the model has one)
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = dict(batch, example_id=_example_ids(batch, axis_name))
         if grad_accum_steps == 1:
-            (_, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch, rng, True)
+            (_, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch, rng, True,
+                                                         dropout_rate)
         else:
             # Microbatch k takes rows k, k + n, k + 2n, … (n = grad_accum_steps): each device keeps
             # its own rows, so splitting a batch sharded on dim 0 needs no communication.
@@ -81,7 +83,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
 
             def accumulate(carry, microbatch):
                 grad_sum, model_state = carry
-                (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, microbatch, rng, True)
+                (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, microbatch, rng, True,
+                                                             dropout_rate)
                 return (jax.tree.map(jnp.add, grad_sum, grads), model_state), metrics
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)

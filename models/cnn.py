@@ -41,14 +41,14 @@ class CNN(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, *, train: bool, example_ids=None):
+    def __call__(self, x, *, train: bool, example_ids=None, dropout_rate=None):
         x = x.astype(self.dtype)  # [batch, height, width, channels]
         for i, width in enumerate(self.channels):
             x = nn.relu(conv(width, 3, self.dtype, self.param_dtype, name=f"conv_{i}")(x))
             x = nn.max_pool(x, (2, 2), strides=(2, 2), padding="SAME")
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(dense(self.dense_size, ("embed", "mlp"), self.dtype, self.param_dtype, name="hidden")(x))
-        x = Dropout(self.dropout_rate)(x, train=train, example_ids=example_ids)
+        x = Dropout(self.dropout_rate)(x, train=train, example_ids=example_ids, rate=dropout_rate)
         return dense(self.num_classes, ("mlp", "classes"), self.dtype, self.param_dtype, name="logits")(x)
 
 

@@ -42,18 +42,22 @@ def dense(features: int, axes: tuple[Optional[str], Optional[str]], dtype, param
 
 
 class Dropout(nn.Module):
-    """Inverted dropout; example i's mask is drawn from fold_in(rng, example_ids[i])."""
+    """Inverted dropout; example i's mask is drawn from fold_in(rng, example_ids[i]).
+
+    `rate` given at call time (a traced scalar from the engine) overrides the configured one,
+    so runs that differ only in dropout rate share one compiled step."""
 
     rate: float
 
     @nn.compact
-    def __call__(self, x, *, train: bool, example_ids: Optional[jax.Array] = None):
-        if not train or self.rate == 0.0:
+    def __call__(self, x, *, train: bool, example_ids: Optional[jax.Array] = None, rate=None):
+        rate = self.rate if rate is None else rate
+        if not train or (isinstance(rate, float) and rate == 0.0):
             return x
         if example_ids is None:  # a standalone call: ids are the row numbers
             example_ids = jnp.arange(x.shape[0])
         key = self.make_rng("dropout")
-        keep = 1.0 - self.rate
+        keep = 1.0 - rate
 
         def row_mask(example_id):
             return jax.random.bernoulli(jax.random.fold_in(key, example_id), keep, x.shape[1:])

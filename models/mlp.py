@@ -31,13 +31,13 @@ class MLP(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, *, train: bool, example_ids=None):
+    def __call__(self, x, *, train: bool, example_ids=None, dropout_rate=None):
         x = x.reshape(x.shape[0], -1).astype(self.dtype)  # [batch, features]
         in_axis = "embed"
         for i, width in enumerate(self.hidden_sizes):
             x = dense(width, (in_axis, "mlp"), self.dtype, self.param_dtype, name=f"hidden_{i}")(x)
             x = nn.relu(x)
-            x = Dropout(self.dropout_rate)(x, train=train, example_ids=example_ids)
+            x = Dropout(self.dropout_rate)(x, train=train, example_ids=example_ids, rate=dropout_rate)
             in_axis = "mlp"
         return dense(self.num_classes, (in_axis, "classes"), self.dtype, self.param_dtype, name="logits")(x)
 

@@ -69,7 +69,7 @@ class ResNet(nn.Module):
     batch_axis_name: Optional[str] = None  # pmap axis over which batch statistics are averaged
 
     @nn.compact
-    def __call__(self, x, *, train: bool, example_ids=None):
+    def __call__(self, x, *, train: bool, example_ids=None, dropout_rate=None):  # no dropout layers
         kind, stages = STAGES[self.depth]
         norm = partial(
             nn.BatchNorm, momentum=self.bn_momentum, epsilon=1e-5, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -59,7 +59,7 @@ class Block(nn.Module):
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation
 
     @nn.compact
-    def __call__(self, x, example_ids, train: bool):
+    def __call__(self, x, example_ids, train: bool, dropout_rate=None):
         d_model = x.shape[-1]
         head_dim = d_model // self.num_heads
         qkv_init = param_init(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
@@ -74,12 +74,12 @@ class Block(nn.Module):
         y = nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False,
                             kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
                             name="attn_out")(y)
-        x = constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids), ("batch", "seq", None))
+        x = constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate), ("batch", "seq", None))
         y = layer_norm(self.dtype, self.param_dtype, "mlp_norm")(x)
         y = nn.gelu(dense(self.mlp_dim, ("embed", "mlp"), self.dtype, self.param_dtype, name="mlp_in")(y))
         y = constrain(y, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
         y = dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y)
-        return constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids), ("batch", "seq", None))
+        return constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate), ("batch", "seq", None))
 
 
 class Transformer(nn.Module):
@@ -96,7 +96,7 @@ class Transformer(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, tokens, *, train: bool, example_ids=None):
+    def __call__(self, tokens, *, train: bool, example_ids=None, dropout_rate=None):
         seq = tokens.shape[1]  # tokens: [batch, seq] int32
         embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
                          embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
@@ -109,7 +109,7 @@ class Transformer(nn.Module):
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
         for i in range(self.num_layers):
             x = block_cls(self.num_heads, self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
-                          self.attention, name=f"block_{i}")(x, example_ids, train)
+                          self.attention, name=f"block_{i}")(x, example_ids, train, dropout_rate)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
         return dense(self.vocab_size, ("embed", "vocab"), self.dtype, self.param_dtype, name="lm_head",
                      use_bias=False)(x)  # [batch, seq, vocab]

@@ -71,12 +71,12 @@ def test_schedules_match_optax(kind, warmup, end):
 
 
 def test_hyperparameters_are_inputs_not_constants(make_config, tmp_path):
-    """Runs that differ only in learning rate, warm-up, weight decay or seed lower to the same
+    """Runs that differ only in learning rate, warm-up, weight decay, dropout rate or seed lower to the same
     programs, so the second run loads every one of them from the persistent compilation cache."""
     common = ["mesh.num_devices=1", "optimizer.name=adamw", "optimizer.schedule=warmup_cosine"]
     first = build_run(make_config("mnist_mlp.yaml", *common, "optimizer.learning_rate=0.001", "seed=0"))
     second = build_run(make_config("mnist_mlp.yaml", *common, "optimizer.learning_rate=0.02", "seed=3",
-                                   "optimizer.weight_decay=0.1", "optimizer.warmup_steps=7"))
+                                   "optimizer.weight_decay=0.1", "optimizer.warmup_steps=7", "model.dropout_rate=0.4"))
     assert first.compile_cache.get("hits", 0) + first.compile_cache.get("misses", 0) >= 2  # the cache is in use
     assert second.compile_cache.get("misses", 0) == 0 and second.compile_cache.get("hits", 0) >= 2
     changed = build_run(make_config("mnist_mlp.yaml", *common, "model.hidden_sizes=[47]"))
@@ -88,3 +88,13 @@ def test_steps_per_transfer_changes_nothing_but_speed(make_config):
     _, one = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "data.steps_per_transfer=1")), 12)
     _, five = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "data.steps_per_transfer=5")), 12)
     assert one == five  # bit-identical, including steps that start mid-block
+
+
+def test_dropout_rate_input_takes_effect(make_config):
+    args = ["mesh.num_devices=1", "train.global_batch_size=32"]
+    _, none = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.0")), 3)
+    _, half = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.5")), 3)
+    run = build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.0"))
+    state = run.init_state()
+    assert float(state.hparams["dropout_rate"]) == 0.0
+    assert none[0] != half[0]  # same compiled program, different rate in the state, different loss
