@@ -20,6 +20,9 @@ COMMANDS = ("train", "eval", "export", "sweep", "report")
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):  # no abbreviated flags: --local-processes is stripped for children by name
+        super().__init__(allow_abbrev=False, **kwargs)
+
     def error(self, message):  # one line, exit 2, no usage dump
         sys.stderr.write(f"error: {message} (see python launch.py --help)\n")
         sys.exit(2)
@@ -55,7 +58,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         return parser
     parser = _Parser(
         prog="launch.py" if command == "train" else f"launch.py {command}",
-        description="Train a model from a config file (subcommands: eval, export). Overrides are "
+        description="Train a model from a config file (subcommands: eval, export, sweep, report). Overrides are "
                     "dotted.key=value pairs, e.g. train.steps=500 optimizer.learning_rate=3e-4 mesh.fsdp=8 "
                     "model.hidden_sizes=[256,128]; values are parsed as YAML. Re-running on a workdir with "
                     "checkpoints resumes from the newest one.",
@@ -70,7 +73,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     else:
         parser.add_argument("--watch", action="store_true",
                             help="evaluate every new checkpoint until training finishes (else the newest once)")
-    if command in ("train", "eval"):
+    if command == "train":
         group = parser.add_argument_group("multi-process (see README: multi-host)")
         group.add_argument("--local-processes", type=int, metavar="N",
                            help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
@@ -94,7 +97,7 @@ def main(argv: list[str]) -> int:
     args = _parser(command).parse_intermixed_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
     from engine.errors import UsageError
 
-    if command in ("train", "eval") and args.local_processes:
+    if command == "train" and args.local_processes:
         if args.local_processes < 1 or args.devices_per_process < 1:
             sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
             return 2
@@ -125,7 +128,8 @@ def main(argv: list[str]) -> int:
         from engine.config import load_config
         from engine.distributed import initialize, parse_tf_config
 
-        cfg = load_config(args.config, args.overrides + _distributed_overrides(args), args.workdir)
+        distributed = _distributed_overrides(args) if command == "train" else []
+        cfg = load_config(args.config, args.overrides + distributed, args.workdir)
         tf_config = os.environ.get("TF_CONFIG")
         if command == "eval" or (tf_config and parse_tf_config(tf_config).kind == "evaluator"):
             from engine.evaluator import run_evaluator

@@ -69,6 +69,8 @@ def _filter_event_loop_noise() -> None:
 
 
 class Checkpointer:
+    """One run's checkpoints directory: save (async), list, restore (into target shardings)."""
+
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
                  timeout_seconds: int = 600):
         self.directory = Path(directory).absolute()
@@ -101,13 +103,16 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.close()
 
+    def _param_mismatches(self, step: int, abstract_params) -> list[str]:
+        """'path: saved (shape), expected (shape)' for each parameter the model and checkpoint disagree on."""
+        saved = self.manager.item_metadata(step)["state"]["params"]
+        saved_shapes = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+        want = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
+        return [f"{name}: saved {saved_shapes.get(name, 'absent')}, expected {want.get(name, 'absent')}"
+                for name in sorted(saved_shapes.keys() | want.keys()) if saved_shapes.get(name) != want.get(name)]
+
     def _check_compatible(self, step: int, abstract_state) -> None:
-        """UsageError listing parameters whose saved shape differs from the model's."""
-        saved = self.manager.item_metadata(step)["state"]
-        saved_params = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved["params"])}
-        want = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_state.params)}
-        problems = [f"{name}: saved {saved_params.get(name, 'absent')}, expected {want.get(name, 'absent')}"
-                    for name in sorted(saved_params.keys() | want.keys()) if saved_params.get(name) != want.get(name)]
+        problems = self._param_mismatches(step, abstract_state.params)
         if problems:
             raise UsageError(f"checkpoint {self.directory}/{step} does not fit this model's config: "
                              + "; ".join(problems) + ". Use the model settings it was saved with, or a new workdir")
@@ -150,12 +155,8 @@ class Checkpointer:
         if not steps:
             raise UsageError(f"checkpoint.restore_from={self.directory} holds no complete checkpoint")
         step = steps[-1]
-        saved = self.manager.item_metadata(step)["state"]["params"]
-        saved_shapes = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
-        want = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
-        if saved_shapes != want:
-            problems = [f"{n}: saved {saved_shapes.get(n, 'absent')}, expected {want.get(n, 'absent')}"
-                        for n in sorted(saved_shapes.keys() | want.keys()) if saved_shapes.get(n) != want.get(n)]
+        problems = self._param_mismatches(step, abstract_params)
+        if problems:
             raise UsageError(f"checkpoint.restore_from={self.directory} (step {step}) does not fit this model: "
                              + "; ".join(problems))
         restored = self.manager.restore(step, args=ocp.args.Composite(

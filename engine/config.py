@@ -341,6 +341,9 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, axis)
         if size == 0 or size < -1:
             raise UsageError(f"mesh.{axis}={size} must be a positive device count or -1 (the remaining devices)")
+    for axis in MESH_AXES:
+        if getattr(cfg.mesh, f"dcn_{axis}") < 1:
+            raise UsageError(f"mesh.dcn_{axis}={getattr(cfg.mesh, f'dcn_{axis}')} must be 1 or more")
     if [getattr(cfg.mesh, a) for a in MESH_AXES].count(-1) > 1:
         raise UsageError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
     for logical, axes in cfg.mesh.rules.items():

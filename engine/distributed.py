@@ -1,6 +1,7 @@
 """jax.distributed initialisation, from (in order): explicit settings, a cluster environment
-JAX detects (SLURM, Open MPI, TPU pods, Kubernetes), a tf.distribute TF_CONFIG, or none
-(one process). Also the timed barriers that say which process did not arrive."""
+JAX detects (SLURM, Open MPI, TPU pods), a tf.distribute TF_CONFIG, or none (one process).
+On Kubernetes pass the explicit settings (see README). Also the timed barriers that say
+which process did not arrive."""
 from __future__ import annotations
 
 import json
@@ -68,8 +69,6 @@ def detected_cluster() -> Optional[str]:
         return "Open MPI"
     if "," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("MEGASCALE_NUM_SLICES", "1")) > 1:
         return "TPU pod"
-    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env and "JAX_COORDINATOR_ADDRESS" not in env:
-        return None  # an indexed Job: pass distributed.* explicitly (see README)
     return None
 
 

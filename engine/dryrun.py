@@ -10,11 +10,12 @@ from engine.setup import Run, build_run
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return ""
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 def per_device_bytes(abstract_tree) -> int:

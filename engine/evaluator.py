@@ -2,7 +2,6 @@
 training run as it appears, appending `split: "eval"` records to the run's metrics."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 from engine.checkpoint import Checkpointer
 from engine.config import Config
 from engine.errors import UsageError
-from engine.metrics import MetricWriter
+from engine.metrics import MetricWriter, read_records
 from engine.setup import build_run
 from engine.trainer import evaluate
 
@@ -19,10 +18,7 @@ SOURCE = "evaluator"
 
 def evaluated_steps(metrics_path: Path) -> set[int]:
     """Steps an evaluator already wrote (so a restarted evaluator does not repeat them)."""
-    if not metrics_path.exists():
-        return set()
-    records = (json.loads(line) for line in metrics_path.read_text().splitlines() if line)
-    return {r["step"] for r in records if r.get("source") == SOURCE}
+    return {r["step"] for r in read_records(metrics_path) if r.get("source") == SOURCE}
 
 
 def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_timeout: float = 3600.0) -> int:

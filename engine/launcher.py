@@ -38,15 +38,17 @@ def run_local(args: list[str], processes: int, devices_per_process: int) -> int:
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
-    children = []
+    children, relays = [], []
     for index in range(processes):
         command = [sys.executable, str(LAUNCH), *args, f"distributed.coordinator_address=127.0.0.1:{port}",
                    f"distributed.coordinator_bind_address=127.0.0.1:{port}",
                    f"distributed.num_processes={processes}", f"distributed.process_id={index}"]
         child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
-        threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True).start()
+        relay = threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True)
+        relay.start()
         children.append(child)
+        relays.append(relay)
 
     preempted = []
 
@@ -62,7 +64,7 @@ def run_local(args: list[str], processes: int, devices_per_process: int) -> int:
             codes = [child.poll() for child in children]
             if preempted:  # every process is saving its part of the checkpoint: let them finish
                 codes = [child.wait() for child in children]
-                return 143 if all(code == 143 for code in codes) else max(codes, key=abs)
+                return 143 if all(code == 143 for code in codes) else _exit_status(max(codes, key=abs))
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 index, code = failed[0]
@@ -75,6 +77,13 @@ def run_local(args: list[str], processes: int, devices_per_process: int) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop(children)
+        for relay in relays:  # the children's last lines (an error message, say) are still in the pipes
+            relay.join(timeout=5)
+
+
+def _exit_status(code: int) -> int:
+    """A child's return code as a shell exit status (killed by signal n → 128 + n)."""
+    return 128 - code if code < 0 else code
 
 
 def _stop(children: list[subprocess.Popen]) -> None:

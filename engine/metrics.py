@@ -18,11 +18,10 @@ class MetricWriter:
         self.enabled = enabled
         self.bar: Optional[tqdm] = None
         self.summary = None
-        self.jsonl = None
+        self.jsonl_path = Path(workdir) / "metrics.jsonl"
         if not enabled:
             return
         workdir = Path(workdir)
-        self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)  # line-buffered: readable while running
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -40,7 +39,10 @@ class MetricWriter:
         if not self.enabled:
             return
         record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
+        # Opened per record: a trainer resuming beside a sidecar evaluator rewrites this file,
+        # and a handle held open would keep appending to the replaced one.
+        with open(self.jsonl_path, "a") as jsonl:
+            jsonl.write(json.dumps(record) + "\n")
         if self.summary is not None:
             for name, value in values.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -71,8 +73,16 @@ class MetricWriter:
             self.bar.close()
         if self.summary is not None:
             self.summary.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a last line still being written (no newline yet) is skipped."""
+    if not Path(path).exists():
+        return []
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    complete = lines[:-1] if not text.endswith("\n") else lines
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def _plain(value):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -94,18 +94,18 @@ class Goodput:
     data_wait_seconds: float = 0.0
     checkpoint_seconds: float = 0.0  # time the loop was blocked on saves
     eval_seconds: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)  # per logged window: seconds per step
+    loop_seconds: float = 0.0  # time in the training loop, waits for data included, eval and saves not
     steps_run: int = 0
     redone_steps: int = 0  # steps run again after a restart (logged before, lost since the checkpoint)
 
     def summary(self, ended: float) -> dict[str, float]:
         wall = ended - self.started
-        mean_step = sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else 0.0
-        redone = self.redone_steps * mean_step
+        mean_step = self.loop_seconds / self.steps_run if self.steps_run else 0.0
+        redone = min(self.redone_steps * mean_step, self.loop_seconds - self.data_wait_seconds)
         badput = {"compile": self.compile_seconds, "data_wait": self.data_wait_seconds,
                   "checkpoint_blocking": self.checkpoint_seconds, "eval": self.eval_seconds,
                   "redone_steps": redone}
-        productive = max(mean_step * self.steps_run - redone, 0.0)
+        productive = max(self.loop_seconds - self.data_wait_seconds - redone, 0.0)
         other = max(wall - productive - sum(badput.values()), 0.0)
         return {
             "wall_seconds": wall,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from engine.errors import UsageError
+from engine.metrics import read_records
 from engine.sweep import final_metrics, read_status
 
 
@@ -26,14 +27,11 @@ def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
 
 def _curves(workdir: Path) -> dict[str, tuple[list[int], list[float]]]:
     curves: dict[str, tuple[list[int], list[float]]] = {}
-    path = workdir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "loss" in record and record.get("source") != "evaluator":
-                steps, values = curves.setdefault(record["split"], ([], []))
-                steps.append(record["step"])
-                values.append(record["loss"])
+    for record in read_records(workdir / "metrics.jsonl"):
+        if "loss" in record and record.get("source") != "evaluator":
+            steps, values = curves.setdefault(record["split"], ([], []))
+            steps.append(record["step"])
+            values.append(record["loss"])
     return curves
 
 
@@ -47,7 +45,8 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
     out = Path(out) if out else (paths[0] if len(paths) == 1 and (paths[0] / "sweep.json").exists() else Path("."))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, workdir, status in _runs(paths):
+    runs = _runs(paths)
+    for name, workdir, status in runs:
         final = final_metrics(workdir)
         rows.append({"run": name, "status": status, metric: final.get(metric),
                      **{k: v for k, v in sorted(final.items()) if k != metric and k in _shown(final)}})
@@ -63,7 +62,7 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
     cells = [[_cell(row.get(c)) for c in columns] for row in ranked]
     (out / "report.md").write_text(_markdown(columns, cells, f"Runs ranked by {metric} ({mode})"))
     print(_console(columns, cells, f"runs ranked by {metric} ({mode}); best first"))
-    _plot([(name, _curves(workdir)) for name, workdir, _ in _runs(paths)], out / "report.png")
+    _plot([(name, _curves(workdir)) for name, workdir, _ in runs], out / "report.png")
     print(f"wrote {out / 'report.csv'}, {out / 'report.md'}, {out / 'report.png'}")
     return ranked
 
@@ -112,7 +111,9 @@ def _plot(curves: list[tuple[str, dict]], path: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("loss")
-    handles, labels = axes[0].get_legend_handles_labels() or axes[1].get_legend_handles_labels()
+    handles, labels = axes[0].get_legend_handles_labels()
+    if not handles:  # only eval curves
+        handles, labels = axes[1].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) - 1) // 3 + 1) if handles else 0, 1, 1))

@@ -148,7 +148,7 @@ def build_run(cfg: Config) -> Run:
                                                        sample, train=False))
     param_layouts = sharding.layouts(abstract_vars["params"], cfg.mesh.rules, mesh)
     replicated = sharding.replicated(mesh)
-    param_shardings = sharding.tree_shardings(abstract_vars["params"], cfg.mesh.rules, mesh)
+    param_shardings = sharding.tree_shardings(abstract_vars["params"], param_layouts, mesh)
     abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
                                           transform_non_params=lambda _: replicated)

@@ -89,9 +89,9 @@ def layouts(abstract_boxed, rules: dict[str, list[str]], mesh: Mesh) -> list[Par
     return found
 
 
-def tree_shardings(abstract_boxed, rules: dict[str, list[str]], mesh: Mesh):
-    """NamedShardings for the unboxed version of `abstract_boxed` (same structure)."""
-    specs = iter(layout.spec for layout in layouts(abstract_boxed, rules, mesh))
+def tree_shardings(abstract_boxed, param_layouts: list[ParamLayout], mesh: Mesh):
+    """NamedShardings for the unboxed version of `abstract_boxed`, from its layouts (same order)."""
+    specs = iter(layout.spec for layout in param_layouts)
     return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), abstract_boxed, is_leaf=_is_box)
 
 

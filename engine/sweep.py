@@ -33,6 +33,7 @@ import yaml
 
 from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
+from engine.metrics import read_records
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
 SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm"}
@@ -184,21 +185,18 @@ def read_status(workdir: Path) -> dict:
 
 
 def write_json(path: Path, record: dict) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # SLURM array tasks may write at once
     tmp.write_text(json.dumps(record) + "\n")
     os.replace(tmp, path)
 
 
 def final_metrics(workdir: Path) -> dict[str, float]:
     """The last value of each split/name in a run's metrics.jsonl."""
-    path = workdir / "metrics.jsonl"
     final: dict[str, float] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            for name, value in record.items():
-                if name not in ("step", "split", "source") and isinstance(value, (int, float)):
-                    final[f"{record['split']}/{name}"] = value
+    for record in read_records(workdir / "metrics.jsonl"):
+        for name, value in record.items():
+            if name not in ("step", "split", "source") and isinstance(value, (int, float)):
+                final[f"{record['split']}/{name}"] = value
     return final
 
 
@@ -210,7 +208,7 @@ def write_index(sweep: Sweep) -> None:
         lines.append(json.dumps({"name": run.name, "overrides": run.overrides, "workdir": str(sweep.workdir(run)),
                                  "status": status.get("status", "pending"), "error": status.get("error"),
                                  "seconds": status.get("seconds"), "final": final_metrics(sweep.workdir(run))}))
-    tmp = sweep.directory / "sweep.jsonl.tmp"
+    tmp = sweep.directory / f".sweep.jsonl.{os.getpid()}.tmp"
     tmp.write_text("".join(line + "\n" for line in lines))
     os.replace(tmp, sweep.directory / "sweep.jsonl")
     write_json(sweep.directory / "sweep.json", {"sweep_file": str(sweep.path), "metric": sweep.metric,

@@ -20,7 +20,7 @@ from engine.config import Config, save_config, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.distributed import barrier
 from engine.errors import UsageError
-from engine.metrics import MetricWriter
+from engine.metrics import MetricWriter, read_records
 from engine.perf import Goodput, peak_flops, transformer_flops
 from engine.setup import Run, build_run, with_config_hparams
 
@@ -39,13 +39,16 @@ class Preempted(Exception):
 
 
 class PreemptionWatch:
-    """Notes SIGTERM; with several processes all agree on the step through JAX's sync point."""
+    """Notes SIGTERM; with several processes all agree on the step through JAX's sync point.
+
+    With several processes, jax.distributed's own SIGTERM notifier feeds that sync point, so
+    no Python handler is installed over it."""
 
     def __init__(self):
         self.requested = False
         self.multi_process = jax.process_count() > 1
         self._previous = None
-        if threading.current_thread() is threading.main_thread():
+        if not self.multi_process and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
@@ -95,8 +98,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     cfg = run.cfg
     restored = checkpointer.restore(run.abstract_state)
     if restored is not None:
-        state, meta, step = restored
-        return state, step
+        return restored[0], restored[2]
     if cfg.checkpoint.restore_from:
         source = Checkpointer(cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True)
         if cfg.checkpoint.restore_mode == "all":
@@ -115,7 +117,7 @@ def drop_records_after(path: Path, step: int) -> int:
     Returns how many logged training steps will be redone (badput of the restart)."""
     if not path.exists():
         return 0
-    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    records = read_records(path)
     logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
     kept = [r for r in records if r["step"] <= step]
     tmp = path.with_suffix(".tmp")
@@ -174,8 +176,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
             if done % cfg.log.every_steps == 0 or done == total:
                 host = window.to_host()  # the loop's only regular host sync
                 _check_finite(host, window.start, cfg.train.nan_policy, writer)
-                seconds_per_step = window.seconds_per_step()
-                goodput.step_seconds.append(seconds_per_step)
+                seconds_per_step = window.seconds() / len(window.metrics)
+                goodput.loop_seconds += window.seconds()
                 result.losses.update(_step_losses(host, window.start))
                 writer.write(done, "train", {**_summarise(host), **rates.per_step(seconds_per_step)})
                 window = Window(done)
@@ -199,7 +201,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
         checkpointer.wait()  # the last save is complete before the run reports success
         goodput.checkpoint_seconds += time.perf_counter() - began
         barrier("finished", timeout)
-        goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds
+        goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
         if total > start:
             timing = goodput.summary(time.time())
             result.summary = {**timing, **rates.summary(timing["mean_step_seconds"])}
@@ -232,9 +234,9 @@ class Window:
     def pause(self, seconds: float) -> None:
         self.paused += seconds
 
-    def seconds_per_step(self) -> float:
-        """Wall time per step, waits for data included (they slow training down)."""
-        return max(time.perf_counter() - self.began - self.paused, 1e-9) / len(self.metrics)
+    def seconds(self) -> float:
+        """Wall time of the window's steps, waits for data included (they slow training down)."""
+        return max(time.perf_counter() - self.began - self.paused, 1e-9)
 
 
 class Rates:

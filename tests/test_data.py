@@ -155,13 +155,29 @@ def test_process_rows_partition_the_global_batch():
     assert evals[-1]["mask"].tolist() == [0, 0]
 
 
+class ProcessView:
+    """A sharding as one process of a multi-host job sees it: only some devices' slices."""
+
+    def __init__(self, slices):
+        self.slices = slices
+
+    def addressable_devices_indices_map(self, shape):
+        return {device: (piece,) for device, piece in enumerate(self.slices)}
+
+
 def test_process_rows_follow_the_sharding(mesh2x4):
     from jax.sharding import NamedSharding, PartitionSpec
 
     rows = process_rows(NamedSharding(mesh2x4, PartitionSpec(("data", "fsdp"))), 16)
     np.testing.assert_array_equal(rows, np.arange(16))  # one process holds every row
-    stacked = NamedSharding(mesh2x4, PartitionSpec(("data", "fsdp")))
-    np.testing.assert_array_equal(process_rows(stacked, 32, per_row=4), np.arange(32))
+    # a process whose two devices hold rows 4..7 and 12..15 (devices interleaved over hosts)
+    np.testing.assert_array_equal(process_rows(ProcessView([slice(4, 8), slice(12, 16)]), 16),
+                                  [4, 5, 6, 7, 12, 13, 14, 15])
+    # pmap's [devices, rows per device] layout: device slots 1 and 3 of 4, 8 rows each
+    np.testing.assert_array_equal(process_rows(ProcessView([slice(1, 2), slice(3, 4)]), 32, per_row=8),
+                                  list(range(8, 16)) + list(range(24, 32)))
+    # replicas on two devices of the process ask for the same rows once
+    np.testing.assert_array_equal(process_rows(ProcessView([slice(0, 4), slice(0, 4)]), 8), [0, 1, 2, 3])
 
 
 def test_batch_larger_than_dataset_is_a_usage_error():

@@ -148,3 +148,22 @@ def test_srun_two_processes_found_through_slurm(tmp_path):
         assert f"process {index} of 2: joined the job (SLURM); 4 devices in all, 2 here" in proc.stderr
     assert sorted(train_losses(workdir)) == list(range(1, 7))
     assert proc.stdout.count("done: 6 steps") == 2
+
+
+def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path):
+    workdir = tmp_path / "preempt"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
+         "--local-processes", "2", "train.steps=1000000", *COMMON], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
+        assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, out[-2000:] + err[-2000:]
+    saved = [line.split("step ")[-1].split(";")[0] for line in out.splitlines() if "preempted by SIGTERM" in line]
+    assert len(saved) == 2 and saved[0] == saved[1]  # both processes saved at the same step
+    assert (workdir / "checkpoints" / saved[0]).is_dir()

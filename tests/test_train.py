@@ -3,6 +3,7 @@ import json
 import struct
 
 import numpy as np
+import pytest
 import yaml
 
 from conftest import run_cli
@@ -68,8 +69,14 @@ def test_summary_line_reports_time_goodput_and_mfu(tmp_path):
     assert summary["split"] == "summary" and summary["step"] == 40
     assert 0 < summary["goodput"] < 1 and summary["mean_step_seconds"] > 0
     assert summary["time_to_first_step"] >= summary["compile_seconds"] > 0
-    parts = sum(v for k, v in summary.items() if k.startswith("badput_"))
-    assert abs(summary["goodput"] + parts - 1.0) < 1e-6  # productive + every badput = the wall time
+    wall, steps = summary["wall_seconds"], 40
+    # productive time = the loop's time less its waits for data (none redone in a fresh run)
+    expected = (summary["mean_step_seconds"] * steps - summary["data_wait_seconds"]) / wall
+    assert summary["goodput"] == pytest.approx(expected, rel=1e-6)
+    assert summary["badput_data_wait"] == pytest.approx(summary["data_wait_seconds"] / wall, rel=1e-6)
+    assert summary["badput_compile"] == pytest.approx(summary["compile_seconds"] / wall, rel=1e-6)
+    assert summary["mean_step_seconds"] * steps + summary["compile_seconds"] < wall
+    assert summary["redone_steps"] == 0
     assert 0 < summary["mfu"] < 1 and summary["peak_source"] == "measured float32 matmul on this CPU"
     assert summary["flops_per_device_step"] > 0
     train = [r for r in read_jsonl(tmp_path / "s" / "metrics.jsonl") if r["split"] == "train"]

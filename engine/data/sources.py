@@ -96,6 +96,10 @@ def npz(cfg) -> Dataset:
                 raise UsageError(f"{file} is not a readable .npy array: {e}") from None
     else:
         raise UsageError(f"data.path={path} does not exist; expected a .npz file or a directory of .npy files")
+    for x_key, y_key in (("x_train", "y_train"), ("x_test", "y_test"), ("x", "y")):
+        if x_key in arrays and y_key in arrays and len(arrays[x_key]) != len(arrays[y_key]):
+            raise UsageError(f"data.path={path}: {x_key} has {len(arrays[x_key])} examples but {y_key} has "
+                             f"{len(arrays[y_key])}; they must match")
     if {"x_train", "y_train"} <= arrays.keys():
         if {"x_test", "y_test"} <= arrays.keys():
             parts = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
@@ -188,7 +192,7 @@ def _existing_dir(path: str, what: str) -> Path:
 
 def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     """Non-overlapping examples of seq_len + 1 tokens (inputs and shifted targets), as a view."""
-    count = (len(tokens) - 1) // seq_len
+    count = max((len(tokens) - 1) // seq_len, 0)
     return np.lib.stride_tricks.as_strided(tokens, (count, seq_len + 1), (seq_len * tokens.strides[0],
                                                                          tokens.strides[0]), writeable=False)
 
