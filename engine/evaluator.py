@@ -32,7 +32,7 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
         time.sleep(poll_seconds)
         waited += poll_seconds
     checkpointer = Checkpointer(directory, cfg.checkpoint.keep, read_only=True)
-    run = build_run(cfg)
+    run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
     writer = MetricWriter(workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
                           tensorboard=False)
     summary = None

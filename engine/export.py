@@ -24,7 +24,7 @@ def export_run(workdir: str, out: str) -> Path:
         raise UsageError(f"--out {out_path} exists and is not empty; choose a new directory")
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = load_config(workdir_path / "config.yaml", SINGLE_DEVICE + ["log.progress=false"], str(workdir_path))
-    run = build_run(cfg)
+    run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
     checkpointer = Checkpointer(workdir_path / "checkpoints", cfg.checkpoint.keep, read_only=True)
     restored = checkpointer.restore(run.abstract_state)
     checkpointer.close()

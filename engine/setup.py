@@ -116,8 +116,10 @@ def _sample_inputs(info, task: str):
     return jnp.zeros((1, *info.input_shape), jnp.float32)
 
 
-def build_run(cfg: Config) -> Run:
-    """Builds and compiles a run from shapes alone; no state is allocated until init_state()."""
+def build_run(cfg: Config, compile_train: bool = True) -> Run:
+    """Builds and compiles a run from shapes alone; no state is allocated until init_state().
+
+    compile_train=False (the evaluator, export) skips compiling the train step: train_step is None."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
     cache_before = dict(compile_cache_events)
     mesh = make_mesh(cfg.mesh)
@@ -168,8 +170,8 @@ def build_run(cfg: Config) -> Run:
                                                  pmap_axis), cfg.data.steps_per_transfer)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
-    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train, train_step, eval_step,
-                          eval_batch_size)
+    compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train,
+                          train_step if compile_train else None, eval_step, eval_batch_size)
     train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
                                  compiled["rows"](cfg.train.global_batch_size))
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
@@ -227,13 +229,13 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, ev
         return dict(put_batch=put_batch, train_step=eager(train_step), eval_step=eager(eval_step),
                     compile_seconds=0.0, flops=0.0, memory=None, **common)
     # The state is donated: its buffers are reused for the new state instead of copied.
-    jitted = jax.jit(train_step, in_shardings=(state_shardings, block_sharding),
-                     out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+    jitted = train_step and jax.jit(train_step, in_shardings=(state_shardings, block_sharding),
+                                    out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
     start = time.perf_counter()
     abstract_block = {name: jax.ShapeDtypeStruct((steps, cfg.train.global_batch_size, *array.shape[1:]), array.dtype,
                                                  sharding=block_sharding) for name, array in train_arrays.items()}
     with sharding.activation_layout(mesh):  # traced here: the models' activation constraints apply
-        compiled = jitted.lower(state, abstract_block).compile()
+        compiled = jitted.lower(state, abstract_block).compile() if train_step else None
         compile_seconds = time.perf_counter() - start
         eval_batch = {**{name: jax.ShapeDtypeStruct((eval_batch_size, *a.shape[1:]), a.dtype, sharding=batch_sharding)
                          for name, a in train_arrays.items()},
@@ -241,7 +243,7 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, ev
         eval_jit = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
                            out_shardings=sharding.replicated(mesh)).lower(state, eval_batch).compile()
     return dict(put_batch=put_batch, train_step=compiled, eval_step=eval_jit, compile_seconds=compile_seconds,
-                flops=_flops(compiled), memory=compiled.memory_analysis(), **common)
+                flops=_flops(compiled) if compiled else 0.0, memory=compiled and compiled.memory_analysis(), **common)
 
 
 def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, eval_step, eval_batch_size) -> dict:
@@ -267,13 +269,13 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, e
         per_device = {k: v.reshape(steps, local, -1, *v.shape[2:]).swapaxes(0, 1) for k, v in host_block.items()}
         return _global_arrays(per_device, stacked, (count, steps, cfg.train.global_batch_size // count))
 
-    pmapped = jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
+    pmapped = train_step and jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
     pmapped_eval = jax.pmap(eval_step, axis_name=PMAP_AXIS, devices=list(devices))
     start = time.perf_counter()
     abstract_block = {name: jax.ShapeDtypeStruct((count, steps, cfg.train.global_batch_size // count,
                                                   *array.shape[1:]), array.dtype, sharding=stacked)
                       for name, array in train_arrays.items()}
-    compiled = pmapped.lower(state, abstract_block).compile()
+    compiled = pmapped.lower(state, abstract_block).compile() if train_step else None
     compile_seconds = time.perf_counter() - start
 
     def step(state, batch):
@@ -285,7 +287,8 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, e
 
     return dict(put_batch=put_batch, put_block=put_block, train_step=step, eval_step=evaluate,
                 compile_seconds=compile_seconds,
-                flops=_flops(compiled), memory=compiled.memory_analysis(), to_step_layout=to_step_layout,
+                flops=_flops(compiled) if compiled else 0.0, memory=compiled and compiled.memory_analysis(),
+                to_step_layout=to_step_layout,
                 from_step_layout=from_step_layout,
                 rows=lambda global_batch: process_rows(stacked, global_batch, global_batch // count))
 
