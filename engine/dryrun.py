@@ -49,7 +49,7 @@ def dry_run_report(run: Run) -> str:
         lines.append(f"compiled step memory per device: arguments {_bytes(m.argument_size_in_bytes)}, "
                      f"outputs {_bytes(m.output_size_in_bytes)}, temporaries {_bytes(m.temp_size_in_bytes)}, "
                      f"aliased (donated) {_bytes(m.alias_size_in_bytes)}")
-    lines.append(f"model FLOPs per step (compiled cost analysis): {run.flops_per_device_step:.4g} per device, "
+    lines.append(f"model FLOPs per step ({run.flops_source}): {run.flops_per_device_step:.4g} per device, "
                  f"{run.flops_per_device_step * run.mesh.size:.4g} in all; compile time {run.compile_seconds:.2f}s")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ only inside `_compile_jit` and `_compile_pmap`; nothing else asks which one is i
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -49,7 +50,8 @@ class Run:
     eval_step: Callable  # (state, device batch) → metric sums
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
     compile_seconds: float
-    flops_per_device_step: float  # from the compiled step's cost analysis (0 if unknown)
+    flops_per_device_step: float  # model FLOPs per device per step, from XLA's cost analysis (0 if unknown)
+    flops_source: str  # which program that count comes from (see _model_flops)
     memory_analysis: Any  # the compiled step's memory estimate (None in eager mode)
     eval_batch_size: int
     compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
@@ -174,6 +176,11 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
                           train_step if compile_train else None, eval_step, eval_batch_size)
     train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
                                  compiled["rows"](cfg.train.global_batch_size))
+    flops, flops_source = compiled["flops"], "XLA cost analysis of the compiled step"
+    differs = _differs_from_reference(cfg, module)
+    if flops and differs:
+        flops = _model_flops(cfg, spec, dataset, tx, abstract_state, mesh.size)
+        flops_source = f"XLA cost analysis of the same step without {', '.join(differs)}"
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
                init_state=lambda: create_state(seed, hparams), to_step_layout=compiled["to_step_layout"],
                from_step_layout=compiled["from_step_layout"], param_layouts=param_layouts,
@@ -183,11 +190,39 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
                # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
                # before the first has finished; accelerators keep asynchronous dispatch.
                sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
-               compile_seconds=compiled["compile_seconds"], flops_per_device_step=compiled["flops"],
+               compile_seconds=compiled["compile_seconds"], flops_per_device_step=flops, flops_source=flops_source,
                memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
                eval_rows=compiled["rows"](eval_batch_size),
                compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
                steps_per_block=cfg.data.steps_per_transfer)
+
+
+# Settings that change the work a step does, or what XLA can count of it, but not the model's
+# FLOPs: rematerialisation recomputes, a chunked loss and gradient accumulation are loops
+# whose body XLA's cost analysis counts once, and fused attention is a custom call it cannot
+# count at all. MFU is measured against the step without them.
+REFERENCE_MODEL = {"remat": "none", "loss_chunk": 0, "attention": "xla"}
+
+
+def _differs_from_reference(cfg: Config, module) -> list[str]:
+    """The settings of this run that make its compiled FLOP count differ from the model's."""
+    differs = [f"{key}={getattr(module, key)}" for key, value in REFERENCE_MODEL.items()
+               if getattr(module, key, value) != value]
+    return differs + ([f"grad_accum_steps={cfg.train.grad_accum_steps}"] if cfg.train.grad_accum_steps > 1 else [])
+
+
+def _model_flops(cfg: Config, spec, dataset: Dataset, tx, state: TrainState, devices: int) -> float:
+    """FLOPs per device of one train step with REFERENCE_MODEL settings and no gradient
+    accumulation, from XLA's cost analysis of the lowered (not compiled) program: a trace,
+    no compilation."""
+    model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in REFERENCE_MODEL.items() if hasattr(cfg.model, k)})
+    module = spec.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
+    step = make_train_step(make_loss_fn(module, spec.task), tx, cfg.optimizer.schedule)
+    batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
+             for name, a in dataset.train.items()}
+    unsharded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    analysis = jax.jit(step).lower(unsharded, batch).cost_analysis()
+    return float(analysis.get("flops", 0.0)) / devices
 
 
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,

@@ -25,6 +25,10 @@ class TrainState:
 def make_loss_fn(module: nn.Module, task: str) -> Callable:
     """loss(params, model_state, batch, rng, train) → (mean loss, (metric sums, new model_state)).
 
+    Classification models return logits; language models ("lm") take `targets=` and return
+    (per-token float32 cross-entropy, argmax == target), so they can fuse the output
+    projection with the loss (models.layers.LMHead).
+
     Metric sums (`loss_sum`, `correct`, `count`) are summed over (weighted) examples, so
     they add up exactly across microbatches, devices and eval batches.
     """
@@ -39,14 +43,20 @@ def make_loss_fn(module: nn.Module, task: str) -> Callable:
         weights = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (targets.ndim - 1)), targets.shape)
         variables = {"params": params, **model_state}
         mutable = list(model_state) if train and model_state else False
+        # Language models compute their own (fused) per-token loss from the targets.
         out = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
-                           dropout_rate=dropout_rate, rngs={"dropout": rng} if train else None, mutable=mutable)
-        logits, new_model_state = (out if mutable else (out, model_state))
-        logits = logits.astype(jnp.float32)  # the loss is always computed in float32
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+                           dropout_rate=dropout_rate, rngs={"dropout": rng} if train else None, mutable=mutable,
+                           **({"targets": targets} if task == "lm" else {}))
+        out, new_model_state = (out if mutable else (out, model_state))
+        if task == "lm":
+            losses, hits = out  # float32 per-token cross-entropy, argmax == target
+        else:
+            logits = out.astype(jnp.float32)  # the loss is always computed in float32
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            hits = jnp.argmax(logits, -1) == targets
         count = jnp.sum(weights)
         loss_sum = jnp.sum(losses * weights)
-        correct = jnp.sum((jnp.argmax(logits, -1) == targets) * weights)
+        correct = jnp.sum(hits * weights)
         metrics = {"loss_sum": loss_sum, "correct": correct, "count": count}
         return loss_sum / jnp.maximum(count, 1.0), (metrics, new_model_state)
 

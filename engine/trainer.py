@@ -246,7 +246,7 @@ class Rates:
         cfg, info = run.cfg, run.dataset.info
         self.batch = cfg.train.global_batch_size
         self.tokens = self.batch * info.seq_len if info.kind == "tokens" else 0
-        self.flops = run.flops_per_device_step
+        self.flops, self.flops_source = run.flops_per_device_step, run.flops_source
         self.cache = run.compile_cache
         device = run.mesh.devices.flat[0]
         self.peak, self.peak_source = peak_flops(device, cfg.train.compute_dtype)
@@ -269,7 +269,7 @@ class Rates:
     def summary(self, mean_step_seconds: float) -> dict:
         return {**self.per_step(max(mean_step_seconds, 1e-9)), "flops_per_device_step": self.flops,
                 "compile_cache_hits": self.cache.get("hits", 0), "compile_cache_misses": self.cache.get("misses", 0),
-                "flops_source": "compiled step's cost analysis (per device)",
+                "flops_source": self.flops_source,
                 "analytic_flops_per_device_step": self.analytic or None,
                 "analytic_flops_formula": "6*N*tokens + 12*layers*d_model*seq_len*tokens" if self.analytic else None,
                 "peak_flops_per_device": self.peak, "peak_source": self.peak_source}

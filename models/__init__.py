@@ -1,7 +1,9 @@
 """Model registry: `model.name` in a config → ModelSpec.
 
 A model is a flax module called as `module(inputs, train=..., example_ids=..., dropout_rate=...)`
-returning logits, whose parameters carry logical axis names. To add one, write models/<name>.py
+returning logits, whose parameters carry logical axis names. A language model ("lm" task)
+also takes `targets=` [batch, seq] and then returns (per-token float32 cross-entropy,
+argmax == target) instead, so it can fuse its output layer with the loss. To add one, write models/<name>.py
 with a config dataclass (first field `name`) and a `build(cfg, data_info, dtype,
 param_dtype, batch_axis_name)` function, and register it below.
 """

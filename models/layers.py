@@ -4,11 +4,13 @@ the batch is split over devices, microbatches or a pmap axis."""
 from __future__ import annotations
 
 import contextvars
+from functools import partial
 from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 # Set by the engine while it traces a step: logical activation axes → a sharding constraint.
@@ -64,3 +66,113 @@ class Dropout(nn.Module):
 
         mask = jax.vmap(row_mask)(example_ids)  # [batch, ...]
         return jnp.where(mask, x / keep, 0).astype(x.dtype)
+
+
+
+
+def _logits(x, kernel, dtype):
+    """[..., embed] @ [embed, vocab] in the compute dtype, written straight out in float32."""
+    return jnp.einsum("...d,dv->...v", x.astype(dtype), kernel.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _is_label(logits, targets):
+    return jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+
+
+def _piece_forward(x, kernel, targets, dtype):
+    """One piece: (cross-entropy, argmax == target, log-normaliser, float32 logits)."""
+    logits = _logits(x, kernel, dtype)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    # The label's logit by a masked sum, not a gather: it stays one fused reduction, also
+    # when the vocabulary is sharded over devices.
+    label_logit = jnp.sum(jnp.where(_is_label(logits, targets), logits, 0.0), axis=-1)
+    return lse - label_logit, jnp.argmax(logits, axis=-1) == targets, lse, logits
+
+
+def _piece_backward(x, kernel, targets, dtype, lse, logits, g):
+    """d loss / d (x, kernel) of one piece, from its float32 logits; the logits' gradient
+    (softmax − one-hot) is made in the compute dtype, in one fusion with the softmax."""
+    probs = jnp.exp(logits - lse[..., None])
+    g_logits = ((probs - _is_label(logits, targets)) * g[..., None]).astype(dtype)
+    dx = jnp.einsum("...v,dv->...d", g_logits, kernel.astype(dtype), preferred_element_type=jnp.float32)
+    x2 = x.astype(dtype).reshape(-1, x.shape[-1])
+    dk = jnp.einsum("nd,nv->dv", x2, g_logits.reshape(-1, g_logits.shape[-1]), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dk
+
+
+def _chunks(a, chunk):
+    """[batch, seq, ...] → [seq / chunk, batch, chunk, ...]: pieces along the sequence."""
+    return a.reshape(a.shape[0], a.shape[1] // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+
+def _unchunk(a):
+    return a.swapaxes(0, 1).reshape(a.shape[1], a.shape[0] * a.shape[2], *a.shape[3:])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_cross_entropy(x, kernel, targets, dtype, chunk: int):
+    """Next-token cross-entropy of the logits x @ kernel, without keeping float32 logits
+    twice: x [batch, seq, embed], kernel [embed, vocab], targets [batch, seq] int →
+    (losses float32 [batch, seq], argmax == target [batch, seq]).
+
+    chunk = 0: the logits are made once, in float32, and kept for the backward pass (no
+    compute-dtype copy, no second float32 array for the softmax). chunk > 0 (divides seq):
+    one piece of `chunk` positions at a time, forward and backward; only the log-normaliser
+    is kept and each piece's logits are made again in the backward pass (one more head
+    matmul, for [batch, chunk, vocab] of float32 instead of [batch, seq, vocab])."""
+    return _fused_forward(x, kernel, targets, dtype, chunk)[0]
+
+
+def _fused_forward(x, kernel, targets, dtype, chunk):
+    if not chunk:
+        losses, correct, lse, logits = _piece_forward(x, kernel, targets, dtype)
+        return (losses, correct), (x, kernel, targets, lse, logits)
+    losses, correct, lse = jax.lax.map(lambda a: _piece_forward(a[0], kernel, a[1], dtype)[:3],
+                                       (_chunks(x, chunk), _chunks(targets, chunk)))
+    return (_unchunk(losses), _unchunk(correct)), (x, kernel, targets, _unchunk(lse), None)
+
+
+def _fused_backward(dtype, chunk, residuals, cotangents):
+    x, kernel, targets, lse, logits = residuals
+    g = cotangents[0].astype(jnp.float32)  # the cotangent of `correct` (bool) is float0: nothing
+    no_grad = np.zeros(targets.shape, jax.dtypes.float0)
+    if not chunk:
+        dx, dk = _piece_backward(x, kernel, targets, dtype, lse, logits, g)
+        return dx, dk.astype(kernel.dtype), no_grad
+
+    def piece(dk, a):
+        x_c, t_c, lse_c, g_c = a
+        dx_c, dk_c = _piece_backward(x_c, kernel, t_c, dtype, lse_c, _logits(x_c, kernel, dtype), g_c)
+        return dk + dk_c, dx_c
+
+    dk, dx = jax.lax.scan(piece, jnp.zeros(kernel.shape, jnp.float32),
+                          tuple(_chunks(a, chunk) for a in (x, targets, lse, g)))
+    return _unchunk(dx), dk.astype(kernel.dtype), no_grad
+
+
+fused_cross_entropy.defvjp(_fused_forward, _fused_backward)
+
+
+class LMHead(nn.Module):
+    """The output projection [embed → vocab] of a language model, and its fused loss.
+
+    `__call__` gives the logits (in the compute dtype); `loss` gives the per-token
+    cross-entropy and whether the argmax was right (fused_cross_entropy). Chunks run along
+    the sequence, so a batch sharded over devices stays where it is."""
+
+    d_model: int
+    vocab_size: int
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    def setup(self):
+        self.kernel = self.param("kernel", param_init(nn.initializers.lecun_normal(), ("embed", "vocab")),
+                                 (self.d_model, self.vocab_size), self.param_dtype)
+
+    def __call__(self, x):
+        return jnp.einsum("...d,dv->...v", x.astype(self.dtype), self.kernel.astype(self.dtype))
+
+    def loss(self, x, targets, chunk: int = 0):
+        """x [batch, seq, embed], targets [batch, seq] → (losses float32, correct bool), [batch, seq]."""
+        chunk = 0 if chunk >= targets.shape[1] else chunk
+        return fused_cross_entropy(x, self.kernel, targets, jnp.dtype(self.dtype), chunk)

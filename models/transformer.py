@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.errors import UsageError
-from models.layers import Dropout, constrain, dense, param_init
+from models.layers import Dropout, LMHead, constrain, dense, param_init
 
 REMAT_POLICIES = {
     "none": None,
@@ -28,6 +28,7 @@ class TransformerConfig:
     dropout_rate: float = 0.1
     remat: str = "none"  # none | full | dots: activation rematerialisation per block
     attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
+    loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -38,6 +39,8 @@ class TransformerConfig:
             raise UsageError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
         if self.remat not in REMAT_POLICIES:
             raise UsageError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if self.loss_chunk < 0:
+            raise UsageError(f"model.loss_chunk={self.loss_chunk} must be 0 (whole sequence) or positive")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise UsageError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
@@ -94,10 +97,13 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     attention: str = "xla"
+    loss_chunk: int = 0
 
     @nn.compact
-    def __call__(self, tokens, *, train: bool, example_ids=None, dropout_rate=None):
-        seq = tokens.shape[1]  # tokens: [batch, seq] int32
+    def __call__(self, tokens, *, train: bool, example_ids=None, dropout_rate=None, targets=None):
+        """tokens [batch, seq] int32 → logits [batch, seq, vocab]; with targets [batch, seq]:
+        (per-token cross-entropy, argmax == target), from the fused loss of LMHead."""
+        seq = tokens.shape[1]
         embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
                          embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
         positions = self.param("positions", param_init(nn.initializers.normal(0.01), (None, "embed")),
@@ -111,8 +117,8 @@ class Transformer(nn.Module):
             x = block_cls(self.num_heads, self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
                           self.attention, name=f"block_{i}")(x, example_ids, train, dropout_rate)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
-        return dense(self.vocab_size, ("embed", "vocab"), self.dtype, self.param_dtype, name="lm_head",
-                     use_bias=False)(x)  # [batch, seq, vocab]
+        head = LMHead(self.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
+        return head(x) if targets is None else head.loss(x, targets, self.loss_chunk)
 
 
 def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
@@ -120,5 +126,8 @@ def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None
     if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
+    if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
+        raise UsageError(f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
+                         f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once")
     return Transformer(info.vocab_size, info.seq_len, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.mlp_dim,
-                       cfg.dropout_rate, cfg.remat, dtype, param_dtype, attention)
+                       cfg.dropout_rate, cfg.remat, dtype, param_dtype, attention, cfg.loss_chunk)

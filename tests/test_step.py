@@ -98,3 +98,21 @@ def test_dropout_rate_input_takes_effect(make_config):
     state = run.init_state()
     assert float(state.hparams["dropout_rate"]) == 0.0
     assert none[0] != half[0]  # same compiled program, different rate in the state, different loss
+
+
+def test_model_flops_ignore_remat_chunking_and_accumulation(make_config):
+    """MFU counts the model's FLOPs: recomputation (remat) and loops that XLA's cost analysis
+    counts once (chunked loss, gradient accumulation) must not change the figure."""
+    base = ["mesh.num_devices=1", "model.name=transformer", "data.name=synthetic_text", "data.seq_len=16",
+            "data.num_examples=256", "model.num_layers=2", "model.d_model=32", "model.num_heads=2",
+            "model.mlp_dim=64", "data.vocab_size=512", "train.global_batch_size=8"]
+    plain = build_run(make_config("mnist_mlp.yaml", *base))
+    assert plain.flops_source == "XLA cost analysis of the compiled step"
+    remat = build_run(make_config("mnist_mlp.yaml", *base, "model.remat=full"))
+    compiled = remat.train_step.cost_analysis()
+    compiled = compiled[0] if isinstance(compiled, (list, tuple)) else compiled
+    assert compiled["flops"] > 1.15 * plain.flops_per_device_step  # the forward pass again
+    looped = build_run(make_config("mnist_mlp.yaml", *base, "model.loss_chunk=4", "train.grad_accum_steps=2"))
+    for run, named in ((remat, "remat=full"), (looped, "loss_chunk=4, grad_accum_steps=2")):
+        assert run.flops_source == f"XLA cost analysis of the same step without {named}"
+        assert run.flops_per_device_step == pytest.approx(plain.flops_per_device_step, rel=0.02)
