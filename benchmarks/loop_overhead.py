@@ -1,35 +1,43 @@
 """Training-loop overhead: the engine's loop against a minimal hand-written JAX loop.
 
-Both loops train the same model on the same data with the same global batch, on one CPU
-device, in one process:
+Both loops train the same model on the same data with the same global batch and the same
+optimizer, on one CPU device, in one process:
 
   engine        `build_run(cfg)` once, then `engine.trainer.fit(cfg, run)` itself for each
                 timing (a fresh workdir, no periodic checkpoints). Its steps/s is fit's own
                 mean step time: the loop between log lines, including waits for data, the
-                metric windows and the writers, excluding the final eval and save.
-  hand-written  `jax.jit(train_step, donate_argnums=0)` around an optax update, host numpy
-                batches sliced from `run.dataset.train` beforehand, `jax.device_put` per step;
-                the step returns the loss, which is never fetched.
+                metric windows and the writers, excluding the final eval and save. It is
+                timed as configured (one step per call) and, with `--steps-per-call N`,
+                again with `train.steps_per_call=N` (N steps per dispatch, a device loop).
+  hand-written  `jax.jit(train_step, donate_argnums=0)` around an optax update (the config's
+                optimizer written directly with optax), host numpy batches sliced from
+                `run.dataset.train` beforehand, `jax.device_put` per step; the step
+                returns the loss, which is never fetched.
 
-For `--model mlp` there are two hand-written loops: one around a plain flax MLP (Dense 128
-relu → Dropout 0.2 → Dense 10 with `nn.Dropout`, mean cross-entropy), and one around the
-engine's own flax module and loss (`run.module`, `engine.step.make_loss_fn`). The engine
-draws each example's dropout mask from its position in the global batch and returns metric
-sums, which costs a little compute; the second loop separates that model cost from the
-loop cost. For `--model transformer` (the small GPT of tests/test_parallel.py) the
-hand-written loop always uses the engine's module and loss.
+Models (`--models`): `mlp` (the default job: configs/mnist_mlp.yaml), `transformer` (the
+2-layer, d_model 32 GPT of tests/test_parallel.py on synthetic tokens: a worst case, its
+step is a couple of milliseconds of tiny kernels) and `gpt_small` (configs/gpt_small.yaml
+as it is). For `mlp` there are two hand-written loops: one around a plain flax MLP (Dense
+128 relu → Dropout 0.2 → Dense 10 with `nn.Dropout`, mean cross-entropy), and one around
+the engine's own flax module and loss (`run.module`, `engine.step.make_loss_fn`), which
+separates the model's cost (per-example dropout masks, metric sums) from the loop's. The
+transformers' hand-written loops use the engine's module and loss.
 
 Every loop is compiled and warmed up first, then the loops are timed in turn (engine,
 hand-written, engine, hand-written, …) for `--rounds` rounds of `--steps` steps, each
 timing ending when the final state is ready. The table gives the median steps/s per loop;
 `engine / hand-written` is the engine's share of the hand-written loop's speed (1.0 = no
 overhead, 0.5 = half as fast), and the overhead in microseconds per step is the difference
-of the two median step times. With tiny models the step itself takes tens of microseconds,
-so this is a near worst case for loop overhead; it shrinks relative to step time as the
-model grows.
+of the two median step times.
 
-    python benchmarks/loop_overhead.py                        # MLP on digits, 2000 steps x 3
-    python benchmarks/loop_overhead.py --model transformer --steps 1000
+Per model it also prints: the train step's compile time cold (empty persistent
+compilation cache) and cached (the same config built again in this process, served from
+the cache this script filled), MFU (the run's model FLOPs per step against the peak the
+trainer uses: on CPU a measured float32 matmul) for every loop, and the engine's
+data-wait fraction (time the loop waited for input ÷ loop time, from fit's summary).
+
+    python benchmarks/loop_overhead.py                          # mlp, transformer, gpt_small
+    python benchmarks/loop_overhead.py --models gpt_small --steps 200 --steps-per-call 1
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ os.environ["XLA_FLAGS"] = ""  # one device: this measures the loop, not collecti
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -55,16 +65,22 @@ import optax  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import load_config  # noqa: E402
+from engine.config import load_config, validate  # noqa: E402
+from engine.errors import UsageError  # noqa: E402
+from engine.perf import peak_flops  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 from engine.step import make_loss_fn  # noqa: E402
 from engine.trainer import fit  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.num_devices=1"]
-# The small GPT of tests/test_parallel.py, on the same base config.
+# model → (config file, overrides). "transformer" is the small GPT of tests/test_parallel.py
+# on the default job's config: a worst case, its step is a couple of milliseconds of tiny
+# kernels. "gpt_small" is configs/gpt_small.yaml (4 layers, d_model 128, 128 tokens) as is.
 GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
        "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
        "model.dropout_rate=0.1", "train.global_batch_size=16"]
+MODELS = {"mlp": ("mnist_mlp.yaml", []), "transformer": ("mnist_mlp.yaml", GPT), "gpt_small": ("gpt_small.yaml", [])}
+DEFAULT_STEPS = {"mlp": 2000, "transformer": 2000, "gpt_small": 100}  # timed steps per round
 
 
 # --- the engine's loop ---------------------------------------------------------------------
@@ -74,15 +90,24 @@ class EngineLoop:
     (the loop between log lines, waits for data included, eval and checkpoint saves excluded)."""
 
     def __init__(self, run):
-        self.run, self.name = run, f"engine (fit, prefetch={run.cfg.data.prefetch})"
+        per_call = run.cfg.train.steps_per_call
+        self.run, self.name = run, "engine (fit)" + (f", {per_call} steps per call" if per_call > 1 else "")
         self.steps_per_sec: list[float] = []
+        self.data_wait: list[float] = []  # fraction of fit's loop time spent waiting for input, per timing
         self.workdirs = tempfile.TemporaryDirectory()
 
     def run_steps(self, steps: int) -> float:
         workdir = tempfile.mkdtemp(dir=self.workdirs.name)
         cfg = dataclasses.replace(self.run.cfg, workdir=workdir, train=dataclasses.replace(
             self.run.cfg.train, steps=steps), checkpoint=dataclasses.replace(self.run.cfg.checkpoint, every_steps=0))
-        return 1.0 / fit(cfg, self.run).summary["mean_step_seconds"]
+        with contextlib.redirect_stdout(io.StringIO()):  # fit's eval lines and summary
+            summary = fit(cfg, self.run).summary
+        self.data_wait.append(summary["data_wait_seconds"] / (summary["mean_step_seconds"] * steps))
+        return 1.0 / summary["mean_step_seconds"]
+
+    @property
+    def data_wait_fraction(self) -> float:
+        return statistics.median(self.data_wait)
 
     @property
     def median(self) -> float:
@@ -176,11 +201,29 @@ class Loop:
         return statistics.median(self.steps_per_sec)
 
 
-def build_loops(run, task: str) -> list[Loop]:
+def handwritten_optimizer(cfg) -> optax.GradientTransformation:
+    """The run's optimizer as one would write it with optax directly (constant numbers)."""
+    opt = cfg.optimizer
+    learning_rate = opt.learning_rate
+    if opt.schedule == "warmup_cosine":
+        learning_rate = optax.warmup_cosine_decay_schedule(0.0, opt.learning_rate, opt.warmup_steps, cfg.train.steps,
+                                                           opt.learning_rate * opt.end_learning_rate_factor)
+    elif opt.schedule != "constant":
+        raise SystemExit(f"the hand-written loop has no optimizer.schedule={opt.schedule}")
+    if opt.name == "adam":
+        tx = optax.adam(learning_rate, b1=opt.momentum, b2=opt.b2, eps=opt.eps)
+    elif opt.name == "adamw":
+        tx = optax.adamw(learning_rate, b1=opt.momentum, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
+    else:
+        raise SystemExit(f"the hand-written loop has no optimizer.name={opt.name}")
+    return optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx) if opt.grad_clip_norm else tx
+
+
+def build_loops(run, task: str, per_call_run=None) -> list[Loop]:
     cfg = run.cfg
-    tx = optax.adam(cfg.optimizer.learning_rate)
+    tx = handwritten_optimizer(cfg)
     host_batches = slice_batches(run.dataset.train, cfg.train.global_batch_size)
-    loops = [EngineLoop(run)]
+    loops = [EngineLoop(run)] + ([EngineLoop(per_call_run)] if per_call_run else [])
     variants = [("hand-written, engine module + loss", engine_model_loss(run, task))]
     if cfg.model.name == "mlp":
         variants.insert(0, ("hand-written, plain flax MLP", plain_mlp_loss(run)))
@@ -190,44 +233,71 @@ def build_loops(run, task: str) -> list[Loop]:
     return loops
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
-    parser.add_argument("--steps", type=int, default=2000, help="steps per timed repetition")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every loop")
-    parser.add_argument("--warmup", type=int, default=50, help="untimed steps per loop after compiling")
-    parser.add_argument("--batch-size", type=int, help="train.global_batch_size (default: the config's)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra engine config overrides")
-    args = parser.parse_args()
-
-    overrides = QUIET + (GPT if args.model == "transformer" else [])
+def benchmark(model: str, args, cache_dir: str) -> None:
+    config, extra = MODELS[model]
+    overrides = QUIET + extra + [f"train.compilation_cache_dir={cache_dir}"]
     if args.batch_size:
         overrides.append(f"train.global_batch_size={args.batch_size}")
     overrides += args.overrides
     with tempfile.TemporaryDirectory() as workdir:  # required by the config; build_run writes nothing there
-        cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir)
-    run = build_run(cfg)
-    task = "lm" if args.model == "transformer" else "classification"
-    loops = build_loops(run, task)
+        cfg = load_config(ROOT / "configs" / config, overrides, workdir)
+    cold = build_run(cfg)  # the programs are new to the cache: compiled and stored
+    run = build_run(cfg)  # the same programs again: loaded from the persistent cache
+    task = "lm" if cfg.model.name == "transformer" else "classification"
+    steps, per_call_run = args.steps or DEFAULT_STEPS[model], None
+    if args.steps_per_call > 1:  # the engine again, several steps per dispatch (train.steps_per_call)
+        per_call = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps_per_call=args.steps_per_call))
+        try:
+            validate(per_call)
+            per_call_run = build_run(per_call)
+        except UsageError as error:
+            print(f"{model}: not timing train.steps_per_call={args.steps_per_call}: {error}")
+    loops = build_loops(run, task, per_call_run)
 
     for loop in loops:  # compile (hand-written) and warm up
         loop.run_steps(args.warmup)
     for _ in range(args.rounds):
         for loop in loops:
-            loop.steps_per_sec.append(loop.run_steps(args.steps))
+            loop.steps_per_sec.append(loop.run_steps(steps))
 
-    print(f"model {args.model}: data.name={cfg.data.name}, global batch {cfg.train.global_batch_size}, "
-          f"{args.steps} steps x {args.rounds} rounds, 1 {jax.devices()[0].platform} device, "
-          f"log.every_steps={cfg.log.every_steps}")
-    print(f"{'loop':<40}{'steps/s (median)':>18}{'us/step':>10}   steps/s per round")
+    engines = [loop for loop in loops if isinstance(loop, EngineLoop)]
+    engine = engines[0]
+    peak, peak_source = peak_flops(jax.devices()[0], cfg.train.compute_dtype)
+    flops = run.flops_per_device_step
+    print(f"model {model}: data.name={cfg.data.name}, global batch {cfg.train.global_batch_size}, "
+          f"{steps} steps x {args.rounds} rounds, 1 {jax.devices()[0].platform} device, "
+          f"log.every_steps={cfg.log.every_steps}, data.steps_per_transfer={cfg.data.steps_per_transfer}")
+    print(f"{'loop':<40}{'steps/s (median)':>18}{'us/step':>10}{'MFU':>8}   steps/s per round")
     for loop in loops:
         rounds = " ".join(f"{s:.0f}" for s in loop.steps_per_sec)
-        print(f"{loop.name:<40}{loop.median:>18.1f}{1e6 / loop.median:>10.1f}   {rounds}")
-    engine = loops[0]
-    for other in loops[1:]:
-        overhead = 1e6 / engine.median - 1e6 / other.median
-        print(f"engine / {other.name}: {engine.median / other.median:.2f}  "
-              f"(engine overhead {overhead:+.1f} us/step)")
+        print(f"{loop.name:<40}{loop.median:>18.1f}{1e6 / loop.median:>10.1f}{flops * loop.median / peak:>8.1%}   "
+              f"{rounds}")
+    for ours in engines:
+        for other in loops[len(engines):]:
+            overhead = 1e6 / ours.median - 1e6 / other.median
+            print(f"{ours.name} / {other.name}: {ours.median / other.median:.2f}  "
+                  f"(engine overhead {overhead:+.1f} us/step)")
+    print(f"MFU: {flops:.4g} model FLOPs per step ({run.flops_source}) against {peak:.4g} FLOP/s ({peak_source})")
+    print(f"engine data wait: {engine.data_wait_fraction:.2%} of loop time (median over rounds)")
+    print(f"train step compile: cold {cold.compile_seconds:.2f} s ({cold.compile_cache.get('misses', 0)} cache misses), "
+          f"cached {run.compile_seconds:.2f} s ({run.compile_cache.get('hits', 0)} cache hits)\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--steps", type=int, help=f"steps per timed repetition (default: {DEFAULT_STEPS})")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every loop")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed steps per loop after compiling (and caching)")
+    parser.add_argument("--batch-size", type=int, help="train.global_batch_size (default: the config's)")
+    parser.add_argument("--steps-per-call", type=int, default=10,
+                        help="also time the engine with train.steps_per_call=N (1: skip); divides --steps, --warmup "
+                             "and log.every_steps")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra engine config overrides")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache_dir:  # a fresh persistent compilation cache
+        for model in args.models:
+            benchmark(model, args, cache_dir)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps in the whole run
     global_batch_size: int = 128  # examples per step, over all devices and processes
     grad_accum_steps: int = 1  # microbatches per step; each is global_batch_size / this
+    steps_per_call: int = 1  # optimizer steps per dispatch of the compiled step (a device-side loop)
     param_dtype: str = "float32"  # dtype the parameters are stored and updated in
     compute_dtype: str = "float32"  # dtype of activations and matmuls (bfloat16 for speed)
     nan_policy: str = "stop"  # stop | warn: what a non-finite loss does
@@ -305,6 +306,7 @@ def validate(cfg: Config) -> None:
         "train.steps": cfg.train.steps,
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
+        "train.steps_per_call": cfg.train.steps_per_call,
         "log.every_steps": cfg.log.every_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "data.seq_len": cfg.data.seq_len,
@@ -331,6 +333,14 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive, e.g. 1e-3")
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction} must be between 0 and 1, e.g. 0.2")
+    per_call = cfg.train.steps_per_call
+    for key, value in {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
+                       "eval.every_steps": cfg.eval.every_steps,
+                       "checkpoint.every_steps": cfg.checkpoint.every_steps}.items():
+        if value % per_call:
+            raise UsageError(f"{key}={value} is not a multiple of train.steps_per_call={per_call}: logs, evals and "
+                             f"checkpoints happen between calls; use a multiple of {per_call} or a smaller "
+                             f"train.steps_per_call")
     if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
         raise UsageError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "

@@ -7,6 +7,7 @@ only inside `_compile_jit` and `_compile_pmap`; nothing else asks which one is i
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,7 +47,7 @@ class Run:
     put_batch: Callable  # (host batch, global batch size) → global device batch (eval)
     put_block: Callable  # host block of steps_per_block batches → the device input of train_step
     eval_rows: Any  # positions in each eval batch this process loads
-    train_step: Callable  # (state, device block) → (state, metrics); uses batch state.step % block
+    train_step: Callable  # (state, device block) → (state, metrics [steps_per_call, ...]); from batch step % block
     eval_step: Callable  # (state, device batch) → metric sums
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
     compile_seconds: float
@@ -55,7 +56,8 @@ class Run:
     memory_analysis: Any  # the compiled step's memory estimate (None in eager mode)
     eval_batch_size: int
     compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
-    steps_per_block: int  # training batches moved to the device together (data.steps_per_transfer)
+    steps_per_block: int  # training batches moved to the device together (see block_steps)
+    steps_per_call: int  # optimizer steps per train_step call (train.steps_per_call)
 
     def train_block(self, block: int):
         """The device input for steps [block * steps_per_block, (block + 1) * steps_per_block)."""
@@ -64,6 +66,12 @@ class Run:
     def train_input(self, step: int):
         """The device input that train_step needs at `step` (its whole block)."""
         return self.train_block(step // self.steps_per_block)
+
+
+def block_steps(cfg: Config) -> int:
+    """Training batches per host-to-device copy: data.steps_per_transfer, raised to a multiple
+    of train.steps_per_call so that one call's batches always travel together."""
+    return math.lcm(cfg.data.steps_per_transfer, cfg.train.steps_per_call)
 
 
 def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
@@ -169,7 +177,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     create_state = jax.jit(init_state, out_shardings=state_shardings)
 
     train_step = make_block_step(make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps,
-                                                 pmap_axis), cfg.data.steps_per_transfer)
+                                                 pmap_axis), block_steps(cfg), cfg.train.steps_per_call)
     eval_step = make_eval_step(loss_fn, pmap_axis)
     compile_fn = _compile_pmap if pmap_axis else _compile_jit
     compiled = compile_fn(cfg, mesh, abstract_state, state_shardings, dataset.train,
@@ -194,7 +202,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
                memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
                eval_rows=compiled["rows"](eval_batch_size),
                compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
-               steps_per_block=cfg.data.steps_per_transfer)
+               steps_per_block=block_steps(cfg), steps_per_call=cfg.train.steps_per_call)
 
 
 # Settings that change the work a step does, or what XLA can count of it, but not the model's
@@ -208,7 +216,8 @@ def _differs_from_reference(cfg: Config, module) -> list[str]:
     """The settings of this run that make its compiled FLOP count differ from the model's."""
     differs = [f"{key}={getattr(module, key)}" for key, value in REFERENCE_MODEL.items()
                if getattr(module, key, value) != value]
-    return differs + ([f"grad_accum_steps={cfg.train.grad_accum_steps}"] if cfg.train.grad_accum_steps > 1 else [])
+    return differs + [f"{key}={getattr(cfg.train, key)}" for key in ("grad_accum_steps", "steps_per_call")
+                      if getattr(cfg.train, key) > 1]
 
 
 def _model_flops(cfg: Config, spec, dataset: Dataset, tx, state: TrainState, devices: int) -> float:
@@ -248,7 +257,7 @@ def _compile_jit(cfg, mesh, state, state_shardings, train_arrays, train_step, ev
 
     # Training batches travel in blocks of K steps ([K, batch, ...]): one transfer per block,
     # and the step picks its own batch, so the host's per-step work is a dispatch alone.
-    steps = cfg.data.steps_per_transfer
+    steps = block_steps(cfg)
     block_sharding = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES))
 
     def put_block(host_block):
@@ -297,7 +306,7 @@ def _compile_pmap(cfg, mesh, state, state_shardings, train_arrays, train_step, e
         return _global_arrays({k: v.reshape(local, -1, *v.shape[1:]) for k, v in host_batch.items()}, stacked,
                               (count, global_batch // count))
 
-    steps = cfg.data.steps_per_transfer
+    steps = block_steps(cfg)
 
     def put_block(host_block):  # [steps, rows] → [devices, steps, rows per device]
         local = len(pmap_mesh.local_devices)

@@ -116,14 +116,23 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     return train_step
 
 
-def make_block_step(train_step: Callable, steps: int) -> Callable:
-    """train_step over a block of `steps` batches ([steps, batch, ...]): step s uses batch s % steps.
+def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1) -> Callable:
+    """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
+    step s uses batch s % steps → (state, metrics stacked per step: [steps_per_call, ...]).
 
-    Batches travel to the device a block at a time, so per step the host only dispatches."""
+    Batches travel to the device a block at a time, so per step the host only dispatches;
+    with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and
+    the host dispatches once per call."""
 
     def block_step(state: TrainState, block):
-        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
-        return train_step(state, batch)
+        def one_step(state: TrainState, _=None):
+            batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
+            return train_step(state, batch)
+
+        if steps_per_call == 1:
+            state, metrics = one_step(state)
+            return state, jax.tree.map(lambda x: x[None], metrics)
+        return jax.lax.scan(one_step, state, length=steps_per_call)
 
     return block_step
 

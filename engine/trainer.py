@@ -129,8 +129,10 @@ def drop_records_after(path: Path, step: int) -> int:
 def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> FitResult:
     """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
     goodput = Goodput(started or time.time())
+    built_here = run is None
     run = run or build_run(cfg)
-    goodput.compile_seconds = run.compile_seconds
+    if built_here or started is not None:  # a run built before the clock started was not compiled on it
+        goodput.compile_seconds = run.compile_seconds
     workdir = Path(cfg.workdir)
     is_chief = jax.process_index() == 0
     if is_chief:
@@ -139,6 +141,10 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
     timeout = cfg.distributed.barrier_timeout
     checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout)
     state, start = initial_state(run, checkpointer)
+    per_call = run.steps_per_call
+    if start % per_call:
+        raise UsageError(f"the run resumes at step {start}, which is not a multiple of train.steps_per_call="
+                         f"{per_call}; set train.steps_per_call to a divisor of {start} (e.g. 1) for this run")
     state = run.to_step_layout(with_config_hparams(state, cfg))
     barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
     if is_chief:
@@ -163,20 +169,21 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
         goodput.checkpoint_seconds += time.perf_counter() - began
 
     try:
-        for step in range(start, total):
+        for step in range(start, total, per_call):
             if block is None or step % per_block == 0:
                 block = next(batches)
-            state, metrics = run.train_step(state, block)  # takes batch step % per_block of the block
+            # Steps [step, step + per_call), from batches step % per_block, … of the block.
+            state, metrics = run.train_step(state, block)
             if run.sync_each_step or goodput.first_step_at is None:
                 jax.block_until_ready(metrics)
                 goodput.first_step_at = goodput.first_step_at or time.time()
-            window.add(metrics)
-            writer.advance()
-            done = step + 1
+            window.add(metrics, per_call)
+            writer.advance(per_call)
+            done = step + per_call
             if done % cfg.log.every_steps == 0 or done == total:
                 host = window.to_host()  # the loop's only regular host sync
                 _check_finite(host, window.start, cfg.train.nan_policy, writer)
-                seconds_per_step = window.seconds() / len(window.metrics)
+                seconds_per_step = window.seconds() / window.steps
                 goodput.loop_seconds += window.seconds()
                 result.losses.update(_step_losses(host, window.start))
                 writer.write(done, "train", {**_summarise(host), **rates.per_step(seconds_per_step)})
@@ -220,16 +227,18 @@ class Window:
     """The steps between two log lines, and the time they took (less pauses for eval/saves)."""
 
     def __init__(self, start: int):
-        self.start, self.metrics = start, []
+        self.start, self.metrics, self.steps = start, [], 0
         self.began, self.paused = time.perf_counter(), 0.0
 
-    def add(self, metrics) -> None:
+    def add(self, metrics, steps: int) -> None:
+        """One call's metrics: [steps, ...] per name."""
         self.metrics.append(metrics)
+        self.steps += steps
 
     def to_host(self) -> list[dict[str, np.ndarray]]:
-        """Each step's metrics on the host: stacked on device first, so one transfer per metric."""
-        stacked = jax.device_get(jax.tree.map(lambda *steps: jnp.stack(steps), *self.metrics))
-        return [{name: values[i] for name, values in stacked.items()} for i in range(len(self.metrics))]
+        """Each step's metrics on the host: joined on device first, so one transfer per metric."""
+        joined = jax.device_get(jax.tree.map(lambda *calls: jnp.concatenate(calls), *self.metrics))
+        return [{name: values[i] for name, values in joined.items()} for i in range(self.steps)]
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds

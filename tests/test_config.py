@@ -51,6 +51,8 @@ def test_bad_values_are_rejected_with_a_fix(make_config):
         make_config("mnist_mlp.yaml", "model.name=mlpp")
     with pytest.raises(UsageError, match="train.steps=0 must be positive"):
         make_config("mnist_mlp.yaml", "train.steps=0")
+    with pytest.raises(UsageError, match="log.every_steps=30 is not a multiple of train.steps_per_call=20"):
+        make_config("mnist_mlp.yaml", "train.steps_per_call=20", "log.every_steps=30")
 
 
 def test_unknown_key_in_a_file_is_rejected(tmp_path):

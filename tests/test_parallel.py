@@ -31,7 +31,7 @@ def train_losses(run, steps):
     for step in range(steps):
         state, metrics = run.train_step(state, run.train_input(step))
         metrics = jax.device_get(metrics)  # waits: CPU collectives must not overlap steps
-        losses.append(float(metrics["loss_sum"]) / float(metrics["count"]))
+        losses.append(float(metrics["loss_sum"][0]) / float(metrics["count"][0]))  # one step per call
     return np.array(losses), state
 
 
@@ -133,3 +133,17 @@ def test_dry_run_table_shows_fsdp_layout(tmp_path):
     line = next(l for l in proc.stdout.splitlines() if l.startswith("hidden_0/kernel"))
     assert "(64, 128)" in line and "('embed', 'mlp')" in line and "('fsdp', None)" in line
     assert "'fsdp': 8" in proc.stdout and "per device: params" in proc.stdout
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=8"], ["mesh.data=8", "mesh.backend=pmap"]], ids=["jit", "pmap"])
+def test_steps_per_call_on_eight_devices_matches_one_step_per_call(make_config, layout):
+    args = ["train.global_batch_size=32", "model.dropout_rate=0.2", "data.steps_per_transfer=4", *layout]
+    reference, _ = train_losses(build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", *args[:-len(layout)])),
+                                8)
+    run = build_run(make_config("mnist_mlp.yaml", *args, "train.steps_per_call=4"))
+    state, losses = run.to_step_layout(run.init_state()), []
+    for step in range(0, 8, 4):
+        state, metrics = run.train_step(state, run.train_input(step))
+        metrics = jax.device_get(metrics)  # [4] per metric: one call, four steps
+        losses += list(metrics["loss_sum"] / metrics["count"])
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)

@@ -7,6 +7,8 @@ import optax
 
 from engine.optim import learning_rate_at, schedule_hparams
 from engine.config import OptimizerConfig
+from engine.errors import UsageError
+from engine.metrics import read_records
 from engine.setup import build_run
 from engine.trainer import fit
 
@@ -15,7 +17,7 @@ def first_steps(run, steps):
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
         state, metrics = run.train_step(state, run.train_input(step))
-        losses.append(float(metrics["loss_sum"]) / float(metrics["count"]))
+        losses.append(float(metrics["loss_sum"][0]) / float(metrics["count"][0]))  # one step per call
     return state, losses
 
 
@@ -116,3 +118,27 @@ def test_model_flops_ignore_remat_chunking_and_accumulation(make_config):
     for run, named in ((remat, "remat=full"), (looped, "loss_chunk=4, grad_accum_steps=2")):
         assert run.flops_source == f"XLA cost analysis of the same step without {named}"
         assert run.flops_per_device_step == pytest.approx(plain.flops_per_device_step, rel=0.02)
+
+
+def test_steps_per_call_changes_nothing_but_speed(make_config, tmp_path):
+    """Several steps per dispatch (a device-side loop): the same losses, metrics and final
+    state as one step per call, bit for bit, logged at the same steps."""
+    args = ["mesh.num_devices=1", "train.steps=40", "log.every_steps=8", "eval.every_steps=20",
+            "checkpoint.every_steps=0", "model.dropout_rate=0.2", "data.steps_per_transfer=6"]
+    one = fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "one"))
+    four = fit(make_config("mnist_mlp.yaml", *args, "train.steps_per_call=4", workdir=tmp_path / "four"))
+    assert four.losses == one.losses and sorted(four.losses) == sorted(one.losses) and len(one.losses) == 40
+    assert four.eval_metrics == one.eval_metrics
+    for a, b in zip(jax.tree.leaves(one.state.params), jax.tree.leaves(four.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    logged = [[(r["step"], r["split"], r.get("loss")) for r in read_records(path / "metrics.jsonl")
+               if r["split"] != "summary"] for path in (tmp_path / "one", tmp_path / "four")]
+    assert logged[0] == logged[1]
+
+
+def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_path):
+    args = ["mesh.num_devices=1", "log.every_steps=2", "checkpoint.every_steps=2"]
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=6", workdir=tmp_path / "w"))
+    with pytest.raises(UsageError, match="resumes at step 6, which is not a multiple of train.steps_per_call=4"):
+        fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "log.every_steps=4", "train.steps=12",
+                        "train.steps_per_call=4", workdir=tmp_path / "w"))
