@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from engine.errors import UsageError
@@ -68,12 +69,19 @@ def _filter_event_loop_noise() -> None:
         sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
 
 
+# A copy of every array, made on the devices where it lives (the jit keeps each sharding).
+_device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
 class Checkpointer:
     """One run's checkpoints directory: save (async), list, restore (into target shardings)."""
 
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
-                 timeout_seconds: int = 600):
+                 timeout_seconds: int = 600, staging: str = "host"):
         self.directory = Path(directory).absolute()
+        self.staging = staging
+        self._saving: Optional[threading.Thread] = None  # staging="device": the save in progress
+        self._save_error: Optional[BaseException] = None
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
         options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
@@ -93,14 +101,48 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Starts an asynchronous save: returns once the arrays are copied off the devices."""
+        """Starts an asynchronous save; training may change (or donate) `state` once it returns.
+
+        staging="host": orbax copies the arrays off the devices before this returns.
+        staging="device": this returns once a copy of the state on the devices is dispatched
+        (one more state's worth of device memory until it is written); orbax saves that copy
+        from a background thread, so its host copy and bookkeeping overlap training."""
+        self._join_save()  # one save at a time, in step order
+        if self.staging == "host":
+            self._save(step, state, meta)
+            return
+        snapshot = _device_copy(state)
+        self._saving = threading.Thread(target=self._save_in_background, args=(step, snapshot, meta),
+                                        name=f"checkpoint-save-{step}", daemon=True)
+        self._saving.start()
+
+    def _save(self, step: int, state, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(meta)), force=True)
 
+    def _save_in_background(self, step: int, snapshot, meta: dict) -> None:
+        try:
+            self._save(step, snapshot, meta)
+        except BaseException as error:  # noqa: BLE001 -- raised again on the training thread
+            self._save_error = error
+
+    def _join_save(self) -> None:
+        """Waits for a background save to hand its work to orbax; raises what it raised."""
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
+        if self._save_error is not None:
+            error, self._save_error = self._save_error, None
+            raise error
+
     def wait(self) -> None:
+        self._join_save()
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        if self._saving is not None:
+            self._saving.join()  # a save cut short by an error elsewhere still finishes
+            self._saving = None
         self.manager.close()
 
     def _param_mismatches(self, step: int, abstract_params) -> list[str]:

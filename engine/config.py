@@ -101,6 +101,7 @@ class CheckpointConfig:
     keep: int = 3  # most recent checkpoints kept
     restore_from: str = ""  # start a new run from another run's checkpoints directory
     restore_mode: str = "params"  # params (fresh optimizer, step 0) | all (continue that run's state)
+    staging: str = "host"  # host | device: where a save copies the state before training goes on
 
 
 @dataclass
@@ -155,6 +156,7 @@ CHOICES = {
     "optimizer.schedule": ("constant", "warmup_cosine", "warmup_linear"),
     "mesh.backend": ("jit", "pmap"),
     "checkpoint.restore_mode": ("params", "all"),
+    "checkpoint.staging": ("host", "device"),
 }
 MESH_AXES = ("data", "fsdp", "tensor")
 

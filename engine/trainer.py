@@ -139,7 +139,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
         workdir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, workdir / "config.yaml")
     timeout = cfg.distributed.barrier_timeout
-    checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout)
+    checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout,
+                                staging=cfg.checkpoint.staging)
     state, start = initial_state(run, checkpointer)
     per_call = run.steps_per_call
     if start % per_call:

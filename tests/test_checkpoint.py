@@ -70,15 +70,16 @@ def assert_same_run(workdir, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_at", [23, 67])
-def test_sigkill_then_rerun_is_bit_identical(tmp_path, uninterrupted, kill_at):
+@pytest.mark.parametrize("kill_at, staging", [(23, "host"), (67, "device")])
+def test_sigkill_then_rerun_is_bit_identical(tmp_path, uninterrupted, kill_at, staging):
+    """Also with checkpoint.staging=device: the background save writes the state of its step."""
     workdir = tmp_path / "killed"
-    proc = start_training(workdir)
+    proc = start_training(workdir, f"checkpoint.staging={staging}")
     wait_for_step(workdir, kill_at, proc)
     proc.kill()
     proc.wait()
     assert losses(workdir)[-1][0] < 120  # it really was cut short
-    proc = start_training(workdir)
+    proc = start_training(workdir, f"checkpoint.staging={staging}")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert_same_run(workdir, uninterrupted)
@@ -228,3 +229,17 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
     expected = run.module.apply({"params": state.params}, images, train=False)
     np.testing.assert_allclose(exported.call(variables, images), expected, rtol=1e-6)
     assert run_cli("export", "--workdir", str(workdir), "--out", str(out)).returncode == 2  # never overwrites
+
+
+def test_device_staged_save_errors_reach_the_training_thread(tmp_path):
+    """With checkpoint.staging=device orbax runs on a background thread; what fails there is
+    raised by the next save or wait, not lost."""
+    checkpointer = Checkpointer(tmp_path / "ckpt", keep=3, staging="device")
+    state = {"w": jax.numpy.arange(4.0)}
+    checkpointer.save(5, state, {"step": 5})
+    checkpointer.wait()
+    checkpointer.save(5, state, {"step": 5})  # the same step again: orbax refuses, in the background
+    with pytest.raises(Exception, match="step 5 already exists"):
+        checkpointer.wait()
+    checkpointer.close()
+    assert checkpointer.steps() == [5]
