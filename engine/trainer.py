@@ -144,6 +144,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
     state, start = initial_state(run, checkpointer)
     per_call = run.steps_per_call
     if start % per_call:
+        checkpointer.close()
         raise UsageError(f"the run resumes at step {start}, which is not a multiple of train.steps_per_call="
                          f"{per_call}; set train.steps_per_call to a divisor of {start} (e.g. 1) for this run")
     state = run.to_step_layout(with_config_hparams(state, cfg))
