@@ -18,6 +18,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import flags
 
 from engine.errors import UsageError
 from engine.sharding import path_name
@@ -73,6 +74,19 @@ def _filter_event_loop_noise() -> None:
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
+def _barriers_through_the_distributed_client() -> None:
+    """Orbax's barriers between processes are device collectives by default. Issued from a
+    background save thread they could interleave with the training step's collectives in a
+    different order on each process; the JAX distributed client's barriers cannot (orbax's
+    own switch, an absl flag; this program parses no other absl flags)."""
+    if "experimental_orbax_use_distributed_barrier" not in flags.FLAGS:
+        raise UsageError("checkpoint.staging=device with several processes needs an orbax-checkpoint with "
+                         "distributed-client barriers (0.12.8 has them); upgrade it or use checkpoint.staging=host")
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
 class Checkpointer:
     """One run's checkpoints directory: save (async), list, restore (into target shardings)."""
 
@@ -80,6 +94,8 @@ class Checkpointer:
                  timeout_seconds: int = 600, staging: str = "host"):
         self.directory = Path(directory).absolute()
         self.staging = staging
+        if staging == "device" and jax.process_count() > 1:
+            _barriers_through_the_distributed_client()
         self._saving: Optional[threading.Thread] = None  # staging="device": the save in progress
         self._save_error: Optional[BaseException] = None
         if read_only and not self.directory.is_dir():

@@ -53,6 +53,7 @@ class Run:
     compile_seconds: float
     flops_per_device_step: float  # model FLOPs per device per step, from XLA's cost analysis (0 if unknown)
     flops_source: str  # which program that count comes from (see _model_flops)
+    flops_are_model_flops: bool  # False: the count includes recomputation, or misses loops and custom calls
     memory_analysis: Any  # the compiled step's memory estimate (None in eager mode)
     eval_batch_size: int
     compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
@@ -69,9 +70,10 @@ class Run:
 
 
 def block_steps(cfg: Config) -> int:
-    """Training batches per host-to-device copy: data.steps_per_transfer, raised to a multiple
-    of train.steps_per_call so that one call's batches always travel together."""
-    return math.lcm(cfg.data.steps_per_transfer, cfg.train.steps_per_call)
+    """Training batches per host-to-device copy: data.steps_per_transfer, raised to the next
+    multiple of train.steps_per_call so that one call's batches always travel together."""
+    per_call = cfg.train.steps_per_call
+    return per_call * math.ceil(cfg.data.steps_per_transfer / per_call)
 
 
 def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, task: str) -> int:
@@ -184,11 +186,14 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
                           train_step if compile_train else None, eval_step, eval_batch_size)
     train_batches = TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
                                  compiled["rows"](cfg.train.global_batch_size))
-    flops, flops_source = compiled["flops"], "XLA cost analysis of the compiled step"
-    differs = _differs_from_reference(cfg, module)
+    flops, flops_source, model_flops = compiled["flops"], "XLA cost analysis of the compiled step", True
+    differs = ", ".join(_differs_from_reference(cfg, module))
     if flops and differs:
-        flops = _model_flops(cfg, spec, dataset, tx, abstract_state, mesh.size)
-        flops_source = f"XLA cost analysis of the same step without {', '.join(differs)}"
+        reference = _model_flops(cfg, spec, dataset, tx, abstract_state, mesh.size)
+        if reference is not None:
+            flops, flops_source = reference, f"XLA cost analysis of the same step without {differs}"
+        else:  # plugin backends (GPU, TPU) may not analyse an uncompiled program
+            flops_source, model_flops = f"XLA cost analysis of the compiled step, with {differs}", False
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, module=module, abstract_state=abstract_state,
                init_state=lambda: create_state(seed, hparams), to_step_layout=compiled["to_step_layout"],
                from_step_layout=compiled["from_step_layout"], param_layouts=param_layouts,
@@ -199,6 +204,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
                # before the first has finished; accelerators keep asynchronous dispatch.
                sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
                compile_seconds=compiled["compile_seconds"], flops_per_device_step=flops, flops_source=flops_source,
+               flops_are_model_flops=model_flops,
                memory_analysis=compiled["memory"], eval_batch_size=eval_batch_size,
                eval_rows=compiled["rows"](eval_batch_size),
                compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
@@ -220,18 +226,26 @@ def _differs_from_reference(cfg: Config, module) -> list[str]:
                       if getattr(cfg.train, key) > 1]
 
 
-def _model_flops(cfg: Config, spec, dataset: Dataset, tx, state: TrainState, devices: int) -> float:
+def _lowered_flops(lowered) -> float | None:
+    """XLA's FLOP count of a lowered program; None where the backend gives none."""
+    analysis = lowered.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    return float(analysis["flops"]) if analysis and "flops" in analysis else None
+
+
+def _model_flops(cfg: Config, spec, dataset: Dataset, tx, state: TrainState, devices: int) -> float | None:
     """FLOPs per device of one train step with REFERENCE_MODEL settings and no gradient
     accumulation, from XLA's cost analysis of the lowered (not compiled) program: a trace,
-    no compilation."""
+    no compilation. None where the backend cannot analyse a lowered program."""
     model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in REFERENCE_MODEL.items() if hasattr(cfg.model, k)})
     module = spec.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
     step = make_train_step(make_loss_fn(module, spec.task), tx, cfg.optimizer.schedule)
     batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
              for name, a in dataset.train.items()}
     unsharded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    analysis = jax.jit(step).lower(unsharded, batch).cost_analysis()
-    return float(analysis.get("flops", 0.0)) / devices
+    flops = _lowered_flops(jax.jit(step).lower(unsharded, batch))
+    return None if flops is None else flops / devices
 
 
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,

@@ -116,23 +116,35 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     return train_step
 
 
+# What a train step reports, in the order of the packed metrics array (see make_block_step).
+TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate")
+
+
+def unpack_metrics(packed) -> list[dict[str, float]]:
+    """A block step's packed metrics ([steps, len(TRAIN_METRICS)], on the host) → one dict per step."""
+    return [dict(zip(TRAIN_METRICS, map(float, row))) for row in packed]
+
+
 def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1) -> Callable:
     """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
-    step s uses batch s % steps → (state, metrics stacked per step: [steps_per_call, ...]).
+    step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call,
+    len(TRAIN_METRICS)]).
 
     Batches travel to the device a block at a time, so per step the host only dispatches;
     with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and
-    the host dispatches once per call."""
+    the host dispatches once per call. The metrics come back as one array per call, not one
+    per metric: fewer buffers to create per call and to fetch per log line."""
+
+    def one_step(state: TrainState, block):
+        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
+        state, metrics = train_step(state, batch)
+        return state, jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS])
 
     def block_step(state: TrainState, block):
-        def one_step(state: TrainState, _=None):
-            batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
-            return train_step(state, batch)
-
         if steps_per_call == 1:
-            state, metrics = one_step(state)
-            return state, jax.tree.map(lambda x: x[None], metrics)
-        return jax.lax.scan(one_step, state, length=steps_per_call)
+            state, packed = one_step(state, block)
+            return state, packed[None]
+        return jax.lax.scan(lambda state, _: one_step(state, block), state, length=steps_per_call)
 
     return block_step
 

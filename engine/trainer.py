@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -23,6 +22,7 @@ from engine.errors import UsageError
 from engine.metrics import MetricWriter, read_records
 from engine.perf import Goodput, peak_flops, transformer_flops
 from engine.setup import Run, build_run, with_config_hparams
+from engine.step import unpack_metrics
 
 
 class NonFiniteLoss(RuntimeError):
@@ -54,9 +54,11 @@ class PreemptionWatch:
     def _on_sigterm(self, signum, frame):
         self.requested = True
 
-    def should_stop(self, step: int) -> bool:
+    def should_stop(self, first: int, last: int) -> bool:
+        """After steps first..last (one call): stop now? JAX's sync point is one exact step,
+        so every step of the call is reported to it (several with train.steps_per_call)."""
         if self.multi_process:
-            return multihost_utils.reached_preemption_sync_point(step)
+            return any([multihost_utils.reached_preemption_sync_point(step) for step in range(first, last + 1)])
         return self.requested
 
     def close(self):
@@ -72,7 +74,7 @@ class FitResult:
     summary: dict = field(default_factory=dict)  # time, goodput and MFU of this run
 
 
-def _summarise(step_metrics: list[dict[str, np.ndarray]]) -> dict[str, float]:
+def _summarise(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     """Per-step metric sums (already on host) → window means."""
     count = sum(float(m["count"]) for m in step_metrics)
     return {
@@ -199,7 +201,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
             if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or done == total:
                 save(done)
                 last_saved = done
-            if preemption.should_stop(done):
+            if preemption.should_stop(step + 1, done):
                 if last_saved != done:
                     save(done)
                 checkpointer.wait()
@@ -233,14 +235,13 @@ class Window:
         self.began, self.paused = time.perf_counter(), 0.0
 
     def add(self, metrics, steps: int) -> None:
-        """One call's metrics: [steps, ...] per name."""
+        """One call's packed metrics ([steps, len(TRAIN_METRICS)], still on the device)."""
         self.metrics.append(metrics)
         self.steps += steps
 
-    def to_host(self) -> list[dict[str, np.ndarray]]:
-        """Each step's metrics on the host: joined on device first, so one transfer per metric."""
-        joined = jax.device_get(jax.tree.map(lambda *calls: jnp.concatenate(calls), *self.metrics))
-        return [{name: values[i] for name, values in joined.items()} for i in range(self.steps)]
+    def to_host(self) -> list[dict[str, float]]:
+        """Each step's metrics on the host (the window's arrays fetched together)."""
+        return unpack_metrics(np.concatenate(jax.device_get(self.metrics)))
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds
@@ -248,6 +249,9 @@ class Window:
     def seconds(self) -> float:
         """Wall time of the window's steps, waits for data included (they slow training down)."""
         return max(time.perf_counter() - self.began - self.paused, 1e-9)
+
+
+ANALYTIC_FORMULA = "6*N*tokens + 12*layers*d_model*seq_len*tokens"
 
 
 class Rates:
@@ -266,6 +270,9 @@ class Rates:
             num_params = sum(math.prod(p.shape) for p in run.param_layouts)
             self.analytic = transformer_flops(num_params, cfg.model.num_layers, cfg.model.d_model, info.seq_len,
                                               self.tokens) / run.mesh.size
+        if not run.flops_are_model_flops and self.analytic:  # XLA's count is not the model's; the formula is
+            self.flops = self.analytic
+            self.flops_source = f"analytic formula ({ANALYTIC_FORMULA}); {run.flops_source} is not the model's"
 
     def per_step(self, seconds: float) -> dict[str, float]:
         values = {"steps_per_sec": 1.0 / seconds, "examples_per_sec": self.batch / seconds}
@@ -282,7 +289,7 @@ class Rates:
                 "compile_cache_hits": self.cache.get("hits", 0), "compile_cache_misses": self.cache.get("misses", 0),
                 "flops_source": self.flops_source,
                 "analytic_flops_per_device_step": self.analytic or None,
-                "analytic_flops_formula": "6*N*tokens + 12*layers*d_model*seq_len*tokens" if self.analytic else None,
+                "analytic_flops_formula": ANALYTIC_FORMULA if self.analytic else None,
                 "peak_flops_per_device": self.peak, "peak_source": self.peak_source}
 
 

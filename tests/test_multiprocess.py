@@ -150,13 +150,17 @@ def test_srun_two_processes_found_through_slurm(tmp_path):
     assert proc.stdout.count("done: 6 steps") == 2
 
 
-def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["train.steps_per_call=4", "log.every_steps=4", "checkpoint.staging=device"]],
+                         ids=["one-step-per-call", "four-steps-per-call-device-staging"])
+def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra):
+    """JAX's preemption sync point agrees on one exact step; with several steps per call every
+    step is reported to it, and the stop comes at the end of the call that holds that step."""
     workdir = tmp_path / "preempt"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     launcher = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
-         "--local-processes", "2", "train.steps=1000000", *COMMON], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+         "--local-processes", "2", "train.steps=1000000", *COMMON, *extra], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
         assert time.time() < deadline and launcher.poll() is None, launcher.communicate()

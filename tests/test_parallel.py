@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 from engine.errors import UsageError
 from engine.setup import build_run
+from engine.step import unpack_metrics
 
 MLP = ["model.name=mlp", "model.hidden_sizes=[128]", "model.dropout_rate=0.2", "train.global_batch_size=64"]
 GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
@@ -30,8 +31,8 @@ def train_losses(run, steps):
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
         state, metrics = run.train_step(state, run.train_input(step))
-        metrics = jax.device_get(metrics)  # waits: CPU collectives must not overlap steps
-        losses.append(float(metrics["loss_sum"][0]) / float(metrics["count"][0]))  # one step per call
+        (metrics,) = unpack_metrics(jax.device_get(metrics))  # waits: CPU collectives must not overlap steps
+        losses.append(metrics["loss_sum"] / metrics["count"])
     return np.array(losses), state
 
 
@@ -144,6 +145,6 @@ def test_steps_per_call_on_eight_devices_matches_one_step_per_call(make_config, 
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(0, 8, 4):
         state, metrics = run.train_step(state, run.train_input(step))
-        metrics = jax.device_get(metrics)  # [4] per metric: one call, four steps
-        losses += list(metrics["loss_sum"] / metrics["count"])
+        steps = unpack_metrics(jax.device_get(metrics))  # one call, four steps
+        losses += [m["loss_sum"] / m["count"] for m in steps]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)

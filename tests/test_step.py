@@ -10,6 +10,7 @@ from engine.config import OptimizerConfig
 from engine.errors import UsageError
 from engine.metrics import read_records
 from engine.setup import build_run
+from engine.step import unpack_metrics
 from engine.trainer import fit
 
 
@@ -17,7 +18,8 @@ def first_steps(run, steps):
     state, losses = run.to_step_layout(run.init_state()), []
     for step in range(steps):
         state, metrics = run.train_step(state, run.train_input(step))
-        losses.append(float(metrics["loss_sum"][0]) / float(metrics["count"][0]))  # one step per call
+        (metrics,) = unpack_metrics(jax.device_get(metrics))  # one step per call
+        losses.append(metrics["loss_sum"] / metrics["count"])
     return state, losses
 
 
@@ -142,3 +144,21 @@ def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_
     with pytest.raises(UsageError, match="resumes at step 6, which is not a multiple of train.steps_per_call=4"):
         fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "log.every_steps=4", "train.steps=12",
                         "train.steps_per_call=4", workdir=tmp_path / "w"))
+
+
+def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, monkeypatch):
+    """GPU and TPU plugins may not analyse a lowered program; then a remat run's MFU comes
+    from the transformer's formula, not from a compiled count that includes recomputation."""
+    import engine.setup
+    from engine.trainer import Rates
+
+    monkeypatch.setattr(engine.setup, "_lowered_flops", lambda lowered: None)
+    run = build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "model.name=transformer",
+                                "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
+                                "model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
+                                "train.global_batch_size=8", "model.remat=full"))
+    assert not run.flops_are_model_flops
+    assert run.flops_source == "XLA cost analysis of the compiled step, with remat=full"
+    rates = Rates(run)
+    assert rates.flops == rates.analytic > 0
+    assert rates.summary(0.01)["flops_source"].startswith("analytic formula (6*N*tokens")
