@@ -133,11 +133,8 @@ def test_fused_cross_entropy_equals_optax_on_full_logits(chunk):
     (ref, ref_hits), ref_grads = grad(variables, inputs, targets, False)
     np.testing.assert_allclose(fused, ref, rtol=1e-6)
     assert (fused_hits == ref_hits).all()
-    for path, g in jax.tree_util.tree_leaves_with_path(fused_grads):
-        expected = ref_grads
-        for key in path:
-            expected = expected[key.key]
-        np.testing.assert_allclose(g, expected, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    jax.tree.map_with_path(lambda path, g, expected: np.testing.assert_allclose(
+        g, expected, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path)), fused_grads, ref_grads)
 
 
 def test_chunked_loss_keeps_less_in_memory():
