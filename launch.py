@@ -101,12 +101,13 @@ def main(argv: list[str]) -> int:
         if args.local_processes < 1 or args.devices_per_process < 1:
             sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
             return 2
-        from engine.launcher import run_local
+        from engine.launcher import run_local_job
 
-        child_args = _without_local_flags(argv)
-        return run_local(child_args, args.local_processes, args.devices_per_process)
+        return run_local_job(_without_local_flags(argv), args.local_processes, args.devices_per_process)
+    from engine import process
     from engine.distributed import DistributedError
 
+    process.install()  # process-wide settings of this program, once (see engine/process.py)
     try:
         if command == "sweep":
             from engine.sweep import main as sweep_main
@@ -125,6 +126,8 @@ def main(argv: list[str]) -> int:
 
             print(f"exported to {export_run(args.workdir, args.out)}")
             return 0
+        import jax
+
         from engine.config import load_config
         from engine.distributed import initialize, parse_tf_config
 
@@ -136,6 +139,8 @@ def main(argv: list[str]) -> int:
 
             return run_evaluator(cfg, watch=command != "eval" or args.watch)
         initialize(cfg.distributed)
+        if cfg.checkpoint.staging == "device" and jax.process_count() > 1:
+            process.use_distributed_client_barriers()
         if args.dry_run:
             from engine.dryrun import dry_run
 

@@ -118,10 +118,10 @@ def main() -> None:
                          f"model.mlp_dim={args.mlp_dim}", f"data.max_bytes={args.max_bytes}", *args.overrides]
     cfg = load_config(ROOT / "configs" / "gpt_small.yaml", overrides, str(base / "run"))
     run = build_run(cfg)
-    state = run.to_step_layout(run.init_state())
+    state = run.compiled.to_step_layout(run.init_state())
     for step in range(args.train_steps):
-        state, _ = run.train_step(state, run.train_input(step))
-    state = run.from_step_layout(jax.block_until_ready(state))
+        state, _ = run.compiled.train_step(state, run.train_input(step))
+    state = run.compiled.from_step_layout(jax.block_until_ready(state))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     params = sum(leaf.size for leaf in jax.tree.leaves(state.params))
 

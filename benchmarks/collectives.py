@@ -6,7 +6,7 @@ the small GPT of tests/test_parallel.py) and each layout (data=8; fsdp=8; data=4
 fsdp=4,tensor=2) it builds the run, times the step (median over --steps steps after
 --warmup, each step waited on: CPU collectives deadlock if steps overlap), and lists every
 all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute in
-`run.train_step.as_text()`.
+`run.compiled.train_step.as_text()`.
 
 How bytes are counted (per device, per step):
   bytes       the size of the buffer the collective produces, from the HLO result shape
@@ -172,7 +172,7 @@ def parameter_minimum(run) -> list[Collective]:
     mesh = run.mesh.shape
     batch_ways = mesh["data"] * mesh["fsdp"]
     needed = []
-    for layout in run.param_layouts:
+    for layout in run.model.param_layouts:
         axes = spec_axes(layout.spec)
         local = layout.nbytes // (mesh["tensor"] if "tensor" in axes else 1)
         if "fsdp" in axes:
@@ -198,7 +198,7 @@ def activation_minimum(run) -> list[Collective]:
         residual = Collective("all-reduce", rows * seq * width * itemsize, tensor)
         softmax = Collective("all-reduce", rows * seq * 4, tensor)
         return [residual] * (4 * cfg.model.num_layers + 2) + [softmax] * 3
-    layouts = {layout.path: layout for layout in run.param_layouts}
+    layouts = {layout.path: layout for layout in run.model.param_layouts}
     names = [f"hidden_{i}" for i in range(len(cfg.model.hidden_sizes))] + ["logits"]
     needed = []
     for index, name in enumerate(names):
@@ -215,13 +215,13 @@ def activation_minimum(run) -> list[Collective]:
 # --- driver --------------------------------------------------------------------------------
 
 def median_step_seconds(run, steps: int, warmup: int) -> float:
-    state = run.to_step_layout(run.init_state())
+    state = run.compiled.to_step_layout(run.init_state())
     batch_size = run.cfg.train.global_batch_size
     times = []
     for step in range(warmup + steps):
         batch = run.train_input(step)
         start = time.perf_counter()
-        state, metrics = run.train_step(state, batch)
+        state, metrics = run.compiled.train_step(state, batch)
         jax.block_until_ready((state, metrics))  # never let two CPU multi-device steps overlap
         times.append(time.perf_counter() - start)
     return statistics.median(times[warmup:])
@@ -245,7 +245,7 @@ def totals(collectives: list[Collective], op: str | None = None) -> tuple[int, i
 def report(model: str, layout: str, run, seconds: float, measured: list[Collective],
            minimum: list[Collective]) -> None:
     mesh = run.mesh.shape
-    params = sum(layout.nbytes for layout in run.param_layouts)
+    params = sum(layout.nbytes for layout in run.model.param_layouts)
     print(f"\n{model} | {layout}  (mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
           f"global batch {run.cfg.train.global_batch_size})")
     print(f"step {seconds * 1e3:.2f} ms (median)   parameters {human(params)}")
@@ -288,7 +288,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as workdir:  # required by the config; build_run writes nothing there
                 cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, workdir)
             run = build_run(cfg)
-            measured = hlo_collectives(run.train_step.as_text(), run.mesh.size)
+            measured = hlo_collectives(run.compiled.train_step.as_text(), run.mesh.size)
             minimum = parameter_minimum(run) + activation_minimum(run)
             seconds = median_step_seconds(run, args.steps, args.warmup)
             report(model, layout, run, seconds, measured, minimum)

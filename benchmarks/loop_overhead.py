@@ -19,7 +19,7 @@ Models (`--models`): `mlp` (the default job: configs/mnist_mlp.yaml), `transform
 step is a couple of milliseconds of tiny kernels) and `gpt_small` (configs/gpt_small.yaml
 as it is). For `mlp` there are two hand-written loops: one around a plain flax MLP (Dense
 128 relu → Dropout 0.2 → Dense 10 with `nn.Dropout`, mean cross-entropy), and one around
-the engine's own flax module and loss (`run.module`, `engine.step.make_loss_fn`), which
+the engine's own flax module and loss (`run.model.module`, `engine.step.make_loss_fn`), which
 separates the model's cost (per-example dropout masks, metric sums) from the loop's. The
 transformers' hand-written loops use the engine's module and loss.
 
@@ -65,12 +65,15 @@ import optax  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine import process  # noqa: E402
 from engine.config import load_config, validate  # noqa: E402
 from engine.errors import UsageError  # noqa: E402
 from engine.perf import peak_flops  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 from engine.step import make_loss_fn  # noqa: E402
 from engine.trainer import fit  # noqa: E402
+
+process.install()  # as launch.py does: counts compilation-cache hits
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.num_devices=1"]
 # model → (config file, overrides). "transformer" is the small GPT of tests/test_parallel.py
@@ -145,9 +148,9 @@ def plain_mlp_loss(run):
     return loss, params
 
 
-def engine_model_loss(run, task: str):
+def engine_model_loss(run):
     """(loss, init params) of the engine's own module and loss function."""
-    loss_fn = make_loss_fn(run.module, task)
+    loss_fn = make_loss_fn(run.model.module, run.model.family.task)
 
     def loss(params, batch, key):
         return loss_fn(params, {}, batch, key, True)[0]  # mlp and transformer have no model state
@@ -219,12 +222,12 @@ def handwritten_optimizer(cfg) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx) if opt.grad_clip_norm else tx
 
 
-def build_loops(run, task: str, per_call_run=None) -> list[Loop]:
+def build_loops(run, per_call_run=None) -> list[Loop]:
     cfg = run.cfg
     tx = handwritten_optimizer(cfg)
     host_batches = slice_batches(run.dataset.train, cfg.train.global_batch_size)
     loops = [EngineLoop(run)] + ([EngineLoop(per_call_run)] if per_call_run else [])
-    variants = [("hand-written, engine module + loss", engine_model_loss(run, task))]
+    variants = [("hand-written, engine module + loss", engine_model_loss(run))]
     if cfg.model.name == "mlp":
         variants.insert(0, ("hand-written, plain flax MLP", plain_mlp_loss(run)))
     for name, (loss, params) in variants:
@@ -243,7 +246,6 @@ def benchmark(model: str, args, cache_dir: str) -> None:
         cfg = load_config(ROOT / "configs" / config, overrides, workdir)
     cold = build_run(cfg)  # the programs are new to the cache: compiled and stored
     run = build_run(cfg)  # the same programs again: loaded from the persistent cache
-    task = "lm" if cfg.model.name == "transformer" else "classification"
     steps, per_call_run = args.steps or DEFAULT_STEPS[model], None
     if args.steps_per_call > 1:  # the engine again, several steps per dispatch (train.steps_per_call)
         per_call = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps_per_call=args.steps_per_call))
@@ -252,7 +254,7 @@ def benchmark(model: str, args, cache_dir: str) -> None:
             per_call_run = build_run(per_call)
         except UsageError as error:
             print(f"{model}: not timing train.steps_per_call={args.steps_per_call}: {error}")
-    loops = build_loops(run, task, per_call_run)
+    loops = build_loops(run, per_call_run)
 
     for loop in loops:  # compile (hand-written) and warm up
         loop.run_steps(args.warmup)
@@ -263,7 +265,7 @@ def benchmark(model: str, args, cache_dir: str) -> None:
     engines = [loop for loop in loops if isinstance(loop, EngineLoop)]
     engine = engines[0]
     peak, peak_source = peak_flops(jax.devices()[0], cfg.train.compute_dtype)
-    flops = run.flops_per_device_step
+    flops = run.cost.flops_per_device_step
     print(f"model {model}: data.name={cfg.data.name}, global batch {cfg.train.global_batch_size}, "
           f"{steps} steps x {args.rounds} rounds, 1 {jax.devices()[0].platform} device, "
           f"log.every_steps={cfg.log.every_steps}, data.steps_per_transfer={cfg.data.steps_per_transfer}")
@@ -277,10 +279,10 @@ def benchmark(model: str, args, cache_dir: str) -> None:
             overhead = 1e6 / ours.median - 1e6 / other.median
             print(f"{ours.name} / {other.name}: {ours.median / other.median:.2f}  "
                   f"(engine overhead {overhead:+.1f} us/step)")
-    print(f"MFU: {flops:.4g} model FLOPs per step ({run.flops_source}) against {peak:.4g} FLOP/s ({peak_source})")
+    print(f"MFU: {flops:.4g} model FLOPs per step ({run.cost.source}) against {peak:.4g} FLOP/s ({peak_source})")
     print(f"engine data wait: {engine.data_wait_fraction:.2%} of loop time (median over rounds)")
-    print(f"train step compile: cold {cold.compile_seconds:.2f} s ({cold.compile_cache.get('misses', 0)} cache misses), "
-          f"cached {run.compile_seconds:.2f} s ({run.compile_cache.get('hits', 0)} cache hits)\n")
+    print(f"train step compile: cold {cold.compiled.compile_seconds:.2f} s ({cold.compile_cache.get('misses', 0)} cache misses), "
+          f"cached {run.compiled.compile_seconds:.2f} s ({run.compile_cache.get('hits', 0)} cache hits)\n")
 
 
 def main() -> None:

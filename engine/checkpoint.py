@@ -9,82 +9,29 @@ file) is skipped with a warning, and the previous one is used.
 """
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from absl import flags
 
 from engine.errors import UsageError
+from engine.process import distributed_client_barriers_on
 from engine.sharding import path_name
-
-
-class _DropOrphanedTaskErrors(logging.Filter):
-    """A failed restore leaves orbax's sibling read tasks holding the same error; asyncio would
-    print each with a traceback. The error itself is raised to us and reported once."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Task exception was never retrieved")
-
-
-logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
-
-
-class _WithoutClosedLoopTracebacks:
-    """sys.stderr, less one kind of noise. After a failed restore, tensorstore's other pending
-    reads complete into orbax's closed event loop, and each callback thread prints a
-    'RuntimeError: Event loop is closed' traceback (some seconds later) that says nothing the
-    one-line warning does not. Writes from other threads are held per thread until their
-    traceback ends, then dropped if it is that one; everything else passes through."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.held: dict[int, str] = {}
-        self.lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        if threading.current_thread() is threading.main_thread():
-            return self.stream.write(text)
-        with self.lock:
-            held = self.held.pop(threading.get_ident(), "") + text
-            if not held.startswith("Traceback"):
-                return self.stream.write(held)
-            last = held.rstrip("\n").rsplit("\n", 1)[-1]
-            if not held.endswith("\n") or last.startswith((" ", "Traceback")):
-                self.held[threading.get_ident()] = held  # the traceback is still being written
-            elif "Event loop is closed" not in last:
-                self.stream.write(held)
-        return len(text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _filter_event_loop_noise() -> None:
-    if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
-        sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
 
 
 # A copy of every array, made on the devices where it lives (the jit keeps each sharding).
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
-def _barriers_through_the_distributed_client() -> None:
-    """Orbax's barriers between processes are device collectives by default. Issued from a
-    background save thread they could interleave with the training step's collectives in a
-    different order on each process; the JAX distributed client's barriers cannot (orbax's
-    own switch, an absl flag; this program parses no other absl flags)."""
-    if "experimental_orbax_use_distributed_barrier" not in flags.FLAGS:
-        raise UsageError("checkpoint.staging=device with several processes needs an orbax-checkpoint with "
-                         "distributed-client barriers (0.12.8 has them); upgrade it or use checkpoint.staging=host")
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+class Restored(NamedTuple):
+    """A restored checkpoint."""
+    state: Any  # the TrainState, in the target shardings
+    meta: dict  # {"step", "data": the iterator's position, "config": the resolved config as YAML}
+    step: int
 
 
 class Checkpointer:
@@ -94,8 +41,10 @@ class Checkpointer:
                  timeout_seconds: int = 600, staging: str = "host"):
         self.directory = Path(directory).absolute()
         self.staging = staging
-        if staging == "device" and jax.process_count() > 1:
-            _barriers_through_the_distributed_client()
+        if staging == "device" and jax.process_count() > 1 and not distributed_client_barriers_on():
+            raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
+                               "barriers: call engine.process.use_distributed_client_barriers() at start-up "
+                               "(launch.py does)")
         self._saving: Optional[threading.Thread] = None  # staging="device": the save in progress
         self._save_error: Optional[BaseException] = None
         if read_only and not self.directory.is_dir():
@@ -108,8 +57,6 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-        if read_only:  # orbax would log "directory is read only" at every read
-            logging.getLogger("absl").setLevel(logging.ERROR)
 
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first (re-read from disk: another process may be writing)."""
@@ -175,15 +122,14 @@ class Checkpointer:
             raise UsageError(f"checkpoint {self.directory}/{step} does not fit this model's config: "
                              + "; ".join(problems) + ". Use the model settings it was saved with, or a new workdir")
 
-    def restore(self, abstract_state, step: Optional[int] = None):
-        """(state, meta, step) from `step` or the newest readable checkpoint; None if there is none.
+    def restore(self, abstract_state, step: Optional[int] = None) -> Optional[Restored]:
+        """The checkpoint at `step`, or the newest readable one; None if there is none.
 
         Arrays are read directly into the shardings that `abstract_state` carries.
         """
         steps = [step] if step is not None else list(reversed(self.steps()))
         if not steps:
             return None
-        _filter_event_loop_noise()
         failures = []
         for candidate in steps:
             try:
@@ -200,7 +146,7 @@ class Checkpointer:
                           f"trying an earlier one", file=sys.stderr)
                 continue
             check_shardings(restored["state"], abstract_state)
-            return restored["state"], restored["meta"], candidate
+            return Restored(restored["state"], restored["meta"], candidate)
         if step is not None:
             raise UsageError(f"checkpoint {self.directory}/{step} is unreadable: {failures[0]}")
         raise UsageError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "

@@ -17,14 +17,17 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from engine.data.sources import FILE_SOURCES, SOURCES
 from engine.errors import UsageError
+from engine.optim import BUILDERS, SCHEDULES
+from engine.rundir import write_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # digits | synthetic | npz | idx | cifar10 | text | synthetic_text | python_source
+    name: str = "digits"  # a source of engine/data/sources.py: digits, synthetic, npz, idx, cifar10, text, ...
     path: Optional[str] = None  # file or directory for npz, idx, cifar10 and text
     eval_fraction: float = 0.2  # held-out share when the source has no test split
     shuffle: bool = True  # reshuffle every epoch (order is a function of seed and epoch)
@@ -148,12 +151,12 @@ class Config:
 
 
 CHOICES = {
-    "data.name": ("digits", "synthetic", "npz", "idx", "cifar10", "text", "synthetic_text", "python_source"),
+    "data.name": tuple(SOURCES),
     "train.param_dtype": ("float32", "bfloat16", "float16"),
     "train.compute_dtype": ("float32", "bfloat16", "float16"),
     "train.nan_policy": ("stop", "warn"),
-    "optimizer.name": ("sgd", "momentum", "adam", "adamw"),
-    "optimizer.schedule": ("constant", "warmup_cosine", "warmup_linear"),
+    "optimizer.name": tuple(BUILDERS),
+    "optimizer.schedule": SCHEDULES,
     "mesh.backend": ("jit", "pmap"),
     "checkpoint.restore_mode": ("params", "all"),
     "checkpoint.staging": ("host", "device"),
@@ -362,10 +365,13 @@ def validate(cfg: Config) -> None:
         for axis in axes:
             if axis not in MESH_AXES:
                 raise UsageError(_choice_message(f"mesh.rules.{logical}", axis, MESH_AXES))
-    if cfg.data.name in ("npz", "idx", "cifar10", "text") and not cfg.data.path:
+    if cfg.data.name in FILE_SOURCES and not cfg.data.path:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     if hasattr(cfg.model, "validate"):
-        cfg.model.validate()
+        try:
+            cfg.model.validate()
+        except ValueError as e:  # the model family's message names the key and the fix
+            raise UsageError(str(e)) from None
 
 
 def to_yaml(cfg: Config) -> str:
@@ -379,5 +385,5 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     distributed timeouts are kept."""
     launch_free = dataclasses.replace(cfg.distributed, coordinator_address="", coordinator_bind_address="",
                                       num_processes=0, process_id=-1)
-    Path(path).write_text(to_yaml(dataclasses.replace(cfg, distributed=launch_free)))
+    write_atomic(path, to_yaml(dataclasses.replace(cfg, distributed=launch_free)))
 

@@ -33,24 +33,25 @@ def dry_run_report(run: Run) -> str:
              f"backend={cfg.mesh.backend}"]
     header = ("parameter", "shape", "logical axes", "PartitionSpec", "bytes")
     rows = [(p.path, str(p.shape), str(tuple(p.logical)) if p.logical else "-", str(tuple(p.spec)), _bytes(p.nbytes))
-            for p in run.param_layouts]
+            for p in run.model.param_layouts]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         lines.append("  ".join(col.ljust(w) for col, w in zip(row, widths)))
-    total_params = sum(math.prod(p.shape) for p in run.param_layouts)
+    total_params = sum(math.prod(p.shape) for p in run.model.param_layouts)
     state = run.abstract_state
-    lines.append(f"parameters: {total_params:,} ({_bytes(sum(p.nbytes for p in run.param_layouts))})")
+    lines.append(f"parameters: {total_params:,} ({_bytes(sum(p.nbytes for p in run.model.param_layouts))})")
     lines.append(f"per device: params {_bytes(per_device_bytes(state.params))}, "
                  f"optimizer state {_bytes(per_device_bytes(state.opt_state))}, "
                  f"model state {_bytes(per_device_bytes(state.model_state))}"
                  + (" (pmap keeps a full copy on every device)" if cfg.mesh.backend == "pmap" else ""))
-    if run.memory_analysis is not None:
-        m = run.memory_analysis
+    m = run.compiled.memory
+    if m is not None:
         lines.append(f"compiled step memory per device: arguments {_bytes(m.argument_size_in_bytes)}, "
                      f"outputs {_bytes(m.output_size_in_bytes)}, temporaries {_bytes(m.temp_size_in_bytes)}, "
                      f"aliased (donated) {_bytes(m.alias_size_in_bytes)}")
-    lines.append(f"model FLOPs per step ({run.flops_source}): {run.flops_per_device_step:.4g} per device, "
-                 f"{run.flops_per_device_step * run.mesh.size:.4g} in all; compile time {run.compile_seconds:.2f}s")
+    flops = run.cost.flops_per_device_step
+    lines.append(f"model FLOPs per step ({run.cost.source}): {flops:.4g} per device, {flops * run.mesh.size:.4g} in "
+                 f"all; compile time {run.compiled.compile_seconds:.2f}s")
     return "\n".join(lines)
 
 

@@ -6,14 +6,29 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from engine.checkpoint import Checkpointer
 from engine.config import Config
+from engine.data import eval_batches
 from engine.errors import UsageError
-from engine.metrics import MetricWriter, read_records
-from engine.setup import build_run
-from engine.trainer import evaluate
+from engine.metrics import MetricWriter
+from engine.rundir import METRICS, read_records
+from engine.setup import Run, build_run
 
 SOURCE = "evaluator"
+
+
+def evaluate(run: Run, state) -> dict[str, float]:
+    """Loss and accuracy over the eval split (padding masked out)."""
+    totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+    inputs, compiled = run.inputs, run.compiled
+    for host_batch in eval_batches(run.dataset.eval, inputs.eval_batch_size, run.cfg.eval.max_batches,
+                                   inputs.eval_rows):
+        sums = jax.device_get(compiled.eval_step(state, compiled.put_batch(host_batch, inputs.eval_batch_size)))
+        for name in totals:  # device_get above is a host sync per batch
+            totals[name] += float(sums[name])
+    return {"loss": totals["loss_sum"] / totals["count"], "accuracy": totals["correct"] / totals["count"]}
 
 
 def evaluated_steps(metrics_path: Path) -> set[int]:
@@ -40,7 +55,7 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
         from tensorboardX import SummaryWriter
 
         summary = SummaryWriter(str(workdir / "evaluator"))
-    done = evaluated_steps(workdir / "metrics.jsonl")
+    done = evaluated_steps(workdir / METRICS)
     idle_since = time.monotonic()
     try:
         while True:
@@ -50,12 +65,12 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
                 raise UsageError(f"no complete checkpoint in {directory} to evaluate")
             for step in pending:
                 try:
-                    state, _, _ = checkpointer.restore(run.abstract_state, step=step)
+                    state = checkpointer.restore(run.abstract_state, step=step).state
                 except UsageError as e:  # deleted by checkpoint.keep, or unreadable: note it, go on
                     print(f"warning: skipping step {step}: {e}", file=sys.stderr)
                     done.add(step)
                     continue
-                metrics = evaluate(run, run.to_step_layout(state))
+                metrics = evaluate(run, run.compiled.to_step_layout(state))
                 writer.write(step, "eval", {**metrics, "source": SOURCE})
                 if summary is not None:
                     for name, value in metrics.items():

@@ -30,16 +30,14 @@ def export_run(workdir: str, out: str) -> Path:
     checkpointer.close()
     if restored is None:
         raise UsageError(f"{workdir_path}/checkpoints holds no complete checkpoint to export")
-    state, _, step = restored
-    variables = {"params": state.params, **state.model_state}
+    variables = {"params": restored.state.params, **restored.state.model_state}
+    module, task = run.model.module, run.model.family.task
 
     def forward(variables, inputs):
-        return run.module.apply(variables, inputs, train=False)
+        return module.apply(variables, inputs, train=False)
 
-    sample = run.train_batches.arrays["tokens" if "tokens" in run.train_batches.arrays else "image"]
-    shape = (cfg.data.seq_len,) if "tokens" in run.train_batches.arrays else sample.shape[1:]
+    shape, dtype = task.export_input(run.dataset.info)  # one example, as the model family says
     (batch,) = jax.export.symbolic_shape("batch")
-    dtype = "int32" if "tokens" in run.train_batches.arrays else "float32"
     inputs = jax.ShapeDtypeStruct((batch, *shape), dtype)
     exported = jax.export.export(jax.jit(forward))(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                                                  variables), inputs)
@@ -49,7 +47,7 @@ def export_run(workdir: str, out: str) -> Path:
         saver.save(out_path / "variables", variables)
     (out_path / "forward.stablehlo").write_bytes(serialized)
     (out_path / "export.json").write_text(json.dumps({
-        "model": cfg.model.name, "step": step, "input_shape": ["batch", *map(int, shape)], "input_dtype": dtype,
+        "model": cfg.model.name, "step": restored.step, "input_shape": ["batch", *shape], "input_dtype": dtype,
         "variables": "variables/", "forward": "forward.stablehlo",
         "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits"}, indent=2))
     return out_path

@@ -33,7 +33,7 @@ def _describe(code: int) -> str:
     return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
 
 
-def run_local(args: list[str], processes: int, devices_per_process: int) -> int:
+def run_local_job(args: list[str], processes: int, devices_per_process: int) -> int:
     """Runs `launch.py args` as `processes` processes; returns the job's exit code."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",

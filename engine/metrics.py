@@ -9,6 +9,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from engine.rundir import METRICS
+
 
 class MetricWriter:
     """Writes each metrics record to every sink; on other processes it does nothing."""
@@ -18,7 +20,7 @@ class MetricWriter:
         self.enabled = enabled
         self.bar: Optional[tqdm] = None
         self.summary = None
-        self.jsonl_path = Path(workdir) / "metrics.jsonl"
+        self.jsonl_path = Path(workdir) / METRICS
         if not enabled:
             return
         workdir = Path(workdir)
@@ -73,16 +75,6 @@ class MetricWriter:
             self.bar.close()
         if self.summary is not None:
             self.summary.close()
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a last line still being written (no newline yet) is skipped."""
-    if not Path(path).exists():
-        return []
-    text = Path(path).read_text()
-    lines = text.split("\n")
-    complete = lines[:-1] if not text.endswith("\n") else lines
-    return [json.loads(line) for line in complete if line.strip()]
 
 
 def _plain(value):

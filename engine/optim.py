@@ -6,11 +6,17 @@ so runs that differ only in them share one compiled step (and its persistent cac
 """
 from __future__ import annotations
 
+import inspect
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from engine.config import OptimizerConfig
+if TYPE_CHECKING:
+    from engine.config import OptimizerConfig
+
+SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
 
 
 def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.ndarray]:
@@ -47,18 +53,23 @@ def optimizer_hparams(cfg: OptimizerConfig) -> dict[str, float]:
     return hp
 
 
+# inject_hyperparams reads each builder's parameter names: those become state arrays
+BUILDERS = {
+    "sgd": lambda learning_rate: optax.sgd(learning_rate),
+    "momentum": lambda learning_rate, momentum: optax.sgd(learning_rate, momentum=momentum),
+    "adam": lambda learning_rate, b1, b2, eps: optax.adam(learning_rate, b1=b1, b2=b2, eps=eps),
+    "adamw": lambda learning_rate, b1, b2, eps, weight_decay: optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+                                                                         weight_decay=weight_decay),
+}
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """The optimizer (with optional global-norm clipping), its numbers held in its state."""
+    build = BUILDERS[cfg.name]
 
-    def clipped(tx):
+    def clipped(**hparams):
+        tx = build(**hparams)
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx) if cfg.grad_clip_norm else tx
 
-    # inject_hyperparams reads each builder's parameter names: those become state arrays
-    builders = {
-        "sgd": lambda learning_rate: clipped(optax.sgd(learning_rate)),
-        "momentum": lambda learning_rate, momentum: clipped(optax.sgd(learning_rate, momentum=momentum)),
-        "adam": lambda learning_rate, b1, b2, eps: clipped(optax.adam(learning_rate, b1=b1, b2=b2, eps=eps)),
-        "adamw": lambda learning_rate, b1, b2, eps, weight_decay: clipped(
-            optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)),
-    }
-    return optax.inject_hyperparams(builders[cfg.name])(**optimizer_hparams(cfg))
+    clipped.__signature__ = inspect.signature(build)  # inject_hyperparams reads the parameter names
+    return optax.inject_hyperparams(clipped)(**optimizer_hparams(cfg))

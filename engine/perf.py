@@ -1,15 +1,20 @@
-"""How much of the hardware a run turns into training: MFU against a table of peak rates,
-and goodput (productive step time ÷ wall time) with its badput broken down."""
+"""How much of the hardware a run turns into training: the model FLOPs of a step (StepCost),
+throughput and MFU against a table of peak rates (Throughput), and goodput (productive step
+time ÷ wall time) with its badput broken down."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from engine.step import make_loss_fn, make_train_step, unpack_metrics
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,
@@ -29,18 +34,6 @@ PEAK_FLOPS = {
 PEAK_TABLE_VERSION = "vendor dense peaks (engine/perf.py PEAK_FLOPS)"
 
 _cpu_peak: Optional[float] = None
-
-# Persistent compilation cache hits and misses in this process, from JAX's monitoring events.
-compile_cache_events: Counter = Counter()
-
-
-def _count_cache_event(event: str, **kwargs) -> None:
-    if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"):
-        compile_cache_events[event.rsplit("_", 1)[-1]] += 1  # "hits" / "misses"
-
-
-jax.monitoring.register_event_listener(_count_cache_event)
-
 
 def enable_compilation_cache(directory: str) -> None:
     """JAX's persistent compilation cache in `directory` ("" = off): a relaunch of the same
@@ -79,10 +72,78 @@ def peak_flops(device, dtype: str) -> tuple[float, str]:
     return 0.0, f"no peak known for {kind}"
 
 
-def transformer_flops(num_params: int, num_layers: int, d_model: int, seq_len: int, tokens: int) -> float:
-    """Training FLOPs of a decoder step: 6·N per token (forward + backward) plus attention's
-    12·L·d·T per token (QKᵀ and AV, forward and backward, without causal savings)."""
-    return 6.0 * num_params * tokens + 12.0 * num_layers * d_model * seq_len * tokens
+@dataclass(frozen=True)
+class StepCost:
+    """The model FLOPs of one train step, and where the count comes from."""
+    flops_per_device_step: float  # model FLOPs per device per step (0 = unknown, e.g. eager)
+    source: str  # which program or formula the count comes from
+    analytic_per_device_step: float = 0.0  # the model family's formula (0 = it has none)
+    analytic_formula: str = ""
+
+
+def compiled_flops(compiled) -> float:
+    """XLA's FLOP count of a compiled program (0 where it gives none)."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def lowered_flops(lowered) -> Optional[float]:
+    """XLA's FLOP count of a lowered program; None where the backend gives none."""
+    analysis = lowered.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    return float(analysis["flops"]) if analysis and "flops" in analysis else None
+
+
+def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, compiled) -> StepCost:
+    """The model FLOPs of one train step per device.
+
+    XLA's cost analysis of the compiled step counts them, except where the run's settings
+    change the compiled work but not the model's: the family's `work_settings` (remat
+    recomputes, a chunked loss is a loop XLA counts once, fused attention a custom call it
+    cannot count) and gradient accumulation or several steps per call (loops). Then the
+    same step is lowered (a trace, no compile) without them and counted; where the backend
+    cannot analyse a lowered program (GPU and TPU plugins may not), the family's formula."""
+    info = dataset.info
+    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
+    analytic = 0.0
+    if family.flops_per_example is not None:
+        analytic = family.flops_per_example(cfg.model, info, num_params) * cfg.train.global_batch_size / devices
+    formula = family.flops_formula if analytic else ""
+    flops = compiled_flops(compiled) if compiled is not None else 0.0
+    if not flops:
+        return StepCost(0.0, "none (the step was not compiled)", analytic, formula)
+    # as the module resolved them (an `auto` setting names what it chose)
+    resolved = {key: getattr(module, key, getattr(cfg.model, key)) for key in family.work_settings}
+    differs = [f"{key}={resolved[key]}" for key, value in family.work_settings.items() if resolved[key] != value]
+    differs += [f"{key}={getattr(cfg.train, key)}" for key in ("grad_accum_steps", "steps_per_call")
+                if getattr(cfg.train, key) > 1]
+    if not differs:
+        return StepCost(flops, "XLA cost analysis of the compiled step", analytic, formula)
+    settings = ", ".join(differs)
+    reference = _reference_flops(cfg, family, dataset, tx, abstract_state)
+    if reference is not None:
+        return StepCost(reference / devices, f"XLA cost analysis of the same step without {settings}",
+                        analytic, formula)
+    compiled_source = f"XLA cost analysis of the compiled step, with {settings}"
+    if analytic:
+        return StepCost(analytic, f"analytic formula ({formula}); {compiled_source} is not the model's",
+                        analytic, formula)
+    return StepCost(flops, compiled_source, analytic, formula)
+
+
+def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float]:
+    """FLOPs of one whole train step with the family's reference work settings and no
+    gradient accumulation, from the lowered (not compiled) program; None if not analysable."""
+    model_cfg = dataclasses.replace(cfg.model, **family.work_settings)
+    module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
+    step = make_train_step(make_loss_fn(module, family.task, family.hparams), tx, cfg.optimizer.schedule)
+    batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
+             for name, a in dataset.train.items()}
+    unsharded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
+    return lowered_flops(jax.jit(step).lower(unsharded, batch))
 
 
 @dataclass
@@ -120,3 +181,65 @@ class Goodput:
             **{f"badput_{name}": seconds / wall if wall > 0 else 0.0 for name, seconds in badput.items()},
             "badput_other": other / wall if wall > 0 else 0.0,  # start-up, restore, logging
         }
+
+
+class Window:
+    """The steps between two log lines, and the time they took (less pauses for eval/saves)."""
+
+    def __init__(self, start: int):
+        self.start, self.metrics, self.steps = start, [], 0
+        self.began, self.paused = time.perf_counter(), 0.0
+
+    def add(self, metrics, steps: int) -> None:
+        """One call's packed metrics ([steps, len(TRAIN_METRICS)], still on the device)."""
+        self.metrics.append(metrics)
+        self.steps += steps
+
+    def to_host(self) -> list[dict[str, float]]:
+        """Each step's metrics on the host (the window's arrays fetched together)."""
+        return unpack_metrics(np.concatenate(jax.device_get(self.metrics)))
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def seconds(self) -> float:
+        """Wall time of the window's steps, waits for data included (they slow training down)."""
+        return max(time.perf_counter() - self.began - self.paused, 1e-9)
+
+
+class Throughput:
+    """Rates of one step: steps/s, examples/s, tokens/s, TFLOP/s per device, MFU."""
+
+    def __init__(self, cost: StepCost, batch: int, tokens_per_step: int, device, compute_dtype: str,
+                 compile_cache: dict):
+        self.cost, self.batch, self.tokens, self.cache = cost, batch, tokens_per_step, compile_cache
+        self.peak, self.peak_source = peak_flops(device, compute_dtype)
+
+    def per_step(self, seconds: float) -> dict[str, float]:
+        values = {"steps_per_sec": 1.0 / seconds, "examples_per_sec": self.batch / seconds}
+        if self.tokens:
+            values["tokens_per_sec"] = self.tokens / seconds
+        flops = self.cost.flops_per_device_step
+        if flops:
+            values["tflops_per_device"] = flops / seconds / 1e12
+            if self.peak:
+                values["mfu"] = flops / seconds / self.peak
+        return values
+
+    def summary(self, mean_step_seconds: float) -> dict:
+        cost = self.cost
+        return {**self.per_step(max(mean_step_seconds, 1e-9)), "flops_per_device_step": cost.flops_per_device_step,
+                "compile_cache_hits": self.cache.get("hits", 0), "compile_cache_misses": self.cache.get("misses", 0),
+                "flops_source": cost.source, "analytic_flops_per_device_step": cost.analytic_per_device_step or None,
+                "analytic_flops_formula": cost.analytic_formula or None,
+                "peak_flops_per_device": self.peak, "peak_source": self.peak_source}
+
+
+def summary_text(summary: dict) -> str:
+    """The run summary (Goodput.summary + Throughput.summary) as one paragraph for the console."""
+    badput = ", ".join(f"{k.removeprefix('badput_')} {v:.1%}" for k, v in summary.items() if k.startswith("badput_"))
+    mfu = f", MFU {summary['mfu']:.1%} ({summary['peak_source']})" if summary.get("mfu") is not None else ""
+    return (f"summary: time to first step {summary['time_to_first_step']:.1f}s (compile "
+            f"{summary['compile_seconds']:.1f}s), mean step {summary['mean_step_seconds'] * 1e3:.2f} ms, data wait "
+            f"{summary['data_wait_seconds']:.2f}s, checkpoint blocking {summary['checkpoint_blocking_seconds']:.2f}s; "
+            f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}")

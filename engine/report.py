@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 from engine.errors import UsageError
-from engine.metrics import read_records
-from engine.sweep import final_metrics, read_status
+from engine.rundir import METRICS, final_metrics, read_records, read_status
 
 
 def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
@@ -18,7 +17,7 @@ def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
         if (path / "sweep.json").exists():
             for name in json.loads((path / "sweep.json").read_text())["runs"]:
                 runs.append((name, path / name, read_status(path / name).get("status", "pending")))
-        elif (path / "metrics.jsonl").exists():
+        elif (path / METRICS).exists():
             runs.append((path.name, path, read_status(path).get("status", "finished")))
         else:
             raise UsageError(f"{path} is neither a sweep directory (sweep.json) nor a run's workdir (metrics.jsonl)")
@@ -27,7 +26,7 @@ def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
 
 def _curves(workdir: Path) -> dict[str, tuple[list[int], list[float]]]:
     curves: dict[str, tuple[list[int], list[float]]] = {}
-    for record in read_records(workdir / "metrics.jsonl"):
+    for record in read_records(workdir / METRICS):
         if "loss" in record and record.get("source") != "evaluator":
             steps, values = curves.setdefault(record["split"], ([], []))
             steps.append(record["step"])

@@ -8,7 +8,6 @@ rules must divide: silently replicating it would change the memory plan the user
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -114,19 +113,14 @@ def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], 
     return PartitionSpec(*spec)
 
 
-@contextlib.contextmanager
-def activation_layout(mesh: Mesh):
-    """While a step is traced, models' `constrain(x, axes)` calls pin activations to the mesh."""
-    from models.layers import activation_constraint
+def activation_constrainer(mesh: Mesh):
+    """(activation, logical axes) → the activation pinned to its layout on `mesh`; the engine
+    hands this to the models (models.constrained_activations) while it traces a step."""
 
     def apply(x, logical):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x.shape, logical, mesh)))
 
-    token = activation_constraint.set(apply)
-    try:
-        yield
-    finally:
-        activation_constraint.reset(token)
+    return apply
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

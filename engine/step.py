@@ -19,41 +19,31 @@ class TrainState:
     model_state: Any  # non-parameter collections, e.g. {"batch_stats": ...}
     opt_state: Any  # optax.inject_hyperparams state: optimizer numbers are arrays, not constants
     rng: jax.Array  # uint32 key data; the step's key is fold_in(rng, step)
-    hparams: Any  # schedule numbers (optim.schedule_hparams) and the dropout rate: inputs to the step
+    hparams: Any  # schedule numbers (optim.schedule_hparams) and the model family's hparams: step inputs
 
 
-def make_loss_fn(module: nn.Module, task: str) -> Callable:
-    """loss(params, model_state, batch, rng, train) → (mean loss, (metric sums, new model_state)).
+def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = ()) -> Callable:
+    """loss(params, model_state, batch, rng, train, hparams) → (mean loss, (metric sums, new model_state)).
 
-    Classification models return logits; language models ("lm") take `targets=` and return
-    (per-token float32 cross-entropy, argmax == target), so they can fuse the output
-    projection with the loss (models.layers.LMHead).
+    The model family's task says what the module takes from the batch and how its output
+    becomes a loss per target; `hparam_names` are the family's shape-independent
+    hyperparameters, passed to the module call by name in training.
 
     Metric sums (`loss_sum`, `correct`, `count`) are summed over (weighted) examples, so
     they add up exactly across microbatches, devices and eval batches.
     """
 
-    def loss_fn(params, model_state, batch, rng, train: bool, dropout_rate=None):
-        if task == "lm":
-            tokens = batch["tokens"].astype(jnp.int32)  # [batch, seq + 1]
-            inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        else:
-            inputs, targets = batch["image"], batch["label"]
+    def loss_fn(params, model_state, batch, rng, train: bool, hparams=None):
+        inputs, targets, extra = task.model_inputs(batch)
         weights = batch.get("mask", jnp.ones(targets.shape[:1], jnp.float32))
         weights = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (targets.ndim - 1)), targets.shape)
         variables = {"params": params, **model_state}
         mutable = list(model_state) if train and model_state else False
-        # Language models compute their own (fused) per-token loss from the targets.
+        model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
         out = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
-                           dropout_rate=dropout_rate, rngs={"dropout": rng} if train else None, mutable=mutable,
-                           **({"targets": targets} if task == "lm" else {}))
+                           rngs={"dropout": rng} if train else None, mutable=mutable, **model_hparams, **extra)
         out, new_model_state = (out if mutable else (out, model_state))
-        if task == "lm":
-            losses, hits = out  # float32 per-token cross-entropy, argmax == target
-        else:
-            logits = out.astype(jnp.float32)  # the loss is always computed in float32
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-            hits = jnp.argmax(logits, -1) == targets
+        losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
         count = jnp.sum(weights)
         loss_sum = jnp.sum(losses * weights)
         correct = jnp.sum(hits * weights)
@@ -78,12 +68,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state: TrainState, batch):
-        dropout_rate = state.hparams.get("dropout_rate")  # an input, not a constant (when the model has one)
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = dict(batch, example_id=_example_ids(batch, axis_name))
         if grad_accum_steps == 1:
             (_, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch, rng, True,
-                                                         dropout_rate)
+                                                         state.hparams)
         else:
             # Microbatch k takes rows k, k + n, k + 2n, … (n = grad_accum_steps): each device keeps
             # its own rows, so splitting a batch sharded on dim 0 needs no communication.
@@ -94,7 +83,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
             def accumulate(carry, microbatch):
                 grad_sum, model_state = carry
                 (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, microbatch, rng, True,
-                                                             dropout_rate)
+                                                             state.hparams)
                 return (jax.tree.map(jnp.add, grad_sum, grads), model_state), metrics
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)

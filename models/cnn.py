@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import flax.linen as nn
 import jax.numpy as jnp
 
-from engine.errors import UsageError
+from models.family import Classification, ModelError, ModelFamily
 from models.layers import Dropout, dense, param_init
 
 
@@ -19,7 +19,9 @@ class CNNConfig:
 
     def validate(self):
         if not self.channels or min(self.channels) <= 0 or self.dense_size <= 0:
-            raise UsageError(f"model.channels={self.channels} and model.dense_size must be positive")
+            raise ModelError(f"model.channels={self.channels} and model.dense_size must be positive")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
 def conv(features: int, kernel: int, dtype, param_dtype, strides: int = 1, name=None, use_bias=True):
@@ -54,3 +56,6 @@ class CNN(nn.Module):
 
 def build(cfg: CNNConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
     return CNN(tuple(cfg.channels), cfg.dense_size, info.num_classes, cfg.dropout_rate, dtype, param_dtype)
+
+
+FAMILY = ModelFamily(CNNConfig, build, Classification(), hparams=("dropout_rate",))

@@ -3,6 +3,7 @@ a dropout whose mask depends on each example's position in the global batch, not
 the batch is split over devices, microbatches or a pmap axis."""
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from functools import partial
 from typing import Callable, Optional
@@ -13,15 +14,26 @@ import jax.numpy as jnp
 import numpy as np
 
 
-# Set by the engine while it traces a step: logical activation axes → a sharding constraint.
-# Models only name the axes; unset (eager, pmap, tests of a bare module) it does nothing.
-activation_constraint: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
+# Set while a step is traced: logical activation axes → a sharding constraint. Models only
+# name the axes; unset (eager, pmap, tests of a bare module) it does nothing.
+_activation_constraint: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
     "activation_constraint", default=None)
+
+
+@contextlib.contextmanager
+def constrained_activations(apply: Callable):
+    """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)` (the engine
+    passes one that pins activations to its mesh by their logical axes)."""
+    token = _activation_constraint.set(apply)
+    try:
+        yield
+    finally:
+        _activation_constraint.reset(token)
 
 
 def constrain(x, axes: tuple[Optional[str], ...]):
     """Asks that activation `x` be laid out by its logical axes, e.g. ("batch", "seq", "embed")."""
-    apply = activation_constraint.get()
+    apply = _activation_constraint.get()
     return x if apply is None else apply(x, axes)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import flax.linen as nn
 import jax.numpy as jnp
 
-from engine.errors import UsageError
+from models.family import Classification, ModelError, ModelFamily
 from models.layers import Dropout, dense
 
 
@@ -18,9 +18,9 @@ class MLPConfig:
 
     def validate(self):
         if not self.hidden_sizes or min(self.hidden_sizes) <= 0:
-            raise UsageError(f"model.hidden_sizes={self.hidden_sizes} must be a non-empty list of positive widths")
+            raise ModelError(f"model.hidden_sizes={self.hidden_sizes} must be a non-empty list of positive widths")
         if not 0.0 <= self.dropout_rate < 1.0:
-            raise UsageError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
 class MLP(nn.Module):
@@ -44,3 +44,6 @@ class MLP(nn.Module):
 
 def build(cfg: MLPConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
     return MLP(tuple(cfg.hidden_sizes), info.num_classes, cfg.dropout_rate, dtype, param_dtype)
+
+
+FAMILY = ModelFamily(MLPConfig, build, Classification(), hparams=("dropout_rate",))

@@ -9,8 +9,8 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from engine.errors import UsageError
 from models.cnn import conv
+from models.family import Classification, ModelError, ModelFamily
 from models.layers import dense, param_init
 
 STAGES = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3))}
@@ -26,11 +26,11 @@ class ResNetConfig:
 
     def validate(self):
         if self.depth not in STAGES:
-            raise UsageError(f"model.depth={self.depth} is not one of {', '.join(map(str, STAGES))}")
+            raise ModelError(f"model.depth={self.depth} is not one of {', '.join(map(str, STAGES))}")
         if self.stem not in ("auto", "cifar", "imagenet"):
-            raise UsageError(f"model.stem={self.stem!r} is not one of auto, cifar, imagenet")
+            raise ModelError(f"model.stem={self.stem!r} is not one of auto, cifar, imagenet")
         if self.width <= 0:
-            raise UsageError(f"model.width={self.width} must be positive")
+            raise ModelError(f"model.width={self.width} must be positive")
 
 
 class Block(nn.Module):
@@ -69,7 +69,7 @@ class ResNet(nn.Module):
     batch_axis_name: Optional[str] = None  # pmap axis over which batch statistics are averaged
 
     @nn.compact
-    def __call__(self, x, *, train: bool, example_ids=None, dropout_rate=None):  # no dropout layers
+    def __call__(self, x, *, train: bool, example_ids=None):  # no dropout layers
         kind, stages = STAGES[self.depth]
         norm = partial(
             nn.BatchNorm, momentum=self.bn_momentum, epsilon=1e-5, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -99,3 +99,6 @@ def build(cfg: ResNetConfig, info, dtype, param_dtype, batch_axis_name=None) -> 
     cifar_stem = cfg.stem == "cifar" or (cfg.stem == "auto" and info.input_shape[0] <= 64)
     return ResNet(cfg.depth, cfg.width, info.num_classes, cifar_stem, cfg.bn_momentum, dtype, param_dtype,
                   batch_axis_name)
+
+
+FAMILY = ModelFamily(ResNetConfig, build, Classification())

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from engine.errors import UsageError
+from models.family import ModelError, ModelFamily, NextToken
 from models.layers import Dropout, LMHead, constrain, dense, param_init
 
 REMAT_POLICIES = {
@@ -32,17 +32,17 @@ class TransformerConfig:
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
-            raise UsageError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
+            raise ModelError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
         if self.d_model % self.num_heads:
-            raise UsageError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
+            raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
         if self.attention not in ("auto", "xla", "cudnn"):
-            raise UsageError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
+            raise ModelError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
         if self.remat not in REMAT_POLICIES:
-            raise UsageError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+            raise ModelError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         if self.loss_chunk < 0:
-            raise UsageError(f"model.loss_chunk={self.loss_chunk} must be 0 (whole sequence) or positive")
+            raise ModelError(f"model.loss_chunk={self.loss_chunk} must be 0 (whole sequence) or positive")
         if not 0.0 <= self.dropout_rate < 1.0:
-            raise UsageError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
 def layer_norm(dtype, param_dtype, name=None):
@@ -127,7 +127,24 @@ def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
-        raise UsageError(f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
+        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
                          f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once")
     return Transformer(info.vocab_size, info.seq_len, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.mlp_dim,
                        cfg.dropout_rate, cfg.remat, dtype, param_dtype, attention, cfg.loss_chunk)
+
+
+def flops_per_example(cfg: TransformerConfig, info, num_params: int) -> float:
+    """Training FLOPs of one sequence: 6·N per token (forward + backward) plus attention's
+    12·L·d·T per token (QKᵀ and AV, forward and backward, without causal savings)."""
+    tokens = info.seq_len
+    return 6.0 * num_params * tokens + 12.0 * cfg.num_layers * cfg.d_model * info.seq_len * tokens
+
+
+FAMILY = ModelFamily(
+    TransformerConfig, build, NextToken(), flops_per_example=flops_per_example,
+    flops_formula="6*N*tokens + 12*layers*d_model*seq_len*tokens",
+    # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
+    # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
+    work_settings={"remat": "none", "loss_chunk": 0, "attention": "xla"},
+    hparams=("dropout_rate",),
+)

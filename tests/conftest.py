@@ -12,7 +12,10 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine import process  # noqa: E402
 from engine.config import load_config  # noqa: E402
+
+process.install()  # as launch.py does: compile-cache counting, orbax noise filters
 
 
 @pytest.fixture(scope="session")
@@ -33,18 +36,8 @@ def make_config(tmp_path, compilation_cache):
 
 
 @pytest.fixture
-def mesh8():
-    return jax.make_mesh((8,), ("data",))
-
-
-@pytest.fixture
 def mesh2x4():
     return jax.make_mesh((2, 4), ("data", "fsdp"))
-
-
-@pytest.fixture
-def mesh2x2x2():
-    return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
 
 
 def run_cli(*args, env=None, timeout=300, cwd=ROOT):

@@ -224,9 +224,9 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
     exported = jax.export.deserialize(bytearray((out / "forward.stablehlo").read_bytes()))
     variables = ocp.StandardCheckpointer().restore(out / "variables")
     run = build_run(cfg)
-    state, _, _ = Checkpointer(workdir / "checkpoints", 5).restore(run.abstract_state)
+    state = Checkpointer(workdir / "checkpoints", 5).restore(run.abstract_state).state
     images = run.dataset.eval["image"][:7]
-    expected = run.module.apply({"params": state.params}, images, train=False)
+    expected = run.model.module.apply({"params": state.params}, images, train=False)
     np.testing.assert_allclose(exported.call(variables, images), expected, rtol=1e-6)
     assert run_cli("export", "--workdir", str(workdir), "--out", str(out)).returncode == 2  # never overwrites
 

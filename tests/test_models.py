@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from engine.data import DataInfo
-from engine.sharding import unbox
+from engine.sharding import path_name, unbox
 from engine.step import make_loss_fn
 from models import REGISTRY
 from models.resnet import ResNetConfig
@@ -25,13 +25,15 @@ def batch_for(info, n=4):
             "label": jnp.asarray(rng.integers(0, info.num_classes, n), jnp.int32)}
 
 
+# (family, config, data, the parameter that first touches the input)
 CASES = [
-    ("mlp", {"hidden_sizes": [16]}, IMAGE),
-    ("cnn", {"channels": [4, 8], "dense_size": 16}, IMAGE),
-    ("resnet", {"depth": 18, "width": 4}, IMAGE),
-    ("resnet", {"depth": 50, "width": 2}, IMAGE),
-    ("transformer", {"num_layers": 2, "d_model": 16, "num_heads": 2, "mlp_dim": 32}, TOKENS),
-    ("transformer", {"num_layers": 1, "d_model": 16, "num_heads": 2, "mlp_dim": 32, "remat": "full"}, TOKENS),
+    ("mlp", {"hidden_sizes": [16]}, IMAGE, "hidden_0/kernel"),
+    ("cnn", {"channels": [4, 8], "dense_size": 16}, IMAGE, "conv_0/kernel"),
+    ("resnet", {"depth": 18, "width": 4}, IMAGE, "stem/kernel"),
+    ("resnet", {"depth": 50, "width": 2}, IMAGE, "stem/kernel"),
+    ("transformer", {"num_layers": 2, "d_model": 16, "num_heads": 2, "mlp_dim": 32}, TOKENS, "embed/embedding"),
+    ("transformer", {"num_layers": 1, "d_model": 16, "num_heads": 2, "mlp_dim": 32, "remat": "full"}, TOKENS,
+     "embed/embedding"),
 ]
 
 
@@ -46,8 +48,9 @@ def init(name, overrides, info):
     return spec, module, variables, batch
 
 
-@pytest.mark.parametrize("name, overrides, info", CASES, ids=lambda c: str(c) if isinstance(c, str) else None)
-def test_forward_and_backward(name, overrides, info):
+@pytest.mark.parametrize("name, overrides, info, input_layer", CASES,
+                         ids=lambda c: str(c) if isinstance(c, str) and "/" not in c else None)
+def test_forward_and_backward(name, overrides, info, input_layer):
     spec, module, variables, batch = init(name, overrides, info)
     params = variables.pop("params")
     loss_fn = make_loss_fn(module, spec.task)
@@ -55,11 +58,9 @@ def test_forward_and_backward(name, overrides, info):
     (loss, (metrics, new_state)), grads = grad_fn(params, variables, batch, jax.random.key(2), True)
     assert np.isfinite(loss) and loss > 0
     assert float(metrics["count"]) == (4 * info.seq_len if info.kind == "tokens" else 4)
-    norms = {jax.tree_util.keystr(path): float(jnp.linalg.norm(g))
-             for path, g in jax.tree_util.tree_leaves_with_path(grads)}
+    norms = {path_name(path): float(jnp.linalg.norm(g)) for path, g in jax.tree_util.tree_leaves_with_path(grads)}
     assert all(np.isfinite(list(norms.values())))
-    first, last = list(norms)[0], list(norms)[-1]
-    assert norms[first] > 0 and norms[last] > 0, norms  # the gradient reaches the input layer
+    assert norms[input_layer] > 0, norms  # the gradient reaches the layer that reads the input
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     # every parameter of every model carries logical axis names (the sharding rules need them)
     boxed = module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},

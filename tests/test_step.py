@@ -8,16 +8,16 @@ import optax
 from engine.optim import learning_rate_at, schedule_hparams
 from engine.config import OptimizerConfig
 from engine.errors import UsageError
-from engine.metrics import read_records
+from engine.rundir import read_records
 from engine.setup import build_run
 from engine.step import unpack_metrics
 from engine.trainer import fit
 
 
 def first_steps(run, steps):
-    state, losses = run.to_step_layout(run.init_state()), []
+    state, losses = run.compiled.to_step_layout(run.init_state()), []
     for step in range(steps):
-        state, metrics = run.train_step(state, run.train_input(step))
+        state, metrics = run.compiled.train_step(state, run.train_input(step))
         (metrics,) = unpack_metrics(jax.device_get(metrics))  # one step per call
         losses.append(metrics["loss_sum"] / metrics["count"])
     return state, losses
@@ -95,12 +95,17 @@ def test_steps_per_transfer_changes_nothing_but_speed(make_config):
 
 
 def test_dropout_rate_input_takes_effect(make_config):
+    """The dropout rate is an input of the compiled step: two rates, one program (the second
+    build loads it from the persistent cache, compiling nothing), different losses."""
     args = ["mesh.num_devices=1", "train.global_batch_size=32"]
-    _, none = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.0")), 3)
-    _, half = first_steps(build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.5")), 3)
-    run = build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.0"))
-    state = run.init_state()
-    assert float(state.hparams["dropout_rate"]) == 0.0
+    none_run = build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.0"))
+    half_run = build_run(make_config("mnist_mlp.yaml", *args, "model.dropout_rate=0.5"))
+    # The persistent cache is keyed by the program: every one the second build needed was there.
+    assert half_run.compile_cache.get("misses", 0) == 0 and half_run.compile_cache.get("hits", 0) >= 2
+    assert float(none_run.init_state().hparams["dropout_rate"]) == 0.0
+    assert float(half_run.init_state().hparams["dropout_rate"]) == 0.5
+    _, none = first_steps(none_run, 3)
+    _, half = first_steps(half_run, 3)
     assert none[0] != half[0]  # same compiled program, different rate in the state, different loss
 
 
@@ -111,15 +116,15 @@ def test_model_flops_ignore_remat_chunking_and_accumulation(make_config):
             "data.num_examples=256", "model.num_layers=2", "model.d_model=32", "model.num_heads=2",
             "model.mlp_dim=64", "data.vocab_size=512", "train.global_batch_size=8"]
     plain = build_run(make_config("mnist_mlp.yaml", *base))
-    assert plain.flops_source == "XLA cost analysis of the compiled step"
+    assert plain.cost.source == "XLA cost analysis of the compiled step"
     remat = build_run(make_config("mnist_mlp.yaml", *base, "model.remat=full"))
-    compiled = remat.train_step.cost_analysis()
+    compiled = remat.compiled.train_step.cost_analysis()
     compiled = compiled[0] if isinstance(compiled, (list, tuple)) else compiled
-    assert compiled["flops"] > 1.15 * plain.flops_per_device_step  # the forward pass again
+    assert compiled["flops"] > 1.15 * plain.cost.flops_per_device_step  # the forward pass again
     looped = build_run(make_config("mnist_mlp.yaml", *base, "model.loss_chunk=4", "train.grad_accum_steps=2"))
     for run, named in ((remat, "remat=full"), (looped, "loss_chunk=4, grad_accum_steps=2")):
-        assert run.flops_source == f"XLA cost analysis of the same step without {named}"
-        assert run.flops_per_device_step == pytest.approx(plain.flops_per_device_step, rel=0.02)
+        assert run.cost.source == f"XLA cost analysis of the same step without {named}"
+        assert run.cost.flops_per_device_step == pytest.approx(plain.cost.flops_per_device_step, rel=0.02)
 
 
 def test_steps_per_call_changes_nothing_but_speed(make_config, tmp_path):
@@ -149,16 +154,14 @@ def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_
 def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, monkeypatch):
     """GPU and TPU plugins may not analyse a lowered program; then a remat run's MFU comes
     from the transformer's formula, not from a compiled count that includes recomputation."""
-    import engine.setup
-    from engine.trainer import Rates
+    import engine.perf
 
-    monkeypatch.setattr(engine.setup, "_lowered_flops", lambda lowered: None)
+    monkeypatch.setattr(engine.perf, "lowered_flops", lambda lowered: None)
     run = build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "model.name=transformer",
                                 "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
                                 "model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
                                 "train.global_batch_size=8", "model.remat=full"))
-    assert not run.flops_are_model_flops
-    assert run.flops_source == "XLA cost analysis of the compiled step, with remat=full"
-    rates = Rates(run)
-    assert rates.flops == rates.analytic > 0
-    assert rates.summary(0.01)["flops_source"].startswith("analytic formula (6*N*tokens")
+    cost = run.cost
+    assert cost.flops_per_device_step == cost.analytic_per_device_step > 0
+    assert cost.source.startswith("analytic formula (6*N*tokens")
+    assert cost.source.endswith("XLA cost analysis of the compiled step, with remat=full is not the model's")

@@ -253,6 +253,8 @@ SOURCES = {
     "text": text, "synthetic_text": synthetic_text, "python_source": python_source,
 }
 
+FILE_SOURCES = ("npz", "idx", "cifar10", "text")  # the sources that read data.path
+
 
 def load_dataset(cfg) -> Dataset:
     """The dataset named by cfg.name (a DataConfig)."""

@@ -1,0 +1,154 @@
+"""The two ways to compile the same pure train step: `jit` over NamedShardings (any layout)
+and `pmap` (replicated data parallel, one copy of the state per device). Each returns a
+`Compiled` with the same fields; nothing outside this module asks which one is in use.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engine import sharding
+from engine.data import process_rows
+from models import constrained_activations
+
+PMAP_AXIS = "batch"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What a compile backend gives the trainer; jit and pmap give the same fields."""
+    train_step: Optional[Callable]  # (state, device block) → (state, metrics [steps_per_call, ...]); None: not built
+    eval_step: Callable  # (state, device batch) → metric sums
+    put_batch: Callable  # (host batch, global batch size) → global device batch (eval)
+    put_block: Callable  # host block of steps_per_block batches → the device input of train_step
+    to_step_layout: Callable  # TrainState → what train_step takes (pmap: one copy per device)
+    from_step_layout: Callable  # the inverse, e.g. for saving a checkpoint
+    rows: Callable  # global batch size → the positions in a batch this process loads
+    compile_seconds: float
+    program: Any  # the compiled train step, for XLA's cost and memory analysis (None: eager, or not built)
+
+    @property
+    def memory(self):
+        """The compiled step's memory estimate (None in eager mode)."""
+        return self.program.memory_analysis() if self.program is not None else None
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What a backend compiles for: the state and the batches, as shapes and shardings."""
+    state: Any  # the abstract TrainState (ShapeDtypeStructs with target shardings)
+    state_shardings: Any
+    train_arrays: dict  # the training split's arrays (their per-example shapes and dtypes)
+    global_batch: int
+    steps_per_block: int
+    eval_batch: int
+
+
+def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,
+                   global_rows: tuple[int, ...]) -> dict[str, jax.Array]:
+    """This process's rows (see data.process_rows) → one global array per key."""
+    if jax.process_count() == 1:  # the rows are the whole batch: one transfer of the tree is cheapest
+        return jax.device_put(host_batch, array_sharding)
+    return {name: jax.make_array_from_process_local_data(array_sharding, value, (*global_rows, *value.shape[
+        len(global_rows):])) for name, value in host_batch.items()}
+
+
+def _identity(state):
+    return state
+
+
+def _abstract(arrays: dict, leading: tuple[int, ...], array_sharding) -> dict:
+    return {name: jax.ShapeDtypeStruct((*leading, *a.shape[1:]), a.dtype, sharding=array_sharding)
+            for name, a in arrays.items()}
+
+
+def _eager(fn):
+    def run(*args):
+        with jax.disable_jit():
+            return fn(*args)
+    return run
+
+
+def compile_jit(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval_step: Callable,
+                eager: bool = False) -> Compiled:
+    batch_sharding = sharding.batch_sharding(mesh)
+    # Training batches travel in blocks of K steps ([K, batch, ...]): one transfer per block,
+    # and the step picks its own batch, so the host's per-step work is a dispatch alone.
+    steps, global_batch = shapes.steps_per_block, shapes.global_batch
+    block_sharding = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES))
+
+    def put_batch(host_batch, batch_size):
+        return _global_arrays(host_batch, batch_sharding, (batch_size,))
+
+    def put_block(host_block):
+        return _global_arrays(host_block, block_sharding, (steps, global_batch))
+
+    common = dict(put_batch=put_batch, put_block=put_block, to_step_layout=_identity, from_step_layout=_identity,
+                  rows=lambda batch_size: process_rows(batch_sharding, batch_size))
+    if eager:
+        return Compiled(train_step=train_step and _eager(train_step), eval_step=_eager(eval_step),
+                        compile_seconds=0.0, program=None, **common)
+    # The state is donated: its buffers are reused for the new state instead of copied.
+    jitted = train_step and jax.jit(train_step, in_shardings=(shapes.state_shardings, block_sharding),
+                                    out_shardings=(shapes.state_shardings, sharding.replicated(mesh)),
+                                    donate_argnums=0)
+    start = time.perf_counter()
+    # Traced here: the models' activation constraints pin activations to this mesh.
+    with constrained_activations(sharding.activation_constrainer(mesh)):
+        program = jitted.lower(shapes.state, _abstract(shapes.train_arrays, (steps, global_batch),
+                                                       block_sharding)).compile() if train_step else None
+        compile_seconds = time.perf_counter() - start
+        eval_batch = {**_abstract(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
+                      "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding)}
+        evaluate = jax.jit(eval_step, in_shardings=(shapes.state_shardings, batch_sharding),
+                           out_shardings=sharding.replicated(mesh)).lower(shapes.state, eval_batch).compile()
+    return Compiled(train_step=program, eval_step=evaluate, compile_seconds=compile_seconds, program=program,
+                    **common)
+
+
+def compile_pmap(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval_step: Callable,
+                 eager: bool = False) -> Compiled:
+    devices = mesh.devices.reshape(-1)
+    count = len(devices)
+    pmap_mesh = Mesh(devices, (PMAP_AXIS,))
+    stacked = NamedSharding(pmap_mesh, PartitionSpec(PMAP_AXIS))
+    # Classic replicated data parallel: a copy of the state per device on a leading axis.
+    to_step_layout = jax.jit(lambda s: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), s),
+                             out_shardings=stacked)
+    from_step_layout = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=shapes.state_shardings)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((count, *x.shape), x.dtype, sharding=stacked), shapes.state)
+    steps, global_batch = shapes.steps_per_block, shapes.global_batch
+    local = len(pmap_mesh.local_devices)
+
+    def put_batch(host_batch, batch_size):  # [rows] → [devices, rows per device]
+        return _global_arrays({k: v.reshape(local, -1, *v.shape[1:]) for k, v in host_batch.items()}, stacked,
+                              (count, batch_size // count))
+
+    def put_block(host_block):  # [steps, rows] → [devices, steps, rows per device]
+        per_device = {k: v.reshape(steps, local, -1, *v.shape[2:]).swapaxes(0, 1) for k, v in host_block.items()}
+        return _global_arrays(per_device, stacked, (count, steps, global_batch // count))
+
+    pmapped = train_step and jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
+    pmapped_eval = jax.pmap(eval_step, axis_name=PMAP_AXIS, devices=list(devices))
+    start = time.perf_counter()
+    block = _abstract(shapes.train_arrays, (count, steps, global_batch // count), stacked)
+    program = pmapped.lower(state, block).compile() if train_step else None
+    compile_seconds = time.perf_counter() - start
+
+    def step(state, batch):
+        state, metrics = program(state, batch)
+        return state, jax.tree.map(lambda x: x[0], metrics)  # psum'd: every replica holds the same
+
+    def evaluate(state, batch):
+        return jax.tree.map(lambda x: x[0], pmapped_eval(state, batch))
+
+    return Compiled(train_step=step if train_step else None, eval_step=evaluate, put_batch=put_batch,
+                    put_block=put_block, to_step_layout=to_step_layout, from_step_layout=from_step_layout,
+                    rows=lambda batch_size: process_rows(stacked, batch_size, batch_size // count),
+                    compile_seconds=compile_seconds, program=program)

@@ -1,0 +1,105 @@
+"""Process-wide settings of the command-line program, in one place, installed once by
+`launch.py` at start-up (torchtitan's `init_logger()` in `train.py` is the model). Library
+code (the Checkpointer, the trainer, a notebook importing the engine) changes none of this.
+
+- JAX's compilation-cache events are counted (`compile_cache_events`) for the run summary.
+- Orbax's restore of a damaged checkpoint leaves sibling read tasks and tensorstore callbacks
+  that print tracebacks about a closed event loop; the checkpointer reports the failure once
+  in one line, so that noise is dropped from stderr and the asyncio log.
+- Orbax logs "directory is read only" at every read of an evaluator's or export's checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import Counter
+
+# Persistent compilation cache hits and misses in this process, from JAX's monitoring events
+# (counted once `install()` has run; build_run reports the difference over its compiles).
+compile_cache_events: Counter = Counter()
+
+_installed = False
+
+
+def install() -> None:
+    """Installs the settings above (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import jax
+
+    jax.monitoring.register_event_listener(_count_cache_event)
+    logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's per-read "read only" warnings
+    if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
+        sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
+
+
+def use_distributed_client_barriers() -> None:
+    """Orbax's barriers between processes are device collectives by default. Issued from a
+    background save thread (checkpoint.staging=device) they could interleave with the
+    training step's collectives in a different order on each process; the JAX distributed
+    client's barriers cannot. Orbax's own switch is an absl flag (this program parses no
+    other absl flags). UsageError where this orbax has no such switch."""
+    from absl import flags
+
+    from engine.errors import UsageError
+
+    if "experimental_orbax_use_distributed_barrier" not in flags.FLAGS:
+        raise UsageError("checkpoint.staging=device with several processes needs an orbax-checkpoint with "
+                         "distributed-client barriers (0.12.8 has them); upgrade it or use checkpoint.staging=host")
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
+def distributed_client_barriers_on() -> bool:
+    from absl import flags
+
+    return ("experimental_orbax_use_distributed_barrier" in flags.FLAGS and flags.FLAGS.is_parsed()
+            and bool(flags.FLAGS.experimental_orbax_use_distributed_barrier))
+
+
+def _count_cache_event(event: str, **kwargs) -> None:
+    if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"):
+        compile_cache_events[event.rsplit("_", 1)[-1]] += 1  # "hits" / "misses"
+
+
+class _DropOrphanedTaskErrors(logging.Filter):
+    """A failed restore leaves orbax's sibling read tasks holding the same error; asyncio would
+    print each with a traceback. The error itself is raised to the caller and reported once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+class _WithoutClosedLoopTracebacks:
+    """sys.stderr, less one kind of noise. After a failed restore, tensorstore's other pending
+    reads complete into orbax's closed event loop, and each callback thread prints a
+    'RuntimeError: Event loop is closed' traceback (some seconds later) that says nothing the
+    one-line warning does not. Writes from other threads are held per thread until their
+    traceback ends, then dropped if it is that one; everything else passes through."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.held: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        if threading.current_thread() is threading.main_thread():
+            return self.stream.write(text)
+        with self.lock:
+            held = self.held.pop(threading.get_ident(), "") + text
+            if not held.startswith("Traceback"):
+                return self.stream.write(held)
+            last = held.rstrip("\n").rsplit("\n", 1)[-1]
+            if not held.endswith("\n") or last.startswith((" ", "Traceback")):
+                self.held[threading.get_ident()] = held  # the traceback is still being written
+            elif "Event loop is closed" not in last:
+                self.stream.write(held)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)

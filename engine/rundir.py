@@ -1,0 +1,64 @@
+"""A run's directory on disk: atomic file writes, `metrics.jsonl` records and `status.json`.
+
+Shared by the trainer, the evaluator, sweeps and reports; it imports nothing else of the
+engine. Files that readers may open at any moment are replaced whole (a temporary file,
+then `os.replace`), so nobody ever reads half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+METRICS = "metrics.jsonl"
+STATUS = "status.json"
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes `text` to `path` so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: SLURM array tasks write at once
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, record: dict) -> None:
+    write_atomic(path, json.dumps(record) + "\n")
+
+
+def read_status(workdir: Path) -> dict:
+    """A run's status.json ({} when it has none yet)."""
+    path = Path(workdir) / STATUS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a last line still being written (no newline yet) is skipped."""
+    if not Path(path).exists():
+        return []
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    complete = lines[:-1] if not text.endswith("\n") else lines
+    return [json.loads(line) for line in complete if line.strip()]
+
+
+def final_metrics(workdir: Path) -> dict[str, float]:
+    """The last value of each split/name in a run's metrics.jsonl."""
+    final: dict[str, float] = {}
+    for record in read_records(Path(workdir) / METRICS):
+        for name, value in record.items():
+            if name not in ("step", "split", "source") and isinstance(value, (int, float)):
+                final[f"{record['split']}/{name}"] = value
+    return final
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """On resume, forget metrics logged after the checkpoint: those steps run again, identically.
+
+    Returns how many logged training steps will be redone (badput of the restart)."""
+    if not path.exists():
+        return 0
+    records = read_records(path)
+    logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    return max(logged - step, 0)

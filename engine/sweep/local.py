@@ -1,0 +1,139 @@
+"""Runs of a sweep as local processes, K at a time, each recording its status in its workdir;
+the sweep's index (sweep.jsonl) is made from those statuses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.rundir import STATUS, final_metrics, read_status, write_atomic, write_json
+from engine.sweep.spec import LAUNCH, RunSpec, Sweep
+
+
+def write_index(sweep: Sweep) -> None:
+    """sweep.jsonl: one line per run (name, overrides, status, final metrics, error)."""
+    lines = []
+    for run in sweep.runs:
+        status = read_status(sweep.workdir(run))
+        lines.append(json.dumps({"name": run.name, "overrides": run.overrides, "workdir": str(sweep.workdir(run)),
+                                 "status": status.get("status", "pending"), "error": status.get("error"),
+                                 "seconds": status.get("seconds"), "final": final_metrics(sweep.workdir(run))}))
+    write_atomic(sweep.directory / "sweep.jsonl", "".join(line + "\n" for line in lines))
+    write_json(sweep.directory / "sweep.json", {"sweep_file": str(sweep.path), "metric": sweep.metric,
+                                                "mode": sweep.mode, "runs": [r.name for r in sweep.runs]})
+
+
+def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
+    """Trains one run in a child process, recording its status; returns its exit code."""
+    workdir = sweep.workdir(run)
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_json(workdir / STATUS, {"status": "running", "pid": os.getpid()})
+    start = time.time()
+    with open(workdir / "run.log", "a") as log:
+        child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
+                                 stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
+        code = _wait(child)
+    status = {0: "finished", 143: "interrupted"}.get(code, "failed")
+    record = {"status": status, "exit_code": code, "seconds": round(time.time() - start, 2)}
+    if status == "failed":
+        record["error"] = _last_error(workdir / "run.log")
+    write_json(workdir / STATUS, record)
+    return code
+
+
+_children: list[subprocess.Popen] = []
+
+
+def _wait(child: subprocess.Popen) -> int:
+    _children.append(child)
+    try:
+        return child.wait()
+    finally:
+        _children.remove(child)
+
+
+def _last_error(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or ["no output"])[-1][:1000]
+
+
+def pending_runs(sweep: Sweep, retry_failed: bool) -> list[RunSpec]:
+    """Runs still to do: not finished, and failed ones only with retry_failed."""
+    todo = []
+    for run in sweep.runs:
+        status = read_status(sweep.workdir(run)).get("status")
+        if status == "finished" or (status == "failed" and not retry_failed):
+            continue
+        todo.append(run)
+    return todo
+
+
+def device_envs(parallel: int) -> list[dict]:
+    """One environment per parallel slot, splitting this host's devices between them."""
+    base = dict(os.environ)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else _nvidia_gpus()
+    if gpus and len(gpus) >= parallel:
+        share = len(gpus) // parallel
+        return [dict(base, CUDA_VISIBLE_DEVICES=",".join(gpus[i * share:(i + 1) * share])) for i in range(parallel)]
+    flags = os.environ.get("XLA_FLAGS", "")
+    marker = "--xla_force_host_platform_device_count="
+    if marker in flags:  # simulated CPU devices: give each slot its share
+        count = int(flags.split(marker, 1)[1].split()[0])
+        share = max(count // parallel, 1)
+        rest = " ".join(f for f in flags.split() if not f.startswith(marker))
+        return [dict(base, XLA_FLAGS=f"{rest} {marker}{share}".strip()) for _ in range(parallel)]
+    return [base] * parallel
+
+
+def _nvidia_gpus() -> list[str]:
+    path = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(path.iterdir())))] if path.is_dir() else []
+
+
+def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
+    """Runs what is pending, `parallel` at a time; 0 if every run finished, else 1 (143 if stopped)."""
+    todo = pending_runs(sweep, retry_failed)
+    skipped = len(sweep.runs) - len(todo)
+    print(f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {skipped} already done or failed, {len(todo)} to run "
+          f"({parallel} at a time) in {sweep.directory}", flush=True)
+    stopping = []
+
+    def stop(signum, frame):  # pass the preemption on: each child saves and exits 143
+        stopping.append(signum)
+        for child in list(_children):
+            child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        envs = device_envs(parallel)
+        slots: dict[int, tuple[RunSpec, threading.Thread]] = {}
+        queue = list(todo)
+        while (queue and not stopping) or slots:
+            for slot in range(parallel):
+                if slot not in slots and queue and not stopping:
+                    run = queue.pop(0)
+                    print(f"start {run.name}", flush=True)
+                    thread = threading.Thread(target=run_one, args=(sweep, run, envs[slot]), daemon=True)
+                    thread.start()
+                    slots[slot] = (run, thread)
+            for slot, (run, thread) in list(slots.items()):
+                if not thread.is_alive():
+                    del slots[slot]
+                    print(f"{read_status(sweep.workdir(run)).get('status', '?'):>11} {run.name}", flush=True)
+                    write_index(sweep)
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        write_index(sweep)
+    if stopping:
+        return 143
+    statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]
+    return 0 if all(s == "finished" for s in statuses) else 1

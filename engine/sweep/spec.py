@@ -1,0 +1,171 @@
+"""Config sweeps: a grid, zipped lists and/or a seeded random search over any dotted keys,
+each run a `launch.py` training process in its own workdir under the sweep's directory.
+
+    base: configs/mnist_mlp.yaml         # relative to the sweep file
+    overrides: {train.steps: 300}        # fixed for every run
+    grid: {optimizer.learning_rate: [1e-3, 3e-3], train.global_batch_size: [32, 64]}
+    zip: {optimizer.warmup_steps: [0, 50], optimizer.schedule: [constant, warmup_cosine]}
+    random: {samples: 8, seed: 0, params: {optimizer.learning_rate: {log_uniform: [1e-4, 1e-2]}}}
+    metric: eval/accuracy                # split/name from metrics.jsonl, to rank by
+    mode: max                            # or min
+    directory: runs/my_sweep             # default runs/<sweep file name>
+    slurm: {partition: gpu, time: "01:00:00", cpus_per_task: 4, gres: "gpu:1"}
+
+Runs are the product of the grid's axes, the zip group (one axis) and the random samples.
+Each run's status lives in its workdir (`status.json`); `sweep.jsonl` is the index made from them.
+
+This module reads and checks sweep files; local.py runs them as local processes, slurm.py
+as a SLURM job array.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from engine.config import load_config, read_yaml_mapping
+from engine.errors import UsageError
+
+LAUNCH = Path(__file__).resolve().parent.parent.parent / "launch.py"
+SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm"}
+DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str  # stable, from the overrides that vary, e.g. learning_rate=0.001,global_batch_size=32
+    overrides: dict  # dotted key → value for this run (the varying ones)
+
+
+@dataclass
+class Sweep:
+    path: Path
+    base: Path
+    overrides: dict
+    runs: list[RunSpec]
+    metric: str
+    mode: str
+    directory: Path
+    slurm: dict = field(default_factory=dict)
+
+    def workdir(self, run: RunSpec) -> Path:
+        return self.directory / run.name
+
+    def argv(self, run: RunSpec) -> list[str]:
+        """launch.py arguments that train this run."""
+        values = {**self.overrides, **run.overrides}
+        return ["--config", str(self.base), "--workdir", str(self.workdir(run)), "log.progress=false",
+                *(f"{key}={format_value(value)}" for key, value in values.items())]
+
+
+def format_value(value) -> str:
+    """A value as the YAML an override parses back to the same value."""
+    if isinstance(value, float):
+        return repr(value)
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("...").strip()
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return format_value(value).replace(" ", "").replace("/", "_")
+
+
+def _run_names(combos: list[dict]) -> list[str]:
+    keys = list(combos[0]) if combos else []
+    tails = [key.rsplit(".", 1)[-1] for key in keys]
+    labels = [tail if tails.count(tail) == 1 else key for key, tail in zip(keys, tails)]
+    names = [",".join(f"{label}={_short(combo[key])}" for key, label in zip(keys, labels)) or "run"
+             for combo in combos]
+    if len(set(names)) != len(names):  # e.g. random draws that print alike: number them
+        names = [f"{i:03d}_{name}" for i, name in enumerate(names)]
+    return names
+
+
+def _sample(spec: dict, rng: np.random.Generator):
+    """One draw from a validated distribution spec such as {log_uniform: [1e-4, 1e-2]}."""
+    ((kind, args),) = spec.items()
+    if kind == "choice":
+        return args[int(rng.integers(len(args)))]
+    lo, hi = args
+    if kind == "log_uniform":
+        return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    if kind == "uniform":
+        return float(rng.uniform(lo, hi))
+    return int(rng.integers(lo, hi + 1))  # int_uniform, both ends included
+
+
+def _check_random(random: dict, where: str) -> None:
+    if not isinstance(random, dict) or not isinstance(random.get("params"), dict):
+        raise UsageError(f"{where}: random needs 'samples' (a count), 'params' (key: distribution) and optionally "
+                         "'seed'")
+    if not isinstance(random.get("samples"), int) or random["samples"] < 1:
+        raise UsageError(f"{where}: random.samples must be a positive integer")
+    for key, spec in random["params"].items():
+        ok = isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in DISTRIBUTIONS
+        args = next(iter(spec.values())) if ok else None
+        if not ok or not isinstance(args, list) or (next(iter(spec)) != "choice" and len(args) != 2):
+            raise UsageError(f"{where}: random.params.{key} must be one of {{log_uniform: [lo, hi]}}, "
+                             "{uniform: [lo, hi]}, {int_uniform: [lo, hi]} or {choice: [a, b, ...]}")
+        if next(iter(spec)) == "log_uniform" and min(args) <= 0:
+            raise UsageError(f"{where}: random.params.{key}: log_uniform bounds must be positive")
+
+
+def load_sweep(path: str | os.PathLike) -> Sweep:
+    path = Path(path).absolute()
+    if not path.is_file():
+        raise UsageError(f"sweep file {path} does not exist")
+    spec = read_yaml_mapping(path, "sweep file")
+    unknown = set(spec) - SWEEP_KEYS
+    if unknown:
+        raise UsageError(f"sweep file {path}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(SWEEP_KEYS)}")
+    if "base" not in spec:
+        raise UsageError(f"sweep file {path} needs 'base: <config file>'")
+    base = (path.parent / spec["base"]).resolve()
+    overrides = spec.get("overrides") or {}
+    if isinstance(overrides, list):  # also accept ["a.b=1", ...]
+        overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in overrides)}
+    grid, zipped = spec.get("grid") or {}, spec.get("zip") or {}
+    for section, axes in (("grid", grid), ("zip", zipped)):
+        if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
+            raise UsageError(f"sweep file {path}: {section} must map dotted keys to non-empty lists of values")
+    if len({len(v) for v in zipped.values()}) > 1:
+        raise UsageError(f"sweep file {path}: the zip lists must have equal lengths, got "
+                         + ", ".join(f"{k}: {len(v)}" for k, v in zipped.items()))
+    axes = [[{key: value} for value in values] for key, values in grid.items()]
+    if zipped:
+        axes.append([dict(zip(zipped, row)) for row in zip(*zipped.values())])
+    random = spec.get("random")
+    if random is not None:
+        _check_random(random, f"sweep file {path}")
+        rng = np.random.default_rng(random.get("seed", 0))
+        samples = [{key: _sample(dist, rng) for key, dist in random["params"].items()}
+                   for _ in range(random["samples"])]
+        axes.append(samples)
+    combos = [{k: v for part in parts for k, v in part.items()} for parts in itertools.product(*axes)]
+    mode = spec.get("mode", "min")
+    if mode not in ("min", "max"):
+        raise UsageError(f"sweep file {path}: mode={mode!r} must be min or max")
+    metric = spec.get("metric", "eval/loss")
+    if not isinstance(metric, str) or metric.count("/") != 1:
+        raise UsageError(f"sweep file {path}: metric={metric!r} must be split/name, e.g. eval/accuracy")
+    directory = Path(spec.get("directory") or Path("runs") / path.stem)
+    if not directory.is_absolute():
+        directory = Path.cwd() / directory
+    runs = [RunSpec(name, combo) for name, combo in zip(_run_names(combos), combos)]
+    return Sweep(path, base, overrides, runs, metric, mode, directory, spec.get("slurm") or {})
+
+
+def validate_runs(sweep: Sweep) -> None:
+    """Loads every run's config before any run starts; the first bad one stops the sweep."""
+    for run in sweep.runs:
+        args = sweep.argv(run)
+        try:
+            load_config(sweep.base, args[4:], args[3])
+        except UsageError as e:
+            raise UsageError(f"run '{run.name}': {e}") from None
