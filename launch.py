@@ -2,7 +2,9 @@
 
   python launch.py --config FILE [--workdir DIR] [--dry-run] [dotted.key=value ...]   train
   python launch.py eval --config FILE --workdir DIR [--watch]                        evaluate checkpoints
-  python launch.py export --workdir DIR --out PATH                                   export for inference
+  python launch.py export --workdir DIR --out PATH [--format hf]                     export for inference
+  python launch.py import-hf HF_DIR --workdir DIR                                    Hugging Face weights in
+  python launch.py sample --workdir DIR --prompt TEXT                                generate text
 
 Exit codes: 0 done; 2 bad config or usage; 143 preempted by SIGTERM after saving (re-run to
 resume); 1 a failed run.
@@ -16,7 +18,7 @@ import time
 
 STARTED = time.time()  # goodput and time to first step count from here
 
-COMMANDS = ("train", "eval", "export", "sweep", "report")
+COMMANDS = ("train", "eval", "export", "sweep", "report", "import-hf", "sample")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,10 +57,32 @@ def _parser(command: str) -> argparse.ArgumentParser:
                                                               "function (jax.export StableHLO) for inference.")
         parser.add_argument("--workdir", required=True, help="the training run's directory")
         parser.add_argument("--out", required=True, help="a new directory to write the export into")
+        parser.add_argument("--format", choices=("jax", "hf"), default="jax",
+                            help="jax: variables + jax.export StableHLO (default); hf: a Hugging Face model "
+                                 "directory (config.json + safetensors) for model families that have one")
+        return parser
+    if command == "import-hf":
+        parser = _Parser(prog="launch.py import-hf", description="Import a Hugging Face model directory "
+                         "(config.json + *.safetensors) as a run at step 0: re-run on the workdir to fine-tune, "
+                         "or start other runs from it with checkpoint.restore_from=WORKDIR/checkpoints.")
+        parser.add_argument("hf_dir", help="a local Hugging Face model directory (no download)")
+        parser.add_argument("--workdir", required=True, help="a new run directory to write")
+        parser.add_argument("--config", help="config file for everything but the model (default configs/base.yaml)")
+        parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (data, mesh, ...)")
+        return parser
+    if command == "sample":
+        parser = _Parser(prog="launch.py sample", description="Generate text from a run's newest checkpoint "
+                                                              "(key/value cache; greedy at temperature 0).")
+        parser.add_argument("--workdir", required=True, help="the training run's directory")
+        parser.add_argument("--prompt", required=True, help="the text to continue")
+        parser.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
+        parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+        parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+        parser.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
         return parser
     parser = _Parser(
         prog="launch.py" if command == "train" else f"launch.py {command}",
-        description="Train a model from a config file (subcommands: eval, export, sweep, report). Overrides are "
+        description="Train a model from a config file (subcommands: eval, export, sweep, report, import-hf, sample). Overrides are "
                     "dotted.key=value pairs, e.g. train.steps=500 optimizer.learning_rate=3e-4 mesh.fsdp=8 "
                     "model.hidden_sizes=[256,128]; values are parsed as YAML. Re-running on a workdir with "
                     "checkpoints resumes from the newest one.",
@@ -122,9 +146,22 @@ def main(argv: list[str]) -> int:
             report(args.paths, args.metric, args.mode, args.out)
             return 0
         if command == "export":
-            from engine.export import export_run
+            if args.format == "hf":
+                from engine.hf import export_hf as export_run
+            else:
+                from engine.export import export_run
 
             print(f"exported to {export_run(args.workdir, args.out)}")
+            return 0
+        if command == "import-hf":
+            from engine.hf import import_hf
+
+            print(f"imported {args.hf_dir} into {import_hf(args.hf_dir, args.workdir, args.config, args.overrides)}")
+            return 0
+        if command == "sample":
+            from engine.generate import sample
+
+            print(sample(args.workdir, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed))
             return 0
         import jax
 

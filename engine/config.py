@@ -89,7 +89,9 @@ class MeshConfig:
             "embed": ["fsdp"],
             "mlp": ["tensor", "fsdp"],
             "heads": ["tensor", "fsdp"],
+            "kv_heads": ["tensor"],  # grouped-query K/V heads: replicated where tensor does not divide them
             "kv": [],
+            "layers": [],  # the stacked-layer axis of scanned models
             "vocab": ["tensor", "fsdp"],
             "conv_in": ["fsdp"],
             "conv_out": ["tensor"],

@@ -13,6 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 
 from engine.step import make_loss_fn, make_train_step, unpack_metrics
 
@@ -136,14 +137,20 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
 
 def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float]:
     """FLOPs of one whole train step with the family's reference work settings and no
-    gradient accumulation, from the lowered (not compiled) program; None if not analysable."""
+    gradient accumulation, from the lowered (not compiled) program; None if not analysable.
+    The reference model's parameters may be laid out differently (unscanned layers): its
+    state's shapes come from its own init."""
     model_cfg = dataclasses.replace(cfg.model, **family.work_settings)
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
     step = make_train_step(make_loss_fn(module, family.task, family.hparams), tx, cfg.optimizer.schedule)
     batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
              for name, a in dataset.train.items()}
-    unsharded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
-    return lowered_flops(jax.jit(step).lower(unsharded, batch))
+    variables = jax.eval_shape(lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info),
+                                                         train=False)))
+    params = variables.pop("params")
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
+    state = state.replace(params=params, model_state=variables, opt_state=jax.eval_shape(tx.init, params))
+    return lowered_flops(jax.jit(step).lower(state, batch))
 
 
 @dataclass

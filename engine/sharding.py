@@ -20,6 +20,9 @@ from engine.errors import UsageError
 
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 STRICT_AXES = ("tensor",)  # axes that must divide the dimensions they are asked to shard
+# ... except for these logical axes: fewer grouped-query K/V heads than tensor devices are
+# replicated, as Megatron does, while the query heads stay split
+LENIENT_LOGICAL = ("kv_heads",)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def resolve_spec(name: str, shape: tuple[int, ...], logical: tuple[Optional[str]
             if mesh_axis in used or size == 1:
                 continue
             if dim % size:
-                if mesh_axis in STRICT_AXES:
+                if mesh_axis in STRICT_AXES and axis_name not in LENIENT_LOGICAL:
                     raise UsageError(
                         f"parameter {name} {tuple(shape)}: its '{axis_name}' dimension of {dim} is not divisible by "
                         f"mesh.{mesh_axis}={size}; choose a mesh.{mesh_axis} that divides {dim}, or change the model size")
@@ -94,7 +97,8 @@ def tree_shardings(abstract_boxed, param_layouts: list[ParamLayout], mesh: Mesh)
     return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), abstract_boxed, is_leaf=_is_box)
 
 
-ACTIVATION_AXES = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}  # Megatron: split where weights are
+# Megatron: split where weights are
+ACTIVATION_AXES = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 
 
 def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], mesh: Mesh) -> PartitionSpec:

@@ -6,7 +6,7 @@ know of it (task, FLOPs, settings, hyperparameters); see README "Adding a model"
 """
 from __future__ import annotations
 
-from models import cnn, mlp, resnet, transformer
+from models import cnn, llama, mlp, resnet, transformer
 from models.family import Classification, ModelError, ModelFamily, NextToken
 from models.layers import constrained_activations
 
@@ -15,6 +15,7 @@ REGISTRY: dict[str, ModelFamily] = {
     "cnn": cnn.FAMILY,
     "resnet": resnet.FAMILY,
     "transformer": transformer.FAMILY,
+    "llama": llama.FAMILY,
 }
 
 __all__ = ["REGISTRY", "ModelFamily", "ModelError", "Classification", "NextToken", "constrained_activations"]

@@ -90,3 +90,9 @@ class ModelFamily:
     # shape-independent config fields the compiled step takes as float32 inputs and passes
     # to the module call by name (runs that differ only in them share one compiled program)
     hparams: tuple[str, ...] = ()
+    # (cfg, DataInfo, params, prompt token ids, max_tokens, temperature, top_p, seed, dtype) →
+    # generated token ids, with a key/value cache (None: the family does not generate)
+    generate: Optional[Callable] = None
+    # Hugging Face interop: a module with ARCHITECTURES, config_from_hf, config_to_hf and
+    # tensors (see models/llama_hf.py); None: no Hugging Face layout
+    hf: Any = None

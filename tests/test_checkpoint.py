@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from engine.checkpoint import Checkpointer
+from engine.rundir import read_records
 from engine.errors import UsageError
 from engine.setup import build_run
 from engine.trainer import fit
@@ -23,7 +24,7 @@ RUN = ["train.steps=120", "checkpoint.every_steps=10", "checkpoint.keep=20", "lo
 
 
 def losses(workdir):
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(workdir / "metrics.jsonl")  # a line still being written is not read
     return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
 
 

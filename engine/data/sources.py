@@ -25,6 +25,7 @@ class DataInfo:
     num_classes: int = 0
     vocab_size: int = 0
     seq_len: int = 0  # tokens the model sees per example
+    text_codec: str = ""  # how token ids map to text: "bytes" (ids are UTF-8 bytes); "" = not text
 
 
 @dataclass(frozen=True)
@@ -197,14 +198,15 @@ def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
                                                                          tokens.strides[0]), writeable=False)
 
 
-def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str) -> Dataset:
+def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str, text_codec: str = "") -> Dataset:
     n_eval = int(len(tokens) * cfg.eval_fraction)
     train_tokens, eval_tokens = tokens[:len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
     train, evals = _windows(train_tokens, cfg.seq_len), _windows(eval_tokens, cfg.seq_len)
     if len(train) == 0 or len(evals) == 0:
         raise UsageError(f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
                          f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len")
-    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len)
+    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len,
+                    text_codec=text_codec)
     return Dataset({"tokens": train}, {"tokens": evals}, info)
 
 
@@ -220,7 +222,7 @@ def text(cfg) -> Dataset:
         tokens = np.concatenate([np.fromfile(p, dtype=np.uint8) for p in files])
     else:
         raise UsageError(f"data.path={path} does not exist; expected a text file or a directory of them")
-    return _token_dataset(tokens, cfg, 256, f"data.path={path}")
+    return _token_dataset(tokens, cfg, 256, f"data.path={path}", text_codec="bytes")
 
 
 def python_source(cfg) -> Dataset:
@@ -235,7 +237,8 @@ def python_source(cfg) -> Dataset:
         size += len(data)
         if size >= cfg.max_bytes:
             break
-    return _token_dataset(np.concatenate(chunks)[:cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}")
+    return _token_dataset(np.concatenate(chunks)[:cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}",
+                          text_codec="bytes")
 
 
 def synthetic_text(cfg) -> Dataset:

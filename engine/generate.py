@@ -1,0 +1,46 @@
+"""`launch.py sample --workdir DIR --prompt TEXT`: text from the newest checkpoint of a run,
+by the model family's generator (a key/value cache, jitted). Token ids become text by the
+run's data: byte-level text sources decode UTF-8 bytes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from engine.checkpoint import Checkpointer
+from engine.config import load_config
+from engine.errors import UsageError
+from engine.setup import build_run
+
+SINGLE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit",
+                 "log.progress=false"]
+
+
+def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_p: float = 0.95,
+           seed: int = 0) -> str:
+    """The text generated after `prompt` (the prompt itself not included)."""
+    work = Path(workdir)
+    if not (work / "config.yaml").is_file():
+        raise UsageError(f"{work} has no config.yaml; --workdir must be a training run's directory")
+    if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise UsageError(f"--max-tokens {max_tokens} must be >= 1, --temperature {temperature} >= 0 and --top-p "
+                         f"{top_p} in (0, 1]")
+    cfg = load_config(work / "config.yaml", SINGLE_DEVICE, str(work))
+    run = build_run(cfg, compile_train=False)
+    family, info = run.model.family, run.dataset.info
+    if family.generate is None:
+        raise UsageError(f"model.name={cfg.model.name} does not generate text; train a language model such as "
+                         f"model.name=llama")
+    if info.text_codec != "bytes":
+        raise UsageError(f"data.name={cfg.data.name} gives token ids with no text decoding; sample from a run "
+                         f"trained on text (data.name=text or python_source)")
+    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, read_only=True)
+    try:
+        restored = checkpointer.restore(run.abstract_state)
+    finally:
+        checkpointer.close()
+    if restored is None:
+        raise UsageError(f"{work}/checkpoints holds no complete checkpoint to sample from")
+    tokens = family.generate(cfg.model, info, restored.state.params, list(prompt.encode("utf-8")), max_tokens,
+                             temperature, top_p, seed, jnp.dtype(cfg.train.compute_dtype))
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")

@@ -1,0 +1,203 @@
+"""Hugging Face checkpoints in and out, offline, for model families that declare the layout
+(`ModelFamily.hf`): a directory of `config.json` + `*.safetensors` (one file, or shards
+with `model.safetensors.index.json`).
+
+`launch.py import-hf HF_DIR --workdir DIR` writes DIR/config.yaml (the model section from
+config.json) and a checkpoint at step 0 in DIR/checkpoints: re-running on DIR fine-tunes,
+and other runs can start from it with checkpoint.restore_from=DIR/checkpoints. Tensors are
+read lazily, one at a time (one layer's at a time for stacked layers), and each is placed
+straight into its parameter's sharding, so a model larger than one device's memory imports
+under FSDP. `launch.py export --workdir DIR --format hf --out PATH` writes the layout that
+`transformers.AutoModelForCausalLM.from_pretrained(PATH)` loads.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from engine import sharding
+from engine.checkpoint import Checkpointer
+from engine.config import load_config, save_config, to_yaml
+from engine.errors import UsageError
+from engine.rundir import write_atomic
+from engine.setup import build_run
+from models import REGISTRY
+
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 2 * 1024**3  # largest safetensors file written by export
+
+
+def _family_for(architecture: str):
+    for name, family in REGISTRY.items():
+        if family.hf is not None and architecture in family.hf.ARCHITECTURES:
+            return name, family
+    supported = sorted(a for f in REGISTRY.values() if f.hf is not None for a in f.hf.ARCHITECTURES)
+    raise UsageError(f"config.json architectures={architecture!r} is not supported; supported: {', '.join(supported)}")
+
+
+def _tensor_files(hf_dir: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file that holds it."""
+    index = hf_dir / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{hf_dir} holds no *.safetensors files (and no {INDEX})")
+    found = {}
+    for file in files:
+        with safe_open(file, framework="numpy") as f:
+            found.update({name: file for name in f.keys()})
+    return found
+
+
+class _Reader:
+    """Reads one tensor at a time, keeping the file open between reads of the same file."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files, self.path, self.handle = files, None, None
+
+    def __call__(self, name: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise UsageError(f"the checkpoint has no tensor {name!r}; is it the architecture config.json names?")
+        if self.files[name] != self.path:
+            self.path = self.files[name]
+            self.handle = safe_open(self.path, framework="numpy")
+        return self.handle.get_tensor(name)
+
+
+def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: list[str] = ()) -> Path:
+    """Writes workdir/config.yaml and a step-0 checkpoint of the Hugging Face model in hf_dir."""
+    hf_path, work = Path(hf_dir), Path(workdir)
+    if not (hf_path / "config.json").is_file():
+        raise UsageError(f"{hf_path} has no config.json; give a Hugging Face model directory")
+    if (work / "checkpoints").exists():
+        raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
+    hf_config = json.loads((hf_path / "config.json").read_text())
+    name, family = _family_for((hf_config.get("architectures") or ["?"])[0])
+    try:
+        model = family.hf.config_from_hf(hf_config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    from engine.config import CONFIG_DIR
+
+    model_overrides = [f"model.{key}={json.dumps(value)}" for key, value in model.items()]
+    cfg = load_config(config or CONFIG_DIR / "base.yaml", [*model_overrides, *overrides], str(work))
+    run = build_run(cfg, compile_train=False)
+    read = _Reader(_tensor_files(hf_path))
+    params = run.abstract_state.params
+    for tensor in family.hf.tensors(cfg.model):
+        target = _get(params, tensor.path)
+        params = _set(params, tensor.path, _place(tensor, target, read))
+    missing = [sharding.path_name(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if missing:
+        raise RuntimeError(f"the Hugging Face mapping of model.name={name} leaves {missing} unset")
+    state = run.init_state().replace(params=params)  # a fresh optimizer state beside the imported weights
+    work.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, work / "config.yaml")
+    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep)
+    try:
+        checkpointer.save(0, state, {"step": 0, "data": {"next_step": 0, "seed": cfg.seed}, "config": to_yaml(cfg),
+                                     "imported_from": str(hf_path.absolute())})
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+    return work
+
+
+def _place(tensor, target: jax.ShapeDtypeStruct, read) -> jax.Array:
+    """One parameter from its Hugging Face tensor(s), in `target`'s shape, dtype and sharding."""
+    stacked = tensor.stacked
+    layer_shape = target.shape[1:] if stacked else target.shape
+    spec = target.sharding.spec
+    layer_sharding = NamedSharding(target.sharding.mesh, PartitionSpec(*spec[1:]) if stacked else spec)
+    layers = []
+    for name in tensor.names:
+        value = tensor.to_ours(read(name))
+        if tuple(value.shape) != tuple(layer_shape):
+            raise UsageError(f"tensor {name} has shape {tuple(value.shape)} in our layout, but the model built from "
+                             f"config.json expects {tuple(layer_shape)}")
+        layers.append(jax.device_put(value.astype(target.dtype), layer_sharding))  # one tensor on the host at a time
+    if not stacked:
+        return layers[0]
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=target.sharding)(*layers)
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree, path, value):
+    if not path:
+        return value
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+
+
+def export_hf(workdir: str, out: str) -> Path:
+    """The newest checkpoint of the run in workdir, as a Hugging Face model directory."""
+    work, out_path = Path(workdir), Path(out).absolute()
+    if not (work / "config.yaml").is_file():
+        raise UsageError(f"{work} has no config.yaml; --workdir must be a training run's directory")
+    if out_path.exists() and any(out_path.iterdir()):
+        raise UsageError(f"--out {out_path} exists and is not empty; choose a new directory")
+    single = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit",
+              "log.progress=false"]
+    cfg = load_config(work / "config.yaml", single, str(work))
+    family = REGISTRY[cfg.model.name]
+    if family.hf is None:
+        raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
+    run = build_run(cfg, compile_train=False)
+    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, read_only=True)
+    try:
+        restored = checkpointer.restore(run.abstract_state)
+    finally:
+        checkpointer.close()
+    if restored is None:
+        raise UsageError(f"{work}/checkpoints holds no complete checkpoint to export")
+    tensors = {}
+    for tensor in family.hf.tensors(cfg.model):
+        value = np.asarray(jax.device_get(_get(restored.state.params, tensor.path)))
+        layers = value if tensor.stacked else [value]
+        tensors.update({name: tensor.to_hf(np.asarray(layer)) for name, layer in zip(tensor.names, layers)})
+    out_path.mkdir(parents=True, exist_ok=True)
+    _write_safetensors(tensors, out_path)
+    hf_config = family.hf.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
+    write_atomic(out_path / "config.json", json.dumps(hf_config, indent=2) + "\n")
+    return out_path
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:
+    """One model.safetensors, or shards of at most SHARD_BYTES with an index (transformers' layout)."""
+    from safetensors.numpy import save_file
+
+    shards, current, size = [], {}, 0
+    for name, value in tensors.items():
+        if current and size + value.nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = value
+        size += value.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(v.nbytes for v in tensors.values())
+    write_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+

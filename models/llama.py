@@ -1,0 +1,309 @@
+"""A decoder-only language model of the Llama-3 / Qwen / Mistral shape: RMSNorm, rotary
+position embeddings (with Llama-3's long-context frequency scaling), grouped-query
+attention, a SwiGLU MLP, no biases, tied or untied embeddings, optional QK-norm.
+
+Layers run under `nn.scan` by default (`scan_layers`): one layer is traced and compiled, its
+parameters stacked on a leading `layers` axis, so compile time stays flat in depth. The
+parameter names and layouts follow Hugging Face's `LlamaForCausalLM` closely enough that
+models/hf.py maps one onto the other tensor by tensor (RoPE rotates the two halves of each
+head, as Hugging Face's checkpoints expect).
+
+`decode=True` runs with a key/value cache (the `cache` collection): a prompt fills it, then
+each call appends one position (see models/sampling.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import llama_hf, sampling
+from models.family import ModelError, ModelFamily, NextToken
+from models.layers import LMHead, constrain, fused_cross_entropy, param_init
+from models.transformer import REMAT_POLICIES
+
+
+@dataclass
+class LlamaConfig:
+    name: str = "llama"
+    num_layers: int = 4
+    d_model: int = 256  # width of the residual stream (hidden_size)
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention; 0 = num_heads); divides num_heads
+    head_dim: int = 0  # width of one head (0 = d_model / num_heads)
+    mlp_dim: int = 688  # hidden width of the SwiGLU MLP (intermediate_size)
+    vocab_size: int = 0  # output classes (0 = the data's vocabulary); >= every token id
+    rope_theta: float = 500000.0  # base of the rotary frequencies
+    rope_scaling_factor: float = 0.0  # Llama-3 long-context scaling of the frequencies (0 = off; 8 for 3.1)
+    rope_low_freq_factor: float = 1.0  # Llama-3 scaling: wavelengths above original_len / this are divided
+    rope_high_freq_factor: float = 4.0  # Llama-3 scaling: wavelengths below original_len / this are kept
+    rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the model was trained at
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # the output projection is the input embedding, transposed
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, OLMo-2)
+    scan_layers: bool = True  # layers under nn.scan: one compiled layer, parameters stacked on `layers`
+    remat: str = "none"  # none | full | dots: activation rematerialisation per layer
+    attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
+    loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
+
+    def validate(self):
+        if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
+            raise ModelError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
+        if self.num_kv_heads < 0 or self.head_dim < 0 or self.vocab_size < 0:
+            raise ModelError("model.num_kv_heads, head_dim and vocab_size must be 0 (automatic) or positive")
+        if self.num_heads % self.kv_heads:
+            raise ModelError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
+                             f"{self.num_heads}; grouped-query attention shares each key/value head among an "
+                             f"equal number of query heads")
+        if not self.head_dim and self.d_model % self.num_heads:
+            raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
+                             f"set model.head_dim or change one of them")
+        if self.head_width % 2:
+            raise ModelError(f"the head width {self.head_width} must be even for rotary embeddings")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.rope_scaling_factor < 0:
+            raise ModelError("model.rope_theta and model.norm_eps must be positive, rope_scaling_factor >= 0")
+        if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ModelError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ModelError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
+        if self.remat not in REMAT_POLICIES:
+            raise ModelError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if self.loss_chunk < 0:
+            raise ModelError(f"model.loss_chunk={self.loss_chunk} must be 0 (whole sequence) or positive")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+def rope_frequencies(cfg: LlamaConfig) -> jnp.ndarray:
+    """Inverse frequencies [head_width / 2] of the rotary embedding, Llama-3 scaled if asked."""
+    width = cfg.head_width
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, width, 2, dtype=jnp.float32) / width))
+    if not cfg.rope_scaling_factor:
+        return inv_freq
+    factor, original = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original / cfg.rope_low_freq_factor
+    high_freq_wavelen = original / cfg.rope_high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)  # long wavelengths: slower
+    smooth = (original / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [batch, seq, heads, width] rotated by positions [batch, seq]: the first and second
+    halves of each head are the two coordinates of each rotated pair (Hugging Face's layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, seq, width / 2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", param_init(nn.initializers.ones_init(), (self.axis_name,)), (x.shape[-1],),
+                           self.param_dtype)
+        x32 = x.astype(jnp.float32)  # the statistics in float32, as Hugging Face computes them
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+def _kernel(axes):
+    return param_init(nn.initializers.normal(0.02), axes)
+
+
+class Attention(nn.Module):
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    implementation: str
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, positions):
+        cfg, width = self.cfg, self.cfg.head_width
+        dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
+        q = nn.DenseGeneral((cfg.num_heads, width), kernel_init=_kernel(("embed", "heads", "kv")), name="query",
+                            **dense)(x)  # [batch, seq, heads, kv]
+        k, v = (nn.DenseGeneral((cfg.kv_heads, width), kernel_init=_kernel(("embed", "kv_heads", "kv")), name=name,
+                                **dense)(x) for name in ("key", "value"))  # [batch, seq, kv_heads, kv]
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="query_norm")(q)
+            k = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="key_norm")(k)
+        inv_freq = rope_frequencies(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = constrain(q, ("batch", "seq", "heads", "kv"))
+        k, v = (constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v))
+        if self.decode:
+            k, v, mask = self._cached(k, v, positions)
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        else:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        y = constrain(y, ("batch", "seq", "heads", "kv"))
+        return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), kernel_init=_kernel(("heads", "kv", "embed")),
+                               name="out", **dense)(y)
+
+    def _cached(self, k, v, positions):
+        """Writes this call's keys and values into the cache at `positions` (contiguous from
+        the cache's fill level) → (all cached keys, values, mask [batch, 1, new, max_len])."""
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # sized by the first call
+        cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        if self.is_initializing():
+            return k, v, jnp.ones((k.shape[0], 1, k.shape[1], k.shape[1]), bool)
+        start = positions[0, 0]
+        cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
+        cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
+        key_positions = jnp.arange(cached_k.value.shape[1])
+        mask = key_positions[None, None, None, :] <= positions[:, None, :, None]  # causal, and only what is filled
+        return cached_k.value, cached_v.value, mask
+
+
+class Block(nn.Module):
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    implementation: str
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, positions):
+        cfg = self.cfg
+        y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
+        x = constrain(x + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode,
+                                    name="attn")(y, positions), ("batch", "seq", None))
+        y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
+        dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
+        gate = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="gate", **dense)(y)
+        up = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="up", **dense)(y)
+        y = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))  # SwiGLU: [batch, seq, mlp]
+        y = nn.Dense(x.shape[-1], kernel_init=_kernel(("mlp", "embed")), name="down", **dense)(y)
+        return constrain(x + y, ("batch", "seq", None))
+
+
+class ScannedBlock(nn.Module):
+    """A Block in the (carry, input) → (carry, output) form nn.scan runs."""
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    implementation: str
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, positions):
+        block = Block
+        if self.cfg.remat != "none":
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.cfg.remat])
+        return block(self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode, name="block")(
+            x, positions), None
+
+
+class Llama(nn.Module):
+    cfg: LlamaConfig
+    vocab_size: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation
+    decode: bool = False  # use and fill the key/value cache (generation)
+
+    @nn.compact
+    def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None):
+        """tokens [batch, seq] int32 → logits [batch, seq, vocab] (compute dtype); with targets:
+        (per-token float32 cross-entropy, argmax == target). positions [batch, seq] default to
+        0, 1, …; with decode they must continue from the cache's fill level."""
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        embed = nn.Embed(self.vocab_size, cfg.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
+                         embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
+        x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
+        if cfg.scan_layers:
+            layers = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                             in_axes=(nn.broadcast,), length=cfg.num_layers,
+                             metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name="layers")(
+                x, positions)
+        else:
+            block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
+            for i in range(cfg.num_layers):
+                x = block(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name=f"layer_{i}")(
+                    x, positions)
+        x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
+        if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
+            head = _TiedHead(embed, self.dtype)
+        else:
+            head = LMHead(cfg.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
+        return head(x) if targets is None else head.loss(x, targets, cfg.loss_chunk)
+
+
+class _TiedHead:
+    """LMHead's interface over the input embedding's table."""
+
+    def __init__(self, embed: nn.Embed, dtype):
+        self.embed, self.dtype = embed, dtype
+
+    def __call__(self, x):
+        return self.embed.attend(x.astype(self.dtype))
+
+    def loss(self, x, targets, chunk: int = 0):
+        chunk = 0 if chunk >= targets.shape[1] else chunk
+        return fused_cross_entropy(x, self.embed.embedding.T, targets, jnp.dtype(self.dtype), chunk)
+
+
+def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, decode: bool = False) -> nn.Module:
+    attention = cfg.attention
+    if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
+        low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
+    if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
+        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
+                         f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once")
+    vocab = cfg.vocab_size or info.vocab_size
+    if vocab < info.vocab_size:
+        raise ModelError(f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
+                         f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0")
+    return Llama(cfg, vocab, dtype, param_dtype, attention, decode)
+
+
+def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
+    """Training FLOPs of one sequence: 6·N per token over the parameters used in matmuls (the
+    input embedding is a lookup, unless tied to the output) plus causal attention's
+    6·L·(heads·head_width)·T per token (QKᵀ and AV, forward and backward, the masked half not counted)."""
+    vocab = cfg.vocab_size or info.vocab_size
+    matmul_params = num_params - (0 if cfg.tie_embeddings else vocab * cfg.d_model)
+    tokens = info.seq_len
+    return (6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_width * tokens) * tokens
+
+
+def generate(cfg: LlamaConfig, info, params, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
+             seed: int, dtype) -> list[int]:
+    """New token ids after `prompt`, with a key/value cache (models/sampling.py)."""
+    param_dtype = jax.tree.leaves(params)[0].dtype
+    return sampling.generate(build(cfg, info, dtype, param_dtype, decode=True), params, prompt, max_tokens,
+                             temperature, top_p, seed)
+
+
+FAMILY = ModelFamily(
+    LlamaConfig, build, NextToken(), flops_per_example=flops_per_example,
+    flops_formula="6*N_matmul*tokens + 6*layers*heads*head_dim*seq_len*tokens (causal)",
+    # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
+    # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
+    work_settings={"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"},
+    generate=generate, hf=llama_hf,
+)

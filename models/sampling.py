@@ -1,0 +1,62 @@
+"""Text generation with a key/value cache: a jitted prefill of the prompt, then one jitted
+step per new token. Greedy at temperature 0; otherwise temperature and nucleus (top-p)
+sampling, with the key of token i drawn from fold_in(key(seed), i): deterministic for a seed.
+
+Works with any module that takes `decode=True`-style caching through the `cache`
+collection and `positions=` (models/llama.py)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def next_token(logits, key, temperature: float, top_p: float):
+    """logits [batch, vocab] (float32) → token ids [batch]."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
+        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the tokens ranked above
+        drop_sorted = before >= top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(module, params, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0) -> list[int]:
+    """`max_tokens` new token ids after `prompt`; `module` is built with its cache on (decode)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (a character of text)")
+    total = len(prompt) + max_tokens
+    tokens = jnp.asarray([prompt], jnp.int32)  # [1, prompt]
+    shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, total), jnp.int32), train=False))
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    base_key = jax.random.key(seed)
+
+    @jax.jit
+    def step(params, cache, tokens, start, index):
+        positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        logits, updated = module.apply({"params": params, "cache": cache}, tokens, train=False, positions=positions,
+                                       mutable=["cache"])
+        token = next_token(logits[:, -1].astype(jnp.float32), jax.random.fold_in(base_key, index), temperature, top_p)
+        return token, updated["cache"]
+
+    token, cache = step(params, cache, tokens, jnp.int32(0), jnp.int32(0))  # prefill: the whole prompt at once
+    out = [int(token[0])]
+    for i in range(1, max_tokens):
+        token, cache = step(params, cache, token[:, None], jnp.int32(len(prompt) + i - 1), jnp.int32(i))
+        out.append(int(token[0]))
+    return out
+
+
+def greedy_without_cache(module, params, prompt: list[int], max_tokens: int) -> list[int]:
+    """The reference: the whole sequence through the model again for every new token (argmax)."""
+    sequence = list(prompt)
+    for _ in range(max_tokens):
+        logits = module.apply({"params": params}, jnp.asarray([sequence], jnp.int32), train=False)
+        sequence.append(int(np.argmax(np.asarray(logits[0, -1], np.float32))))
+    return sequence[len(prompt):]
