@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -40,6 +41,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
                  timeout_seconds: int = 600, staging: str = "host"):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         self.staging = staging
         if staging == "device" and jax.process_count() > 1 and not distributed_client_barriers_on():
             raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
@@ -130,7 +132,7 @@ class Checkpointer:
         steps = [step] if step is not None else list(reversed(self.steps()))
         if not steps:
             return None
-        failures = []
+        failures, damaged = [], {}
         for candidate in steps:
             try:
                 self._check_compatible(candidate, abstract_state)
@@ -141,17 +143,35 @@ class Checkpointer:
             except Exception as e:  # any read failure makes this step unusable: try the one before
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
                 failures.append(f"step {candidate}: {reason}")
+                damaged[candidate] = reason
                 if step is None:
                     print(f"warning: checkpoint {self.directory}/{candidate} is unreadable ({reason}); "
                           f"trying an earlier one", file=sys.stderr)
                 continue
             check_shardings(restored["state"], abstract_state)
+            if step is None and damaged and not self.read_only:
+                self._set_aside(damaged)  # else the run would meet them again when it saves those steps
             return Restored(restored["state"], restored["meta"], candidate)
         if step is not None:
             raise UsageError(f"checkpoint {self.directory}/{step} is unreadable: {failures[0]}")
         raise UsageError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "
                          f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
                          f"good checkpoint")
+
+    def _set_aside(self, damaged: dict[int, str]) -> None:
+        """Moves unreadable steps into checkpoints/damaged/ with the reason beside them (nothing
+        is deleted), so that training saves those steps again normally."""
+        if jax.process_index() == 0:
+            aside = self.directory / "damaged"
+            aside.mkdir(exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for step, reason in damaged.items():
+                target = aside / f"{step}-{stamp}"
+                (self.directory / str(step)).rename(target)
+                (aside / f"{step}-{stamp}.reason.txt").write_text(reason + "\n")
+                print(f"warning: moved the unreadable checkpoint {self.directory}/{step} to {target}; "
+                      f"training will save step {step} again", file=sys.stderr)
+        self.manager.reload()
 
     def restore_params(self, abstract_params):
         """Only the parameters of the newest checkpoint, into the shardings of `abstract_params`."""

@@ -32,7 +32,9 @@ def dry_run_report(run: Run) -> str:
     lines = [f"mesh: {dict(run.mesh.shape)} over {run.mesh.size} {jax.devices()[0].platform} device(s); "
              f"backend={cfg.mesh.backend}"]
     header = ("parameter", "shape", "logical axes", "PartitionSpec", "bytes")
-    rows = [(p.path, str(p.shape), str(tuple(p.logical)) if p.logical else "-", str(tuple(p.spec)), _bytes(p.nbytes))
+    # A scanned model's layers are one parameter per kind, stacked on a `layers` axis: one row each.
+    rows = [(p.path + (f" (x{p.shape[0]} layers)" if p.logical[:1] == ("layers",) else ""), str(p.shape),
+             str(tuple(p.logical)) if p.logical else "-", str(tuple(p.spec)), _bytes(p.nbytes))
             for p in run.model.param_layouts]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:

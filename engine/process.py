@@ -43,8 +43,11 @@ def use_distributed_client_barriers() -> None:
     training step's collectives in a different order on each process; the JAX distributed
     client's barriers cannot. Orbax's own switch is an absl flag (this program parses no
     other absl flags). UsageError where this orbax has no such switch."""
-    import orbax.checkpoint  # noqa: F401 -- defines orbax's absl flags
+    import importlib
+
     from absl import flags
+
+    importlib.import_module("orbax.checkpoint")  # defines orbax's absl flags
 
     from engine.errors import UsageError
 

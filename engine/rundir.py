@@ -62,3 +62,53 @@ def drop_records_after(path: Path, step: int) -> int:
     logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
     return max(logged - step, 0)
+
+
+class WorkdirLock:
+    """One training job per workdir: an exclusive `flock` on workdir/.lock, held for the life
+    of the job. The OS drops it when the process ends however it ends (a SIGKILL too), so no
+    stale lock is ever left; the file only says who held it last."""
+
+    def __init__(self, workdir: Path):
+        self.path = Path(workdir) / ".lock"
+        self.handle = None
+
+    def __enter__(self) -> "WorkdirLock":
+        import fcntl
+        import socket
+        import time
+
+        from engine.errors import UsageError
+
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise UsageError(f"{self.path.parent} is in use by another training job ({holder}); wait for it to "
+                             f"finish or stop it, or give this run another --workdir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing the file releases the lock
+            self.handle = None
+
+
+def lock_holder(workdir: Path) -> str | None:
+    """Who holds workdir's lock now ("host …, pid …, started …"), or None if nobody does."""
+    try:
+        with WorkdirLock(workdir):
+            return None
+    except FileNotFoundError:
+        return None
+    except ValueError as e:  # UsageError: held
+        return str(e).split("(", 1)[1].split(")", 1)[0]

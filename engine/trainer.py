@@ -18,7 +18,7 @@ from engine.evaluator import evaluate
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, summary_text
 from engine.preemption import Preempted, PreemptionWatch
-from engine.rundir import METRICS, drop_records_after
+from engine.rundir import METRICS, WorkdirLock, drop_records_after
 from engine.setup import Run, build_run, with_config_hparams
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
@@ -43,10 +43,11 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
-    if is_chief:
-        workdir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, workdir / "config.yaml")
     with contextlib.ExitStack() as closing:  # closed in reverse order, on success or failure
+        if is_chief:  # one job per workdir, before anything in it is written
+            workdir.mkdir(parents=True, exist_ok=True)
+            closing.enter_context(WorkdirLock(workdir))
+            save_config(cfg, workdir / "config.yaml")
         checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout,
                                     staging=cfg.checkpoint.staging)
         closing.callback(checkpointer.close)

@@ -249,3 +249,47 @@ def test_logits_equal_transformers_llama(tmp_path):
         node[tensor.path[-1]] = value
     logits = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_is_bit_identical(tmp_path):
+    """Exact resume holds for scanned (stacked) parameters too."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+    from engine.rundir import read_records
+
+    args = [*LLAMA, "train.steps=12", "checkpoint.every_steps=3", "log.every_steps=1", "log.progress=false",
+            "log.tensorboard=false", "eval.every_steps=0", "data.steps_per_transfer=1"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def start(workdir):
+        return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
+                                 "--workdir", str(workdir), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def train_records(workdir):
+        return [(r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    assert start(reference).wait(timeout=300) == 0
+    proc = start(killed)
+    deadline = time.time() + 240
+    while not (train_records(killed) and train_records(killed)[-1][0] >= 7):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert train_records(killed)[-1][0] < 12
+    proc = start(killed)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert train_records(killed) == train_records(reference)
+    import orbax.checkpoint as ocp
+
+    saved = [ocp.PyTreeCheckpointer().restore(path / "checkpoints" / "12" / "state")["params"]
+             for path in (killed, reference)]
+    jax.tree.map(np.testing.assert_array_equal, *saved)

@@ -13,7 +13,7 @@ def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task:
          task_runs: str | None = None) -> int:
     sweep = load_sweep(sweep_file)
     if task is not None:
-        return run_task(sweep, task, (task_runs or "").split())
+        return run_task(sweep, task, task_runs or "")
     validate_runs(sweep)  # one bad value stops the sweep before anything runs
     sweep.directory.mkdir(parents=True, exist_ok=True)
     write_index(sweep)

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.rundir import STATUS, final_metrics, read_status, write_atomic, write_json
+from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
 from engine.sweep.spec import LAUNCH, RunSpec, Sweep
 
 
@@ -101,6 +101,12 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     """Runs what is pending, `parallel` at a time; 0 if every run finished, else 1 (143 if stopped)."""
     todo = pending_runs(sweep, retry_failed)
     skipped = len(sweep.runs) - len(todo)
+    for run in list(todo):  # a trainer left running by an earlier sweep process holds its workdir's lock
+        holder = lock_holder(sweep.workdir(run))
+        if holder is not None:
+            print(f"not starting {run.name}: its trainer is still running ({holder}); re-run the sweep after it "
+                  f"ends", flush=True)
+            todo.remove(run)
     print(f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {skipped} already done or failed, {len(todo)} to run "
           f"({parallel} at a time) in {sweep.directory}", flush=True)
     stopping = []

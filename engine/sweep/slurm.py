@@ -2,30 +2,36 @@
 each task trains its run by index (`launch.py sweep FILE --run-task I`)."""
 from __future__ import annotations
 
+import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 from engine.errors import UsageError
-from engine.rundir import STATUS, write_json
+from engine.rundir import STATUS, write_atomic, write_json
 from engine.sweep.local import pending_runs, run_one, write_index
-from engine.sweep.spec import LAUNCH, RunSpec, Sweep
+from engine.sweep.spec import LAUNCH, RunSpec, Sweep, check_slurm_values
 
 
-def sbatch_script(sweep: Sweep, runs: list[RunSpec]) -> str:
-    """An sbatch script with one array task per run; each task trains its run by index."""
+def sbatch_script(sweep: Sweep, runs: list[RunSpec], tasks_file: Path) -> str:
+    """An sbatch script with one array task per run; task i trains the i-th run named in
+    `tasks_file` (a JSON list). No run name or config value appears in the script itself,
+    and every path and option in it is shell-quoted."""
+    check_slurm_values(sweep.slurm, f"sweep file {sweep.path}")
     resources = {"partition": None, "time": None, "cpus_per_task": None, "gres": None, "mem": None,
                  "nodes": None, "ntasks": None, "account": None, "qos": None}
     resources.update(sweep.slurm)
-    lines = ["#!/bin/bash", f"#SBATCH --job-name=sweep-{sweep.path.stem}", f"#SBATCH --array=0-{len(runs) - 1}",
-             f"#SBATCH --output={sweep.directory}/slurm-%A_%a.out"]
+    quote = shlex.quote
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={quote('sweep-' + sweep.path.stem)}",
+             f"#SBATCH --array=0-{len(runs) - 1}",
+             f"#SBATCH --output={quote(str(sweep.directory / 'slurm-%A_%a.out'))}"]
     for key, value in resources.items():
         if value is not None:
-            lines.append(f"#SBATCH --{key.replace('_', '-')}={value}")
-    names = " ".join(run.name for run in runs)
-    lines += [f"cd {Path.cwd()}",
-              f"exec {sys.executable} {LAUNCH} sweep {sweep.path} --run-task \"$SLURM_ARRAY_TASK_ID\" "
-              f"--task-runs '{names}'"]
+            lines.append(f"#SBATCH --{key.replace('_', '-')}={quote(str(value))}")
+    lines += [f"cd {quote(str(Path.cwd()))}",
+              f"exec {quote(sys.executable)} {quote(str(LAUNCH))} sweep {quote(str(sweep.path))} "
+              f"--run-task \"$SLURM_ARRAY_TASK_ID\" --task-runs {quote(str(tasks_file))}"]
     return "\n".join(lines) + "\n"
 
 
@@ -34,8 +40,9 @@ def submit_slurm(sweep: Sweep, retry_failed: bool) -> int:
     if not todo:
         print("nothing to submit: every run is finished")
         return 0
-    script = sweep.directory / "sweep.sbatch"
-    script.write_text(sbatch_script(sweep, todo))
+    script, tasks = sweep.directory / "sweep.sbatch", sweep.directory / "sweep.tasks.json"
+    write_atomic(tasks, json.dumps([run.name for run in todo]))
+    script.write_text(sbatch_script(sweep, todo, tasks))
     for run in todo:
         sweep.workdir(run).mkdir(parents=True, exist_ok=True)
         write_json(sweep.workdir(run) / STATUS, {"status": "submitted"})
@@ -47,9 +54,15 @@ def submit_slurm(sweep: Sweep, retry_failed: bool) -> int:
     return 0
 
 
-def run_task(sweep: Sweep, index: int, names: list[str]) -> int:
-    """Inside a SLURM array task: train run `names[index]`."""
+def run_task(sweep: Sweep, index: int, tasks_file: str) -> int:
+    """Inside a SLURM array task: train the run named at `index` of `tasks_file`."""
+    try:
+        names = json.loads(Path(tasks_file).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--task-runs {tasks_file} is not a readable JSON list of run names: {e}") from None
     by_name = {run.name: run for run in sweep.runs}
+    if not 0 <= index < len(names) or names[index] not in by_name:
+        raise UsageError(f"array task {index} has no run in {tasks_file} ({len(names)} runs listed)")
     code = run_one(sweep, by_name[names[index]])
     write_index(sweep)
     return 0 if code == 0 else 1

@@ -116,6 +116,18 @@ def _check_random(random: dict, where: str) -> None:
             raise UsageError(f"{where}: random.params.{key}: log_uniform bounds must be positive")
 
 
+def check_slurm_values(slurm: dict, where: str) -> None:
+    """Every `slurm:` key and value is one line of printable text (a newline would add a line to
+    the script, a control character could hide one): UsageError naming the key otherwise."""
+    if not isinstance(slurm, dict):
+        raise UsageError(f"{where}: slurm must map sbatch options to values, e.g. {{partition: gpu}}")
+    for key, value in slurm.items():
+        for text in (str(key), str(value)):
+            if any(ord(c) < 32 or ord(c) == 127 for c in text):
+                raise UsageError(f"{where}: slurm.{key}={value!r} holds a control character (a newline, say); "
+                                 f"give each sbatch option on one line")
+
+
 def load_sweep(path: str | os.PathLike) -> Sweep:
     path = Path(path).absolute()
     if not path.is_file():
@@ -158,7 +170,9 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     if not directory.is_absolute():
         directory = Path.cwd() / directory
     runs = [RunSpec(name, combo) for name, combo in zip(_run_names(combos), combos)]
-    return Sweep(path, base, overrides, runs, metric, mode, directory, spec.get("slurm") or {})
+    slurm = spec.get("slurm") or {}
+    check_slurm_values(slurm, f"sweep file {path}")
+    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm)
 
 
 def validate_runs(sweep: Sweep) -> None:

@@ -1,0 +1,96 @@
+"""Faults and abuse: each test reproduces one way real runs break (a hostile value, a second
+process on the same workdir, a damaged checkpoint) and checks the engine's answer."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from engine.errors import UsageError
+from engine.sweep import load_sweep
+from engine.sweep.slurm import sbatch_script
+
+HOSTILE = ["it's", "$(touch {d}/dollar)", "`touch {d}/backtick`", "a\nb; touch {d}/newline", "semi; touch {d}/semi"]
+
+
+def test_sbatch_script_runs_no_injected_command(tmp_path):
+    """Sweep values, paths with spaces and quotes: nothing in them ever reaches a shell."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    base = tmp_path / "dir with 'quote' and space"
+    base.mkdir()
+    grid = {"data.path": [value.format(d=markers) for value in HOSTILE]}
+    sweep_file = base / "sweep $(touch x).yaml"
+    sweep_file.write_text(yaml.safe_dump({"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "grid": grid,
+                                          "directory": str(base / "out dir"), "slurm": {"partition": "a'b"}}))
+    sweep = load_sweep(sweep_file)
+    sweep.directory.mkdir(parents=True)
+    tasks = sweep.directory / "sweep.tasks.json"
+    tasks.write_text("[]")
+    script = sweep.directory / "sweep.sbatch"
+    script.write_text(sbatch_script(sweep, sweep.runs, tasks))
+    # an array task index with no run: the task starts launch.py, which refuses it (exit 2)
+    proc = subprocess.run(["bash", str(script)], env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "array task 7 has no run" in proc.stderr, proc.stderr
+    assert not list(markers.iterdir())  # no injected command ran
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("value", ["debug\ntouch /tmp/x", "gpu\r", "a\x00b"])
+def test_control_characters_in_slurm_values_are_refused(tmp_path, value):
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump({"base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+                                          "grid": {"seed": [0, 1]}, "slurm": {"partition": value}}))
+    with pytest.raises(UsageError, match="slurm.partition=.* holds a control character"):
+        load_sweep(sweep_file)
+
+
+def _train(workdir, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
+                             "--workdir", str(workdir), "log.progress=false", "log.tensorboard=false", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
+    workdir = tmp_path / "run"
+    first = _train(workdir, "train.steps=1000000", "log.every_steps=10", "checkpoint.every_steps=50")
+    deadline = time.time() + 120
+    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
+        assert time.time() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.1)
+    config_before = (workdir / "config.yaml").read_text()
+    second = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=7")
+    assert second.returncode == 2, second.stderr
+    assert f"pid {first.pid}" in second.stderr and "in use by another training job" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert (workdir / "config.yaml").read_text() == config_before  # the refused run wrote nothing
+    first.kill()  # SIGKILL: no chance to clean up
+    first.wait()
+    third = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=100",
+                    "log.progress=false", "log.tensorboard=false", "checkpoint.every_steps=50", "log.every_steps=10")
+    assert third.returncode == 0, third.stderr  # the OS released the lock with the process
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_saved_again(tmp_path):
+    """Before: resumed from the step before, then failed on every re-run with orbax's
+    StepAlreadyExistsError when training reached the damaged step again."""
+    workdir = tmp_path / "run"
+    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=20",
+            "checkpoint.every_steps=10", "log.progress=false", "log.tensorboard=false", "log.every_steps=10"]
+    assert run_cli(*args).returncode == 0
+    state = workdir / "checkpoints" / "20" / "state"
+    biggest = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(biggest, 1000)
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "moved the unreadable checkpoint" in proc.stderr
+    (aside,) = [p for p in (workdir / "checkpoints" / "damaged").iterdir() if p.is_dir()]
+    assert aside.name.startswith("20-") and (aside.parent / f"{aside.name}.reason.txt").read_text().strip()
+    assert (workdir / "checkpoints" / "20").is_dir()  # saved again
+    again = run_cli(*args)
+    assert again.returncode == 0 and "already finished" in again.stdout + again.stderr, again.stderr
