@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, Node, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from engine.data.sources import FILE_SOURCES, SOURCES
@@ -169,12 +170,24 @@ MESH_AXES = ("data", "fsdp", "tensor")
 def read_yaml_mapping(path: Path, what: str) -> dict:
     """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise UsageError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"{what} {path}{_yaml_place(e)} is not valid YAML: {_yaml_problem(e)}") from None
+    if data is None:
+        raise UsageError(f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and README.md)")
     if not isinstance(data, dict):
         raise UsageError(f"{what} {path} must hold a mapping of keys, not {type(data).__name__}")
     return data
+
+
+def _yaml_place(error: yaml.YAMLError) -> str:
+    """':line:column' of a YAML error, where PyYAML knows it."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    return getattr(error, "problem", None) or str(error).splitlines()[0]
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -243,6 +256,8 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> st
     if isinstance(err, ValidationError):
         expected = _expected_type(schema, key)
         value = getattr(err, "value", None)
+        if isinstance(value, Node):  # OmegaConf's wrapper of a value: say the value itself
+            value = value._value()
         return (f"config key '{key}' got {value!r} ({type(value).__name__}) from {source}, "
                 f"but it must be {expected}; e.g. {key}={_example(expected)}")
     return f"bad config ({source}): {str(err).splitlines()[0]}"
@@ -262,25 +277,35 @@ def _expected_type(schema: DictConfig, key: str) -> str:
     name = getattr(ref, "__name__", None) or str(ref).replace("typing.", "")
     if name == "Optional":  # Optional[X]
         name = str(ref).replace("typing.", "")
-    return {"int": "an int", "float": "a float", "bool": "a bool (true/false)", "str": "a string"}.get(name, name)
+    names = {"int": "an int", "float": "a float", "bool": "a bool (true/false)", "str": "a string",
+             "List": "a list", "list": "a list", "Dict": "a mapping", "dict": "a mapping"}
+    return names.get(name.split("[")[0], name)
 
 
 def _example(expected: str) -> str:
-    return {"an int": "8", "a float": "0.001", "a bool (true/false)": "true", "a string": "name"}.get(expected, "[1, 2]")
+    return {"an int": "8", "a float": "0.001", "a bool (true/false)": "true", "a string": "name",
+            "a mapping": "{a: 1}"}.get(expected, "[1,2]")
 
 
 def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None) -> Config:
     """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
     path = Path(config_path)
-    if not path.is_file() and (CONFIG_DIR / path).is_file():
-        path = CONFIG_DIR / path
+    for shipped in (CONFIG_DIR / path, CONFIG_DIR / f"{path}.yaml"):  # a name of configs/, with or without .yaml
+        if not path.is_file() and shipped.is_file():
+            path = shipped
     raw = _read_yaml(path.resolve())
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise UsageError(f"override '{item}' is not of the form dotted.key=value, e.g. train.steps=100")
+        key, value = item.split("=", 1)
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise UsageError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)}); close its "
+                             f"brackets and quotes, e.g. {key}=[256,128]") from None
     try:
         override_cfg = OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise UsageError(f"could not parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
     file_model = (raw.get("model") or {}).get("name") or "mlp"
     model_name = OmegaConf.select(override_cfg, "model.name") or file_model
@@ -352,8 +377,10 @@ def validate(cfg: Config) -> None:
         raise UsageError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}; use a multiple of {cfg.train.grad_accum_steps}")
-    if cfg.optimizer.warmup_steps > cfg.train.steps and cfg.optimizer.schedule != "constant":
-        raise UsageError(f"optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}")
+    if cfg.optimizer.warmup_steps > cfg.train.steps:  # a shortened run (a smoke test) still runs
+        print(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}; "
+              f"warming up over all {cfg.train.steps} steps", file=sys.stderr)
+        cfg.optimizer.warmup_steps = cfg.train.steps
     for axis in MESH_AXES:
         size = getattr(cfg.mesh, axis)
         if size == 0 or size < -1:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from engine.rundir import METRICS
+from engine.rundir import METRICS, read_records
 
 
 class MetricWriter:
@@ -25,10 +25,7 @@ class MetricWriter:
             return
         workdir = Path(workdir)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # purge_step: after a resume, TensorBoard hides points logged past the checkpoint
-            self.summary = SummaryWriter(str(workdir), purge_step=start_step or None)
+            self.summary = _fresh_event_file(workdir, read_records(self.jsonl_path))
         if progress:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                             file=sys.stderr, mininterval=0.5)
@@ -46,9 +43,7 @@ class MetricWriter:
         with open(self.jsonl_path, "a") as jsonl:
             jsonl.write(json.dumps(record) + "\n")
         if self.summary is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.summary.add_scalar(f"{split}/{name}", value, step)
+            _add_scalars(self.summary, step, split, values)
             self.summary.flush()
         if split == "summary":  # the trainer prints its own one-paragraph summary
             return
@@ -75,6 +70,32 @@ class MetricWriter:
             self.bar.close()
         if self.summary is not None:
             self.summary.close()
+
+
+def _add_scalars(summary, step: int, split: str, values: dict) -> None:
+    for name, value in values.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            summary.add_scalar(f"{split}/{name}", value, step)
+
+
+def _fresh_event_file(workdir: Path, records: list[dict]):
+    """A SummaryWriter whose events are exactly `records` (the run's metrics.jsonl so far).
+
+    TensorBoard reads every event file of a directory as one stream; a resumed run's new file
+    (steps from the checkpoint on) after an old one that went further makes TensorBoard purge
+    points as "out of order". So the old files go and the kept records are written again, in
+    order, into the new file: TensorBoard then shows what metrics.jsonl holds."""
+    from tensorboardX import SummaryWriter
+
+    for old in workdir.glob("events.out.tfevents.*"):
+        old.unlink()
+    summary = SummaryWriter(str(workdir))
+    for record in records:
+        if record.get("source") != "evaluator":  # the evaluator writes its own directory
+            _add_scalars(summary, record["step"], record["split"],
+                         {k: v for k, v in record.items() if k not in ("step", "split")})
+    summary.flush()
+    return summary
 
 
 def _plain(value):

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -83,6 +85,8 @@ def test_yaml_is_loaded_safely(tmp_path):
     (["train.steps=abc"], "must be an int"),
     (["mesh.data=3"], "mesh data=3 x fsdp=1 x tensor=1 uses 3 devices but 1 are in use"),
     (["notakeyvalue"], "is not of the form dotted.key=value"),
+    (["model.hidden_sizes=[256,128"], "override 'model.hidden_sizes=[256,128': the value is not valid YAML"),
+    (["model.hidden_sizes=128"], "got 128 (int) from the command line, but it must be a list"),
 ])
 def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expected):
     proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), *args)
@@ -90,6 +94,19 @@ def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, ex
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("text, expected", [("", "is empty"), ("train:\n  steps: [1\n", ".yaml:3:1 is not valid YAML")],
+                         ids=["empty", "syntax-error"])
+def test_bad_config_files_are_named_with_the_place(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        load_config(path)
+
+
+def test_a_shipped_config_by_bare_name(tmp_path):
+    assert load_config("gpt_small", [], str(tmp_path)).model.name == "transformer"
 
 
 def test_cli_missing_config_file_exits_2(tmp_path):
@@ -101,3 +118,9 @@ def test_cli_help_lists_shipped_configs():
     proc = run_cli("--help")
     assert proc.returncode == 0
     assert "mnist_mlp.yaml" in proc.stdout and "key=value" in proc.stdout
+
+
+def test_a_warm_up_longer_than_the_run_is_clamped_with_a_warning(make_config, capsys):
+    cfg = make_config("gpt_small.yaml", "train.steps=4")
+    assert cfg.optimizer.warmup_steps == 4
+    assert "warning: optimizer.warmup_steps=50 exceeds train.steps=4" in capsys.readouterr().err

@@ -1,0 +1,37 @@
+"""What a new user meets first: TensorBoard after resumes, the evaluator's config, and the
+README's own commands."""
+import shutil
+
+import pytest
+
+from engine.rundir import read_records
+from engine.trainer import fit
+
+
+def tensorboard_scalars(workdir, tag):
+    """(step, value) pairs of a tag as TensorBoard itself loads the run directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(workdir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return [(event.step, pytest.approx(event.value, rel=1e-6)) for event in accumulator.Scalars(tag)]
+
+
+def jsonl_scalars(workdir, split, name):
+    return [(r["step"], r[name]) for r in read_records(workdir / "metrics.jsonl") if r["split"] == split]
+
+
+def test_tensorboard_shows_what_metrics_jsonl_holds_after_resumes(make_config, tmp_path):
+    pytest.importorskip("tensorboard")
+    workdir = tmp_path / "run"
+    args = ["mesh.num_devices=1", "log.tensorboard=true", "log.every_steps=5", "checkpoint.every_steps=10",
+            "eval.every_steps=10"]
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=25", workdir=workdir))
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=25", workdir=workdir))  # already finished
+    shutil.rmtree(workdir / "checkpoints" / "25")  # as if killed after logging step 25, before its save
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=30", workdir=workdir))  # resumes at 20
+    train = jsonl_scalars(workdir, "train", "loss")
+    assert [step for step, _ in train] == [5, 10, 15, 20, 25, 30]
+    assert tensorboard_scalars(workdir, "train/loss") == train
+    assert tensorboard_scalars(workdir, "eval/loss") == jsonl_scalars(workdir, "eval", "loss")
+    assert [step for step, _ in jsonl_scalars(workdir, "eval", "loss")] == [10, 20, 30]
