@@ -1,7 +1,7 @@
 """Command line of the engine.
 
   python launch.py --config FILE [--workdir DIR] [--dry-run] [dotted.key=value ...]   train
-  python launch.py eval --config FILE --workdir DIR [--watch]                        evaluate checkpoints
+  python launch.py eval --workdir DIR [--watch] [--config FILE]                      evaluate checkpoints
   python launch.py export --workdir DIR --out PATH [--format hf]                     export for inference
   python launch.py import-hf HF_DIR --workdir DIR                                    Hugging Face weights in
   python launch.py sample --workdir DIR --prompt TEXT                                generate text
@@ -80,32 +80,39 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
         parser.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
         return parser
-    parser = _Parser(
-        prog="launch.py" if command == "train" else f"launch.py {command}",
-        description="Train a model from a config file (subcommands: eval, export, sweep, report, import-hf, sample). Overrides are "
-                    "dotted.key=value pairs, e.g. train.steps=500 optimizer.learning_rate=3e-4 mesh.fsdp=8 "
-                    "model.hidden_sizes=[256,128]; values are parsed as YAML. Re-running on a workdir with "
-                    "checkpoints resumes from the newest one.",
-        epilog="shipped configs (in configs/): " + ", ".join(shipped_configs()),
-    )
-    parser.add_argument("--config", required=True, help="a YAML config file (or the name of one in configs/)")
-    parser.add_argument("--workdir", required=command == "eval",
-                        help="output directory (default: the config's workdir, or runs/<config name>)")
-    if command == "train":
-        parser.add_argument("--dry-run", action="store_true",
-                            help="print the mesh, parameter layout, memory and FLOPs per step; do not train")
-    else:
+    if command == "eval":
+        parser = _Parser(prog="launch.py eval", description="Evaluate a training run's checkpoints (the sidecar "
+                         "evaluator, tf.distribute's evaluator task) with the run's own config.yaml; overrides go on "
+                         "top. With --watch, every new checkpoint until the run finishes or stops running.")
+        parser.add_argument("--workdir", required=True, help="the training run's directory")
+        parser.add_argument("--config", help="config file, used only while the run has written no config.yaml")
         parser.add_argument("--watch", action="store_true",
                             help="evaluate every new checkpoint until training finishes (else the newest once)")
-    if command == "train":
-        group = parser.add_argument_group("multi-process (see README: multi-host)")
-        group.add_argument("--local-processes", type=int, metavar="N",
-                           help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
-        group.add_argument("--devices-per-process", type=int, default=1, metavar="M",
-                           help="simulated CPU devices per local process (default 1)")
-        group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
-        group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
-        group.add_argument("--process-id", type=int, help="= distributed.process_id")
+        parser.add_argument("--dead-after", type=float, default=60.0, metavar="SECONDS",
+                            help="with --watch: stop (exit 1) when no trainer holds the workdir and no checkpoint "
+                                 "came for this long (default 60)")
+        parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+        return parser
+    parser = _Parser(
+        prog="launch.py",
+        description="Train a model from a config file (subcommands: eval, export, sweep, report, import-hf, "
+                    "sample). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
+                    "optimizer.learning_rate=3e-4 mesh.fsdp=8 model.hidden_sizes=[256,128]; values are parsed as "
+                    "YAML. Re-running on a workdir with checkpoints resumes from the newest one.",
+        epilog="shipped configs (in configs/, by path or bare name): " + ", ".join(shipped_configs()),
+    )
+    parser.add_argument("--config", required=True, help="a YAML config file (or the name of one in configs/)")
+    parser.add_argument("--workdir", help="output directory (default: the config's workdir, or runs/<config name>)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the mesh, parameter layout, memory and FLOPs per step; do not train")
+    group = parser.add_argument_group("multi-process (see README: multi-host)")
+    group.add_argument("--local-processes", type=int, metavar="N",
+                       help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
+    group.add_argument("--devices-per-process", type=int, default=1, metavar="M",
+                       help="simulated CPU devices per local process (default 1)")
+    group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
+    group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
+    group.add_argument("--process-id", type=int, help="= distributed.process_id")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return parser
 
@@ -168,13 +175,16 @@ def main(argv: list[str]) -> int:
         from engine.config import load_config
         from engine.distributed import initialize, parse_tf_config
 
-        distributed = _distributed_overrides(args) if command == "train" else []
-        cfg = load_config(args.config, args.overrides + distributed, args.workdir)
-        tf_config = os.environ.get("TF_CONFIG")
-        if command == "eval" or (tf_config and parse_tf_config(tf_config).kind == "evaluator"):
+        if command == "eval":
             from engine.evaluator import run_evaluator
 
-            return run_evaluator(cfg, watch=command != "eval" or args.watch)
+            return run_evaluator(_eval_config(args), watch=args.watch, dead_after=args.dead_after)
+        cfg = load_config(args.config, args.overrides + _distributed_overrides(args), args.workdir)
+        tf_config = os.environ.get("TF_CONFIG")
+        if tf_config and parse_tf_config(tf_config).kind == "evaluator":
+            from engine.evaluator import run_evaluator
+
+            return run_evaluator(cfg, watch=True)
         initialize(cfg.distributed)
         if cfg.checkpoint.staging == "device" and jax.process_count() > 1:
             process.use_distributed_client_barriers()
@@ -203,6 +213,19 @@ def main(argv: list[str]) -> int:
         summary = " ".join(f"{k}={v:.4f}" for k, v in result.eval_metrics.items())
         print(f"done: {cfg.train.steps} steps; eval {summary}; outputs in {cfg.workdir}")
     return 0
+
+
+def _eval_config(args):
+    """The watched run's own resolved config.yaml (overrides on top); --config only before it exists."""
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.errors import UsageError
+
+    written = Path(args.workdir) / "config.yaml"
+    if not written.is_file() and not args.config:
+        raise UsageError(f"{args.workdir} has no config.yaml yet; give --config (the training run's config file)")
+    return load_config(written if written.is_file() else args.config, args.overrides, args.workdir)
 
 
 def _without_local_flags(argv: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ from engine.config import Config
 from engine.data import eval_batches
 from engine.errors import UsageError
 from engine.metrics import MetricWriter
-from engine.rundir import METRICS, read_records
+from engine.rundir import METRICS, lock_holder, read_records
 from engine.setup import Run, build_run
 
 SOURCE = "evaluator"
@@ -36,8 +36,12 @@ def evaluated_steps(metrics_path: Path) -> set[int]:
     return {r["step"] for r in read_records(metrics_path) if r.get("source") == SOURCE}
 
 
-def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_timeout: float = 3600.0) -> int:
-    """Evaluates the newest checkpoint (or, with watch, every new one until training ends)."""
+def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_timeout: float = 3600.0,
+                  dead_after: float = 60.0) -> int:
+    """Evaluates the newest checkpoint (or, with watch, every new one until training ends).
+
+    Watching, it says which step it waits for, and stops when the run it watches is finished
+    or dead: no trainer holds the workdir's lock and no checkpoint came for `dead_after` s."""
     workdir = Path(cfg.workdir)
     directory = workdir / "checkpoints"
     waited = 0.0
@@ -56,7 +60,8 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
 
         summary = SummaryWriter(str(workdir / "evaluator"))
     done = evaluated_steps(workdir / METRICS)
-    idle_since = time.monotonic()
+    idle_since = alive_at = time.monotonic()
+    said = None
     try:
         while True:
             steps = checkpointer.steps()
@@ -64,29 +69,44 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
             if not watch and not pending:
                 raise UsageError(f"no complete checkpoint in {directory} to evaluate")
             for step in pending:
-                try:
-                    state = checkpointer.restore(run.abstract_state, step=step).state
-                except UsageError as e:  # deleted by checkpoint.keep, or unreadable: note it, go on
-                    print(f"warning: skipping step {step}: {e}", file=sys.stderr)
-                    done.add(step)
-                    continue
-                metrics = evaluate(run, run.compiled.to_step_layout(state))
-                writer.write(step, "eval", {**metrics, "source": SOURCE})
-                if summary is not None:
-                    for name, value in metrics.items():
-                        summary.add_scalar(f"eval/{name}", value, step)
-                    summary.flush()
+                _evaluate_step(run, checkpointer, step, writer, summary)
                 done.add(step)
-                idle_since = time.monotonic()
-            if not watch or (steps and max(steps) >= cfg.train.steps and not pending):
+                idle_since = alive_at = time.monotonic()
+            newest = max(steps, default=0)
+            if not watch or (newest >= cfg.train.steps and not pending):
                 return 0
+            if lock_holder(workdir) is not None:
+                alive_at = time.monotonic()
+            elif time.monotonic() - alive_at > dead_after:
+                print(f"error: the training run in {workdir} is not running (no trainer holds its workdir, and no "
+                      f"checkpoint came for {dead_after:.0f}s); its newest checkpoint is step {newest} of "
+                      f"{cfg.train.steps}. Restart training, then the evaluator", file=sys.stderr)
+                return 1
             if not pending and time.monotonic() - idle_since > idle_timeout:
                 print(f"error: no new checkpoint in {directory} for {idle_timeout:.0f}s; is training running?",
                       file=sys.stderr)
                 return 1
+            if said != newest:
+                print(f"waiting for a checkpoint after step {newest} (training runs to step {cfg.train.steps})",
+                      flush=True)
+                said = newest
             time.sleep(poll_seconds)
     finally:
         writer.close()
         if summary is not None:
             summary.close()
         checkpointer.close()
+
+
+def _evaluate_step(run: Run, checkpointer: Checkpointer, step: int, writer: MetricWriter, summary) -> None:
+    try:
+        state = checkpointer.restore(run.abstract_state, step=step).state
+    except UsageError as e:  # deleted by checkpoint.keep, or unreadable: note it, go on
+        print(f"warning: skipping step {step}: {e}", file=sys.stderr)
+        return
+    metrics = evaluate(run, run.compiled.to_step_layout(state))
+    writer.write(step, "eval", {**metrics, "source": SOURCE})
+    if summary is not None:
+        for name, value in metrics.items():
+            summary.add_scalar(f"eval/{name}", value, step)
+        summary.flush()

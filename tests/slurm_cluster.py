@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,8 +42,11 @@ class SlurmCluster:
         self.cpus = cpus or os.cpu_count() or 2
         self.conf = self.dir / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
-        self.pid_files = [self.dir / "slurmctld.pid", self.dir / "slurmd.pid"]
-        self._pids: list[int] = []  # slurmctld, slurmd, and munged if we started it
+        # this cluster's own munged (socket, pid file, seed, log), in a directory the munge user can
+        # reach (pytest's temporary directories are private to root)
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="engine-munge-"))
+        self.pid_files = [self.munge_dir / "munged.pid", self.dir / "slurmctld.pid", self.dir / "slurmd.pid"]
+        self._pids: list[int] = []  # the daemons this cluster started, from their pid files
 
     def _write_config(self) -> None:
         for sub in ("state", "spool", "log"):
@@ -55,6 +59,7 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket={self.munge_dir}/munge.socket
 StateSaveLocation={self.dir}/state
 SlurmdSpoolDir={self.dir}/spool
 SlurmctldPidFile={self.dir}/slurmctld.pid
@@ -74,19 +79,16 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
 """)
 
     def _start_munge(self) -> None:
-        run_dir = Path("/run/munge")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.chown(run_dir, "munge", "munge")
-        socket_path = run_dir / "munge.socket.2"
-        running = subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
-        if running and socket_path.exists():
-            return  # already running (e.g. started by the system)
-        subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", f"{_binary('munged')} --force"], check=True)
+        """A munged of our own (its socket, pid file and seed under this cluster's directory), so
+        that stopping it touches no munged the machine may already run."""
+        shutil.chown(self.munge_dir, "munge", "munge")
+        socket_path = self.munge_dir / "munge.socket"
+        options = (f"--socket={socket_path} --pid-file={self.munge_dir}/munged.pid "
+                   f"--seed-file={self.munge_dir}/munged.seed --log-file={self.munge_dir}/munged.log")
+        subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", f"{_binary('munged')} --force {options}"], check=True)
         deadline = time.monotonic() + 10
         while not socket_path.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        self._pids += [int(pid) for pid in subprocess.run(["pgrep", "-x", "munged"], capture_output=True,
-                                                          text=True, check=True).stdout.split()]
 
     def __enter__(self) -> "SlurmCluster":
         self._write_config()
@@ -104,9 +106,10 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
         raise RuntimeError(f"the SLURM node did not become idle within 60 s; logs in {self.dir}/log")
 
     def __exit__(self, *exc) -> None:
-        """Stops the daemons (and any step daemon they left) by pid: SIGTERM, then SIGKILL."""
-        pids = self._pids + [int(p) for p in subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True,
-                                                              text=True).stdout.split()]
+        """Stops the daemons this cluster started (and the step daemons and tasks under them) by
+        pid: SIGTERM, then SIGKILL. Nothing else on the machine is touched."""
+        started = self._pids or [int(f.read_text().strip()) for f in self.pid_files if f.is_file()]
+        pids = started + [pid for parent in started for pid in _descendants(parent)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):  # it has already exited
@@ -114,6 +117,22 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
                 time.sleep(0.2)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc's parent links)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def _alive(pid: int) -> bool:

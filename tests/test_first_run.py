@@ -35,3 +35,34 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_resumes(make_config, t
     assert tensorboard_scalars(workdir, "train/loss") == train
     assert tensorboard_scalars(workdir, "eval/loss") == jsonl_scalars(workdir, "eval", "loss")
     assert [step for step, _ in jsonl_scalars(workdir, "eval", "loss")] == [10, 20, 30]
+
+
+def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(make_config, tmp_path):
+    """Before: without repeating training's train.steps=20 the watcher waited silently for the
+    config file's step 1000."""
+    import time
+
+    from conftest import run_cli
+
+    workdir = tmp_path / "run"
+    fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=20", "checkpoint.every_steps=10",
+                    workdir=workdir))
+    began = time.time()
+    proc = run_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--watch", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert time.time() - began < 90
+    evaluated = [r["step"] for r in read_records(workdir / "metrics.jsonl") if r.get("source") == "evaluator"]
+    assert evaluated == [10, 20]
+
+
+def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_path):
+    from conftest import run_cli
+
+    workdir = tmp_path / "run"
+    fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=30", "checkpoint.every_steps=10",
+                    workdir=workdir))
+    shutil.rmtree(workdir / "checkpoints" / "30")  # as if the trainer died after step 20's save
+    proc = run_cli("eval", "--workdir", str(workdir), "--watch", "--dead-after", "3", timeout=120)
+    assert proc.returncode == 1
+    assert "waiting for a checkpoint after step 20 (training runs to step 30)" in proc.stdout
+    assert "is not running" in proc.stderr and "newest checkpoint is step 20 of 30" in proc.stderr

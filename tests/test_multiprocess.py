@@ -1,11 +1,13 @@
 """Real multi-process jobs on localhost (gloo CPU collectives): equal to one process, checkpoints
 across process counts, TF_CONFIG, a killed process, and a run under a real SLURM cluster."""
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,25 +103,44 @@ def test_tf_config_parameter_server_is_refused(tmp_path):
     assert proc.returncode == 2 and "sharded over the mesh's fsdp axis" in proc.stderr
 
 
+def _children(pid: int) -> dict[int, str]:
+    """This test's own processes: pid → command line of each direct child of `pid` (from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found[int(entry.name)] = (entry / "cmdline").read_text().replace("\0", " ")
+        except OSError:  # it ended while we looked
+            continue
+    return found
+
+
 def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
     workdir = tmp_path / "kill"
     launcher = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
          "--local-processes", "2", "train.steps=1000000", *COMMON], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
-    deadline = time.time() + 180
-    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
-        assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
-        time.sleep(0.2)
-    victim = subprocess.run(["pgrep", "-f", "distributed.process_id=1"], capture_output=True, text=True)
-    pid = int(victim.stdout.split()[0])
-    killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    _, err = launcher.communicate(timeout=90)
-    assert time.monotonic() - killed_at < 60
-    assert launcher.returncode != 0
-    assert "process 1 was killed by signal 9 (SIGKILL)" in err
-    assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).returncode == 1  # none left
+    workers = {}
+    try:
+        deadline = time.time() + 180
+        while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
+            assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.2)
+        workers = _children(launcher.pid)  # the launcher's own workers, not any process on the machine
+        (victim,) = [pid for pid, command in workers.items() if "distributed.process_id=1" in command]
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=90)
+        assert time.monotonic() - killed_at < 60
+        assert launcher.returncode != 0
+        assert "process 1 was killed by signal 9 (SIGKILL)" in err
+        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]  # none left
+    finally:  # whatever failed above, nothing this test started keeps running
+        for pid in [launcher.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
 
 
 def test_unreachable_coordinator_fails_cleanly(tmp_path):

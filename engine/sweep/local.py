@@ -97,16 +97,24 @@ def _nvidia_gpus() -> list[str]:
     return [str(i) for i in range(len(list(path.iterdir())))] if path.is_dir() else []
 
 
+def _next_free(sweep: Sweep, queue: list[RunSpec], waiting: set[str]):
+    """The first queued run whose workdir no trainer holds. A trainer left running by an earlier
+    sweep process (killed, its trainer orphaned) keeps its lock: its run waits for it to end,
+    then starts and resumes (or finds it finished), instead of training twice at once."""
+    for run in queue:
+        holder = lock_holder(sweep.workdir(run))
+        if holder is None:
+            return run
+        if run.name not in waiting:
+            waiting.add(run.name)
+            print(f"waiting for {run.name}: a trainer still runs in its workdir ({holder})", flush=True)
+    return None
+
+
 def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     """Runs what is pending, `parallel` at a time; 0 if every run finished, else 1 (143 if stopped)."""
     todo = pending_runs(sweep, retry_failed)
     skipped = len(sweep.runs) - len(todo)
-    for run in list(todo):  # a trainer left running by an earlier sweep process holds its workdir's lock
-        holder = lock_holder(sweep.workdir(run))
-        if holder is not None:
-            print(f"not starting {run.name}: its trainer is still running ({holder}); re-run the sweep after it "
-                  f"ends", flush=True)
-            todo.remove(run)
     print(f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {skipped} already done or failed, {len(todo)} to run "
           f"({parallel} at a time) in {sweep.directory}", flush=True)
     stopping = []
@@ -120,11 +128,12 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     try:
         envs = device_envs(parallel)
         slots: dict[int, tuple[RunSpec, threading.Thread]] = {}
-        queue = list(todo)
+        queue, waiting = list(todo), set()
         while (queue and not stopping) or slots:
             for slot in range(parallel):
-                if slot not in slots and queue and not stopping:
-                    run = queue.pop(0)
+                run = slot not in slots and not stopping and _next_free(sweep, queue, waiting)
+                if run:
+                    queue.remove(run)
                     print(f"start {run.name}", flush=True)
                     thread = threading.Thread(target=run_one, args=(sweep, run, envs[slot]), daemon=True)
                     thread.start()
