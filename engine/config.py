@@ -287,7 +287,8 @@ def _example(expected: str) -> str:
             "a mapping": "{a: 1}"}.get(expected, "[1,2]")
 
 
-def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None) -> Config:
+def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None,
+                override_source: str = "the command line") -> Config:
     """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
     path = Path(config_path)
     for shipped in (CONFIG_DIR / path, CONFIG_DIR / f"{path}.yaml"):  # a name of configs/, with or without .yaml
@@ -313,7 +314,7 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
         raw["model"] = {"name": model_name}
     schema = _schema(str(model_name))
     cfg = schema
-    for source, layer in ((str(path), OmegaConf.create(raw)), ("the command line", override_cfg)):
+    for source, layer in ((str(path), OmegaConf.create(raw)), (override_source, override_cfg)):
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as e:

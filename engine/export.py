@@ -48,6 +48,7 @@ def export_run(workdir: str, out: str) -> Path:
     (out_path / "forward.stablehlo").write_bytes(serialized)
     (out_path / "export.json").write_text(json.dumps({
         "model": cfg.model.name, "step": restored.step, "input_shape": ["batch", *shape], "input_dtype": dtype,
+        "preprocessing": run.dataset.info.preprocessing or "none: the data source's values as stored",
         "variables": "variables/", "forward": "forward.stablehlo",
         "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits"}, indent=2))
     return out_path

@@ -27,12 +27,17 @@ class MetricWriter:
         if tensorboard:
             self.summary = _fresh_event_file(workdir, read_records(self.jsonl_path))
         if progress:
+            # smoothing=0: the rate is steps since the clock started / time since (see advance)
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0.5)
+                            file=sys.stderr, mininterval=0.5, smoothing=0)
+        self._timed = False
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(steps)
+            if not self._timed:  # the first call compiled: the rate and ETA count from its end
+                self._timed = True
+                self.bar.start_t, self.bar.initial = self.bar._time(), self.bar.n
 
     def write(self, step: int, split: str, values: dict[str, float]) -> None:
         if not self.enabled:

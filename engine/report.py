@@ -24,13 +24,19 @@ def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
     return runs
 
 
-def _curves(workdir: Path) -> dict[str, tuple[list[int], list[float]]]:
+def _curves(workdir: Path, metric: str) -> dict[str, tuple[list[int], list[float]]]:
+    """Per panel ("train", "eval", and the ranking metric): (steps, values) of the run."""
     curves: dict[str, tuple[list[int], list[float]]] = {}
+    split, name = metric.split("/", 1)
     for record in read_records(workdir / METRICS):
-        if "loss" in record and record.get("source") != "evaluator":
-            steps, values = curves.setdefault(record["split"], ([], []))
-            steps.append(record["step"])
-            values.append(record["loss"])
+        panels = [(record["split"], record.get("loss"))] if record.get("source") != "evaluator" else []
+        if record["split"] == split and (metric not in ("train/loss", "eval/loss")):
+            panels.append((metric, record.get(name)))
+        for panel, value in panels:
+            if isinstance(value, (int, float)):
+                steps, values = curves.setdefault(panel, ([], []))
+                steps.append(record["step"])
+                values.append(value)
     return curves
 
 
@@ -45,6 +51,9 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     runs = _runs(paths)
+    available = sorted({key for _, workdir, _ in runs for key in final_metrics(workdir)})
+    if runs and metric not in available:
+        raise UsageError(f"--metric {metric} is in no run's metrics.jsonl; available: {', '.join(available)}")
     for name, workdir, status in runs:
         final = final_metrics(workdir)
         rows.append({"run": name, "status": status, metric: final.get(metric),
@@ -61,7 +70,8 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
     cells = [[_cell(row.get(c)) for c in columns] for row in ranked]
     (out / "report.md").write_text(_markdown(columns, cells, f"Runs ranked by {metric} ({mode})"))
     print(_console(columns, cells, f"runs ranked by {metric} ({mode}); best first"))
-    _plot([(name, _curves(workdir)) for name, workdir, _ in runs], out / "report.png")
+    best = ranked[0]["run"] if ranked and ranked[0]["rank"] else None
+    _plot([(name, _curves(workdir, metric)) for name, workdir, _ in runs], out / "report.png", metric, best)
     print(f"wrote {out / 'report.csv'}, {out / 'report.md'}, {out / 'report.png'}")
     return ranked
 
@@ -94,27 +104,34 @@ def _console(columns, cells, title) -> str:
     return "\n".join(lines)
 
 
-def _plot(curves: list[tuple[str, dict]], path: Path) -> None:
+def _plot(curves: list[tuple[str, dict]], path: Path, metric: str, best: str | None) -> None:
+    """Train loss, eval loss and (when it is neither) the ranking metric per run; the best run
+    drawn thick and named in the title."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, split in zip(axes, ("train", "eval")):
-        for name, by_split in curves:
-            if split in by_split:
-                steps, losses = by_split[split]
-                ax.plot(steps, losses, marker="o" if len(steps) < 15 else None, markersize=3, label=name)
-        ax.set_title(f"{split} loss")
+    panels = ["train", "eval"] + ([metric] if metric not in ("train/loss", "eval/loss") else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5))
+    for ax, panel in zip(axes, panels):
+        for name, by_panel in curves:
+            if panel in by_panel:
+                steps, values = by_panel[panel]
+                ax.plot(steps, values, marker="o" if len(steps) < 15 else None, markersize=3, label=name,
+                        linewidth=3 if name == best else 1, zorder=3 if name == best else 2)
+        ax.set_title(f"{panel} loss" if panel in ("train", "eval") else panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("loss")
-    handles, labels = axes[0].get_legend_handles_labels()
-    if not handles:  # only eval curves
-        handles, labels = axes[1].get_legend_handles_labels()
+    fig.suptitle(f"best by {metric}: {best}" if best else f"no run has {metric} yet")
+    handles, labels = [], []
+    for ax in axes:  # every run that appears in any panel, once
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) - 1) // 3 + 1) if handles else 0, 1, 1))
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) - 1) // 3 + 1) if handles else 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)

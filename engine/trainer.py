@@ -100,7 +100,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                 checkpointer.wait()
                 raise Preempted(done)
         if start >= total:
-            writer.message(f"already finished: the newest checkpoint is at step {start} of {total}")
+            writer.message(f"already finished: the newest checkpoint is at step {start} of {total}; to train again "
+                           f"from scratch give another --workdir, to train longer raise train.steps")
         with _paused(window, goodput, "checkpoint_seconds"):
             checkpointer.wait()  # the last save is complete before the run reports success
         barrier("finished", timeout)

@@ -66,3 +66,26 @@ def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_pa
     assert proc.returncode == 1
     assert "waiting for a checkpoint after step 20 (training runs to step 30)" in proc.stdout
     assert "is not running" in proc.stderr and "newest checkpoint is step 20 of 30" in proc.stderr
+
+
+def test_the_readme_serving_snippet_runs_as_written(tmp_path):
+    """The README's export + serving commands, in a fresh directory, as a user would paste them."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT, run_cli
+
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("<!-- serving snippet: tests/test_first_run.py runs it as written -->", 1)[1]
+    code = re.search(r"```python\n(.*?)```", snippet, re.S).group(1)
+    code = "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())  # list indent
+    quiet = ["train.steps=300", "log.progress=false", "log.tensorboard=false"]
+    assert run_cli("--config", str(ROOT / "configs" / "mnist_mlp.yaml"), *quiet, cwd=tmp_path).returncode == 0
+    assert run_cli("export", "--workdir", "runs/mnist_mlp", "--out", "runs/mnist_mlp_export",
+                   cwd=tmp_path).returncode == 0
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "load_digits().images / 16.0" in proc.stdout
+    predicted, true = re.search(r"predicted \[(.*?)\] true \[(.*?)\]", proc.stdout, re.S).groups()
+    assert sum(a == b for a, b in zip(predicted.split(), true.split())) >= 6  # a trained model, fed right

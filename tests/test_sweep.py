@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,9 @@ def test_grid_zip_and_random_expansion(tmp_path):
                                    zip={"optimizer.warmup_steps": [0, 5], "optimizer.schedule":
                                         ["constant", "warmup_cosine"]}))
     assert len(sweep.runs) == 8
-    assert sweep.runs[0].name == "learning_rate=0.001,hidden_sizes=[32],warmup_steps=0,schedule=constant"
+    assert sweep.runs[0].name == "learning_rate=0.001,hidden_sizes=32,warmup_steps=0,schedule=constant"
+    assert sweep.runs[2].name == "learning_rate=0.001,hidden_sizes=64-32,warmup_steps=0,schedule=constant"
+    assert all(re.fullmatch(r"[A-Za-z0-9._+=,-]+", run.name) for run in sweep.runs)  # no quoting needed
     assert len({r.name for r in sweep.runs}) == 8
     spec = {"random": {"samples": 5, "seed": 7, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]},
                                                             "model.dropout_rate": {"uniform": [0.0, 0.5]},
@@ -91,6 +94,9 @@ def test_grid_runs_ranks_and_plots(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     again = run_cli("report", str(out), "--out", str(tmp_path / "again"))
     assert again.returncode == 0 and (tmp_path / "again" / "report.png").exists()
+    typo = run_cli("report", str(out), "--metric", "eval/acc", "--out", str(tmp_path / "typo"))
+    assert typo.returncode == 2 and "--metric eval/acc is in no run's metrics.jsonl" in typo.stderr
+    assert "eval/accuracy" in typo.stderr and not (tmp_path / "typo" / "report.csv").exists()
 
 
 @pytest.mark.slow
@@ -115,7 +121,7 @@ def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
     first_log = (out / "learning_rate=0.001" / "metrics.jsonl").read_text()
     proc = run_cli("sweep", str(path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "3 runs, 1 already done or failed, 2 to run" in proc.stdout
+    assert "3 runs, 1 finished, 0 failed (--retry-failed runs them again), 2 to run (" in proc.stdout
     assert (out / "learning_rate=0.001" / "metrics.jsonl").read_text() == first_log  # not run again
     assert all(r["status"] == "finished" for r in index(out))
     resumed = (out / "learning_rate=0.002" / "run.log").read_text()
@@ -182,3 +188,16 @@ def test_slurm_backend_submits_a_job_array(tmp_path):
     runs = index(out)
     assert [r["status"] for r in runs] == ["finished", "finished"], [r.get("error") for r in runs]
     assert all(r["final"]["eval/accuracy"] > 0 for r in runs)
+
+
+def test_long_run_names_are_cut_and_stay_distinct(tmp_path):
+    values = ["x" * 300 + str(i) for i in range(2)]
+    sweep = load_sweep(write_sweep(tmp_path / "long.yaml", grid={"data.path": values}))
+    names = [run.name for run in sweep.runs]
+    assert len(set(names)) == 2 and all(len(name.encode()) <= 200 for name in names)
+
+
+def test_a_bad_value_in_the_sweep_file_is_said_to_come_from_it(tmp_path):
+    path = write_sweep(tmp_path / "bad.yaml", grid={"train.steps": ["many"]})
+    proc = run_cli("sweep", str(path))
+    assert proc.returncode == 2 and "from the sweep file bad.yaml" in proc.stderr, proc.stderr

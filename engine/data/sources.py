@@ -26,6 +26,7 @@ class DataInfo:
     vocab_size: int = 0
     seq_len: int = 0  # tokens the model sees per example
     text_codec: str = ""  # how token ids map to text: "bytes" (ids are UTF-8 bytes); "" = not text
+    preprocessing: str = ""  # what was done to the stored inputs before the model saw them (export.json says it)
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,19 @@ class Dataset:
     info: DataInfo
 
 
-def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None) -> Dataset:
+def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None, scaled: str = "") -> Dataset:
+    """scaled: how the source already scaled its pixels (said in DataInfo.preprocessing)."""
+    steps = [scaled] if scaled else []
+    if train_x.dtype == np.uint8:
+        steps.append("uint8 pixels / 255")
+    steps.append("float32")
+    if train_x.ndim == 3:
+        steps.append("a channel axis added: [n, h, w] → [n, h, w, 1]")
     train_x, eval_x = _as_float_images(train_x), _as_float_images(eval_x)
     train_y, eval_y = train_y.astype(np.int32).reshape(-1), eval_y.astype(np.int32).reshape(-1)
     classes = num_classes or int(max(train_y.max(initial=0), eval_y.max(initial=0))) + 1
-    info = DataInfo("image", len(train_x), len(eval_x), tuple(train_x.shape[1:]), num_classes=classes)
+    info = DataInfo("image", len(train_x), len(eval_x), tuple(train_x.shape[1:]), num_classes=classes,
+                    preprocessing="; ".join(steps))
     return Dataset({"image": train_x, "label": train_y}, {"image": eval_x, "label": eval_y}, info)
 
 
@@ -63,7 +72,8 @@ def digits(cfg) -> Dataset:
 
     bunch = load_digits()
     images = (bunch.images / 16.0).astype(np.float32)  # pixel values are 0..16
-    return _images(*_split(images, bunch.target, cfg.eval_fraction), num_classes=10)
+    return _images(*_split(images, bunch.target, cfg.eval_fraction), num_classes=10,
+                   scaled="sklearn.datasets.load_digits().images / 16.0 (pixel values 0..16 → 0..1)")
 
 
 def synthetic(cfg) -> Dataset:

@@ -114,9 +114,13 @@ def _next_free(sweep: Sweep, queue: list[RunSpec], waiting: set[str]):
 def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     """Runs what is pending, `parallel` at a time; 0 if every run finished, else 1 (143 if stopped)."""
     todo = pending_runs(sweep, retry_failed)
-    skipped = len(sweep.runs) - len(todo)
-    print(f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {skipped} already done or failed, {len(todo)} to run "
-          f"({parallel} at a time) in {sweep.directory}", flush=True)
+    statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]
+    failed = "" if retry_failed else f", {statuses.count('failed')} failed (--retry-failed runs them again)"
+    resuming = sum(any(step.name.isdigit() for step in (sweep.workdir(run) / "checkpoints").glob("*"))
+                   for run in todo)
+    print(f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {statuses.count('finished')} finished{failed}, "
+          f"{len(todo)} to run ({resuming} resuming from a checkpoint; {parallel} at a time) in {sweep.directory}",
+          flush=True)
     stopping = []
 
     def stop(signum, frame):  # pass the preemption on: each child saves and exits 143

@@ -19,9 +19,11 @@ as a SLURM job array.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,17 +72,32 @@ def format_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("...").strip()
 
 
+NAME_BYTES = 200  # run directory names stay well under the 255 bytes file systems allow
+
+
 def _short(value) -> str:
+    """A value as a shell-safe piece of a directory name: lists joined by '-', and nothing but
+    letters, digits and . _ + - = kept (a run's workdir can be typed or pasted without quotes)."""
     if isinstance(value, float):
         return f"{value:.4g}"
-    return format_value(value).replace(" ", "").replace("/", "_")
+    if isinstance(value, (list, tuple)):
+        return "-".join(_short(v) for v in value)
+    return re.sub(r"[^A-Za-z0-9._+=-]", "_", format_value(value))
+
+
+def _bounded(name: str) -> str:
+    """`name`, cut to NAME_BYTES with a hash of the whole so that cut names stay distinct."""
+    if len(name.encode()) <= NAME_BYTES:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name.encode()[:NAME_BYTES - 11].decode(errors="ignore") + "_" + digest
 
 
 def _run_names(combos: list[dict]) -> list[str]:
     keys = list(combos[0]) if combos else []
     tails = [key.rsplit(".", 1)[-1] for key in keys]
     labels = [tail if tails.count(tail) == 1 else key for key, tail in zip(keys, tails)]
-    names = [",".join(f"{label}={_short(combo[key])}" for key, label in zip(keys, labels)) or "run"
+    names = [_bounded(",".join(f"{label}={_short(combo[key])}" for key, label in zip(keys, labels)) or "run")
              for combo in combos]
     if len(set(names)) != len(names):  # e.g. random draws that print alike: number them
         names = [f"{i:03d}_{name}" for i, name in enumerate(names)]
@@ -180,6 +197,6 @@ def validate_runs(sweep: Sweep) -> None:
     for run in sweep.runs:
         args = sweep.argv(run)
         try:
-            load_config(sweep.base, args[4:], args[3])
+            load_config(sweep.base, args[4:], args[3], override_source=f"the sweep file {sweep.path.name}")
         except UsageError as e:
             raise UsageError(f"run '{run.name}': {e}") from None
