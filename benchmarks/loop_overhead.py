@@ -82,8 +82,9 @@ QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.num_devices=1"]
 GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
        "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
        "model.dropout_rate=0.1", "train.global_batch_size=16"]
-MODELS = {"mlp": ("mnist_mlp.yaml", []), "transformer": ("mnist_mlp.yaml", GPT), "gpt_small": ("gpt_small.yaml", [])}
-DEFAULT_STEPS = {"mlp": 2000, "transformer": 2000, "gpt_small": 100}  # timed steps per round
+MODELS = {"mlp": ("mnist_mlp.yaml", []), "transformer": ("mnist_mlp.yaml", GPT), "gpt_small": ("gpt_small.yaml", []),
+          "llama_tiny": ("llama_tiny.yaml", [])}
+DEFAULT_STEPS = {"mlp": 2000, "transformer": 2000, "gpt_small": 100, "llama_tiny": 40}  # timed steps per round
 
 
 # --- the engine's loop ---------------------------------------------------------------------

@@ -222,33 +222,67 @@ def test_unsupported_hugging_face_settings_are_refused_by_name(tmp_path):
     assert proc.returncode == 2 and "attention_bias=True" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_logits_equal_transformers_llama(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = LlamaConfig(**{**TINY, "rope_scaling_factor": 8.0, "rope_original_max_len": 4})
-    write_hf_checkpoint(tmp_path / "hf", cfg, vocab=61)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
-    tokens = np.random.default_rng(3).integers(0, 61, (2, 12))
-    with torch.no_grad():
-        expected = reference(torch.tensor(tokens)).logits.numpy()
+def ours_from_hf_dir(path, info=INFO):
+    """Our module and parameters, read from a Hugging Face directory through models/llama_hf.py."""
     from engine.hf import _Reader, _tensor_files
     from models import llama_hf
 
-    read = _Reader(_tensor_files(tmp_path / "hf"))
-    ours = llama_hf.config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    ours.pop("name")
-    cfg = LlamaConfig(**ours)
-    module = REGISTRY["llama"].build(cfg, INFO, jnp.float32, jnp.float32)
+    read = _Reader(_tensor_files(path))
+    settings = llama_hf.config_from_hf(json.loads((path / "config.json").read_text()))
+    settings.pop("name")
+    cfg = LlamaConfig(**settings)
     params = {}
     for tensor in llama_hf.tensors(cfg):
         layers = [tensor.to_ours(read(name)) for name in tensor.names]
-        value = np.stack(layers) if tensor.stacked else layers[0]
         node = params
         for key in tensor.path[:-1]:
             node = node.setdefault(key, {})
-        node[tensor.path[-1]] = value
+        node[tensor.path[-1]] = np.stack(layers) if tensor.stacked else layers[0]
+    return REGISTRY["llama"].build(cfg, info, jnp.float32, jnp.float32), params
+
+
+def transformers_logits(path, tokens):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    with torch.no_grad():
+        return reference(torch.tensor(tokens)).logits.numpy()
+
+
+def test_logits_equal_transformers_llama(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    cfg = LlamaConfig(**{**TINY, "rope_scaling_factor": 8.0, "rope_original_max_len": 4})
+    write_hf_checkpoint(tmp_path / "hf", cfg, vocab=61)
+    tokens = np.random.default_rng(3).integers(0, 61, (2, 12))
+    module, params = ours_from_hf_dir(tmp_path / "hf")
     logits = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
-    np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits), transformers_logits(tmp_path / "hf", tokens), rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**{**TINY, "qk_norm": qk_norm}), vocab=256)
+    run = tmp_path / "run"
+    common = ["data.name=synthetic_text", "data.vocab_size=256", "data.seq_len=12", "data.num_examples=64",
+              "train.global_batch_size=8", "log.progress=false", "log.tensorboard=false"]
+    assert run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(run), *common).returncode == 0
+    trained = run_cli("--config", str(run / "config.yaml"), "--workdir", str(run), "train.steps=3")
+    assert trained.returncode == 0, trained.stderr  # fine-tunes from the imported step 0
+    proc = run_cli("export", "--workdir", str(run), "--format", "hf", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    tokens = np.random.default_rng(4).integers(0, 256, (2, 12))
+    module, params = ours_from_hf_dir(tmp_path / "out", DataInfo("tokens", 8, 8, vocab_size=256, seq_len=12))
+    ours = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
+    theirs = transformers_logits(tmp_path / "out", tokens)
+    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
+    imported, imported_params = ours_from_hf_dir(tmp_path / "hf", DataInfo("tokens", 8, 8, vocab_size=256,
+                                                                            seq_len=12))
+    before = imported.apply({"params": imported_params}, jnp.asarray(tokens, jnp.int32), train=False)
+    assert not np.allclose(before, ours)  # the three steps of training changed the model
 
 
 @pytest.mark.slow
