@@ -202,7 +202,7 @@ def main(argv: list[str]) -> int:
             return 1
         except Preempted as e:
             sys.stderr.write(f"{e}\n")
-            return 143
+            return e.exit_code
     except UsageError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2

@@ -37,7 +37,7 @@ class DataConfig:
     # synthetic sources
     num_examples: int = 4096  # training examples generated (eval gets a quarter)
     image_shape: list[int] = field(default_factory=lambda: [8, 8, 1])  # [height, width, channels]
-    num_classes: int = 10
+    num_classes: int = 10  # synthetic: classes made; npz: labels must lie in [0, num_classes)
     # token sources (text, synthetic_text)
     seq_len: int = 128  # tokens per example (the model sees seq_len, predicts the next)
     vocab_size: int = 256  # synthetic_text only; byte-level text is always 256

@@ -9,12 +9,14 @@ from jax.experimental import multihost_utils
 
 
 class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint at `step` was saved and completed (exit code 143)."""
+    """SIGTERM (or Ctrl-C's SIGINT) arrived; a checkpoint at `step` was saved and completed.
+    exit_code: 143 for SIGTERM, 130 for SIGINT, as a shell reports a process ended by them."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted by SIGTERM: saved a checkpoint at step {step}; re-run the same command "
-                         f"to resume")
-        self.step = step
+    def __init__(self, step: int, signum: int = signal.SIGTERM):
+        name = signal.Signals(signum).name
+        super().__init__(f"{'preempted' if signum == signal.SIGTERM else 'stopped'} by {name}: saved a checkpoint "
+                         f"at step {step}; re-run the same command to resume")
+        self.step, self.exit_code = step, 128 + int(signum)
 
 
 class PreemptionWatch:
@@ -25,13 +27,15 @@ class PreemptionWatch:
 
     def __init__(self):
         self.requested = False
+        self.signum = signal.SIGTERM  # what asked to stop
         self.multi_process = jax.process_count() > 1
-        self._previous = None
+        self._previous = {}
         if not self.multi_process and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            # Ctrl-C too: save, then exit 130, instead of a KeyboardInterrupt traceback mid-step
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def _on_sigterm(self, signum, frame):
-        self.requested = True
+    def _on_signal(self, signum, frame):
+        self.requested, self.signum = True, signum
 
     def should_stop(self, first: int, last: int) -> bool:
         """After steps first..last (one call): stop now? JAX's sync point is one exact step,
@@ -41,5 +45,5 @@ class PreemptionWatch:
         return self.requested
 
     def close(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -3,9 +3,10 @@
 code (the Checkpointer, the trainer, a notebook importing the engine) changes none of this.
 
 - JAX's compilation-cache events are counted (`compile_cache_events`) for the run summary.
-- Orbax's restore of a damaged checkpoint leaves sibling read tasks and tensorstore callbacks
-  that print tracebacks about a closed event loop; the checkpointer reports the failure once
-  in one line, so that noise is dropped from stderr and the asyncio log.
+- Orbax's restore of a damaged checkpoint leaves sibling read tasks, coroutines and
+  tensorstore callbacks that print tracebacks (a closed event loop, exceptions never
+  retrieved); the checkpointer reports the failure once in one line, so that noise is
+  dropped from stderr, the asyncio log and the unraisable-exception hook.
 - Orbax logs "directory is read only" at every read of an evaluator's or export's checkpoints.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ def install() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's per-read "read only" warnings
     if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
         sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
+    sys.unraisablehook = _drop_orphaned_reads(sys.unraisablehook)
 
 
 def use_distributed_client_barriers() -> None:
@@ -69,6 +71,18 @@ def distributed_client_barriers_on() -> bool:
 def _count_cache_event(event: str, **kwargs) -> None:
     if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"):
         compile_cache_events[event.rsplit("_", 1)[-1]] += 1  # "hits" / "misses"
+
+
+def _drop_orphaned_reads(default):
+    """The same noise by another road: an orphaned orbax read coroutine that the garbage
+    collector finishes prints 'Exception ignored in: <coroutine …>' and a traceback."""
+
+    def hook(unraisable):
+        if "orbax" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", ""):
+            return
+        default(unraisable)
+
+    return hook
 
 
 class _DropOrphanedTaskErrors(logging.Filter):

@@ -89,8 +89,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                 window = Window(done)
             if _due(cfg.eval.every_steps, done, total):
                 with _paused(window, goodput, "eval_seconds"):  # eval time is not training throughput
-                    result.eval_metrics = evaluate(run, state)
-                    writer.write(done, "eval", result.eval_metrics)
+                    result.eval_metrics = _evaluate(run, state, done, writer)
             if _due(cfg.checkpoint.every_steps, done, total):
                 save(done)
                 last_saved = done
@@ -98,7 +97,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                 if last_saved != done:
                     save(done)
                 checkpointer.wait()
-                raise Preempted(done)
+                raise Preempted(done, preemption.signum)
         if start >= total:
             writer.message(f"already finished: the newest checkpoint is at step {start} of {total}; to train again "
                            f"from scratch give another --workdir, to train longer raise train.steps")
@@ -164,6 +163,16 @@ def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter,
         "grad_norm": sum(m["grad_norm"] for m in host) / len(host), "learning_rate": host[-1]["learning_rate"],
         **rates.per_step(window.seconds() / window.steps)})
     return {window.start + offset + 1: m["loss_sum"] / m["count"] for offset, m in enumerate(host)}
+
+
+def _evaluate(run: Run, state, step: int, writer: MetricWriter) -> dict[str, float]:
+    """Evaluates and logs; a non-finite eval loss fails the run as a non-finite train loss does."""
+    metrics = evaluate(run, state)
+    writer.write(step, "eval", metrics)
+    if not math.isfinite(metrics["loss"]):
+        raise NonFiniteLoss(f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or "
+                            f"infinite values, or lower optimizer.learning_rate")
+    return metrics
 
 
 def _check_finite(host_window: list[dict], first_step: int, policy: str, writer: MetricWriter) -> None:

@@ -65,8 +65,11 @@ def test_engine_imports_have_no_cycles():
     for name, path in ours.items():
         graph[name] = set()
         for imported in imports(path):
-            # `from engine import process` names a module; `from engine.x import y` a module's member
-            candidates = [imported] + [f"{imported}.{alias}" for alias in _from_names(path, imported)]
+            # `from engine import process` imports the submodule (its package is already loading);
+            # `from engine.x import y` imports module engine.x for its member y
+            names = _from_names(path, imported)
+            submodules = [f"{imported}.{alias}" for alias in names if f"{imported}.{alias}" in ours]
+            candidates = submodules + ([imported] if len(submodules) < len(names) or not names else [])
             graph[name].update(c for c in candidates if c in ours and c != name)
     for start in graph:  # depth-first: a path back to `start` is a cycle
         stack, seen = [(start, (start,))], set()

@@ -94,3 +94,50 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_saved_again(tmp_path):
     assert (workdir / "checkpoints" / "20").is_dir()  # saved again
     again = run_cli(*args)
     assert again.returncode == 0 and "already finished" in again.stdout + again.stderr, again.stderr
+
+
+@pytest.mark.parametrize("labels, expected", [
+    ([0, 1, 99], "20 of y outside [0, 10), the first at y[2] (value 99)"),
+    ([0, -1, 3], "the first at y[1] (value -1)"),
+    ([0, 2**33, 1], "(value 8589934592)"),
+], ids=["too-large", "negative", "int64-would-wrap"])
+def test_bad_labels_are_refused_at_load(tmp_path, labels, expected):
+    """Before: 99 grew the model to 100 classes, -1 trained, 2**33 wrapped to 0."""
+    import numpy as np
+
+    y = np.array(labels * 20, np.int64)
+    x = np.random.default_rng(0).random((len(y), 4, 4), np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "data.name=npz",
+                   f"data.path={tmp_path / 'd.npz'}")
+    assert proc.returncode == 2 and expected in proc.stderr and str(tmp_path / "d.npz") in proc.stderr, proc.stderr
+    assert not (tmp_path / "w").exists()  # refused before anything was written
+
+
+def test_nan_inputs_are_refused_at_load(tmp_path):
+    import numpy as np
+
+    x = np.random.default_rng(0).random((60, 4, 4), np.float32)
+    x[17, 1, 2] = np.nan
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=np.arange(60) % 10, x_test=x[:10], y_test=np.arange(10))
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "data.name=npz",
+                   f"data.path={tmp_path / 'd.npz'}")
+    assert proc.returncode == 2 and "of x_train hold NaN or infinite values, the first at x_train[17]" in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path):
+    """Before: a KeyboardInterrupt traceback, exit 130 and nothing saved."""
+    import signal
+
+    workdir = tmp_path / "run"
+    proc = _train(workdir, "train.steps=1000000", "log.every_steps=10", "checkpoint.every_steps=100000")
+    deadline = time.time() + 120
+    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "stopped by SIGINT: saved a checkpoint at step" in err
+    step = int(err.split("saved a checkpoint at step ")[1].split(";")[0])
+    assert (workdir / "checkpoints" / str(step)).is_dir()

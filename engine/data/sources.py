@@ -52,6 +52,26 @@ def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None,
     return Dataset({"image": train_x, "label": train_y}, {"image": eval_x, "label": eval_y}, info)
 
 
+def _check_labels(labels: np.ndarray, num_classes: int, where: str, name: str = "labels") -> None:
+    """UsageError naming the file, the count and the first bad index unless every label is
+    an integer in [0, num_classes) (so nothing wraps when it becomes int32)."""
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise UsageError(f"{where}: {name} must be integers, got {labels.dtype}")
+    flat = labels.reshape(-1)
+    bad = np.flatnonzero((flat < 0) | (flat >= num_classes))
+    if bad.size:
+        raise UsageError(f"{where}: {bad.size} of {name} outside [0, {num_classes}), the first at {name}[{bad[0]}] "
+                         f"(value {flat[bad[0]]}); fix the labels, or set data.num_classes to the number of classes")
+
+
+def _check_finite(inputs: np.ndarray, where: str, name: str = "inputs") -> None:
+    if np.issubdtype(inputs.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(inputs.reshape(len(inputs), -1)).all(axis=1))
+        if bad.size:
+            raise UsageError(f"{where}: {bad.size} example(s) of {name} hold NaN or infinite values, the first at "
+                             f"{name}[{bad[0]}]; clean the data")
+
+
 def _as_float_images(x: np.ndarray) -> np.ndarray:
     scale = 255.0 if x.dtype == np.uint8 else 1.0
     x = x.astype(np.float32) / scale
@@ -111,6 +131,11 @@ def npz(cfg) -> Dataset:
         if x_key in arrays and y_key in arrays and len(arrays[x_key]) != len(arrays[y_key]):
             raise UsageError(f"data.path={path}: {x_key} has {len(arrays[x_key])} examples but {y_key} has "
                              f"{len(arrays[y_key])}; they must match")
+    for x_key, y_key in (("x_train", "y_train"), ("x_test", "y_test"), ("x", "y")):
+        if y_key in arrays:  # checked in the file's own indexing, before any split
+            _check_labels(arrays[y_key], cfg.num_classes, f"data.path={path}", y_key)
+        if x_key in arrays:
+            _check_finite(arrays[x_key], f"data.path={path}", x_key)
     if {"x_train", "y_train"} <= arrays.keys():
         if {"x_test", "y_test"} <= arrays.keys():
             parts = arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"]
@@ -124,7 +149,7 @@ def npz(cfg) -> Dataset:
         if len(x) != len(y) or x.ndim < 2 or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
             raise UsageError(f"data.path={path}: x must be [n, ...] and y [n] integer labels; "
                              f"got x {x.shape} {x.dtype}, y {y.shape} {y.dtype}")
-    return _images(*parts)
+    return _images(*parts, num_classes=cfg.num_classes)
 
 
 def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
@@ -156,7 +181,9 @@ def idx(cfg) -> Dataset:
     parts = []
     for split in ("train", "t10k"):
         images = _read_idx(_find(directory, (f"{split}-images-idx3-ubyte", f"{split}-images.idx3-ubyte")), 3)
-        labels = _read_idx(_find(directory, (f"{split}-labels-idx1-ubyte", f"{split}-labels.idx1-ubyte")), 1)
+        label_file = _find(directory, (f"{split}-labels-idx1-ubyte", f"{split}-labels.idx1-ubyte"))
+        labels = _read_idx(label_file, 1)
+        _check_labels(labels, 10, str(label_file))
         if len(images) != len(labels):
             raise UsageError(f"{directory}: {split} has {len(images)} images but {len(labels)} labels")
         parts += [images, labels]

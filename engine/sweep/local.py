@@ -38,7 +38,9 @@ def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
         child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
                                  stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
         code = _wait(child)
-    status = {0: "finished", 143: "interrupted"}.get(code, "failed")
+    # stopped by a signal (saved, 143/130), or ended while this sweep was being stopped (a run
+    # still starting has no handler yet): interrupted, resumed on the next run of the sweep
+    status = "finished" if code == 0 else "interrupted" if code in (143, 130) or STOPPING.is_set() else "failed"
     record = {"status": status, "exit_code": code, "seconds": round(time.time() - start, 2)}
     if status == "failed":
         record["error"] = _last_error(workdir / "run.log")
@@ -47,6 +49,7 @@ def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
 
 
 _children: list[subprocess.Popen] = []
+STOPPING = threading.Event()  # set when this sweep process is told to stop (SIGTERM, SIGINT)
 
 
 def _wait(child: subprocess.Popen) -> int:
@@ -124,6 +127,7 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     stopping = []
 
     def stop(signum, frame):  # pass the preemption on: each child saves and exits 143
+        STOPPING.set()
         stopping.append(signum)
         for child in list(_children):
             child.send_signal(signal.SIGTERM)
