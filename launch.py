@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     from engine import process
     from engine.distributed import DistributedError
 
-    process.install()  # process-wide settings of this program, once (see engine/process.py)
+    process.install(reader=command in ("eval", "export", "sample"))  # once (see engine/process.py)
     try:
         if command == "sweep":
             from engine.sweep import main as sweep_main

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.process import distributed_client_barriers_on
 from engine.sharding import path_name
@@ -41,7 +42,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
                  timeout_seconds: int = 600, staging: str = "host"):
         self.directory = Path(directory).absolute()
-        self.read_only = read_only
+        self.read_only, self.timeout_seconds = read_only, timeout_seconds
         self.staging = staging
         if staging == "device" and jax.process_count() > 1 and not distributed_client_barriers_on():
             raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
@@ -171,6 +172,7 @@ class Checkpointer:
                 (aside / f"{step}-{stamp}.reason.txt").write_text(reason + "\n")
                 print(f"warning: moved the unreadable checkpoint {self.directory}/{step} to {target}; "
                       f"training will save step {step} again", file=sys.stderr)
+        barrier(f"set_aside_{'_'.join(map(str, damaged))}", self.timeout_seconds)  # moved before anyone reloads
         self.manager.reload()
 
     def restore_params(self, abstract_params):

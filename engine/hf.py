@@ -29,6 +29,7 @@ from engine.setup import build_run
 from models import REGISTRY
 
 INDEX = "model.safetensors.index.json"
+HF_CONFIG = "hf_config.json"  # the imported config.json, kept in the workdir
 SHARD_BYTES = 2 * 1024**3  # largest safetensors file written by export
 
 
@@ -91,7 +92,9 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
     from engine.config import CONFIG_DIR
 
     model_overrides = [f"model.{key}={json.dumps(value)}" for key, value in model.items()]
-    cfg = load_config(config or CONFIG_DIR / "base.yaml", [*model_overrides, *overrides], str(work))
+    # base.yaml's data is images; without a config of its own the run gets real offline text
+    data = [] if config else ["data.name=python_source"]
+    cfg = load_config(config or CONFIG_DIR / "base.yaml", [*data, *model_overrides, *overrides], str(work))
     run = build_run(cfg, compile_train=False)
     read = _Reader(_tensor_files(hf_path))
     params = run.abstract_state.params
@@ -105,6 +108,7 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
     state = run.init_state().replace(params=params)  # a fresh optimizer state beside the imported weights
     work.mkdir(parents=True, exist_ok=True)
     save_config(cfg, work / "config.yaml")
+    write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
     checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep)
     try:
         checkpointer.save(0, state, {"step": 0, "data": {"next_step": 0, "seed": cfg.seed}, "config": to_yaml(cfg),
@@ -174,6 +178,10 @@ def export_hf(workdir: str, out: str) -> Path:
     out_path.mkdir(parents=True, exist_ok=True)
     _write_safetensors(tensors, out_path)
     hf_config = family.hf.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
+    if (work / HF_CONFIG).is_file():  # an imported model keeps what we do not model (bos/eos ids, context length)
+        original = json.loads((work / HF_CONFIG).read_text())
+        kept = {k: v for k, v in original.items() if k not in hf_config or k == "max_position_embeddings"}
+        hf_config = {**hf_config, **kept}
     write_atomic(out_path / "config.json", json.dumps(hf_config, indent=2) + "\n")
     return out_path
 

@@ -36,6 +36,8 @@ class PreemptionWatch:
 
     def _on_signal(self, signum, frame):
         self.requested, self.signum = True, signum
+        if signum == signal.SIGINT:  # a second Ctrl-C aborts at once (a hung step, a stuck wait)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def should_stop(self, first: int, last: int) -> bool:
         """After steps first..last (one call): stop now? JAX's sync point is one exact step,

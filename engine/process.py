@@ -7,7 +7,8 @@ code (the Checkpointer, the trainer, a notebook importing the engine) changes no
   tensorstore callbacks that print tracebacks (a closed event loop, exceptions never
   retrieved); the checkpointer reports the failure once in one line, so that noise is
   dropped from stderr, the asyncio log and the unraisable-exception hook.
-- Orbax logs "directory is read only" at every read of an evaluator's or export's checkpoints.
+- Orbax logs "directory is read only" at every read of an evaluator's or export's
+  checkpoints: silenced for the commands that only read.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ compile_cache_events: Counter = Counter()
 _installed = False
 
 
-def install() -> None:
-    """Installs the settings above (idempotent)."""
+def install(reader: bool = False) -> None:
+    """Installs the settings above (idempotent). reader: a command that only reads checkpoints
+    (eval, export, sample), whose orbax read-only warnings are silenced."""
     global _installed
     if _installed:
         return
@@ -33,7 +35,8 @@ def install() -> None:
 
     jax.monitoring.register_event_listener(_count_cache_event)
     logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
-    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's per-read "read only" warnings
+    if reader:
+        logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's per-read "read only" warnings
     if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
         sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
     sys.unraisablehook = _drop_orphaned_reads(sys.unraisablehook)

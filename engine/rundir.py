@@ -1,7 +1,7 @@
 """A run's directory on disk: atomic file writes, `metrics.jsonl` records and `status.json`.
 
-Shared by the trainer, the evaluator, sweeps and reports; it imports nothing else of the
-engine. Files that readers may open at any moment are replaced whole (a temporary file,
+Shared by the trainer, the evaluator, sweeps and reports; of the engine it imports only
+its error type. Files that readers may open at any moment are replaced whole (a temporary file,
 then `os.replace`), so nobody ever reads half of one.
 """
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from engine.errors import UsageError
 
 METRICS = "metrics.jsonl"
 STATUS = "status.json"
@@ -64,13 +66,23 @@ def drop_records_after(path: Path, step: int) -> int:
     return max(logged - step, 0)
 
 
+class WorkdirBusy(UsageError):
+    """Another training job holds the workdir (a UsageError: exit 2); `holder` says who."""
+
+    def __init__(self, workdir: Path, holder: str):
+        super().__init__(f"{workdir} is in use by another training job ({holder}); wait for it to finish or stop "
+                         f"it, or give this run another --workdir")
+        self.holder = holder
+
+
 class WorkdirLock:
     """One training job per workdir: an exclusive `flock` on workdir/.lock, held for the life
     of the job. The OS drops it when the process ends however it ends (a SIGKILL too), so no
     stale lock is ever left; the file only says who held it last."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, wait_seconds: float = 3.0):
         self.path = Path(workdir) / ".lock"
+        self.wait_seconds = wait_seconds  # rides out a reader's momentary probe (lock_holder)
         self.handle = None
 
     def __enter__(self) -> "WorkdirLock":
@@ -78,17 +90,20 @@ class WorkdirLock:
         import socket
         import time
 
-        from engine.errors import UsageError
-
         handle = open(self.path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise UsageError(f"{self.path.parent} is in use by another training job ({holder}); wait for it to "
-                             f"finish or stop it, or give this run another --workdir") from None
+        deadline = time.monotonic() + self.wait_seconds
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise WorkdirBusy(self.path.parent, holder) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
@@ -104,11 +119,17 @@ class WorkdirLock:
 
 
 def lock_holder(workdir: Path) -> str | None:
-    """Who holds workdir's lock now ("host …, pid …, started …"), or None if nobody does."""
+    """Who holds workdir's lock now ("host …, pid …, started …"), or None if nobody does. A
+    probe: a shared lock taken and dropped at once, the file neither truncated nor written."""
+    import fcntl
+
+    path = Path(workdir) / ".lock"
     try:
-        with WorkdirLock(workdir):
-            return None
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip() or "unknown"
+            return None  # closing the file drops the shared lock
     except FileNotFoundError:
         return None
-    except ValueError as e:  # UsageError: held
-        return str(e).split("(", 1)[1].split(")", 1)[0]

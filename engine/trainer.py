@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,31 +40,29 @@ class FitResult:
 def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> FitResult:
     """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
     goodput = Goodput(started or time.time())
-    if run is None or started is not None:  # a run built before the clock started was not compiled on it
-        run = run or build_run(cfg)
-        goodput.compile_seconds = run.compiled.compile_seconds
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
     with contextlib.ExitStack() as closing:  # closed in reverse order, on success or failure
-        if is_chief:  # one job per workdir, before anything in it is written
-            workdir.mkdir(parents=True, exist_ok=True)
-            closing.enter_context(WorkdirLock(workdir))
+        if is_chief:  # one job per workdir: claimed before compiling and before anything is written
+            _claim(workdir, closing)
+        if run is None or started is not None:  # a run built before the clock started was not compiled on it
+            run = run or build_run(cfg)
+            goodput.compile_seconds = run.compiled.compile_seconds
+        if is_chief:
             save_config(cfg, workdir / "config.yaml")
-        checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout,
-                                    staging=cfg.checkpoint.staging)
-        closing.callback(checkpointer.close)
+        checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
+            workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging)))
         state, start = initial_state(run, checkpointer)
         state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
         barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
         if is_chief:
             goodput.redone_steps = drop_records_after(workdir / METRICS, start)
         total, per_call, per_block = cfg.train.steps, run.inputs.steps_per_call, run.inputs.steps_per_block
-        writer = MetricWriter(workdir, enabled=is_chief, total_steps=total, start_step=start,
-                              progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
-        closing.callback(writer.close)
-        batches = Prefetcher(run.train_block, start // per_block, cfg.data.prefetch)  # blocks of batches
-        closing.callback(batches.close)
-        preemption = PreemptionWatch()
-        closing.callback(preemption.close)
+        writer = closing.enter_context(contextlib.closing(MetricWriter(
+            workdir, enabled=is_chief, total_steps=total, start_step=start, progress=cfg.log.progress,
+            tensorboard=cfg.log.tensorboard)))
+        batches = closing.enter_context(contextlib.closing(Prefetcher(run.train_block, start // per_block,
+                                                                      cfg.data.prefetch)))  # blocks of batches
+        preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
         rates = Throughput(run.cost, cfg.train.global_batch_size,
                            cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info),
                            run.mesh.devices.flat[0], cfg.train.compute_dtype, run.compile_cache)
@@ -89,7 +88,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                 window = Window(done)
             if _due(cfg.eval.every_steps, done, total):
                 with _paused(window, goodput, "eval_seconds"):  # eval time is not training throughput
-                    result.eval_metrics = _evaluate(run, state, done, writer)
+                    result.eval_metrics = _evaluate(run, state, done, writer, cfg.train.nan_policy)
             if _due(cfg.checkpoint.every_steps, done, total):
                 save(done)
                 last_saved = done
@@ -134,6 +133,16 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     return state, start
 
 
+def _claim(workdir: Path, closing: contextlib.ExitStack) -> None:
+    """Takes the workdir's lock for the life of `closing`; a workdir created here is removed
+    again if the run stops before writing anything into it (a bad config or bad data)."""
+    created = not workdir.exists()
+    workdir.mkdir(parents=True, exist_ok=True)
+    closing.enter_context(WorkdirLock(workdir))
+    if created:
+        closing.callback(lambda: [p.name for p in workdir.iterdir()] == [".lock"] and shutil.rmtree(workdir))
+
+
 def _due(every: int, done: int, total: int) -> bool:
     """Is an every-N-steps action due after step `done`? (0 = only at the end)"""
     return (every and done % every == 0) or done == total
@@ -165,13 +174,16 @@ def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter,
     return {window.start + offset + 1: m["loss_sum"] / m["count"] for offset, m in enumerate(host)}
 
 
-def _evaluate(run: Run, state, step: int, writer: MetricWriter) -> dict[str, float]:
-    """Evaluates and logs; a non-finite eval loss fails the run as a non-finite train loss does."""
+def _evaluate(run: Run, state, step: int, writer: MetricWriter, nan_policy: str) -> dict[str, float]:
+    """Evaluates and logs; a non-finite eval loss is handled as a non-finite train loss is."""
     metrics = evaluate(run, state)
     writer.write(step, "eval", metrics)
     if not math.isfinite(metrics["loss"]):
-        raise NonFiniteLoss(f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or "
-                            f"infinite values, or lower optimizer.learning_rate")
+        text = (f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or infinite values, "
+                f"or lower optimizer.learning_rate")
+        if nan_policy == "stop":
+            raise NonFiniteLoss(text)
+        writer.message(f"warning: {text}")
     return metrics
 
 

@@ -41,7 +41,8 @@ def config_from_hf(hf: dict) -> dict:
                                  "sliding-window attention is not supported")}
     for field, (bad, why) in refuse.items():
         if bad:
-            raise ModelError(f"config.json {field}={hf.get(field)!r}: {why}")
+            value = hf.get(field, "absent: true for " + architecture if field == "attention_bias" else None)
+            raise ModelError(f"config.json {field}={value!r}: {why}")
     model = {"name": "llama", "num_layers": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
              "num_heads": hf["num_attention_heads"],
              "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],

@@ -52,7 +52,8 @@ def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None,
     return Dataset({"image": train_x, "label": train_y}, {"image": eval_x, "label": eval_y}, info)
 
 
-def _check_labels(labels: np.ndarray, num_classes: int, where: str, name: str = "labels") -> None:
+def _check_labels(labels: np.ndarray, num_classes: int, where: str, name: str = "labels",
+                  fix: str = "fix the labels, or set data.num_classes to the number of classes") -> None:
     """UsageError naming the file, the count and the first bad index unless every label is
     an integer in [0, num_classes) (so nothing wraps when it becomes int32)."""
     if not np.issubdtype(labels.dtype, np.integer):
@@ -61,7 +62,7 @@ def _check_labels(labels: np.ndarray, num_classes: int, where: str, name: str = 
     bad = np.flatnonzero((flat < 0) | (flat >= num_classes))
     if bad.size:
         raise UsageError(f"{where}: {bad.size} of {name} outside [0, {num_classes}), the first at {name}[{bad[0]}] "
-                         f"(value {flat[bad[0]]}); fix the labels, or set data.num_classes to the number of classes")
+                         f"(value {flat[bad[0]]}); {fix}")
 
 
 def _check_finite(inputs: np.ndarray, where: str, name: str = "inputs") -> None:
@@ -183,7 +184,7 @@ def idx(cfg) -> Dataset:
         images = _read_idx(_find(directory, (f"{split}-images-idx3-ubyte", f"{split}-images.idx3-ubyte")), 3)
         label_file = _find(directory, (f"{split}-labels-idx1-ubyte", f"{split}-labels.idx1-ubyte"))
         labels = _read_idx(label_file, 1)
-        _check_labels(labels, 10, str(label_file))
+        _check_labels(labels, 10, str(label_file), fix="MNIST-style IDX labels are digits 0..9; fix the file")
         if len(images) != len(labels):
             raise UsageError(f"{directory}: {split} has {len(images)} images but {len(labels)} labels")
         parts += [images, labels]

@@ -1,6 +1,9 @@
 """`launch.py sweep SWEEP.yaml`: config sweeps (see spec.py for the file format)."""
 from __future__ import annotations
 
+import sys
+
+from engine.errors import UsageError
 from engine.report import report
 from engine.sweep.local import run_pending, write_index
 from engine.sweep.slurm import run_task, submit_slurm
@@ -20,5 +23,8 @@ def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task:
     if backend == "slurm":
         return submit_slurm(sweep, retry_failed)
     code = run_pending(sweep, parallel, retry_failed)
-    report([sweep.directory], metric=sweep.metric, mode=sweep.mode, out=sweep.directory)
+    try:
+        report([sweep.directory], metric=sweep.metric, mode=sweep.mode, out=sweep.directory)
+    except UsageError as e:  # no run has logged the metric yet (all failed early, or stopped): say so, keep the code
+        print(f"no report: {e}", file=sys.stderr)
     return code

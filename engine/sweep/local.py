@@ -54,6 +54,8 @@ STOPPING = threading.Event()  # set when this sweep process is told to stop (SIG
 
 def _wait(child: subprocess.Popen) -> int:
     _children.append(child)
+    if STOPPING.is_set():  # the stop came while this child was starting: it gets the signal too
+        child.send_signal(signal.SIGTERM)
     try:
         return child.wait()
     finally:
@@ -116,6 +118,7 @@ def _next_free(sweep: Sweep, queue: list[RunSpec], waiting: set[str]):
 
 def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     """Runs what is pending, `parallel` at a time; 0 if every run finished, else 1 (143 if stopped)."""
+    STOPPING.clear()  # a new sweep in this process has not been told to stop
     todo = pending_runs(sweep, retry_failed)
     statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]
     failed = "" if retry_failed else f", {statuses.count('failed')} failed (--retry-failed runs them again)"
