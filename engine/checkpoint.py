@@ -192,6 +192,19 @@ class Checkpointer:
         return params, step
 
 
+def restore_newest(workdir: str | Path, abstract_state, keep: int, purpose: str) -> Restored:
+    """The newest readable checkpoint of the run in `workdir`, opened read-only (the export,
+    sample and evaluator commands); UsageError if it has none."""
+    checkpointer = Checkpointer(Path(workdir) / "checkpoints", keep, read_only=True)
+    try:
+        restored = checkpointer.restore(abstract_state)
+    finally:
+        checkpointer.close()
+    if restored is None:
+        raise UsageError(f"{workdir}/checkpoints holds no complete checkpoint to {purpose}")
+    return restored
+
+
 def _restore_args(target, partial: bool = False) -> ocp.args.PyTreeRestore:
     """Restore into the shapes, dtypes and shardings of `target` (ShapeDtypeStructs)."""
     return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),

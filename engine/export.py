@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import restore_newest
 from engine.config import load_config
 from engine.errors import UsageError
 from engine.setup import build_run
@@ -25,11 +25,7 @@ def export_run(workdir: str, out: str) -> Path:
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = load_config(workdir_path / "config.yaml", SINGLE_DEVICE + ["log.progress=false"], str(workdir_path))
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
-    checkpointer = Checkpointer(workdir_path / "checkpoints", cfg.checkpoint.keep, read_only=True)
-    restored = checkpointer.restore(run.abstract_state)
-    checkpointer.close()
-    if restored is None:
-        raise UsageError(f"{workdir_path}/checkpoints holds no complete checkpoint to export")
+    restored = restore_newest(workdir_path, run.abstract_state, cfg.checkpoint.keep, "export")
     variables = {"params": restored.state.params, **restored.state.model_state}
     module, task = run.model.module, run.model.family.task
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import restore_newest
 from engine.config import load_config
 from engine.errors import UsageError
 from engine.setup import build_run
@@ -34,13 +34,7 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
     if info.text_codec != "bytes":
         raise UsageError(f"data.name={cfg.data.name} gives token ids with no text decoding; sample from a run "
                          f"trained on text (data.name=text or python_source)")
-    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, read_only=True)
-    try:
-        restored = checkpointer.restore(run.abstract_state)
-    finally:
-        checkpointer.close()
-    if restored is None:
-        raise UsageError(f"{work}/checkpoints holds no complete checkpoint to sample from")
+    restored = restore_newest(work, run.abstract_state, cfg.checkpoint.keep, "sample from")
     tokens = family.generate(cfg.model, info, restored.state.params, list(prompt.encode("utf-8")), max_tokens,
                              temperature, top_p, seed, jnp.dtype(cfg.train.compute_dtype))
     return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")

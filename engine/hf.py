@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from engine import sharding
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
 from engine.rundir import write_atomic
@@ -163,13 +163,7 @@ def export_hf(workdir: str, out: str) -> Path:
     if family.hf is None:
         raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
     run = build_run(cfg, compile_train=False)
-    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, read_only=True)
-    try:
-        restored = checkpointer.restore(run.abstract_state)
-    finally:
-        checkpointer.close()
-    if restored is None:
-        raise UsageError(f"{work}/checkpoints holds no complete checkpoint to export")
+    restored = restore_newest(work, run.abstract_state, cfg.checkpoint.keep, "export")
     tensors = {}
     for tensor in family.hf.tensors(cfg.model):
         value = np.asarray(jax.device_get(_get(restored.state.params, tensor.path)))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from models import llama_hf, sampling
 from models.family import ModelError, ModelFamily, NextToken
 from models.layers import LMHead, constrain, fused_cross_entropy, param_init
-from models.transformer import REMAT_POLICIES
+from models.transformer import REMAT_POLICIES, validate_work_settings
 
 
 @dataclass
@@ -67,12 +67,7 @@ class LlamaConfig:
             raise ModelError("model.rope_theta and model.norm_eps must be positive, rope_scaling_factor >= 0")
         if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ModelError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor")
-        if self.attention not in ("auto", "xla", "cudnn"):
-            raise ModelError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
-        if self.remat not in REMAT_POLICIES:
-            raise ModelError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
-        if self.loss_chunk < 0:
-            raise ModelError(f"model.loss_chunk={self.loss_chunk} must be 0 (whole sequence) or positive")
+        validate_work_settings(self)
 
     @property
     def kv_heads(self) -> int:

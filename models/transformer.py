@@ -18,6 +18,16 @@ REMAT_POLICIES = {
 }
 
 
+def validate_work_settings(cfg) -> None:
+    """model.attention, remat and loss_chunk, as the decoder families share them."""
+    if cfg.attention not in ("auto", "xla", "cudnn"):
+        raise ModelError(f"model.attention={cfg.attention!r} is not one of auto, xla, cudnn")
+    if cfg.remat not in REMAT_POLICIES:
+        raise ModelError(f"model.remat={cfg.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+    if cfg.loss_chunk < 0:
+        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} must be 0 (whole sequence) or positive")
+
+
 @dataclass
 class TransformerConfig:
     name: str = "transformer"
@@ -35,12 +45,7 @@ class TransformerConfig:
             raise ModelError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
         if self.d_model % self.num_heads:
             raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
-        if self.attention not in ("auto", "xla", "cudnn"):
-            raise ModelError(f"model.attention={self.attention!r} is not one of auto, xla, cudnn")
-        if self.remat not in REMAT_POLICIES:
-            raise ModelError(f"model.remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
-        if self.loss_chunk < 0:
-            raise ModelError(f"model.loss_chunk={self.loss_chunk} must be 0 (whole sequence) or positive")
+        validate_work_settings(self)
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
