@@ -9,21 +9,34 @@ import jax
 import orbax.checkpoint as ocp
 
 from engine.checkpoint import restore_newest
-from engine.config import load_config
+from engine.config import Config, load_config
 from engine.errors import UsageError
 from engine.setup import build_run
 
-SINGLE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit"]
+SINGLE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit",
+                 "log.progress=false"]
+
+
+def run_config(workdir: Path) -> Config:
+    """A finished or running run's own config.yaml, on one device (the readers of a run:
+    export, Hugging Face export, sample); UsageError if workdir is not a run's directory."""
+    if not (workdir / "config.yaml").is_file():
+        raise UsageError(f"{workdir} has no config.yaml; --workdir must be a training run's directory")
+    return load_config(workdir / "config.yaml", SINGLE_DEVICE, str(workdir))
+
+
+def new_output_dir(out: str) -> Path:
+    """--out as an absolute path, refused if it exists with anything in it (nothing is overwritten)."""
+    out_path = Path(out).absolute()
+    if out_path.exists() and any(out_path.iterdir()):
+        raise UsageError(f"--out {out_path} exists and is not empty; choose a new directory")
+    return out_path
 
 
 def export_run(workdir: str, out: str) -> Path:
-    workdir_path, out_path = Path(workdir), Path(out).absolute()
-    if not (workdir_path / "config.yaml").is_file():
-        raise UsageError(f"{workdir_path} has no config.yaml; --workdir must be a training run's directory")
-    if out_path.exists() and any(out_path.iterdir()):
-        raise UsageError(f"--out {out_path} exists and is not empty; choose a new directory")
+    workdir_path, out_path = Path(workdir), new_output_dir(out)
     # Gathered onto one device: the exported program is independent of the training mesh.
-    cfg = load_config(workdir_path / "config.yaml", SINGLE_DEVICE + ["log.progress=false"], str(workdir_path))
+    cfg = run_config(workdir_path)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
     restored = restore_newest(workdir_path, run.abstract_state, cfg.checkpoint.keep, "export")
     variables = {"params": restored.state.params, **restored.state.model_state}

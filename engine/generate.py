@@ -8,24 +8,18 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from engine.checkpoint import restore_newest
-from engine.config import load_config
+from engine.export import run_config
 from engine.errors import UsageError
 from engine.setup import build_run
-
-SINGLE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit",
-                 "log.progress=false"]
-
 
 def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_p: float = 0.95,
            seed: int = 0) -> str:
     """The text generated after `prompt` (the prompt itself not included)."""
     work = Path(workdir)
-    if not (work / "config.yaml").is_file():
-        raise UsageError(f"{work} has no config.yaml; --workdir must be a training run's directory")
     if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise UsageError(f"--max-tokens {max_tokens} must be >= 1, --temperature {temperature} >= 0 and --top-p "
                          f"{top_p} in (0, 1]")
-    cfg = load_config(work / "config.yaml", SINGLE_DEVICE, str(work))
+    cfg = run_config(work)
     run = build_run(cfg, compile_train=False)
     family, info = run.model.family, run.dataset.info
     if family.generate is None:

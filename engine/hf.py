@@ -24,6 +24,7 @@ from engine import sharding
 from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
+from engine.export import new_output_dir, run_config
 from engine.rundir import write_atomic
 from engine.setup import build_run
 from models import REGISTRY
@@ -151,14 +152,8 @@ def _set(tree, path, value):
 
 def export_hf(workdir: str, out: str) -> Path:
     """The newest checkpoint of the run in workdir, as a Hugging Face model directory."""
-    work, out_path = Path(workdir), Path(out).absolute()
-    if not (work / "config.yaml").is_file():
-        raise UsageError(f"{work} has no config.yaml; --workdir must be a training run's directory")
-    if out_path.exists() and any(out_path.iterdir()):
-        raise UsageError(f"--out {out_path} exists and is not empty; choose a new directory")
-    single = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit",
-              "log.progress=false"]
-    cfg = load_config(work / "config.yaml", single, str(work))
+    work, out_path = Path(workdir), new_output_dir(out)
+    cfg = run_config(work)
     family = REGISTRY[cfg.model.name]
     if family.hf is None:
         raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
