@@ -5,6 +5,7 @@
   python launch.py export --workdir DIR --out PATH [--format hf]                     export for inference
   python launch.py import-hf HF_DIR --workdir DIR                                    Hugging Face weights in
   python launch.py sample --workdir DIR --prompt TEXT                                generate text
+  python launch.py tokenize --input PATH... --out DIR --tokenizer bpe:N|tokenizer.json  token shards, once
 
 Exit codes: 0 done; 2 bad config or usage; 143 preempted by SIGTERM after saving (re-run to
 resume); 1 a failed run.
@@ -18,7 +19,7 @@ import time
 
 STARTED = time.time()  # goodput and time to first step count from here
 
-COMMANDS = ("train", "eval", "export", "sweep", "report", "import-hf", "sample")
+COMMANDS = ("train", "eval", "export", "sweep", "report", "import-hf", "sample", "tokenize")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,6 +81,31 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
         parser.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
         return parser
+    if command == "tokenize":
+        parser = _Parser(prog="launch.py tokenize", description="Tokenize text corpora once into token shards for "
+                         "data.name=tokens (train with data.path=OUT). Streams the input; an interrupted run re-run "
+                         "with the same arguments continues where it stopped.")
+        parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                            help="text files (a file is a document; see --text-unit), .jsonl records, .parquet "
+                                 "rows, or directories of them")
+        parser.add_argument("--out", required=True, help="the corpus directory to write")
+        parser.add_argument("--tokenizer", required=True, metavar="T",
+                            help="a Hugging Face tokenizer.json (or a directory with one), or bpe:N to train a "
+                                 "byte-level BPE of N tokens on the input itself")
+        parser.add_argument("--vocab-size", type=int, metavar="N",
+                            help="the vocabulary the corpus declares (at least the tokenizer's; e.g. rounded up to "
+                                 "a multiple of 128), or N for --tokenizer bpe")
+        parser.add_argument("--eval-fraction", type=float, default=0.01, metavar="F",
+                            help="share of documents held out for evaluation (default 0.01)")
+        parser.add_argument("--text-field", default="text", help="the JSON Lines field / Parquet column of the text")
+        parser.add_argument("--text-unit", choices=("file", "line"), default="file",
+                            help="plain text files: one document per file (default) or per line")
+        parser.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N",
+                            help="tokens per shard file (default 134,217,728)")
+        parser.add_argument("--eod-token", help="the end-of-document token (default: the tokenizer's own, e.g. "
+                                                "<|endoftext|> or </s>)")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        return parser
     if command == "eval":
         parser = _Parser(prog="launch.py eval", description="Evaluate a training run's checkpoints (the sidecar "
                          "evaluator, tf.distribute's evaluator task) with the run's own config.yaml; overrides go on "
@@ -96,7 +122,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="launch.py",
         description="Train a model from a config file (subcommands: eval, export, sweep, report, import-hf, "
-                    "sample). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
+                    "sample, tokenize). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
                     "optimizer.learning_rate=3e-4 mesh.fsdp=8 model.hidden_sizes=[256,128]; values are parsed as "
                     "YAML. Re-running on a workdir with checkpoints resumes from the newest one.",
         epilog="shipped configs (in configs/, by path or bare name): " + ", ".join(shipped_configs()),
@@ -165,6 +191,10 @@ def main(argv: list[str]) -> int:
 
             print(f"imported {args.hf_dir} into {import_hf(args.hf_dir, args.workdir, args.config, args.overrides)}")
             return 0
+        if command == "tokenize":
+            from engine.data.tokenize import main as tokenize_main
+
+            return tokenize_main(args)
         if command == "sample":
             from engine.generate import sample
 

@@ -42,6 +42,14 @@ class DataConfig:
     seq_len: int = 128  # tokens per example (the model sees seq_len, predicts the next)
     vocab_size: int = 256  # synthetic_text only; byte-level text is always 256
     max_bytes: int = 4_000_000  # python_source: bytes of text read
+    # tokenized corpora (data.name=tokens; made by `python launch.py tokenize`)
+    packing: bool = True  # documents packed into windows with segment ids and positions (else cut from the stream)
+    sources: list[Any] = field(default_factory=list)  # a mixture: [{path: DIR, weight: 0.7, name: web}, ...]
+    verify: bool = True  # check every shard's checksum against the manifest at start
+    # python_source: bytes (ids are UTF-8 bytes) or bpe:N (a byte-level BPE of N tokens trained
+    # on the text, tokenized once into cache_dir and reused)
+    tokenizer: str = "bytes"
+    cache_dir: str = "~/.cache/jax-engine/tokens"  # where python_source keeps its tokenized corpus
 
 
 @dataclass
@@ -395,13 +403,43 @@ def validate(cfg: Config) -> None:
         for axis in axes:
             if axis not in MESH_AXES:
                 raise UsageError(_choice_message(f"mesh.rules.{logical}", axis, MESH_AXES))
-    if cfg.data.name in FILE_SOURCES and not cfg.data.path:
+    if cfg.data.name in FILE_SOURCES and not cfg.data.path and not (cfg.data.name == "tokens" and cfg.data.sources):
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
+    _check_sources(cfg.data)
     if hasattr(cfg.model, "validate"):
         try:
             cfg.model.validate()
         except ValueError as e:  # the model family's message names the key and the fix
             raise UsageError(str(e)) from None
+
+
+def _check_sources(data: DataConfig) -> None:
+    """data.sources: a list of {path, weight[, name]} mappings, only with data.name=tokens."""
+    if not data.sources:
+        if data.tokenizer != "bytes" and not (data.tokenizer.startswith("bpe:") and data.tokenizer[4:].isdigit()):
+            raise UsageError(f"data.tokenizer={data.tokenizer!r}: use bytes or bpe:N (N ≥ 257), e.g. bpe:2048")
+        return
+    if data.name != "tokens":
+        raise UsageError(f"data.sources is a mixture of tokenized corpora: it needs data.name=tokens, not "
+                         f"{data.name}")
+    if data.path:
+        raise UsageError("set data.path (one corpus) or data.sources (a mixture), not both")
+    example = "data.sources=[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]"
+    for i, source in enumerate(data.sources):
+        if not isinstance(source, dict) or not source.get("path") or set(source) - {"path", "weight", "name"}:
+            raise UsageError(f"data.sources[{i}]={source!r}: each source is a mapping with path, weight and "
+                             f"optionally name, e.g. {example}")
+        weight = source.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise UsageError(f"data.sources[{i}].weight={weight!r} must be a positive number, e.g. {example}")
+    names = [source_name(s, i) for i, s in enumerate(data.sources)]
+    if len(set(names)) != len(names):
+        raise UsageError(f"data.sources have repeated names {names}; give each a distinct name: key")
+
+
+def source_name(source: dict, index: int) -> str:
+    """A mixture source's name in metrics: its `name`, else its directory's name."""
+    return str(source.get("name") or Path(str(source["path"])).name or f"source{index}")
 
 
 def to_yaml(cfg: Config) -> str:

@@ -1,6 +1,6 @@
 """`launch.py sample --workdir DIR --prompt TEXT`: text from the newest checkpoint of a run,
 by the model family's generator (a key/value cache, jitted). Token ids become text by the
-run's data: byte-level text sources decode UTF-8 bytes."""
+run's data: byte-level text sources decode UTF-8 bytes, tokenized corpora their tokenizer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,10 +25,19 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
     if family.generate is None:
         raise UsageError(f"model.name={cfg.model.name} does not generate text; train a language model such as "
                          f"model.name=llama")
-    if info.text_codec != "bytes":
+    if info.text_codec not in ("bytes", "tokenizer"):
         raise UsageError(f"data.name={cfg.data.name} gives token ids with no text decoding; sample from a run "
-                         f"trained on text (data.name=text or python_source)")
+                         f"trained on text (data.name=text, python_source or tokens)")
+    if info.text_codec == "tokenizer":
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(info.tokenizer)
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    else:
+        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
+        decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")  # noqa: E731
     restored = restore_newest(work, run.abstract_state, cfg.checkpoint.keep, "sample from")
-    tokens = family.generate(cfg.model, info, restored.state.params, list(prompt.encode("utf-8")), max_tokens,
+    tokens = family.generate(cfg.model, info, restored.state.params, encode(prompt), max_tokens,
                              temperature, top_p, seed, jnp.dtype(cfg.train.compute_dtype))
-    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+    return decode(tokens)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 
+from engine.data import example_spec
 from engine.step import make_loss_fn, make_train_step, unpack_metrics
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
@@ -142,9 +143,10 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     state's shapes come from its own init."""
     model_cfg = dataclasses.replace(cfg.model, **family.work_settings)
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
-    step = make_train_step(make_loss_fn(module, family.task, family.hparams), tx, cfg.optimizer.schedule)
+    step = make_train_step(make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources)), tx,
+                           cfg.optimizer.schedule)
     batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
-             for name, a in dataset.train.items()}
+             for name, a in example_spec(dataset.train).items()}
     variables = jax.eval_shape(lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info),
                                                          train=False)))
     params = variables.pop("params")

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from engine import sharding
 from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
 from engine.config import Config
-from engine.data import Dataset, TrainBatches, load_dataset
+from engine.data import Dataset, TrainBatches, example_spec, load_dataset
 from engine.errors import UsageError
 from engine.mesh import make_mesh
 from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
@@ -83,6 +83,9 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
     if dataset.info.kind != want:
         raise UsageError(f"model.name={cfg.model.name} needs {want} data but data.name={cfg.data.name} gives "
                          f"{dataset.info.kind}; pick a matching data.name")
+    if "segments" in example_spec(dataset.train) and not family.packing:
+        raise UsageError(f"data.packing=true gives packed documents, which model.name={cfg.model.name} cannot mask; "
+                         "set data.packing=false, or use a model that takes segment ids (llama, transformer)")
     shards = sharding.batch_shards(mesh)
     layout = f"data*fsdp={mesh.shape['data']}*{mesh.shape['fsdp']}={shards}"
     batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
@@ -147,11 +150,11 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     eval_batch_size = _check_layout(cfg, mesh, dataset, family)
     tx = make_optimizer(cfg.optimizer)
     state = _state_plan(cfg, mesh, family, module, dataset.info, tx)
-    loss_fn = make_loss_fn(module, family.task, family.hparams)
+    loss_fn = make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources))
     steps = block_steps(cfg)
     train_step = make_block_step(make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps,
                                                  pmap_axis), steps, cfg.train.steps_per_call)
-    shapes = Shapes(state.abstract, state.shardings, dataset.train, cfg.train.global_batch_size, steps,
+    shapes = Shapes(state.abstract, state.shardings, example_spec(dataset.train), cfg.train.global_batch_size, steps,
                     eval_batch_size)
     compile_fn = compile_pmap if pmap_axis else compile_jit
     compiled = compile_fn(mesh, shapes, train_step if compile_train else None, make_eval_step(loss_fn, pmap_axis),

@@ -22,7 +22,7 @@ class TrainState:
     hparams: Any  # schedule numbers (optim.schedule_hparams) and the model family's hparams: step inputs
 
 
-def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = ()) -> Callable:
+def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), num_sources: int = 0) -> Callable:
     """loss(params, model_state, batch, rng, train, hparams) → (mean loss, (metric sums, new model_state)).
 
     The model family's task says what the module takes from the batch and how its output
@@ -30,13 +30,19 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = ()) ->
     hyperparameters, passed to the module call by name in training.
 
     Metric sums (`loss_sum`, `correct`, `count`) are summed over (weighted) examples, so
-    they add up exactly across microbatches, devices and eval batches.
+    they add up exactly across microbatches, devices and eval batches. The task may weight
+    targets itself (packed token data: padding and document boundaries count 0). With a
+    mixture of `num_sources` data sources (the batch's `source` row ids), `source_tokens`
+    sums the counted targets of each source.
     """
 
     def loss_fn(params, model_state, batch, rng, train: bool, hparams=None):
         inputs, targets, extra = task.model_inputs(batch)
         weights = batch.get("mask", jnp.ones(targets.shape[:1], jnp.float32))
         weights = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (targets.ndim - 1)), targets.shape)
+        target_weights = task.target_weights(batch)
+        if target_weights is not None:
+            weights = weights * target_weights
         variables = {"params": params, **model_state}
         mutable = list(model_state) if train and model_state else False
         model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
@@ -48,6 +54,9 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = ()) ->
         loss_sum = jnp.sum(losses * weights)
         correct = jnp.sum(hits * weights)
         metrics = {"loss_sum": loss_sum, "correct": correct, "count": count}
+        if num_sources and train and "source" in batch:
+            per_row = jnp.sum(weights.reshape(weights.shape[0], -1), axis=1)
+            metrics["source_tokens"] = jax.ops.segment_sum(per_row, batch["source"], num_segments=num_sources)
         return loss_sum / jnp.maximum(count, 1.0), (metrics, new_model_state)
 
     return loss_fn
@@ -105,13 +114,21 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
     return train_step
 
 
-# What a train step reports, in the order of the packed metrics array (see make_block_step).
+# What a train step reports, in the order of the packed metrics array (see make_block_step);
+# a mixture's per-source counted tokens (`source_tokens`) follow them.
 TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate")
 
 
-def unpack_metrics(packed) -> list[dict[str, float]]:
-    """A block step's packed metrics ([steps, len(TRAIN_METRICS)], on the host) → one dict per step."""
-    return [dict(zip(TRAIN_METRICS, map(float, row))) for row in packed]
+def unpack_metrics(packed) -> list[dict]:
+    """A block step's packed metrics ([steps, len(TRAIN_METRICS) (+ sources)], on the host) →
+    one dict per step."""
+    steps = []
+    for row in packed:
+        metrics = dict(zip(TRAIN_METRICS, map(float, row)))
+        if len(row) > len(TRAIN_METRICS):
+            metrics["source_tokens"] = [float(v) for v in row[len(TRAIN_METRICS):]]
+        steps.append(metrics)
+    return steps
 
 
 def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1) -> Callable:
@@ -127,7 +144,10 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1) -
     def one_step(state: TrainState, block):
         batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
         state, metrics = train_step(state, batch)
-        return state, jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS])
+        packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS])
+        if "source_tokens" in metrics:
+            packed = jnp.concatenate([packed, metrics["source_tokens"].astype(jnp.float32)])
+        return state, packed
 
     def block_step(state: TrainState, block):
         if steps_per_call == 1:

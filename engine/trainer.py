@@ -84,7 +84,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
             writer.advance(per_call)
             done = step + per_call
             if _due(cfg.log.every_steps, done, total):
-                result.losses.update(_log_train(window, done, cfg.train.nan_policy, writer, rates, goodput))
+                result.losses.update(_log_train(window, done, cfg.train.nan_policy, writer, rates, goodput,
+                                                run.dataset.info.sources))
                 window = Window(done)
             if _due(cfg.eval.every_steps, done, total):
                 with _paused(window, goodput, "eval_seconds"):  # eval time is not training throughput
@@ -161,16 +162,21 @@ def _paused(window: Window, goodput: Goodput, account: str):
 
 
 def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter, rates: Throughput,
-               goodput: Goodput) -> dict[int, float]:
-    """Writes the window's train record (the loop's only regular host sync); its step losses."""
+               goodput: Goodput, sources: tuple[str, ...] = ()) -> dict[int, float]:
+    """Writes the window's train record (the loop's only regular host sync); its step losses.
+    A mixture adds `share_<source>`: each source's share of the window's trained tokens."""
     host = window.to_host()
     _check_finite(host, window.start, nan_policy, writer)
     goodput.loop_seconds += window.seconds()
     count = sum(m["count"] for m in host)
+    shares = {}
+    if sources and "source_tokens" in host[0]:
+        per_source = [sum(m["source_tokens"][k] for m in host) for k in range(len(sources))]
+        shares = {f"share_{name}": tokens / max(sum(per_source), 1.0) for name, tokens in zip(sources, per_source)}
     writer.write(done, "train", {
         "loss": sum(m["loss_sum"] for m in host) / count, "accuracy": sum(m["correct"] for m in host) / count,
         "grad_norm": sum(m["grad_norm"] for m in host) / len(host), "learning_rate": host[-1]["learning_rate"],
-        **rates.per_step(window.seconds() / window.steps)})
+        **shares, **rates.per_step(window.seconds() / window.steps)})
     return {window.start + offset + 1: m["loss_sum"] / m["count"] for offset, m in enumerate(host)}
 
 

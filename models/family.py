@@ -42,6 +42,10 @@ class Classification:
         """(inputs, targets, extra keyword arguments of the module call)."""
         return batch["image"], batch["label"], {}
 
+    def target_weights(self, batch):
+        """Per-target weights beyond the batch's example mask (None: every target counts)."""
+        return None
+
     def losses(self, out, targets):
         """The module's output → (float32 loss per target, argmax == target)."""
         logits = out.astype(jnp.float32)  # the loss is always computed in float32
@@ -50,7 +54,9 @@ class Classification:
 
 @dataclass(frozen=True)
 class NextToken:
-    """Language modelling: predict each next token. A batch holds `tokens` [batch, seq + 1].
+    """Language modelling: predict each next token. A batch holds `tokens` [batch, seq + 1];
+    packed data also `segments` (1, 2, … per document, 0 = padding) and `positions` (the
+    offset in the document), which the module gets as `segment_ids=` and `positions=`.
 
     The module takes `targets=` and returns (per-token float32 cross-entropy, argmax ==
     target) itself, so it can fuse its output projection with the loss."""
@@ -69,7 +75,18 @@ class NextToken:
     def model_inputs(self, batch) -> tuple[Any, Any, dict]:
         tokens = batch["tokens"].astype(jnp.int32)  # [batch, seq + 1]
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        return inputs, targets, {"targets": targets}
+        if "segments" not in batch:
+            return inputs, targets, {"targets": targets}
+        return inputs, targets, {"targets": targets, "segment_ids": batch["segments"][:, :-1].astype(jnp.int32),
+                                 "positions": batch["positions"][:, :-1].astype(jnp.int32)}
+
+    def target_weights(self, batch):
+        """Packed data: a target counts only within its input's document (not padding, not
+        the first token of the next document)."""
+        if "segments" not in batch:
+            return None
+        segments = batch["segments"]
+        return ((segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)).astype(jnp.float32)
 
     def losses(self, out, targets):
         return out  # (losses, hits) from the module's fused loss
@@ -96,3 +113,6 @@ class ModelFamily:
     # Hugging Face interop: a module with ARCHITECTURES, config_from_hf, config_to_hf and
     # tensors (see models/llama_hf.py); None: no Hugging Face layout
     hf: Any = None
+    # the module takes `segment_ids=` and `positions=` (packed token data: attention within
+    # each document, positions restarting)
+    packing: bool = False

@@ -132,7 +132,7 @@ class Attention(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, segment_ids=None):
         cfg, width = self.cfg, self.cfg.head_width
         dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
         q = nn.DenseGeneral((cfg.num_heads, width), kernel_init=_kernel(("embed", "heads", "kv")), name="query",
@@ -149,6 +149,11 @@ class Attention(nn.Module):
         if self.decode:
             k, v, mask = self._cached(k, v, positions)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        elif segment_ids is not None:  # packed documents: causal and within the query's document
+            length = x.shape[1]
+            causal = jnp.tril(jnp.ones((length, length), bool))
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # [batch, query, key]
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
         else:
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
         y = constrain(y, ("batch", "seq", "heads", "kv"))
@@ -178,11 +183,11 @@ class Block(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, segment_ids=None):
         cfg = self.cfg
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
         x = constrain(x + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode,
-                                    name="attn")(y, positions), ("batch", "seq", None))
+                                    name="attn")(y, positions, segment_ids), ("batch", "seq", None))
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
         dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
         gate = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="gate", **dense)(y)
@@ -201,12 +206,12 @@ class ScannedBlock(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, segment_ids=None):
         block = Block
         if self.cfg.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.cfg.remat])
         return block(self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode, name="block")(
-            x, positions), None
+            x, positions, segment_ids), None
 
 
 class Llama(nn.Module):
@@ -218,10 +223,11 @@ class Llama(nn.Module):
     decode: bool = False  # use and fill the key/value cache (generation)
 
     @nn.compact
-    def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None):
+    def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None, segment_ids=None):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab] (compute dtype); with targets:
         (per-token float32 cross-entropy, argmax == target). positions [batch, seq] default to
-        0, 1, …; with decode they must continue from the cache's fill level."""
+        0, 1, …; with decode they must continue from the cache's fill level. segment_ids
+        [batch, seq] (packed documents): a token attends only to earlier tokens of its segment."""
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -230,15 +236,15 @@ class Llama(nn.Module):
         x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
         if cfg.scan_layers:
             layers = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-                             in_axes=(nn.broadcast,), length=cfg.num_layers,
+                             in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
                              metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name="layers")(
-                x, positions)
+                x, positions, segment_ids)
         else:
             block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
             for i in range(cfg.num_layers):
                 x = block(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name=f"layer_{i}")(
-                    x, positions)
+                    x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
             head = _TiedHead(embed, self.dtype)
@@ -300,5 +306,5 @@ FAMILY = ModelFamily(
     # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
     # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
     work_settings={"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"},
-    generate=generate, hf=llama_hf,
+    generate=generate, hf=llama_hf, packing=True,
 )

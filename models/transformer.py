@@ -67,7 +67,7 @@ class Block(nn.Module):
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation
 
     @nn.compact
-    def __call__(self, x, example_ids, train: bool, dropout_rate=None):
+    def __call__(self, x, example_ids, train: bool, dropout_rate=None, segment_ids=None):
         d_model = x.shape[-1]
         head_dim = d_model // self.num_heads
         qkv_init = param_init(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
@@ -78,7 +78,12 @@ class Block(nn.Module):
             for name in ("query", "key", "value")
         )
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)  # [b, s, h, kv]
+        if segment_ids is None:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)  # [b, s, h, kv]
+        else:  # packed documents: causal and within the query's document
+            causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
         y = nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False,
                             kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
                             name="attn_out")(y)
@@ -105,22 +110,25 @@ class Transformer(nn.Module):
     loss_chunk: int = 0
 
     @nn.compact
-    def __call__(self, tokens, *, train: bool, example_ids=None, dropout_rate=None, targets=None):
+    def __call__(self, tokens, *, train: bool, example_ids=None, dropout_rate=None, targets=None, positions=None,
+                 segment_ids=None):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab]; with targets [batch, seq]:
-        (per-token cross-entropy, argmax == target), from the fused loss of LMHead."""
+        (per-token cross-entropy, argmax == target), from the fused loss of LMHead. Packed
+        documents give positions [batch, seq] (< max_len) and segment_ids [batch, seq]."""
         seq = tokens.shape[1]
         embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
                          embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
-        positions = self.param("positions", param_init(nn.initializers.normal(0.01), (None, "embed")),
-                               (self.max_len, self.d_model), self.param_dtype)
-        x = embed(tokens) + positions[:seq].astype(self.dtype)  # [batch, seq, embed]
+        table = self.param("positions", param_init(nn.initializers.normal(0.01), (None, "embed")),
+                           (self.max_len, self.d_model), self.param_dtype)
+        where = table[:seq] if positions is None else jnp.take(table, positions, axis=0)
+        x = embed(tokens) + where.astype(self.dtype)  # [batch, seq, embed]
         x = constrain(x, ("batch", "seq", None))
         block_cls = Block
         if self.remat != "none":
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
         for i in range(self.num_layers):
             x = block_cls(self.num_heads, self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
-                          self.attention, name=f"block_{i}")(x, example_ids, train, dropout_rate)
+                          self.attention, name=f"block_{i}")(x, example_ids, train, dropout_rate, segment_ids)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
         head = LMHead(self.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         return head(x) if targets is None else head.loss(x, targets, self.loss_chunk)
@@ -151,5 +159,5 @@ FAMILY = ModelFamily(
     # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
     # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
     work_settings={"remat": "none", "loss_chunk": 0, "attention": "xla"},
-    hparams=("dropout_rate",),
+    hparams=("dropout_rate",), packing=True,
 )

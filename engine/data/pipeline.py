@@ -30,13 +30,24 @@ def process_rows(sharding, global_batch: int, per_row: int = 1) -> np.ndarray:
     return np.concatenate([np.arange(start * per_row, stop * per_row) for start, stop, _ in blocks])
 
 
-class TrainBatches:
-    """Host batches of one process's rows of the global batch, by step."""
+def example_spec(split) -> dict[str, np.ndarray]:
+    """A split's fields: name → an array whose shape[1:] and dtype are one example's (the
+    arrays themselves, or zero-length stand-ins for a split read by index)."""
+    return split if isinstance(split, dict) else split.spec
 
-    def __init__(self, arrays: dict[str, np.ndarray], global_batch: int, seed: int, shuffle: bool = True,
-                 rows: np.ndarray | None = None):
-        self.arrays = arrays
-        self.num_examples = len(next(iter(arrays.values())))
+
+class TrainBatches:
+    """Host batches of one process's rows of the global batch, by step.
+
+    `arrays` is a dict of in-memory arrays (shuffled here: epoch e's order is a permutation
+    drawn from (seed, e)) or a split read by index with its own order (tokens.Mixture:
+    Grain's shuffle and mix, seeded with `seed`): then example step·batch + r is row r of
+    the batch at `step`."""
+
+    def __init__(self, arrays, global_batch: int, seed: int, shuffle: bool = True, rows: np.ndarray | None = None):
+        self.arrays = arrays if isinstance(arrays, dict) else None
+        self.examples = None if self.arrays is not None else arrays.examples(seed, shuffle)
+        self.num_examples = len(next(iter(arrays.values()))) if self.arrays is not None else len(arrays)
         if global_batch > self.num_examples:
             raise UsageError(f"train.global_batch_size={global_batch} is larger than the training split "
                              f"({self.num_examples} examples); use at most {self.num_examples}")
@@ -57,33 +68,41 @@ class TrainBatches:
 
     def indices(self, step: int) -> np.ndarray:
         """Example indices of the whole global batch at `step`."""
+        if self.examples is not None:
+            return step * self.global_batch + np.arange(self.global_batch)
         epoch, within = divmod(step, self.steps_per_epoch)
         start = within * self.global_batch
         return self._epoch_order(epoch)[start:start + self.global_batch]
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rows = self.indices(step)[self.rows]
+        if self.examples is not None:
+            return self.examples.take(rows)
         return {name: np.asarray(array[rows]) for name, array in self.arrays.items()}
 
     def block(self, index: int, steps: int) -> dict[str, np.ndarray]:
         """The batches of steps [index * steps, (index + 1) * steps), stacked: [steps, rows, ...]."""
         batches = [self(index * steps + i) for i in range(steps)]
-        return {name: np.stack([batch[name] for batch in batches]) for name in self.arrays}
+        return {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
 
 
-def eval_batches(arrays: dict[str, np.ndarray], batch_size: int, max_batches: int = 0,
+def eval_batches(arrays, batch_size: int, max_batches: int = 0,
                  rows: np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
     """The eval split in order, the last batch padded; `mask` is 1 for real examples.
 
-    `rows` are the positions within each batch that this process loads (default all)."""
-    num = len(next(iter(arrays.values())))
+    `arrays`: a dict of arrays, or a split read by index (`take`). `rows` are the positions
+    within each batch that this process loads (default all)."""
+    num = len(next(iter(arrays.values()))) if isinstance(arrays, dict) else len(arrays)
     count = -(-num // batch_size)
     if max_batches:
         count = min(count, max_batches)
     rows = np.arange(batch_size) if rows is None else rows
     for b in range(count):
         idx = b * batch_size + rows
-        batch = {name: np.asarray(array[np.minimum(idx, num - 1)]) for name, array in arrays.items()}
+        if isinstance(arrays, dict):
+            batch = {name: np.asarray(array[np.minimum(idx, num - 1)]) for name, array in arrays.items()}
+        else:
+            batch = arrays.take(np.minimum(idx, num - 1))
         batch["mask"] = (idx < num).astype(np.float32)
         yield batch
 

@@ -7,7 +7,7 @@ import gzip
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -25,14 +25,18 @@ class DataInfo:
     num_classes: int = 0
     vocab_size: int = 0
     seq_len: int = 0  # tokens the model sees per example
-    text_codec: str = ""  # how token ids map to text: "bytes" (ids are UTF-8 bytes); "" = not text
+    text_codec: str = ""  # how token ids map to text: "bytes" (ids are UTF-8 bytes), "tokenizer"; "" = not text
+    tokenizer: str = ""  # text_codec "tokenizer": the tokenizer.json file
+    sources: tuple[str, ...] = ()  # a mixture's source names; batches carry `source` (their index)
     preprocessing: str = ""  # what was done to the stored inputs before the model saw them (export.json says it)
 
 
 @dataclass(frozen=True)
 class Dataset:
-    train: dict[str, np.ndarray]
-    eval: dict[str, np.ndarray]
+    # name → array [examples, ...] in memory (or memory-mapped), or Examples read by index
+    # (engine/data/tokens.py: tokenized corpora through Grain)
+    train: Any
+    eval: Any
     info: DataInfo
 
 
@@ -263,20 +267,89 @@ def text(cfg) -> Dataset:
     return _token_dataset(tokens, cfg, 256, f"data.path={path}", text_codec="bytes")
 
 
-def python_source(cfg) -> Dataset:
-    """Byte-level text of the Python standard library's own modules: real text (code and
-    English docstrings) present wherever Python is, so it needs no download."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.glob("*.py"))
-    chunks, size = [], 0
-    for file in files:
-        data = np.fromfile(file, dtype=np.uint8)
-        chunks.append(data)
-        size += len(data)
-        if size >= cfg.max_bytes:
+def _stdlib_files(max_bytes: int) -> list[Path]:
+    files, size = [], 0
+    for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        files.append(file)
+        size += file.stat().st_size
+        if size >= max_bytes:
             break
-    return _token_dataset(np.concatenate(chunks)[:cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}",
-                          text_codec="bytes")
+    return files
+
+
+def python_source(cfg) -> Dataset:
+    """The Python standard library's own modules: real text (code and English docstrings)
+    present wherever Python is, so it needs no download. data.tokenizer=bytes: byte-level
+    tokens of the first max_bytes; bpe:N: a byte-level BPE trained on those files, tokenized
+    once (one document per module) into data.cache_dir and read as data.name=tokens."""
+    files = _stdlib_files(cfg.max_bytes)
+    stdlib = files[0].parent
+    if cfg.tokenizer != "bytes":
+        return _tokens_dataset(cfg, [(str(_stdlib_corpus(cfg, files)), 1.0, "python_source")])
+    tokens = np.concatenate([np.fromfile(file, dtype=np.uint8) for file in files])
+    return _token_dataset(tokens[:cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}", text_codec="bytes")
+
+
+def _stdlib_corpus(cfg, files: list[Path]) -> Path:
+    """The tokenized corpus of `files` in the cache (made on first use; a lock keeps two
+    processes from making it at once)."""
+    import fcntl
+    import hashlib
+
+    from engine.data.tokenize import tokenize
+
+    key = hashlib.sha256(repr([cfg.tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]])
+                         .encode()).hexdigest()[:16]
+    out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{cfg.tokenizer.replace(':', '')}-{key}"
+    if not (out / "manifest.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f".{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "manifest.json").is_file():
+                print(f"data: tokenizing {len(files)} Python modules with a {cfg.tokenizer} tokenizer into {out} "
+                      "(once; later runs reuse it)", flush=True)
+                tokenize([str(f) for f in files], str(out), cfg.tokenizer, eval_fraction=cfg.eval_fraction,
+                         progress=False)
+    return out
+
+
+def tokens(cfg) -> Dataset:
+    """Tokenized corpora (`python launch.py tokenize`): data.path, or a mixture in data.sources."""
+    from engine.config import source_name
+
+    if cfg.sources:
+        return _tokens_dataset(cfg, [(str(s["path"]), float(s.get("weight", 1.0)), source_name(s, i))
+                                     for i, s in enumerate(cfg.sources)])
+    return _tokens_dataset(cfg, [(cfg.path, 1.0, Path(cfg.path).name)])
+
+
+def _tokens_dataset(cfg, sources: list[tuple[str, float, str]]) -> Dataset:
+    from engine.data import tokens as tk
+
+    where = "data.path" if len(sources) == 1 else "data.sources"
+    corpora = [tk.open_corpus(path, cfg.verify, where) for path, _, _ in sources]
+    first = corpora[0]
+    for corpus, (path, _, _) in zip(corpora[1:], sources[1:]):
+        if corpus.tokenizer_file.read_bytes() != first.tokenizer_file.read_bytes():
+            raise UsageError(f"data.sources: {path} was tokenized with another tokenizer than {sources[0][0]}; "
+                             "a mixture's corpora must share one tokenizer")
+    mixed = len(sources) > 1
+    train, evals = [], []
+    for k, (corpus, (path, _, _)) in enumerate(zip(corpora, sources)):
+        source = k if mixed else None
+        train.append(tk.Windows(corpus.stream("train"), cfg.seq_len, cfg.packing, source))
+        evals.append(tk.Windows(corpus.stream("eval"), cfg.seq_len, cfg.packing, source))
+        if len(train[-1]) == 0:
+            raise UsageError(f"{where}: {path} has {corpus.stream('train').size} train tokens: too few for "
+                             f"data.seq_len={cfg.seq_len}; use more text or a shorter seq_len")
+    evals = [w for w in evals if len(w)]
+    if not evals:
+        raise UsageError(f"{where}: no held-out windows of data.seq_len={cfg.seq_len} tokens; tokenize with a "
+                         "larger --eval-fraction or use a shorter seq_len")
+    info = DataInfo("tokens", sum(len(w) for w in train), sum(len(w) for w in evals), vocab_size=first.vocab_size,
+                    seq_len=cfg.seq_len, text_codec="tokenizer", tokenizer=str(first.tokenizer_file),
+                    sources=tuple(name for _, _, name in sources) if mixed else ())
+    return Dataset(tk.Mixture(train, [w for _, w, _ in sources]), tk.eval_examples(evals), info)
 
 
 def synthetic_text(cfg) -> Dataset:
@@ -291,10 +364,10 @@ def synthetic_text(cfg) -> Dataset:
 
 SOURCES = {
     "digits": digits, "synthetic": synthetic, "npz": npz, "idx": idx, "cifar10": cifar10,
-    "text": text, "synthetic_text": synthetic_text, "python_source": python_source,
+    "text": text, "synthetic_text": synthetic_text, "python_source": python_source, "tokens": tokens,
 }
 
-FILE_SOURCES = ("npz", "idx", "cifar10", "text")  # the sources that read data.path
+FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens")  # the sources that read data.path
 
 
 def load_dataset(cfg) -> Dataset:

@@ -1,0 +1,452 @@
+"""`python launch.py tokenize`: text corpora → a directory of token shards, once.
+
+Reads plain text (a file is one document, or a line with --text-unit line), JSON Lines (one
+document per record, its `--text-field`) and Parquet (one per row of that column) as a
+stream, never the whole corpus; tokenizes in batches with a Hugging Face `tokenizers`
+tokenizer (its Rust encoder uses every core), appends the end-of-document token, and writes
+
+  DIR/manifest.json              written last: the corpus exists only once it is there
+  DIR/tokenizer.json             the tokenizer, as `tokenizers` saves it
+  DIR/{train,eval}-NNNNN.tokens  token ids, uint16 (vocabularies up to 65,536) or uint32
+  DIR/{train,eval}-NNNNN.docs    int64 end offset of every document in the shard
+
+A document goes to the held-out split by a hash of its index (a fixed fraction, whatever the
+batch or shard sizes). A shard closes after the document that fills it, so shard contents
+depend on the input alone. After every batch the open shards are flushed and
+`progress.json` records how far they go; an interrupted run (Ctrl-C, SIGTERM, SIGKILL)
+re-run with the same command truncates the open shards to that point and goes on, and ends
+with the same bytes as an uninterrupted run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from engine.errors import UsageError
+from engine.rundir import write_json
+
+FORMAT = "jax-engine-tokens/1"
+EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
+EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+SPLITS = ("train", "eval")
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What decides the output; a re-run into the same directory must repeat it exactly."""
+    inputs: list[str]  # the files read, in order (directories expanded, sorted)
+    input_sizes: list[int]
+    tokenizer: str  # a tokenizer.json path, or bpe:N
+    vocab_size: int  # the vocabulary the corpus declares (≥ the tokenizer's)
+    eval_fraction: float
+    text_field: str
+    text_unit: str
+    shard_tokens: int
+    bpe_train_bytes: int = 0
+    eod_token: str = ""
+
+
+def _binary(path: Path) -> bool:
+    """A file that is neither Parquet nor text (a NUL byte in its first 8 KiB: .pyc, images, …)."""
+    if path.suffix.lower() == ".parquet":
+        return False
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def input_files(paths: list[str]) -> list[Path]:
+    """Files to read, in a fixed order: each path as given; a directory's files (recursive,
+    sorted, hidden and binary ones left out)."""
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file()
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts) and not _binary(p))
+            if not found:
+                raise UsageError(f"--input {raw} is an empty directory; give files of text, JSON Lines or Parquet")
+            files += found
+        else:
+            raise UsageError(f"--input {raw} does not exist; give text, JSON Lines or Parquet files or directories")
+    return files
+
+
+def documents(files: list[Path], text_field: str = "text", text_unit: str = "file") -> Iterator[str]:
+    """Every non-empty document of the files, in order, streamed."""
+    for file in files:
+        suffix = file.suffix.lower()
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl(file, text_field)
+        elif suffix == ".parquet":
+            yield from _parquet(file, text_field)
+        elif text_unit == "line":
+            with open(file, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.strip():
+                        yield line.rstrip("\n")
+        else:
+            text = file.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield text
+
+
+def _jsonl(file: Path, text_field: str) -> Iterator[str]:
+    with open(file, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{file}:{number}: not a JSON record ({e.msg}); JSON Lines hold one object per "
+                                 "line") from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise UsageError(f"{file}:{number}: no {text_field!r} field (the record has {keys}); pass "
+                                 "--text-field NAME for the field that holds the text")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise UsageError(f"{file}:{number}: field {text_field!r} is {type(text).__name__}, not text")
+            if text.strip():
+                yield text
+
+
+def _parquet(file: Path, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(file)
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise UsageError(f"{file} is not a readable Parquet file: {e}") from None
+    if text_field not in table.schema_arrow.names:
+        raise UsageError(f"{file}: no column {text_field!r} (columns: {table.schema_arrow.names}); pass "
+                         "--text-field NAME")
+    for batch in table.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+def held_out(indices: np.ndarray, fraction: float) -> np.ndarray:
+    """Which documents (by index in the corpus) belong to the held-out split: a splitmix64
+    hash of the index below `fraction`, so the split does not depend on batching."""
+    z = (indices.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+def load_tokenizer(spec: str):
+    from tokenizers import Tokenizer
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise UsageError(f"--tokenizer {spec}: no such tokenizer.json; give a Hugging Face tokenizer.json (what "
+                         "transformers models ship) or bpe:N to train a byte-level BPE of N tokens on the input")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise UsageError(f"--tokenizer {spec} is not a readable tokenizers file: {e}") from None
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int):
+    """A byte-level BPE (GPT-2's scheme) of `vocab_size` tokens, trained on `texts`; the
+    end-of-document token is id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def eod_id(tokenizer, name: str = "") -> tuple[str, int]:
+    """(token, id) of the end-of-document token: `name`, or the first known one the
+    tokenizer has."""
+    for token in ([name] if name else EOD_CANDIDATES):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token, token_id
+    if name:
+        raise UsageError(f"--eod-token {name!r} is not in the tokenizer's vocabulary")
+    raise UsageError(f"the tokenizer has none of the end-of-document tokens {list(EOD_CANDIDATES)}; pass "
+                     "--eod-token TOKEN")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class _ShardWriter:
+    """One split's shards: appends documents; closes a shard after the document that fills it."""
+    out: Path
+    split: str
+    dtype: str
+    shard_tokens: int
+    done: list = field(default_factory=list)  # manifest entries of closed shards
+    tokens: int = 0  # in the open shard
+    documents: int = 0
+
+    def _paths(self, index: int) -> tuple[Path, Path]:
+        stem = self.out / f"{self.split}-{index:05d}"
+        return stem.with_suffix(".tokens"), stem.with_suffix(".docs")
+
+    def open(self) -> None:
+        """Opens the current shard for appending, cut back to what progress.json recorded."""
+        tokens_path, docs_path = self._paths(len(self.done))
+        for path, size in ((tokens_path, self.tokens * np.dtype(self.dtype).itemsize), (docs_path, self.documents * 8)):
+            with open(path, "ab") as f:
+                f.truncate(size)
+        self._tokens_file, self._docs_file = open(tokens_path, "ab"), open(docs_path, "ab")
+
+    def add(self, ids: list[int]) -> None:
+        self._tokens_file.write(np.asarray(ids, self.dtype).tobytes())
+        self.tokens += len(ids)
+        self.documents += 1
+        self._docs_file.write(np.int64(self.tokens).tobytes())
+        if self.tokens >= self.shard_tokens:
+            self.close()
+            self.open()
+
+    def close(self) -> None:
+        """Closes the open shard; an empty one is removed, a filled one is listed with checksums."""
+        self._tokens_file.close()
+        self._docs_file.close()
+        tokens_path, docs_path = self._paths(len(self.done))
+        if self.documents == 0:
+            tokens_path.unlink()
+            docs_path.unlink()
+            return
+        self.done.append({"tokens_file": tokens_path.name, "docs_file": docs_path.name, "tokens": self.tokens,
+                          "documents": self.documents, "tokens_sha256": _sha256(tokens_path),
+                          "docs_sha256": _sha256(docs_path)})
+        self.tokens = self.documents = 0
+
+    def abandon(self) -> None:
+        """Closes the open shard's files as they are (progress.json says how far they count)."""
+        self._tokens_file.close()
+        self._docs_file.close()
+
+    def flush(self) -> None:
+        for f in (self._tokens_file, self._docs_file):
+            f.flush()
+            os.fsync(f.fileno())
+
+    def state(self) -> dict:
+        return {"done": self.done, "tokens": self.tokens, "documents": self.documents}
+
+
+class Interrupted(Exception):
+    """Stopped by a signal (or `stop_after_batches`) after committing a batch; re-run to go on."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signum)
+        self.exit_code = 128 + int(signum)
+
+
+def tokenize(paths: list[str], out: str, tokenizer_spec: str, vocab_size: int = 0, eval_fraction: float = 0.01,
+             text_field: str = "text", text_unit: str = "file", shard_tokens: int = 1 << 27,
+             bpe_train_bytes: int = 1 << 28, eod_token: str = "", batch_bytes: int = 1 << 22,
+             progress: bool = True, stop_after_batches: int = 0) -> dict:
+    """Tokenizes `paths` into `out` (see the module doc) → the manifest. Re-running an
+    interrupted call continues it; re-running a finished one returns its manifest.
+    `stop_after_batches` (tests) interrupts after that many batches, as a signal would."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise UsageError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
+    if text_unit not in ("file", "line"):
+        raise UsageError(f"--text-unit {text_unit!r}: use file or line")
+    if shard_tokens < 1:
+        raise UsageError("--shard-tokens must be at least 1")
+    files = input_files(paths)
+    out_dir = Path(out).expanduser()
+    bpe = tokenizer_spec.startswith("bpe:") or tokenizer_spec == "bpe"
+    if bpe:
+        size_text = tokenizer_spec[4:] or str(vocab_size)
+        if not size_text.isdigit() or int(size_text) < 257:
+            raise UsageError(f"--tokenizer {tokenizer_spec}: a byte-level BPE needs bpe:N with N ≥ 257 (256 bytes "
+                             "and the end-of-document token), e.g. bpe:8192")
+        bpe_size = int(size_text)
+    settings = Settings([str(f.resolve()) for f in files], [f.stat().st_size for f in files],
+                        tokenizer_spec if bpe else str(Path(tokenizer_spec).expanduser().resolve()), vocab_size,
+                        eval_fraction, text_field, text_unit, shard_tokens, bpe_train_bytes if bpe else 0, eod_token)
+    manifest_path, progress_path = out_dir / "manifest.json", out_dir / "progress.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("settings") != asdict(settings):
+            raise UsageError(f"--out {out_dir} already holds a corpus tokenized with other settings; use a new --out "
+                             "directory, or delete that one")
+        return manifest
+    if progress_path.is_file():
+        state = json.loads(progress_path.read_text())
+        if state.get("settings") != asdict(settings):
+            raise UsageError(f"--out {out_dir} holds an unfinished tokenization with other settings (inputs, "
+                             "tokenizer or sizes changed); re-run it with the same arguments, or delete the directory")
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise UsageError(f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or "
+                         "empty directory")
+    else:
+        state = {"settings": asdict(settings), "documents": 0, "splits": {}}
+    if next(documents(files, text_field, text_unit), None) is None:
+        raise UsageError(f"--input {' '.join(paths)} holds no non-empty documents; give files with text")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stop = {"signal": 0}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _tokenize(files, out_dir, settings, state, stop, bpe_size if bpe else 0, batch_bytes, progress,
+                         stop_after_batches)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict, bpe_size: int, batch_bytes: int,
+              progress: bool, stop_after_batches: int) -> dict:
+    manifest_path, progress_path = out_dir / "manifest.json", out_dir / "progress.json"
+    text_field, text_unit = settings.text_field, settings.text_unit
+    tokenizer_path = out_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():  # trained (or copied) once; a resumed run reuses it
+        if bpe_size:
+            tokenizer = train_bpe(_first_bytes(documents(files, text_field, text_unit), settings.bpe_train_bytes),
+                                  bpe_size)
+        else:
+            tokenizer = load_tokenizer(settings.tokenizer)
+        tmp = tokenizer_path.with_suffix(".json.tmp")
+        tokenizer.save(str(tmp))
+        os.replace(tmp, tokenizer_path)
+        write_json(progress_path, state)
+    if stop["signal"]:
+        raise Interrupted(stop["signal"])
+    tokenizer = load_tokenizer(str(tokenizer_path))
+    eod_name, eod = eod_id(tokenizer, settings.eod_token)
+    declared = settings.vocab_size if not bpe_size and settings.vocab_size else tokenizer.get_vocab_size()
+    if declared < tokenizer.get_vocab_size():
+        raise UsageError(f"--vocab-size {settings.vocab_size} is smaller than the tokenizer's vocabulary "
+                         f"({tokenizer.get_vocab_size()}); leave it out or give at least that")
+    dtype = "uint16" if declared <= 1 << 16 else "uint32"
+    writers = {split: _ShardWriter(out_dir, split, dtype, settings.shard_tokens, **state["splits"].get(split, {}))
+               for split in SPLITS}
+    for writer in writers.values():
+        writer.open()
+
+    total_bytes = sum(settings.input_sizes)
+    stream = documents(files, text_field, text_unit)
+    skipped = 0
+    for _ in range(state["documents"]):  # what the interrupted run already wrote
+        next(stream)
+        skipped += 1
+    bar = _progress_bar(total_bytes, progress)
+    started, new_tokens, batches = time.perf_counter(), 0, 0
+    try:
+        index = state["documents"]
+        for batch in _batches(stream, batch_bytes):
+            encoded = tokenizer.encode_batch_fast(batch, add_special_tokens=False) if hasattr(
+                tokenizer, "encode_batch_fast") else tokenizer.encode_batch(batch, add_special_tokens=False)
+            is_eval = held_out(np.arange(index, index + len(batch)), settings.eval_fraction)
+            for encoding, to_eval in zip(encoded, is_eval):
+                ids = encoding.ids
+                ids.append(eod)
+                writers["eval" if to_eval else "train"].add(ids)
+                new_tokens += len(ids)
+            index += len(batch)
+            for writer in writers.values():
+                writer.flush()
+            state.update(documents=index, splits={split: w.state() for split, w in writers.items()})
+            write_json(progress_path, state)  # the commit point of this batch
+            batches += 1
+            if bar is not None:
+                bar.update(sum(len(text.encode("utf-8")) for text in batch))
+                elapsed = max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(f"{new_tokens / elapsed:,.0f} tokens/s")
+            if stop["signal"] or (stop_after_batches and batches >= stop_after_batches):
+                raise Interrupted(stop["signal"] or signal.SIGINT)
+    except Interrupted:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    for writer in writers.values():
+        writer.close()
+    counts = {split: {"tokens": sum(s["tokens"] for s in w.done), "documents": sum(s["documents"] for s in w.done),
+                      "shards": w.done} for split, w in writers.items()}
+    if counts["train"]["documents"] == 0:
+        raise UsageError("every document went to the held-out split; lower --eval-fraction")
+    manifest = {"format": FORMAT, "settings": asdict(settings), "tokenizer": "tokenizer.json",
+                "vocab_size": declared, "eod_token": eod_name, "eod_id": eod, "dtype": dtype, "splits": counts,
+                "seconds": round(time.perf_counter() - started, 3)}
+    write_json(manifest_path, manifest)  # the commit of the whole corpus
+    progress_path.unlink()
+    return manifest
+
+
+def _first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:
+    size = 0
+    for text in texts:
+        yield text
+        size += len(text)
+        if limit and size >= limit:
+            return
+
+
+def _batches(texts: Iterator[str], batch_bytes: int) -> Iterator[list[str]]:
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", dynamic_ncols=True)
+
+
+def main(args) -> int:
+    """The `tokenize` command: exit 0 done, 2 bad input, 130/143 interrupted (re-run to go on)."""
+    try:
+        manifest = tokenize(args.input, args.out, args.tokenizer, args.vocab_size or 0, args.eval_fraction,
+                            args.text_field, args.text_unit, args.shard_tokens, eod_token=args.eod_token or "",
+                            progress=not args.no_progress)
+    except Interrupted as stopped:
+        print("tokenize: interrupted; what is written is kept: re-run the same command to continue", flush=True)
+        return stopped.exit_code
+    splits = manifest["splits"]
+    print(f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
+          f"documents, {splits['eval']['tokens']:,} held out; vocabulary {manifest['vocab_size']:,} "
+          f"({manifest['dtype']}); train with data.name=tokens data.path={args.out}", flush=True)
+    return 0
