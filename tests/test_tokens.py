@@ -1,0 +1,275 @@
+"""Tokenized corpora: the tokenize command (formats, resume, bad input), the Grain-backed
+`tokens` source (packing, mixtures), and training on it (exact resume after SIGKILL)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from engine.config import DataConfig
+from engine.data import load_dataset
+from engine.data import tokens as tk
+from engine.data.tokenize import Interrupted, held_out, tokenize
+from engine.errors import UsageError
+from engine.rundir import read_records
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega").split()
+
+
+def _text(rng, words: int) -> str:
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), words)) + "."
+
+
+def _corpus_files(directory, documents=40, seed=0):
+    """A directory of text documents of varied lengths (one per file)."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(documents):
+        (directory / f"doc{i:03d}.txt").write_text(_text(rng, int(rng.integers(5, 120))))
+    return directory
+
+
+def test_tokenize_reads_text_json_lines_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    texts = ["the first document, a plain text file", "a record's text", "another record",
+             "a parquet row", "the second parquet row ünïcödé"]
+    (tmp_path / "a.txt").write_text(texts[0])
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[1:3])))
+    pq.write_table(pa.table({"text": texts[3:], "n": [1, 2]}), tmp_path / "c.parquet")
+    manifest = tokenize([str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.parquet")], str(tmp_path / "out"),
+                        "bpe:300", eval_fraction=0.0, progress=False)
+    assert manifest["splits"]["train"]["documents"] == 5 and manifest["dtype"] == "uint16"
+    corpus = tk.open_corpus(str(tmp_path / "out"))
+    stream = corpus.stream("train")
+    tokenizer = Tokenizer.from_file(str(corpus.tokenizer_file))
+    starts = np.concatenate([[0], stream.doc_ends[:-1]])
+    for text, start, end in zip(texts, starts, stream.doc_ends):
+        ids = stream.read(int(start), int(end)).tolist()
+        assert ids[-1] == manifest["eod_id"]  # every document ends with the end-of-document token
+        assert ids[:-1] == tokenizer.encode(text, add_special_tokens=False).ids
+        assert tokenizer.decode(ids[:-1]) == text
+
+
+def test_held_out_documents_are_a_fixed_fraction_by_index():
+    chosen = held_out(np.arange(200_000), 0.05)
+    assert abs(chosen.mean() - 0.05) < 0.003
+    np.testing.assert_array_equal(held_out(np.arange(1000, 2000), 0.05), chosen[1000:2000])  # batching-independent
+
+
+def _files_of(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name != "manifest.json"}
+
+
+def test_interrupted_tokenize_resumes_to_the_same_shards(tmp_path):
+    inputs = [str(_corpus_files(tmp_path / "text", documents=60))]
+    settings = dict(eval_fraction=0.2, shard_tokens=400, progress=False, batch_bytes=1500)
+    reference = tokenize(inputs, str(tmp_path / "reference"), "bpe:320", **settings)
+    out = tmp_path / "interrupted"
+    with pytest.raises(Interrupted):
+        tokenize(inputs, str(out), "bpe:320", stop_after_batches=3, **settings)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(UsageError, match="interrupted: re-run the tokenize command"):
+        tk.open_corpus(str(out))  # an unfinished corpus is never read
+    state = json.loads((out / "progress.json").read_text())
+    open_shard = out / f"train-{len(state['splits']['train']['done']):05d}.tokens"
+    with open(open_shard, "ab") as f:  # as if killed after writing, before progress.json said so
+        f.write(b"\x07" * 123)
+    resumed = tokenize(inputs, str(out), "bpe:320", **settings)
+    assert {k: v for k, v in resumed.items() if k != "seconds"} == {k: v for k, v in reference.items() if k != "seconds"}
+    assert _files_of(out) == _files_of(tmp_path / "reference")
+    assert len(reference["splits"]["train"]["shards"]) > 3 and reference["splits"]["eval"]["documents"] > 0
+
+
+def test_bad_corpus_input_is_refused_by_name(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(UsageError, match=r"bad.jsonl:2: no 'text' field .* --text-field"):
+        tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "o1"), "bpe:300", progress=False)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    with pytest.raises(UsageError, match="no non-empty documents"):
+        tokenize([str(tmp_path / "empty")], str(tmp_path / "o2"), "bpe:300", progress=False)
+    assert not (tmp_path / "o2").exists()  # nothing left behind
+    with pytest.raises(UsageError, match="does not exist"):
+        tokenize([str(tmp_path / "missing")], str(tmp_path / "o3"), "bpe:300", progress=False)
+    with pytest.raises(UsageError, match="bpe:N with N ≥ 257"):
+        tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "o4"), "bpe:100", progress=False)
+
+    good = _corpus_files(tmp_path / "good", documents=10)
+    tokenize([str(good)], str(tmp_path / "corpus"), "bpe:300", eval_fraction=0.2, progress=False)
+    with pytest.raises(UsageError, match="other settings"):
+        tokenize([str(good)], str(tmp_path / "corpus"), "bpe:400", progress=False)
+    shard = tmp_path / "corpus" / "train-00000.tokens"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x01  # one flipped bit
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="train-00000.tokens: checksum does not match"):
+        tk.open_corpus(str(tmp_path / "corpus"))
+    with pytest.raises(UsageError, match="no manifest.json.*launch.py tokenize"):
+        tk.open_corpus(str(good))
+    result = run_cli("--config", "llama_tiny", "--workdir", str(tmp_path / "run"), "data.name=tokens",
+                     f"data.path={tmp_path / 'corpus'}", "train.steps=2")
+    assert result.returncode == 2 and "checksum does not match" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_packing_lays_documents_into_windows_in_order():
+    ends = np.array([3, 5, 12, 30, 31, 33])
+    np.testing.assert_array_equal(tk.pack(ends, 5), [0, 5, 10, 15, 20, 25, 30, 33])
+    tokens = np.arange(1, 34, dtype=np.uint16)
+    windows = tk.Windows(tk.TokenStream([tokens[:20], tokens[20:]], [ends[:3], ends[3:] - 20]), seq_len=4,
+                         packing=True)
+    rows = [windows[i] for i in range(len(windows))]
+    np.testing.assert_array_equal(np.concatenate([r["tokens"][r["segments"] > 0] for r in rows]), tokens)
+    np.testing.assert_array_equal(rows[0]["segments"], [1, 1, 1, 2, 2])  # documents [0, 3) and [3, 5)
+    np.testing.assert_array_equal(rows[0]["positions"], [0, 1, 2, 0, 1])  # positions restart per document
+    np.testing.assert_array_equal(rows[6]["tokens"], [31, 32, 33, 0, 0])  # [30, 33): a short doc, then padding
+    np.testing.assert_array_equal(rows[6]["segments"], [1, 2, 2, 0, 0])
+    np.testing.assert_array_equal(rows[6]["positions"], [0, 0, 1, 0, 0])
+    unpacked = tk.Windows(tk.TokenStream([tokens[:20], tokens[20:]], [ends[:3], ends[3:] - 20]), 4, packing=False)
+    np.testing.assert_array_equal(unpacked[4]["tokens"], tokens[16:21])  # across the shard boundary
+    assert len(unpacked) == 8 and set(unpacked[0]) == {"tokens"}
+
+
+@pytest.mark.parametrize("model", ["llama", "transformer"])
+def test_no_token_attends_across_a_document_boundary(model):
+    """Changing one document leaves the losses of the other documents in its window unchanged."""
+    from engine.data.sources import DataInfo
+    from models import REGISTRY
+
+    family = REGISTRY[model]
+    fields = {"llama": dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64),
+              "transformer": dict(num_layers=2, d_model=32, num_heads=4, mlp_dim=64)}[model]
+    cfg = family.config_cls(name=model, **fields)
+    info = DataInfo("tokens", 1, 1, vocab_size=64, seq_len=16)
+    module = family.build(cfg, info, jnp.float32, jnp.float32)
+    segments = np.array([[1] * 5 + [2] * 6 + [3] * 4 + [0] * 2])  # 17 = seq_len + 1 tokens: 3 documents, padding
+    positions = np.concatenate([np.arange(5), np.arange(6), np.arange(4), [0, 0]])[None]
+    tokens = np.random.default_rng(0).integers(1, 64, (1, 17))
+    batch = {"segments": jnp.asarray(segments), "positions": jnp.asarray(positions)}
+    inputs, targets, extra = family.task.model_inputs({"tokens": jnp.asarray(tokens), **batch})
+    params = module.init(jax.random.key(0), inputs, train=False)
+
+    def losses(tokens, masked=True):
+        inputs, targets, extra = family.task.model_inputs({"tokens": jnp.asarray(tokens), **batch})
+        if not masked:
+            extra = {"targets": targets}
+        return np.asarray(module.apply(params, inputs, train=False, **extra)[0][0])
+
+    changed = tokens.copy()
+    changed[0, 6:10] = (changed[0, 6:10] + 7) % 63 + 1  # inside document 2
+    before, after = losses(tokens), losses(changed)
+    others = np.r_[0:4, 11:14]  # targets within documents 1 and 3
+    np.testing.assert_allclose(after[others], before[others], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(after[5:10], before[5:10])  # document 2's own losses did change
+    unmasked_before, unmasked_after = losses(tokens, masked=False), losses(changed, masked=False)
+    assert not np.allclose(unmasked_after[11:14], unmasked_before[11:14])  # the check can fail without the mask
+    weights = np.asarray(family.task.target_weights({"segments": jnp.asarray(segments)})[0])
+    np.testing.assert_array_equal(weights, [1] * 4 + [0] + [1] * 5 + [0] + [1] * 3 + [0, 0])
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory):
+    base = tmp_path_factory.mktemp("corpora")
+    tokenize([str(_corpus_files(base / "a_text", 80, seed=1))], str(base / "a"), "bpe:300", eval_fraction=0.1,
+             progress=False)
+    tokenizer = str(base / "a" / "tokenizer.json")  # one tokenizer for both: a mixture shares it
+    tokenize([str(_corpus_files(base / "b_text", 80, seed=2))], str(base / "b"), tokenizer, eval_fraction=0.1,
+             progress=False)
+    return base / "a", base / "b"
+
+
+def test_a_mixture_follows_its_weights_and_the_seed(two_corpora):
+    a, b = two_corpora
+    cfg = DataConfig(name="tokens", seq_len=16, sources=[{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}])
+    dataset = load_dataset(cfg)
+    assert dataset.info.sources == ("a", "b") and dataset.info.text_codec == "tokenizer"
+    examples = dataset.train.examples(seed=0, shuffle=True)
+    drawn = examples.take(range(4000))
+    share = (drawn["source"] == 0).mean()
+    assert abs(share - 0.75) < 3 * np.sqrt(0.75 * 0.25 / 4000)
+    again = dataset.train.examples(seed=0, shuffle=True).take(range(100, 140))
+    np.testing.assert_array_equal(again["tokens"], drawn["tokens"][100:140])  # a function of (seed, index)
+    other = dataset.train.examples(seed=1, shuffle=True).take(range(100, 140))
+    assert not np.array_equal(other["tokens"], drawn["tokens"][100:140])
+    first = load_dataset(DataConfig(name="tokens", path=str(a), seq_len=16)).train
+    one_epoch = first.examples(seed=0, shuffle=True).take(range(len(first)))["tokens"]
+    assert sorted(map(tuple, one_epoch)) == sorted(tuple(first.sources[0][i]["tokens"]) for i in range(len(first)))
+
+
+def _train_records(workdir):
+    return [r for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+
+
+LLAMA_TOKENS = ["model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
+                "model.mlp_dim=64", "data.name=tokens", "data.seq_len=16", "train.global_batch_size=8",
+                "optimizer.warmup_steps=2", "log.every_steps=1", "log.progress=false", "log.tensorboard=false",
+                "eval.every_steps=0", "data.steps_per_transfer=1"]
+
+
+@pytest.mark.slow
+def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_after_sigkill(tmp_path, two_corpora):
+    a, b = two_corpora
+    args = [*LLAMA_TOKENS, f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}, weight: 1}}]", "train.steps=12",
+            "checkpoint.every_steps=3"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def start(workdir):
+        return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "llama_tiny", "--workdir",
+                                 str(workdir), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    proc = start(reference)
+    assert proc.wait(timeout=300) == 0, proc.communicate()
+    records = _train_records(reference)
+    shares = np.array([[r["share_a"], r["share_b"]] for r in records])
+    np.testing.assert_allclose(shares.sum(axis=1), 1.0, rtol=1e-6)
+    assert abs(shares[:, 0].mean() - 0.75) < 0.1  # 12 steps × 8 windows, weighted by real tokens
+    proc = start(killed)
+    deadline = time.time() + 240
+    while not (_train_records(killed) and _train_records(killed)[-1]["step"] >= 7):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert _train_records(killed)[-1]["step"] < 12
+    proc = start(killed)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    losses = lambda records: [(r["step"], r["loss"], r["share_a"]) for r in records]  # noqa: E731
+    assert losses(_train_records(killed)) == losses(records)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_read_their_own_rows_and_match_one_process(tmp_path, two_corpora):
+    from test_multiprocess import local_job, one_process, train_losses
+
+    a, _ = two_corpora
+    args = [*LLAMA_TOKENS, f"data.path={a}", "train.steps=6", "mesh.data=2", "mesh.fsdp=2"]
+    two = local_job(tmp_path / "two", "llama_tiny", *args)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = one_process(tmp_path / "one", "llama_tiny", *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    x, y = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert sorted(x) == list(range(1, 7))
+    np.testing.assert_allclose([x[s] for s in sorted(x)], [y[s] for s in sorted(x)], rtol=1e-5)
+
+
+def test_each_process_reads_only_its_rows_of_the_global_batch(two_corpora):
+    from engine.data import TrainBatches
+
+    train = load_dataset(DataConfig(name="tokens", path=str(two_corpora[0]), seq_len=16)).train
+    whole = TrainBatches(train, 8, seed=3)(5)
+    halves = [TrainBatches(train, 8, seed=3, rows=np.arange(4) + 4 * p)(5) for p in (0, 1)]
+    for name in whole:
+        np.testing.assert_array_equal(np.concatenate([h[name] for h in halves]), whole[name])
