@@ -370,6 +370,8 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{key}={value} must be 0 or more")
+    if cfg.seed < 0:
+        raise UsageError(f"seed={cfg.seed} must be 0 or more (every random draw derives from it), e.g. seed=0")
     if cfg.optimizer.learning_rate <= 0:
         raise UsageError(f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive, e.g. 1e-3")
     if not 0.0 < cfg.data.eval_fraction < 1.0:

@@ -90,7 +90,7 @@ def test_interrupted_tokenize_resumes_to_the_same_shards(tmp_path):
     assert len(reference["splits"]["train"]["shards"]) > 3 and reference["splits"]["eval"]["documents"] > 0
 
 
-def test_bad_corpus_input_is_refused_by_name(tmp_path):
+def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(UsageError, match=r"bad.jsonl:2: no 'text' field .* --text-field"):
         tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "o1"), "bpe:300", progress=False)
@@ -108,6 +108,12 @@ def test_bad_corpus_input_is_refused_by_name(tmp_path):
     tokenize([str(good)], str(tmp_path / "corpus"), "bpe:300", eval_fraction=0.2, progress=False)
     with pytest.raises(UsageError, match="other settings"):
         tokenize([str(good)], str(tmp_path / "corpus"), "bpe:400", progress=False)
+    from engine.setup import build_run
+
+    small_model = make_config("llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}",
+                              "model.vocab_size=200", "data.seq_len=16")
+    with pytest.raises(UsageError, match=r"model.vocab_size=200 is smaller than the data's vocabulary \(300"):
+        build_run(small_model, compile_train=False)
     shard = tmp_path / "corpus" / "train-00000.tokens"
     data = bytearray(shard.read_bytes())
     data[5] ^= 0x01  # one flipped bit
