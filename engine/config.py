@@ -18,7 +18,7 @@ import yaml
 from omegaconf import DictConfig, Node, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from engine.data.sources import FILE_SOURCES, SOURCES
+from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES, SOURCES, source_name
 from engine.errors import UsageError
 from engine.optim import BUILDERS, SCHEDULES
 from engine.rundir import write_atomic
@@ -405,7 +405,7 @@ def validate(cfg: Config) -> None:
         for axis in axes:
             if axis not in MESH_AXES:
                 raise UsageError(_choice_message(f"mesh.rules.{logical}", axis, MESH_AXES))
-    if cfg.data.name in FILE_SOURCES and not cfg.data.path and not (cfg.data.name == "tokens" and cfg.data.sources):
+    if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     _check_sources(cfg.data)
     if hasattr(cfg.model, "validate"):
@@ -421,9 +421,9 @@ def _check_sources(data: DataConfig) -> None:
         if data.tokenizer != "bytes" and not (data.tokenizer.startswith("bpe:") and data.tokenizer[4:].isdigit()):
             raise UsageError(f"data.tokenizer={data.tokenizer!r}: use bytes or bpe:N (N ≥ 257), e.g. bpe:2048")
         return
-    if data.name != "tokens":
-        raise UsageError(f"data.sources is a mixture of tokenized corpora: it needs data.name=tokens, not "
-                         f"{data.name}")
+    if data.name not in MIXTURE_SOURCES:
+        raise UsageError(f"data.sources is a mixture of tokenized corpora: it needs data.name="
+                         f"{'|'.join(MIXTURE_SOURCES)}, not {data.name}")
     if data.path:
         raise UsageError("set data.path (one corpus) or data.sources (a mixture), not both")
     example = "data.sources=[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]"
@@ -437,11 +437,6 @@ def _check_sources(data: DataConfig) -> None:
     names = [source_name(s, i) for i, s in enumerate(data.sources)]
     if len(set(names)) != len(names):
         raise UsageError(f"data.sources have repeated names {names}; give each a distinct name: key")
-
-
-def source_name(source: dict, index: int) -> str:
-    """A mixture source's name in metrics: its `name`, else its directory's name."""
-    return str(source.get("name") or Path(str(source["path"])).name or f"source{index}")
 
 
 def to_yaml(cfg: Config) -> str:

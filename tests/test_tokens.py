@@ -279,3 +279,19 @@ def test_each_process_reads_only_its_rows_of_the_global_batch(two_corpora):
     halves = [TrainBatches(train, 8, seed=3, rows=np.arange(4) + 4 * p)(5) for p in (0, 1)]
     for name in whole:
         np.testing.assert_array_equal(np.concatenate([h[name] for h in halves]), whole[name])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.name=tokens", "data.sources=[5]"], r"data.sources\[0\]=5: each source is a mapping with path"),
+    (["data.name=tokens", "data.sources=[{path: /a, weight: -1}]"], r"data.sources\[0\].weight=-1 must be a positive number"),
+    (["data.name=tokens", "data.sources=[{path: /x/a}, {path: /y/a}]"], "repeated names"),
+    (["data.sources=[{path: /a}]"], "needs data.name=tokens, not python_source"),
+    (["data.name=tokens", "data.path=/a", "data.sources=[{path: /b}]"], "not both"),
+    (["data.name=tokens"], "set data.path"),
+    (["data.tokenizer=bpe"], "use bytes or bpe:N"),
+])
+def test_malformed_token_data_settings_are_refused_by_key(tmp_path, overrides, message):
+    from engine.config import load_config
+
+    with pytest.raises(UsageError, match=message):
+        load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, str(tmp_path))

@@ -313,10 +313,13 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
     return out
 
 
+def source_name(source: dict, index: int) -> str:
+    """A mixture source's name in metrics: its `name`, else its directory's name."""
+    return str(source.get("name") or Path(str(source["path"])).name or f"source{index}")
+
+
 def tokens(cfg) -> Dataset:
     """Tokenized corpora (`python launch.py tokenize`): data.path, or a mixture in data.sources."""
-    from engine.config import source_name
-
     if cfg.sources:
         return _tokens_dataset(cfg, [(str(s["path"]), float(s.get("weight", 1.0)), source_name(s, i))
                                      for i, s in enumerate(cfg.sources)])
@@ -368,6 +371,7 @@ SOURCES = {
 }
 
 FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens")  # the sources that read data.path
+MIXTURE_SOURCES = ("tokens",)  # the sources that read a weighted mixture from data.sources
 
 
 def load_dataset(cfg) -> Dataset:
