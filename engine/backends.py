@@ -48,6 +48,7 @@ class Shapes:
     global_batch: int
     steps_per_block: int
     eval_batch: int
+    resident: bool = False  # data.placement=device: train_arrays live on every device; blocks carry indices
 
 
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,
@@ -57,6 +58,14 @@ def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedShard
         return jax.device_put(host_batch, array_sharding)
     return {name: jax.make_array_from_process_local_data(array_sharding, value, (*global_rows, *value.shape[
         len(global_rows):])) for name, value in host_batch.items()}
+
+
+def _replicated_arrays(arrays: dict[str, np.ndarray], replicated: NamedSharding) -> dict[str, jax.Array]:
+    """Host arrays → one copy on every device (each process supplies its own devices')."""
+    if jax.process_count() == 1:
+        return jax.device_put({k: np.ascontiguousarray(v) for k, v in arrays.items()}, replicated)
+    return {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: np.ascontiguousarray(v[index]))
+            for k, v in arrays.items()}
 
 
 def _identity(state):
@@ -86,8 +95,26 @@ def compile_jit(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval
     def put_batch(host_batch, batch_size):
         return _global_arrays(host_batch, batch_sharding, (batch_size,))
 
-    def put_block(host_block):
+    def put_host_block(host_block):
         return _global_arrays(host_block, block_sharding, (steps, global_batch))
+
+    put_block = put_host_block
+    block_abstract = _abstract(shapes.train_arrays, (steps, global_batch), block_sharding)
+    in_block_sharding = block_sharding
+    if shapes.resident and train_step is not None:
+        # The whole train split, replicated: each device gathers its own rows of each batch
+        # (the indices are sharded like a batch), so the gather needs no communication.
+        data_sharding = sharding.replicated(mesh)
+        resident = _replicated_arrays(shapes.train_arrays, data_sharding)
+        indices = {"index": jax.ShapeDtypeStruct((steps, global_batch), jnp.int32, sharding=block_sharding)}
+        block_abstract = (_abstract(shapes.train_arrays, (len(next(iter(shapes.train_arrays.values()))),),
+                                    data_sharding), indices)
+        in_block_sharding = (data_sharding, block_sharding)
+
+        def put_resident_block(host_block):  # {"index": [steps, rows]} → (the resident split, global indices)
+            return resident, put_host_block(host_block)
+
+        put_block = put_resident_block
 
     common = dict(put_batch=put_batch, put_block=put_block, to_step_layout=_identity, from_step_layout=_identity,
                   rows=lambda batch_size: process_rows(batch_sharding, batch_size))
@@ -95,14 +122,13 @@ def compile_jit(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval
         return Compiled(train_step=train_step and _eager(train_step), eval_step=_eager(eval_step),
                         compile_seconds=0.0, program=None, **common)
     # The state is donated: its buffers are reused for the new state instead of copied.
-    jitted = train_step and jax.jit(train_step, in_shardings=(shapes.state_shardings, block_sharding),
+    jitted = train_step and jax.jit(train_step, in_shardings=(shapes.state_shardings, in_block_sharding),
                                     out_shardings=(shapes.state_shardings, sharding.replicated(mesh)),
                                     donate_argnums=0)
     start = time.perf_counter()
     # Traced here: the models' activation constraints pin activations to this mesh.
     with constrained_activations(sharding.activation_constrainer(mesh)):
-        program = jitted.lower(shapes.state, _abstract(shapes.train_arrays, (steps, global_batch),
-                                                       block_sharding)).compile() if train_step else None
+        program = jitted.lower(shapes.state, block_abstract).compile() if train_step else None
         compile_seconds = time.perf_counter() - start
         eval_batch = {**_abstract(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
                       "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding)}

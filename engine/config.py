@@ -34,6 +34,10 @@ class DataConfig:
     shuffle: bool = True  # reshuffle every epoch (order is a function of seed and epoch)
     prefetch: int = 2  # blocks of batches put on device ahead of the step (0 = none)
     steps_per_transfer: int = 1  # training batches moved to the device together (fewer, larger copies)
+    # auto | host | device: device keeps the whole train split on every device and gathers
+    # each step's rows inside the compiled step (auto: when it fits in device_memory_fraction)
+    placement: str = "auto"
+    device_memory_fraction: float = 0.25  # placement=auto: the share of one device's memory the train split may use
     # synthetic sources
     num_examples: int = 4096  # training examples generated (eval gets a quarter)
     image_shape: list[int] = field(default_factory=lambda: [8, 8, 1])  # [height, width, channels]
@@ -163,6 +167,7 @@ class Config:
 
 CHOICES = {
     "data.name": tuple(SOURCES),
+    "data.placement": ("auto", "host", "device"),
     "train.param_dtype": ("float32", "bfloat16", "float16"),
     "train.compute_dtype": ("float32", "bfloat16", "float16"),
     "train.nan_policy": ("stop", "warn"),
@@ -370,6 +375,8 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{key}={value} must be 0 or more")
+    if not 0.0 < cfg.data.device_memory_fraction <= 1.0:
+        raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
     if cfg.seed < 0:
         raise UsageError(f"seed={cfg.seed} must be 0 or more (every random draw derives from it), e.g. seed=0")
     if cfg.optimizer.learning_rate <= 0:

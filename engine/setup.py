@@ -8,6 +8,7 @@ differ only inside engine/backends.py.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -44,6 +45,7 @@ class Inputs:
     eval_batch_size: int
     steps_per_block: int  # training batches moved to the device together (see block_steps)
     steps_per_call: int  # optimizer steps per train_step call (train.steps_per_call)
+    resident_bytes: int = 0  # >0: the train split lives on the devices (data.placement), this many bytes each
 
 
 @dataclass
@@ -70,11 +72,46 @@ class Run:
         return self.train_block(step // self.inputs.steps_per_block)
 
 
-def block_steps(cfg: Config) -> int:
-    """Training batches per host-to-device copy: data.steps_per_transfer, raised to the next
+RESIDENT_BLOCK = 64  # with the data on the devices a block is indices alone: at least this many steps
+
+
+def block_steps(cfg: Config, resident: bool = False) -> int:
+    """Training batches per host-to-device copy: data.steps_per_transfer (at least
+    RESIDENT_BLOCK steps of indices when the data lives on the devices), raised to the next
     multiple of train.steps_per_call so that one call's batches always travel together."""
     per_call = cfg.train.steps_per_call
-    return per_call * math.ceil(cfg.data.steps_per_transfer / per_call)
+    wanted = max(cfg.data.steps_per_transfer, RESIDENT_BLOCK) if resident else cfg.data.steps_per_transfer
+    return per_call * math.ceil(wanted / per_call)
+
+
+def device_memory_bytes(mesh: Mesh) -> int:
+    """One device's memory: what the runtime says (accelerators), else this host's memory
+    shared by its devices (CPU)."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(jax.local_device_count(), 1)
+
+
+def _resident_bytes(cfg: Config, dataset: Dataset, mesh: Mesh) -> int:
+    """Bytes of the train split each device holds when it lives on the devices (data.placement
+    device, or auto and it fits in data.device_memory_fraction of a device), else 0."""
+    placement = cfg.data.placement
+    if placement == "host":
+        return 0
+    why_not = ("its source reads examples from disk by index" if not isinstance(dataset.train, dict) else
+               "mesh.backend=pmap takes host batches" if cfg.mesh.backend == "pmap" else
+               "train.eager=true runs without jit" if cfg.train.eager else "")
+    if why_not:
+        if placement == "device":
+            raise UsageError(f"data.placement=device: data.name={cfg.data.name} cannot live on the devices here "
+                             f"({why_not}); use data.placement=auto or host")
+        return 0
+    size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in dataset.train.values())
+    if placement == "auto" and size > cfg.data.device_memory_fraction * device_memory_bytes(mesh):
+        return 0
+    return max(size, 1)
 
 
 def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily) -> int:
@@ -151,18 +188,19 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     tx = make_optimizer(cfg.optimizer)
     state = _state_plan(cfg, mesh, family, module, dataset.info, tx)
     loss_fn = make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources))
-    steps = block_steps(cfg)
+    resident_bytes = _resident_bytes(cfg, dataset, mesh)
+    steps = block_steps(cfg, resident=resident_bytes > 0)
     train_step = make_block_step(make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps,
-                                                 pmap_axis), steps, cfg.train.steps_per_call)
+                                                 pmap_axis), steps, cfg.train.steps_per_call, resident_bytes > 0)
     shapes = Shapes(state.abstract, state.shardings, example_spec(dataset.train), cfg.train.global_batch_size, steps,
-                    eval_batch_size)
+                    eval_batch_size, resident=resident_bytes > 0)
     compile_fn = compile_pmap if pmap_axis else compile_jit
     compiled = compile_fn(mesh, shapes, train_step if compile_train else None, make_eval_step(loss_fn, pmap_axis),
                           eager=cfg.train.eager)
     inputs = Inputs(train=TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
-                                       compiled.rows(cfg.train.global_batch_size)),
+                                       compiled.rows(cfg.train.global_batch_size), indices_only=resident_bytes > 0),
                     eval_rows=compiled.rows(eval_batch_size), eval_batch_size=eval_batch_size,
-                    steps_per_block=steps, steps_per_call=cfg.train.steps_per_call)
+                    steps_per_block=steps, steps_per_call=cfg.train.steps_per_call, resident_bytes=resident_bytes)
     cost = step_cost(cfg, family, module, dataset, tx, state.abstract, mesh.size, compiled.program)
     return Run(cfg=cfg, mesh=mesh, dataset=dataset, model=Model(family, module, state.param_layouts),
                abstract_state=state.abstract, init_state=state.create, compiled=compiled, inputs=inputs, cost=cost,

@@ -131,7 +131,7 @@ def unpack_metrics(packed) -> list[dict]:
     return steps
 
 
-def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1) -> Callable:
+def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, resident: bool = False) -> Callable:
     """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
     step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call,
     len(TRAIN_METRICS)]).
@@ -139,10 +139,18 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1) -
     Batches travel to the device a block at a time, so per step the host only dispatches;
     with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and
     the host dispatches once per call. The metrics come back as one array per call, not one
-    per metric: fewer buffers to create per call and to fetch per log line."""
+    per metric: fewer buffers to create per call and to fetch per log line.
+
+    resident: the block is (the whole train split on the device, {"index": [steps, batch]});
+    each step gathers its batch's rows from the split (data.placement=device)."""
 
     def one_step(state: TrainState, block):
-        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
+        if resident:
+            data, indices = block
+            index = jax.lax.dynamic_index_in_dim(indices["index"], state.step % steps, keepdims=False)
+            batch = {name: jnp.take(array, index, axis=0, mode="clip") for name, array in data.items()}
+        else:
+            batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
         state, metrics = train_step(state, batch)
         packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS])
         if "source_tokens" in metrics:

@@ -67,6 +67,9 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                            cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info),
                            run.mesh.devices.flat[0], cfg.train.compute_dtype, run.compile_cache)
         result, window, block, last_saved = FitResult(state), Window(start), None, start or None
+        if run.inputs.resident_bytes and start < total:
+            writer.message(f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
+                           f"(data.placement={cfg.data.placement}); each step gathers its rows on the device")
 
         def save(step):
             with _paused(window, goodput, "checkpoint_seconds"):

@@ -114,6 +114,10 @@ def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
                               "model.vocab_size=200", "data.seq_len=16")
     with pytest.raises(UsageError, match=r"model.vocab_size=200 is smaller than the data's vocabulary \(300"):
         build_run(small_model, compile_train=False)
+    on_device = make_config("llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "data.seq_len=16",
+                            "data.placement=device")
+    with pytest.raises(UsageError, match="data.placement=device: data.name=tokens cannot live on the devices"):
+        build_run(on_device, compile_train=False)
     shard = tmp_path / "corpus" / "train-00000.tokens"
     data = bytearray(shard.read_bytes())
     data[5] ^= 0x01  # one flipped bit

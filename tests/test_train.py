@@ -98,3 +98,23 @@ def test_dry_run_prints_layout_without_training(tmp_path):
     assert "hidden_0/kernel" in proc.stdout and "('embed', 'mlp')" in proc.stdout
     assert "model FLOPs per step" in proc.stdout and "compiled step memory" in proc.stdout
     assert not (tmp_path / "dry").exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["mesh.data=2", "mesh.fsdp=4", "train.grad_accum_steps=2", "train.steps_per_call=2", "model.dropout_rate=0.2"],
+], ids=["one-device", "data2-fsdp4-accum-scan"])
+def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_path, overrides):
+    """data.placement=device gathers each batch inside the step: the same batches, the same losses."""
+    from engine.setup import build_run
+    from engine.trainer import fit
+
+    losses = {}
+    for placement in ("host", "device"):
+        cfg = make_config("mnist_mlp.yaml", f"data.placement={placement}", "train.steps=12", "log.every_steps=4",
+                          "eval.every_steps=12", "checkpoint.every_steps=0", *overrides, workdir=tmp_path / placement)
+        run = build_run(cfg)
+        assert (run.inputs.resident_bytes > 0) == (placement == "device")
+        result = fit(cfg, run)
+        losses[placement] = (result.losses, result.eval_metrics)
+    assert losses["device"] == losses["host"] and len(losses["host"][0]) == 12

@@ -44,7 +44,11 @@ class TrainBatches:
     Grain's shuffle and mix, seeded with `seed`): then example step·batch + r is row r of
     the batch at `step`."""
 
-    def __init__(self, arrays, global_batch: int, seed: int, shuffle: bool = True, rows: np.ndarray | None = None):
+    def __init__(self, arrays, global_batch: int, seed: int, shuffle: bool = True, rows: np.ndarray | None = None,
+                 indices_only: bool = False):
+        """indices_only: batches are {"index": int32 [rows]}, the example indices of this
+        process's rows (the data itself is on the devices: data.placement=device)."""
+        self.indices_only = indices_only
         self.arrays = arrays if isinstance(arrays, dict) else None
         self.examples = None if self.arrays is not None else arrays.examples(seed, shuffle)
         self.num_examples = len(next(iter(arrays.values()))) if self.arrays is not None else len(arrays)
@@ -76,6 +80,8 @@ class TrainBatches:
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rows = self.indices(step)[self.rows]
+        if self.indices_only:
+            return {"index": rows.astype(np.int32)}
         if self.examples is not None:
             return self.examples.take(rows)
         return {name: np.asarray(array[rows]) for name, array in self.arrays.items()}
