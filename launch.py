@@ -131,6 +131,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--workdir", help="output directory (default: the config's workdir, or runs/<config name>)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mesh, parameter layout, memory and FLOPs per step; do not train")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace steps 5..15 of this run with jax.profiler into WORKDIR/profile "
+                             "(= log.profile_steps=[5,15]; view with TensorBoard's profile plugin or XProf)")
     group = parser.add_argument_group("multi-process (see README: multi-host)")
     group.add_argument("--local-processes", type=int, metavar="N",
                        help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
@@ -209,7 +212,8 @@ def main(argv: list[str]) -> int:
             from engine.evaluator import run_evaluator
 
             return run_evaluator(_eval_config(args), watch=args.watch, dead_after=args.dead_after)
-        cfg = load_config(args.config, args.overrides + _distributed_overrides(args), args.workdir)
+        profile = ["log.profile_steps=[5,15]"] if args.profile else []
+        cfg = load_config(args.config, profile + args.overrides + _distributed_overrides(args), args.workdir)
         tf_config = os.environ.get("TF_CONFIG")
         if tf_config and parse_tf_config(tf_config).kind == "evaluator":
             from engine.evaluator import run_evaluator

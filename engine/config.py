@@ -134,6 +134,9 @@ class LogConfig:
     every_steps: int = 50  # metrics to console, metrics.jsonl and TensorBoard every N steps
     progress: bool = True  # show a progress bar on the console
     tensorboard: bool = True  # write TensorBoard event files into the workdir
+    # [a, b]: a jax.profiler trace of steps a..b after this process's first step (a resumed run
+    # counts from where it resumed) into <workdir>/profile; [] = none. --profile = [5, 15]
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -375,6 +378,10 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{key}={value} must be 0 or more")
+    window = list(cfg.log.profile_steps)
+    if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
+        raise UsageError(f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "
+                         "e.g. log.profile_steps=[5,15]")
     if not 0.0 < cfg.data.device_memory_fraction <= 1.0:
         raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
     if cfg.seed < 0:

@@ -8,6 +8,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import jax
@@ -167,6 +168,8 @@ class Goodput:
     loop_seconds: float = 0.0  # time in the training loop, waits for data included, eval and saves not
     steps_run: int = 0
     redone_steps: int = 0  # steps run again after a restart (logged before, lost since the checkpoint)
+    dispatch_seconds: float = 0.0  # in the loop: handing calls to the runtime (host time)
+    device_wait_seconds: float = 0.0  # in the loop: waiting for the device's results (log lines, syncs)
 
     def summary(self, ended: float) -> dict[str, float]:
         wall = ended - self.started
@@ -189,7 +192,43 @@ class Goodput:
             "goodput": productive / wall if wall > 0 else 0.0,
             **{f"badput_{name}": seconds / wall if wall > 0 else 0.0 for name, seconds in badput.items()},
             "badput_other": other / wall if wall > 0 else 0.0,  # start-up, restore, logging
+            # where the training loop's time went, sampled on the host
+            "loop_dispatch": self.dispatch_seconds / self.loop_seconds if self.loop_seconds else 0.0,
+            "loop_data_wait": self.data_wait_seconds / self.loop_seconds if self.loop_seconds else 0.0,
+            "loop_device_wait": self.device_wait_seconds / self.loop_seconds if self.loop_seconds else 0.0,
         }
+
+
+class StepTrace:
+    """log.profile_steps=[a, b]: a jax.profiler trace of the calls that run steps a..b after
+    this process's first step, into <workdir>/profile/process_<i> (TensorBoard's profile
+    plugin or XProf read it)."""
+
+    def __init__(self, window, start: int, workdir: Path):
+        self.first, self.last = (start + window[0], start + window[1]) if window else (None, None)
+        self.directory = Path(workdir) / "profile" / f"process_{jax.process_index()}"
+        self.active, self.traced = False, None
+
+    def before(self, step: int) -> None:
+        """Called before the call that starts at `step`."""
+        if self.first is not None and self.traced is None and not self.active and self.first <= step < self.last:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory))
+            self.active, self.began = True, step
+
+    def after(self, done: int, outputs) -> Optional[tuple[int, int]]:
+        """Called after the call that ends at `done`; → (first, last) step once the trace is written."""
+        if self.active and done >= self.last:
+            jax.block_until_ready(outputs)
+            jax.profiler.stop_trace()
+            self.active, self.traced = False, (self.began, done)
+            return self.traced
+        return None
+
+    def close(self) -> None:
+        if self.active:  # the loop ended early (preempted, failed): keep what was traced
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class Window:
@@ -248,7 +287,11 @@ def summary_text(summary: dict) -> str:
     """The run summary (Goodput.summary + Throughput.summary) as one paragraph for the console."""
     badput = ", ".join(f"{k.removeprefix('badput_')} {v:.1%}" for k, v in summary.items() if k.startswith("badput_"))
     mfu = f", MFU {summary['mfu']:.1%} ({summary['peak_source']})" if summary.get("mfu") is not None else ""
+    other = max(1.0 - summary["loop_dispatch"] - summary["loop_data_wait"] - summary["loop_device_wait"], 0.0)
+    profile = f"; profile trace in {summary['profile_dir']}" if summary.get("profile_dir") else ""
     return (f"summary: time to first step {summary['time_to_first_step']:.1f}s (compile "
             f"{summary['compile_seconds']:.1f}s), mean step {summary['mean_step_seconds'] * 1e3:.2f} ms, data wait "
             f"{summary['data_wait_seconds']:.2f}s, checkpoint blocking {summary['checkpoint_blocking_seconds']:.2f}s; "
-            f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}")
+            f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}; loop: dispatch {summary['loop_dispatch']:.0%}, "
+            f"waiting for data {summary['loop_data_wait']:.0%}, for the device {summary['loop_device_wait']:.0%}, "
+            f"other {other:.0%}{profile}")

@@ -17,7 +17,7 @@ from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
 from engine.metrics import MetricWriter
-from engine.perf import Goodput, Throughput, Window, summary_text
+from engine.perf import Goodput, StepTrace, Throughput, Window, summary_text
 from engine.preemption import Preempted, PreemptionWatch
 from engine.rundir import METRICS, WorkdirLock, drop_records_after
 from engine.setup import Run, build_run, with_config_hparams
@@ -76,16 +76,26 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                 meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg)}
                 checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once off the devices
 
+        trace = closing.enter_context(contextlib.closing(StepTrace(cfg.log.profile_steps, start, workdir)))
+        clock = time.perf_counter
         for step in range(start, total, per_call):
             if block is None or step % per_block == 0:
                 block = next(batches)
+            trace.before(step)
+            began = clock()
             state, metrics = run.compiled.train_step(state, block)  # steps [step, step + per_call)
+            dispatched = clock()
+            goodput.dispatch_seconds += dispatched - began
             if run.sync_each_step or goodput.first_step_at is None:
                 jax.block_until_ready(metrics)
+                goodput.device_wait_seconds += clock() - dispatched
                 goodput.first_step_at = goodput.first_step_at or time.time()
             window.add(metrics, per_call)
             writer.advance(per_call)
             done = step + per_call
+            if trace.after(done, metrics):
+                writer.message(f"profile: steps {trace.traced[0]}..{trace.traced[1]} traced into {trace.directory} "
+                               f"(tensorboard --logdir {trace.directory}, Profile tab; or xprof)")
             if _due(cfg.log.every_steps, done, total):
                 result.losses.update(_log_train(window, done, cfg.train.nan_policy, writer, rates, goodput,
                                                 run.dataset.info.sources))
@@ -110,7 +120,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
         goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
         if total > start:
             timing = goodput.summary(time.time())
-            result.summary = {**timing, **rates.summary(timing["mean_step_seconds"])}
+            result.summary = {**timing, **rates.summary(timing["mean_step_seconds"]),
+                              **({"profile_dir": str(trace.directory)} if trace.traced else {})}
             writer.write(total, "summary", result.summary)
             writer.message(summary_text(result.summary))
     result.state = state
@@ -168,7 +179,9 @@ def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter,
                goodput: Goodput, sources: tuple[str, ...] = ()) -> dict[int, float]:
     """Writes the window's train record (the loop's only regular host sync); its step losses.
     A mixture adds `share_<source>`: each source's share of the window's trained tokens."""
+    waited = time.perf_counter()
     host = window.to_host()
+    goodput.device_wait_seconds += time.perf_counter() - waited
     _check_finite(host, window.start, nan_policy, writer)
     goodput.loop_seconds += window.seconds()
     count = sum(m["count"] for m in host)

@@ -118,3 +118,19 @@ def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_pat
         result = fit(cfg, run)
         losses[placement] = (result.losses, result.eval_metrics)
     assert losses["device"] == losses["host"] and len(losses["host"][0]) == 12
+
+
+def test_profile_steps_write_a_trace_and_the_summary_says_where_the_loop_went(make_config, tmp_path):
+    from engine.errors import UsageError
+    from engine.trainer import fit
+
+    cfg = make_config("mnist_mlp.yaml", "train.steps=12", "log.every_steps=4", "eval.every_steps=0",
+                      "log.profile_steps=[2,6]", workdir=tmp_path / "run")
+    summary = fit(cfg).summary
+    traces = list((tmp_path / "run" / "profile" / "process_0").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert summary["profile_dir"] == str(tmp_path / "run" / "profile" / "process_0")
+    shares = [summary[k] for k in ("loop_dispatch", "loop_data_wait", "loop_device_wait")]
+    assert all(0 <= s <= 1 for s in shares) and 0 < sum(shares) <= 1 and summary["loop_dispatch"] > 0
+    with pytest.raises(UsageError, match=r"log.profile_steps=\[6, 2\] must be"):
+        make_config("mnist_mlp.yaml", "log.profile_steps=[6,2]")
