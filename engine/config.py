@@ -183,12 +183,34 @@ CHOICES = {
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
+MAX_YAML_VALUES = 100_000  # a config or sweep file expanding to more is refused (YAML alias bombs)
+
+
+def _too_many_values(data, limit: int = MAX_YAML_VALUES) -> bool:
+    """Whether `data`, with YAML aliases expanded, holds more than `limit` values (stops counting there)."""
+    count, todo = 0, [data]
+    while todo:
+        item = todo.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return False
+
+
 def read_yaml_mapping(path: Path, what: str) -> dict:
-    """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping."""
+    """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping
+    of at most MAX_YAML_VALUES values once its aliases are expanded."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise UsageError(f"{what} {path}{_yaml_place(e)} is not valid YAML: {_yaml_problem(e)}") from None
+    if _too_many_values(data):
+        raise UsageError(f"{what} {path} expands to more than {MAX_YAML_VALUES:,} values (through YAML aliases "
+                         "&name / *name?); write the values out")
     if data is None:
         raise UsageError(f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and README.md)")
     if not isinstance(data, dict):
@@ -216,6 +238,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     base = data.pop("extends", None)
     if base is None:
         return data
+    if not isinstance(base, str) or not base:
+        raise UsageError(f"config file {path}: extends: {base!r} must be the path of one config file, e.g. "
+                         "extends: base.yaml")
     merged = _read_yaml((path.parent / base).resolve(), seen + (path,))
     return _deep_merge(merged, data)
 
@@ -339,7 +364,11 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
         cfg.workdir = workdir
     if not cfg.workdir:
         cfg.workdir = str(Path("runs") / path.stem)
-    config: Config = OmegaConf.to_object(cfg)
+    try:
+        config: Config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # e.g. an interpolation ${...} that names no key
+        raise UsageError(f"bad config: {str(e).splitlines()[0]} (at {getattr(e, 'full_key', '?')}); "
+                         "write the value itself, or ${section.key} of a key that exists") from None
     validate(config)
     return config
 

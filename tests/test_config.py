@@ -1,4 +1,5 @@
 import re
+import time
 
 import pytest
 import yaml
@@ -124,3 +125,33 @@ def test_a_warm_up_longer_than_the_run_is_clamped_with_a_warning(make_config, ca
     cfg = make_config("gpt_small.yaml", "train.steps=4")
     assert cfg.optimizer.warmup_steps == 4
     assert "warning: optimizer.warmup_steps=50 exceeds train.steps=4" in capsys.readouterr().err
+
+
+def test_config_files_that_expand_or_point_nowhere_are_refused_by_name(tmp_path):
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcde", "bcdef"))
+    cases = {"bomb.yaml": (bomb, "expands to more than 100,000 values"),
+             "five.yaml": ("extends: 5\n", r"extends: 5 must be the path of one config file"),
+             "interp.yaml": ("extends: base.yaml\ndata:\n  path: ${foo}\n", r"Interpolation key 'foo' not found")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / "base.yaml").write_text((ROOT / "configs" / "base.yaml").read_text())
+        start = time.perf_counter()
+        with pytest.raises(UsageError, match=message):
+            load_config(tmp_path / name, [], str(tmp_path / "run"))
+        assert time.perf_counter() - start < 5
+    with pytest.raises(UsageError, match=r"seed=-1 must be 0 or more"):
+        load_config("mnist_mlp", ["seed=-1"], str(tmp_path / "run"))
+
+
+def test_sweeps_of_absurd_size_are_refused(tmp_path):
+    from engine.sweep.spec import load_sweep
+
+    (tmp_path / "huge.yaml").write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\n"
+                                        "random: {samples: 100000000, params: {seed: {int_uniform: [0, 9]}}}\n")
+    with pytest.raises(UsageError, match="random.samples=100,000,000 is more than 10,000 runs"):
+        load_sweep(tmp_path / "huge.yaml")
+    (tmp_path / "grid.yaml").write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ngrid:\n" + "".join(
+        f"  {k}: [{', '.join(map(str, range(20)))}]\n" for k in ("seed", "train.steps", "log.every_steps", "eval.every_steps")))
+    with pytest.raises(UsageError, match="makes 160,000 runs"):
+        load_sweep(tmp_path / "grid.yaml")

@@ -36,6 +36,7 @@ from engine.errors import UsageError
 LAUNCH = Path(__file__).resolve().parent.parent.parent / "launch.py"
 SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm"}
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")
+MAX_RUNS = 10_000  # runs one sweep file may make (grid × zip × random samples)
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,11 @@ def _check_random(random: dict, where: str) -> None:
     if not isinstance(random, dict) or not isinstance(random.get("params"), dict):
         raise UsageError(f"{where}: random needs 'samples' (a count), 'params' (key: distribution) and optionally "
                          "'seed'")
-    if not isinstance(random.get("samples"), int) or random["samples"] < 1:
+    if not isinstance(random.get("samples"), int) or isinstance(random["samples"], bool) or random["samples"] < 1:
         raise UsageError(f"{where}: random.samples must be a positive integer")
+    if random["samples"] > MAX_RUNS:
+        raise UsageError(f"{where}: random.samples={random['samples']:,} is more than {MAX_RUNS:,} runs; sample fewer "
+                         "(or split the sweep into several files)")
     for key, spec in random["params"].items():
         ok = isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in DISTRIBUTIONS
         args = next(iter(spec.values())) if ok else None
@@ -176,6 +180,10 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         samples = [{key: _sample(dist, rng) for key, dist in random["params"].items()}
                    for _ in range(random["samples"])]
         axes.append(samples)
+    count = math.prod(len(axis) for axis in axes)
+    if count > MAX_RUNS:
+        raise UsageError(f"sweep file {path} makes {count:,} runs (the product of its axes), more than {MAX_RUNS:,}; "
+                         "narrow the grid or sample fewer")
     combos = [{k: v for part in parts for k, v in part.items()} for parts in itertools.product(*axes)]
     mode = spec.get("mode", "min")
     if mode not in ("min", "max"):
