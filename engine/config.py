@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -420,13 +421,15 @@ def validate(cfg: Config) -> None:
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction} must be between 0 and 1, e.g. 0.2")
     per_call = cfg.train.steps_per_call
-    for key, value in {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
-                       "eval.every_steps": cfg.eval.every_steps,
-                       "checkpoint.every_steps": cfg.checkpoint.every_steps}.items():
-        if value % per_call:
-            raise UsageError(f"{key}={value} is not a multiple of train.steps_per_call={per_call}: logs, evals and "
-                             f"checkpoints happen between calls; use a multiple of {per_call} or a smaller "
-                             f"train.steps_per_call")
+    intervals = {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
+                 "eval.every_steps": cfg.eval.every_steps, "checkpoint.every_steps": cfg.checkpoint.every_steps}
+    common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
+    if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits
+        fits = max(d for d in range(1, per_call + 1) if common % d == 0)
+        blocking = ", ".join(f"{k}={v}" for k, v in intervals.items() if v % per_call)
+        print(f"note: train.steps_per_call={per_call} runs {fits} step(s) per call here, so that calls end at "
+              f"{blocking} (logs, evals and checkpoints happen between calls)", file=sys.stderr)
+        cfg.train.steps_per_call = fits
     if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
         raise UsageError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "

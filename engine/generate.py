@@ -31,7 +31,13 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
     if info.text_codec == "tokenizer":
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(info.tokenizer)
+        from engine.hf import run_tokenizer
+
+        path = run_tokenizer(work, info)
+        if path is None:
+            raise UsageError(f"{work} has no tokenizer.json and its corpus's ({info.tokenizer}) is gone; copy the "
+                             f"corpus's tokenizer.json into {work}")
+        tokenizer = Tokenizer.from_file(str(path))
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     else:

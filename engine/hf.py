@@ -13,7 +13,9 @@ under FSDP. `launch.py export --workdir DIR --format hf --out PATH` writes the l
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +174,17 @@ def export_hf(workdir: str, out: str) -> Path:
         kept = {k: v for k, v in original.items() if k not in hf_config or k == "max_position_embeddings"}
         hf_config = {**hf_config, **kept}
     write_atomic(out_path / "config.json", json.dumps(hf_config, indent=2) + "\n")
+    tokenizer = run_tokenizer(work, run.dataset.info)
+    if tokenizer is not None:  # a run on a tokenized corpus: its tokenizer goes with the weights
+        shutil.copyfile(tokenizer, out_path / "tokenizer.json")
     return out_path
+
+
+def run_tokenizer(work: Path, info) -> Optional[Path]:
+    """The tokenizer.json a run trained with: the copy in its workdir, else its corpus's."""
+    if (work / "tokenizer.json").is_file():
+        return work / "tokenizer.json"
+    return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:

@@ -93,12 +93,16 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
                 grad_sum, model_state = carry
                 (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, microbatch, rng, True,
                                                              state.hparams)
-                return (jax.tree.map(jnp.add, grad_sum, grads), model_state), metrics
+                # weighted by the microbatch's counted targets: the sum is the gradient of the
+                # whole batch's loss sum, also when microbatches count different numbers of
+                # targets (packed documents, padding)
+                weighted = jax.tree.map(lambda total, g: total + g * metrics["count"], grad_sum, grads)
+                return (weighted, model_state), metrics
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             (grads, model_state), metrics = jax.lax.scan(accumulate, (zeros, state.model_state), micro)
-            grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)  # mean of equal-sized microbatch means
-            metrics = jax.tree.map(jnp.sum, metrics)
+            metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+            grads = jax.tree.map(lambda g: g / jnp.maximum(metrics["count"], 1.0), grads)  # = one big batch's mean
         if axis_name is not None:  # pmap: average over replicas (jit does this from the shardings)
             grads = jax.lax.pmean(grads, axis_name)
             metrics = jax.lax.psum(metrics, axis_name)

@@ -49,6 +49,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
             goodput.compile_seconds = run.compiled.compile_seconds
         if is_chief:
             save_config(cfg, workdir / "config.yaml")
+            if run.dataset.info.tokenizer:  # the run's text is read back (sample, export) with its own tokenizer
+                shutil.copyfile(run.dataset.info.tokenizer, workdir / "tokenizer.json")
         checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
             workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging)))
         state, start = initial_state(run, checkpointer)

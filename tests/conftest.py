@@ -26,10 +26,12 @@ def compilation_cache(tmp_path_factory):
 
 @pytest.fixture
 def make_config(tmp_path, compilation_cache):
-    """load_config with quiet, fast defaults for tests: make_config("mnist_mlp.yaml", "train.steps=3")."""
+    """load_config with quiet, fast defaults for tests: make_config("mnist_mlp.yaml", "train.steps=3").
+    One step per call unless a test asks for more (tests drive train_step a step at a time)."""
 
     def make(config="mnist_mlp.yaml", *overrides, workdir=None):
-        quiet = ["log.progress=false", "log.tensorboard=false", f"train.compilation_cache_dir={compilation_cache}"]
+        quiet = ["log.progress=false", "log.tensorboard=false", f"train.compilation_cache_dir={compilation_cache}",
+                 "train.steps_per_call=1"]
         return load_config(ROOT / "configs" / config, quiet + list(overrides), str(workdir or tmp_path / "run"))
 
     return make

@@ -54,8 +54,9 @@ def test_bad_values_are_rejected_with_a_fix(make_config):
         make_config("mnist_mlp.yaml", "model.name=mlpp")
     with pytest.raises(UsageError, match="train.steps=0 must be positive"):
         make_config("mnist_mlp.yaml", "train.steps=0")
-    with pytest.raises(UsageError, match="log.every_steps=30 is not a multiple of train.steps_per_call=20"):
-        make_config("mnist_mlp.yaml", "train.steps_per_call=20", "log.every_steps=30")
+    # calls end at every log line: at most 20 steps per call, and a divisor of 30, 500, 50, 1500
+    assert make_config("mnist_mlp.yaml", "train.steps_per_call=20", "log.every_steps=30").train.steps_per_call == 10
+    assert make_config("mnist_mlp.yaml", "train.steps_per_call=20", "log.every_steps=7").train.steps_per_call == 1
 
 
 def test_unknown_key_in_a_file_is_rejected(tmp_path):

@@ -258,6 +258,16 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
     assert proc.returncode == 0, err
     losses = lambda records: [(r["step"], r["loss"], r["share_a"]) for r in records]  # noqa: E731
     assert losses(_train_records(killed)) == losses(records)
+    # the run keeps its tokenizer: sample decodes with it, and a Hugging Face export carries it
+    assert (reference / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
+    sampled = run_cli("sample", "--workdir", str(reference), "--prompt", "alpha beta", "--max-tokens", "12",
+                      "--temperature", "0")
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    text = sampled.stdout.strip("\n")
+    assert text.strip() and set(text) <= set("abcdefghijklmnopqrstuvwxyz .<|>"), text  # the corpus's own characters
+    exported = run_cli("export", "--workdir", str(reference), "--out", str(tmp_path / "hf"), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.multiprocess
@@ -299,3 +309,21 @@ def test_malformed_token_data_settings_are_refused_by_key(tmp_path, overrides, m
 
     with pytest.raises(UsageError, match=message):
         load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, str(tmp_path))
+
+
+def test_gradient_accumulation_of_packed_mixtures_equals_one_big_batch(make_config, tmp_path, two_corpora):
+    """Microbatches count different numbers of targets when documents are packed: the
+    accumulated gradient is still the whole batch's."""
+    from engine.trainer import fit
+
+    a, b = two_corpora
+    results = []
+    for accum in (1, 4):
+        cfg = make_config("llama_tiny", *LLAMA_TOKENS, f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}}}]",
+                          "train.steps=4", "log.every_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0",
+                          f"train.grad_accum_steps={accum}", "mesh.num_devices=1", workdir=tmp_path / str(accum))
+        fit(cfg)
+        results.append([r for r in read_records(tmp_path / str(accum) / "metrics.jsonl") if r["split"] == "train"])
+    for one, accumulated in zip(*results):
+        np.testing.assert_allclose([accumulated[k] for k in ("loss", "grad_norm", "share_a")],
+                                   [one[k] for k in ("loss", "grad_norm", "share_a")], rtol=2e-5)
