@@ -31,7 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.data.tokenize import FORMAT, _batches, _sha256, tokenize, train_bpe  # noqa: E402
+from engine.data.tokenize import _batches, tokenize, train_bpe  # noqa: E402
+from engine.data.tokens import FORMAT, sha256_file  # noqa: E402
 
 
 def _documents_of(directory: Path) -> list[str]:
@@ -110,8 +111,8 @@ def write_random_corpus(out: Path, megabytes: int, vocab: int = 2048, seed: int 
                     f.write(rng.integers(1, vocab, min(1 << 24, count - start), dtype=np.uint16).tobytes())
             ends.astype(np.int64).tofile(docs_file)
             shards.append({"tokens_file": tokens_file.name, "docs_file": docs_file.name, "tokens": count,
-                           "documents": len(ends), "tokens_sha256": _sha256(tokens_file),
-                           "docs_sha256": _sha256(docs_file)})
+                           "documents": len(ends), "tokens_sha256": sha256_file(tokens_file),
+                           "docs_sha256": sha256_file(docs_file)})
             remaining -= count
             index += 1
         splits[split] = {"tokens": sum(s["tokens"] for s in shards),

@@ -19,7 +19,6 @@ with the same bytes as an uninterrupted run.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -30,10 +29,10 @@ from typing import Iterator
 
 import numpy as np
 
+from engine.data.tokens import FORMAT, sha256_file
 from engine.errors import UsageError
 from engine.rundir import write_json
 
-FORMAT = "jax-engine-tokens/1"
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
 EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -191,14 +190,6 @@ def eod_id(tokenizer, name: str = "") -> tuple[str, int]:
                      "--eod-token TOKEN")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 @dataclass
 class _ShardWriter:
     """One split's shards: appends documents; closes a shard after the document that fills it."""
@@ -241,8 +232,8 @@ class _ShardWriter:
             docs_path.unlink()
             return
         self.done.append({"tokens_file": tokens_path.name, "docs_file": docs_path.name, "tokens": self.tokens,
-                          "documents": self.documents, "tokens_sha256": _sha256(tokens_path),
-                          "docs_sha256": _sha256(docs_path)})
+                          "documents": self.documents, "tokens_sha256": sha256_file(tokens_path),
+                          "docs_sha256": sha256_file(docs_path)})
         self.tokens = self.documents = 0
 
     def abandon(self) -> None:

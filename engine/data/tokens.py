@@ -85,13 +85,13 @@ def open_corpus(path: str, verify: bool = True, where: str = "data.path") -> Cor
                     found = file.stat().st_size if file.is_file() else "missing"
                     raise UsageError(f"{file}: the manifest says {size} bytes, found {found}; the corpus is damaged: "
                                      "tokenize it again")
-                if verify and _sha256(file) != shard[digest]:
+                if verify and sha256_file(file) != shard[digest]:
                     raise UsageError(f"{file}: checksum does not match the manifest (the file changed or is "
                                      "damaged); tokenize the corpus again, or set data.verify=false to skip the check")
     return Corpus(directory, manifest)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
