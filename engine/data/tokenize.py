@@ -348,11 +348,12 @@ def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict,
 
     total_bytes = sum(settings.input_sizes)
     stream = documents(files, text_field, text_unit)
-    skipped = 0
+    done_bytes = 0
     for _ in range(state["documents"]):  # what the interrupted run already wrote
-        next(stream)
-        skipped += 1
+        done_bytes += len(next(stream).encode("utf-8"))
     bar = _progress_bar(total_bytes, progress)
+    if bar is not None:
+        bar.update(done_bytes)
     started, new_tokens, batches = time.perf_counter(), 0, 0
     try:
         index = state["documents"]
