@@ -142,6 +142,13 @@ class Checkpointer:
             except UsageError:
                 raise
             except Exception as e:  # any read failure makes this step unusable: try the one before
+                if "tree structures do not match" in str(e):  # a readable checkpoint of another train state
+                    raise UsageError(
+                        f"checkpoint {self.directory}/{candidate} holds a train state of another structure than this "
+                        f"config makes: the optimizer (or a setting that changes its state) differs from the one it "
+                        f"was saved with. Resume with the settings it was saved with ({self.directory.parent}/"
+                        f"config.yaml), or start a new workdir from its parameters with checkpoint.restore_from="
+                        f"{self.directory} checkpoint.restore_mode=params") from None
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
                 failures.append(f"step {candidate}: {reason}")
                 damaged[candidate] = reason

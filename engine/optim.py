@@ -72,4 +72,5 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx) if cfg.grad_clip_norm else tx
 
     clipped.__signature__ = inspect.signature(build)  # inject_hyperparams reads the parameter names
-    return optax.inject_hyperparams(clipped)(**optimizer_hparams(cfg))
+    # float32 whatever the parameters' dtype: in bfloat16, Adam's b2=0.999 would round to 1.0
+    return optax.inject_hyperparams(clipped, hyperparam_dtype=jnp.float32)(**optimizer_hparams(cfg))

@@ -108,8 +108,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
             metrics = jax.lax.psum(metrics, axis_name)
             model_state = jax.lax.pmean(model_state, axis_name)
         learning_rate = learning_rate_at(schedule, state.step, state.hparams)
-        opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate})
-        updates, opt_state = tx.update(grads, opt_state, state.params)
+        stored = state.opt_state.hyperparams["learning_rate"]  # optax keeps it in the parameters' dtype
+        opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams,
+                                                          "learning_rate": learning_rate.astype(stored.dtype)})
+        updates, new_opt_state = tx.update(grads, opt_state, state.params)
+        # the state keeps its dtypes (float32 hyperparameters would promote bfloat16 moments)
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=learning_rate)
         new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)

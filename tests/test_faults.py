@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import yaml
 
@@ -141,3 +142,27 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     assert "stopped by SIGINT: saved a checkpoint at step" in err
     step = int(err.split("saved a checkpoint at step ")[1].split(";")[0])
     assert (workdir / "checkpoints" / str(step)).is_dir()
+
+
+def test_bfloat16_parameters_train_resume_from_float32_and_an_optimizer_change_is_named(make_config, tmp_path):
+    """param_dtype=bfloat16 trains (its Adam state keeps its dtype; b2=0.999 is not rounded to
+    1.0), one or several steps per call alike; a float32 run resumes in bfloat16; a changed
+    optimizer is named as such, and no checkpoint is set aside."""
+    from engine.errors import UsageError
+    from engine.trainer import fit
+
+    common = ["train.steps=20", "log.every_steps=10", "eval.every_steps=0", "checkpoint.every_steps=10",
+              "mesh.num_devices=1"]
+    per_step = fit(make_config("mnist_mlp.yaml", *common, "train.param_dtype=bfloat16", workdir=tmp_path / "one"))
+    per_call = fit(make_config("mnist_mlp.yaml", *common, "train.param_dtype=bfloat16", "train.steps_per_call=10",
+                               workdir=tmp_path / "ten"))
+    assert per_call.losses == per_step.losses and all(np.isfinite(list(per_step.losses.values())))
+    assert per_step.losses[20] < per_step.losses[1]
+    fit(make_config("mnist_mlp.yaml", *common, workdir=tmp_path / "run"))  # float32
+    resumed = fit(make_config("mnist_mlp.yaml", *common[1:], "train.steps=30", "train.param_dtype=bfloat16",
+                              workdir=tmp_path / "run"))
+    assert sorted(resumed.losses) == list(range(21, 31)) and np.isfinite(resumed.losses[30])
+    with pytest.raises(UsageError, match="another structure .* optimizer .* checkpoint.restore_mode=params"):
+        fit(make_config("mnist_mlp.yaml", *common[1:], "train.steps=40", "optimizer.name=sgd",
+                        workdir=tmp_path / "run"))
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20, 30]
