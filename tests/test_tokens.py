@@ -327,3 +327,17 @@ def test_gradient_accumulation_of_packed_mixtures_equals_one_big_batch(make_conf
     for one, accumulated in zip(*results):
         np.testing.assert_allclose([accumulated[k] for k in ("loss", "grad_norm", "share_a")],
                                    [one[k] for k in ("loss", "grad_norm", "share_a")], rtol=2e-5)
+
+
+def test_python_source_with_a_bpe_is_tokenized_once_into_the_cache(tmp_path, capsys):
+    cfg = DataConfig(name="python_source", tokenizer="bpe:400", cache_dir=str(tmp_path / "cache"), max_bytes=300_000,
+                     seq_len=32, eval_fraction=0.1)
+    first = load_dataset(cfg)
+    assert "tokenizing" in capsys.readouterr().out
+    (corpus,) = (tmp_path / "cache").glob("python-stdlib-bpe400-*")
+    made = (corpus / "manifest.json").stat().st_mtime_ns
+    again = load_dataset(cfg)
+    assert "tokenizing" not in capsys.readouterr().out and (corpus / "manifest.json").stat().st_mtime_ns == made
+    assert first.info.vocab_size == again.info.vocab_size == 400 and first.info.text_codec == "tokenizer"
+    assert "segments" in first.train.spec and len(first.train) == len(again.train) > 0
+    np.testing.assert_array_equal(first.train.sources[0][3]["tokens"], again.train.sources[0][3]["tokens"])
