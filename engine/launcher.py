@@ -29,6 +29,19 @@ def _relay(index: int, stream, sink) -> None:
         sink.flush()
 
 
+def _stop_with(launcher: int):
+    """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so it saves and stops instead of training on unattended."""
+    def arrange() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+            if os.getppid() != launcher:  # it died before the request took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+    return arrange
+
+
 def _describe(code: int) -> str:
     return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
 
@@ -44,7 +57,7 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
                    f"distributed.coordinator_bind_address=127.0.0.1:{port}",
                    f"distributed.num_processes={processes}", f"distributed.process_id={index}"]
         child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=_stop_with(os.getpid()))
         relay = threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True)
         relay.start()
         children.append(child)

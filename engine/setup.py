@@ -87,7 +87,7 @@ def block_steps(cfg: Config, resident: bool = False) -> int:
 def device_memory_bytes(mesh: Mesh) -> int:
     """One device's memory: what the runtime says (accelerators), else this host's memory
     shared by its devices (CPU)."""
-    device = mesh.devices.flat[0]
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])

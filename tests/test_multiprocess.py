@@ -115,6 +115,14 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs (an orphan that exited may stay a zombie until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
     workdir = tmp_path / "kill"
     launcher = subprocess.Popen(
@@ -192,3 +200,33 @@ def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra
     saved = [line.split("step ")[-1].split(";")[0] for line in out.splitlines() if "preempted by SIGTERM" in line]
     assert len(saved) == 2 and saved[0] == saved[1]  # both processes saved at the same step
     assert (workdir / "checkpoints" / saved[0]).is_dir()
+
+
+def test_workers_stop_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL to the local launcher: its workers (in their own sessions) get SIGTERM from the
+    kernel, save at one agreed step and exit, instead of training on unattended."""
+    workdir = tmp_path / "orphans"
+    launcher = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
+         "--local-processes", "2", "train.steps=1000000", "checkpoint.every_steps=0", *COMMON], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    workers = {}
+    try:
+        deadline = time.time() + 180
+        while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
+            assert time.time() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while [pid for pid in workers if _running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if _running(pid)], "workers outlived their launcher by 60 s"
+        saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+        assert saved, "the workers stopped without saving"
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
