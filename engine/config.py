@@ -408,28 +408,12 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{key}={value} must be 0 or more")
-    window = list(cfg.log.profile_steps)
-    if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
-        raise UsageError(f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "
-                         "e.g. log.profile_steps=[5,15]")
-    if not 0.0 < cfg.data.device_memory_fraction <= 1.0:
-        raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
-    if cfg.seed < 0:
-        raise UsageError(f"seed={cfg.seed} must be 0 or more (every random draw derives from it), e.g. seed=0")
+    _check_ranges(cfg)
     if cfg.optimizer.learning_rate <= 0:
         raise UsageError(f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive, e.g. 1e-3")
     if not 0.0 < cfg.data.eval_fraction < 1.0:
         raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction} must be between 0 and 1, e.g. 0.2")
-    per_call = cfg.train.steps_per_call
-    intervals = {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
-                 "eval.every_steps": cfg.eval.every_steps, "checkpoint.every_steps": cfg.checkpoint.every_steps}
-    common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
-    if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits
-        fits = max(d for d in range(1, per_call + 1) if common % d == 0)
-        blocking = ", ".join(f"{k}={v}" for k, v in intervals.items() if v % per_call)
-        print(f"note: train.steps_per_call={per_call} runs {fits} step(s) per call here, so that calls end at "
-              f"{blocking} (logs, evals and checkpoints happen between calls)", file=sys.stderr)
-        cfg.train.steps_per_call = fits
+    _fit_steps_per_call(cfg)
     if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
         raise UsageError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
@@ -459,6 +443,32 @@ def validate(cfg: Config) -> None:
             cfg.model.validate()
         except ValueError as e:  # the model family's message names the key and the fix
             raise UsageError(str(e)) from None
+
+
+def _check_ranges(cfg: Config) -> None:
+    window = list(cfg.log.profile_steps)
+    if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
+        raise UsageError(f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "
+                         "e.g. log.profile_steps=[5,15]")
+    if not 0.0 < cfg.data.device_memory_fraction <= 1.0:
+        raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
+    if cfg.seed < 0:
+        raise UsageError(f"seed={cfg.seed} must be 0 or more (every random draw derives from it), e.g. seed=0")
+
+
+def _fit_steps_per_call(cfg: Config) -> None:
+    """train.steps_per_call is the most per call: calls end at every log, eval and checkpoint,
+    so it is lowered to the largest divisor of their intervals (and train.steps), with a note."""
+    per_call = cfg.train.steps_per_call
+    intervals = {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
+                 "eval.every_steps": cfg.eval.every_steps, "checkpoint.every_steps": cfg.checkpoint.every_steps}
+    common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
+    if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits
+        fits = max(d for d in range(1, per_call + 1) if common % d == 0)
+        blocking = ", ".join(f"{k}={v}" for k, v in intervals.items() if v % per_call)
+        print(f"note: train.steps_per_call={per_call} runs {fits} step(s) per call here, so that calls end at "
+              f"{blocking} (logs, evals and checkpoints happen between calls)", file=sys.stderr)
+        cfg.train.steps_per_call = fits
 
 
 def _check_sources(data: DataConfig) -> None:

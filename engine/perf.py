@@ -225,6 +225,10 @@ class StepTrace:
             return self.traced
         return None
 
+    def message(self) -> str:
+        return (f"profile: steps {self.traced[0]}..{self.traced[1]} traced into {self.directory} (tensorboard "
+                f"--logdir {self.directory}, Profile tab; or xprof)")
+
     def close(self) -> None:
         if self.active:  # the loop ended early (preempted, failed): keep what was traced
             jax.profiler.stop_trace()

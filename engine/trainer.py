@@ -48,9 +48,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
             run = run or build_run(cfg)
             goodput.compile_seconds = run.compiled.compile_seconds
         if is_chief:
-            save_config(cfg, workdir / "config.yaml")
-            if run.dataset.info.tokenizer:  # the run's text is read back (sample, export) with its own tokenizer
-                shutil.copyfile(run.dataset.info.tokenizer, workdir / "tokenizer.json")
+            _write_run_files(cfg, run, workdir)
         checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
             workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging)))
         state, start = initial_state(run, checkpointer)
@@ -70,8 +68,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                            run.mesh.devices.flat[0], cfg.train.compute_dtype, run.compile_cache)
         result, window, block, last_saved = FitResult(state), Window(start), None, start or None
         if run.inputs.resident_bytes and start < total:
-            writer.message(f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
-                           f"(data.placement={cfg.data.placement}); each step gathers its rows on the device")
+            writer.message(_resident_message(run))
 
         def save(step):
             with _paused(window, goodput, "checkpoint_seconds"):
@@ -79,25 +76,16 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
                 checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once off the devices
 
         trace = closing.enter_context(contextlib.closing(StepTrace(cfg.log.profile_steps, start, workdir)))
-        clock = time.perf_counter
         for step in range(start, total, per_call):
             if block is None or step % per_block == 0:
                 block = next(batches)
             trace.before(step)
-            began = clock()
-            state, metrics = run.compiled.train_step(state, block)  # steps [step, step + per_call)
-            dispatched = clock()
-            goodput.dispatch_seconds += dispatched - began
-            if run.sync_each_step or goodput.first_step_at is None:
-                jax.block_until_ready(metrics)
-                goodput.device_wait_seconds += clock() - dispatched
-                goodput.first_step_at = goodput.first_step_at or time.time()
+            state, metrics = _dispatch(run, state, block, goodput)  # steps [step, step + per_call)
             window.add(metrics, per_call)
             writer.advance(per_call)
             done = step + per_call
             if trace.after(done, metrics):
-                writer.message(f"profile: steps {trace.traced[0]}..{trace.traced[1]} traced into {trace.directory} "
-                               f"(tensorboard --logdir {trace.directory}, Profile tab; or xprof)")
+                writer.message(trace.message())
             if _due(cfg.log.every_steps, done, total):
                 result.losses.update(_log_train(window, done, cfg.train.nan_policy, writer, rates, goodput,
                                                 run.dataset.info.sources))
@@ -128,6 +116,31 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
             writer.message(summary_text(result.summary))
     result.state = state
     return result
+
+
+def _write_run_files(cfg: Config, run: Run, workdir: Path) -> None:
+    """config.yaml, and the tokenizer the run's text is read back with (sample, export)."""
+    save_config(cfg, workdir / "config.yaml")
+    if run.dataset.info.tokenizer:
+        shutil.copyfile(run.dataset.info.tokenizer, workdir / "tokenizer.json")
+
+
+def _resident_message(run: Run) -> str:
+    return (f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
+            f"(data.placement={run.cfg.data.placement}); each step gathers its rows on the device")
+
+
+def _dispatch(run: Run, state, block, goodput: Goodput):
+    """One call of the train step, its host time sampled: dispatch, and any wait for the device."""
+    began = time.perf_counter()
+    state, metrics = run.compiled.train_step(state, block)
+    dispatched = time.perf_counter()
+    goodput.dispatch_seconds += dispatched - began
+    if run.sync_each_step or goodput.first_step_at is None:
+        jax.block_until_ready(metrics)
+        goodput.device_wait_seconds += time.perf_counter() - dispatched
+        goodput.first_step_at = goodput.first_step_at or time.time()
+    return state, metrics
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):
