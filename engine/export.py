@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -61,3 +62,10 @@ def export_run(workdir: str, out: str) -> Path:
         "variables": "variables/", "forward": "forward.stablehlo",
         "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits"}, indent=2))
     return out_path
+
+
+def run_tokenizer(work: Path, info) -> Optional[Path]:
+    """The tokenizer.json a run trained with: the copy in its workdir, else its corpus's."""
+    if (work / "tokenizer.json").is_file():
+        return work / "tokenizer.json"
+    return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None

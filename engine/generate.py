@@ -8,7 +8,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from engine.checkpoint import restore_newest
-from engine.export import run_config
+from engine.export import run_config, run_tokenizer
 from engine.errors import UsageError
 from engine.setup import build_run
 
@@ -30,8 +30,6 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
                          f"trained on text (data.name=text, python_source or tokens)")
     if info.text_codec == "tokenizer":
         from tokenizers import Tokenizer
-
-        from engine.hf import run_tokenizer
 
         path = run_tokenizer(work, info)
         if path is None:

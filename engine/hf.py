@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from engine import sharding
 from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
-from engine.export import new_output_dir, run_config
+from engine.export import new_output_dir, run_config, run_tokenizer
 from engine.rundir import write_atomic
 from engine.setup import build_run
 from models import REGISTRY
@@ -179,12 +178,6 @@ def export_hf(workdir: str, out: str) -> Path:
         shutil.copyfile(tokenizer, out_path / "tokenizer.json")
     return out_path
 
-
-def run_tokenizer(work: Path, info) -> Optional[Path]:
-    """The tokenizer.json a run trained with: the copy in its workdir, else its corpus's."""
-    if (work / "tokenizer.json").is_file():
-        return work / "tokenizer.json"
-    return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:

@@ -108,9 +108,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
             metrics = jax.lax.psum(metrics, axis_name)
             model_state = jax.lax.pmean(model_state, axis_name)
         learning_rate = learning_rate_at(schedule, state.step, state.hparams)
-        stored = state.opt_state.hyperparams["learning_rate"]  # optax keeps it in the parameters' dtype
-        opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams,
-                                                          "learning_rate": learning_rate.astype(stored.dtype)})
+        opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate})
         updates, new_opt_state = tx.update(grads, opt_state, state.params)
         # the state keeps its dtypes (float32 hyperparameters would promote bfloat16 moments)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)

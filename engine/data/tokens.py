@@ -199,12 +199,11 @@ class Windows:
         tokens = np.zeros(self.window, self.stream.shards[0].dtype)
         tokens[:stop - start] = self.stream.read(start, stop)
         ends = self.stream.doc_ends
-        first = int(np.searchsorted(ends, start, side="right"))  # the document the window starts in
         doc = np.searchsorted(ends, np.arange(start, stop), side="right")  # each token's document
         doc_start = np.where(doc > 0, ends[np.maximum(doc - 1, 0)], 0)
         segments = np.zeros(self.window, np.int32)
         positions = np.zeros(self.window, np.int32)
-        segments[:stop - start] = doc - first + 1
+        segments[:stop - start] = doc - doc[0] + 1  # 1 for the document the window starts in
         positions[:stop - start] = np.arange(start, stop) - np.maximum(doc_start, start)
         return self._tagged({"tokens": tokens, "segments": segments, "positions": positions})
 
