@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 
 os.environ["XLA_FLAGS"] = ""  # one device: this measures the loop, not collectives
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX_PLATFORMS=cuda for a GPU
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -86,10 +86,15 @@ GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", 
 # 128 relu → Dropout 0.2 → Dense 10, Adam 1e-3) on 64,000 × 784 float32 examples in an .npz
 # (written by this script; learnable random data), global batch 128.
 SEED_MLP = ["data.name=npz", "train.global_batch_size=128"]
+# "resnet18" is ResNet-18 (CIFAR stem) on 32x32x3 Gaussian images labelled by a random linear
+# map (data.name=synthetic), batch 128, batch norm statistics as model state.
+RESNET18 = ["model.name=resnet", "model.depth=18", "data.name=synthetic", "data.image_shape=[32,32,3]",
+            "data.num_examples=12800", "train.global_batch_size=128", "optimizer.name=adam"]
 MODELS = {"mlp": ("mnist_mlp.yaml", []), "seed_mlp": ("mnist_mlp.yaml", SEED_MLP),
           "transformer": ("mnist_mlp.yaml", GPT), "gpt_small": ("gpt_small.yaml", []),
-          "llama_tiny": ("llama_tiny.yaml", [])}
-DEFAULT_STEPS = {"mlp": 2000, "seed_mlp": 2050, "transformer": 2000, "gpt_small": 100, "llama_tiny": 40}
+          "llama_tiny": ("llama_tiny.yaml", []), "resnet18": ("mnist_mlp.yaml", RESNET18)}
+DEFAULT_STEPS = {"mlp": 2000, "seed_mlp": 2050, "transformer": 2000, "gpt_small": 100, "llama_tiny": 40,
+                 "resnet18": 20}
 
 
 def seed_npz(directory: str) -> str:
@@ -155,32 +160,34 @@ def plain_mlp_loss(run):
     info = run.dataset.info
     model = PlainMLP(run.cfg.model.hidden_sizes[0], info.num_classes, run.cfg.model.dropout_rate)
 
-    def loss(params, batch, key):
+    def loss(params, model_state, batch, key):
         logits = model.apply({"params": params}, batch["image"], train=True, rngs={"dropout": key})
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), model_state
 
     params = model.init(jax.random.key(run.cfg.seed), np.zeros((1, *info.input_shape), np.float32),
                         train=False)["params"]
-    return loss, params
+    return loss, params, {}
 
 
 def engine_model_loss(run):
     """(loss, init params) of the engine's own module and loss function."""
     loss_fn = make_loss_fn(run.model.module, run.model.family.task)
 
-    def loss(params, batch, key):
-        return loss_fn(params, {}, batch, key, True)[0]  # mlp and transformer have no model state
+    def loss(params, model_state, batch, key):  # model state: ResNet's batch statistics
+        value, (_, new_model_state) = loss_fn(params, model_state, batch, key, True)
+        return value, new_model_state
 
-    return loss, run.init_state().params
+    state = run.init_state()
+    return loss, state.params, state.model_state
 
 
 def make_handwritten_step(loss, tx):
     def train_step(state, batch):
-        params, opt_state, key = state
+        params, model_state, opt_state, key = state
         key, dropout_key = jax.random.split(key)
-        value, grads = jax.value_and_grad(loss)(params, batch, dropout_key)
+        (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params, model_state, batch, dropout_key)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, key), value
+        return (optax.apply_updates(params, updates), model_state, opt_state, key), value
 
     return jax.jit(train_step, donate_argnums=0)
 
@@ -191,8 +198,13 @@ def handwritten_loop(train_step, host_batches: list, state, start: int, steps: i
     return jax.block_until_ready(state)
 
 
-def slice_batches(train: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
-    """One epoch of contiguous host batches, made once before timing."""
+def slice_batches(train, batch_size: int) -> list[dict[str, np.ndarray]]:
+    """One epoch of contiguous host batches, made once before timing (a token mixture: its
+    first 64 batches, in the engine's order)."""
+    if not isinstance(train, dict):  # engine.data.tokens.Mixture: windows read through Grain
+        examples = train.examples(0, shuffle=True)
+        count = min(len(examples) // batch_size, 64)
+        return [examples.take(range(i * batch_size, (i + 1) * batch_size)) for i in range(count)]
     count = len(next(iter(train.values()))) // batch_size
     return [{name: np.ascontiguousarray(array[i * batch_size:(i + 1) * batch_size]) for name, array in train.items()}
             for i in range(count)]
@@ -246,8 +258,8 @@ def build_loops(run, per_call_run=None) -> list[Loop]:
     variants = [("hand-written, engine module + loss", engine_model_loss(run))]
     if cfg.model.name == "mlp":
         variants.insert(0, ("hand-written, plain flax MLP", plain_mlp_loss(run)))
-    for name, (loss, params) in variants:
-        state = (params, tx.init(params), jax.random.key(cfg.seed))
+    for name, (loss, params, model_state) in variants:
+        state = (params, model_state, tx.init(params), jax.random.key(cfg.seed))
         loops.append(Loop(name, partial(handwritten_loop, make_handwritten_step(loss, tx), host_batches), state))
     return loops
 

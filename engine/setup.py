@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -174,6 +175,15 @@ def build_model(cfg: Config, info, pmap_axis: Optional[str] = None):
     return family, module
 
 
+def _fit_cpu_step_loop(cfg: Config, family) -> None:
+    """One step per call for the families whose steps XLA:CPU runs slowly in a device loop."""
+    if cfg.train.steps_per_call > 1 and not family.cpu_step_loop and jax.default_backend() == "cpu":
+        print(f"note: train.steps_per_call={cfg.train.steps_per_call} runs 1 step per call: on CPU, XLA runs "
+              f"model.name={cfg.model.name}'s convolutions several times slower inside a multi-step call",
+              file=sys.stderr)
+        cfg.train.steps_per_call = 1
+
+
 def build_run(cfg: Config, compile_train: bool = True) -> Run:
     """Builds and compiles a run from shapes alone; no state is allocated until init_state().
 
@@ -184,6 +194,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     dataset = load_dataset(cfg.data)
     pmap_axis = PMAP_AXIS if cfg.mesh.backend == "pmap" else None
     family, module = build_model(cfg, dataset.info, pmap_axis)
+    _fit_cpu_step_loop(cfg, family)
     eval_batch_size = _check_layout(cfg, mesh, dataset, family)
     tx = make_optimizer(cfg.optimizer)
     state = _state_plan(cfg, mesh, family, module, dataset.info, tx)

@@ -58,4 +58,4 @@ def build(cfg: CNNConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.
     return CNN(tuple(cfg.channels), cfg.dense_size, info.num_classes, cfg.dropout_rate, dtype, param_dtype)
 
 
-FAMILY = ModelFamily(CNNConfig, build, Classification(), hparams=("dropout_rate",))
+FAMILY = ModelFamily(CNNConfig, build, Classification(), hparams=("dropout_rate",), cpu_step_loop=False)

@@ -116,3 +116,6 @@ class ModelFamily:
     # the module takes `segment_ids=` and `positions=` (packed token data: attention within
     # each document, positions restarting)
     packing: bool = False
+    # XLA:CPU runs this family's convolutions several times slower inside a device-side loop
+    # (train.steps_per_call > 1) than called a step at a time: on CPU it runs one step per call
+    cpu_step_loop: bool = True

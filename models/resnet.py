@@ -101,4 +101,4 @@ def build(cfg: ResNetConfig, info, dtype, param_dtype, batch_axis_name=None) -> 
                   batch_axis_name)
 
 
-FAMILY = ModelFamily(ResNetConfig, build, Classification())
+FAMILY = ModelFamily(ResNetConfig, build, Classification(), cpu_step_loop=False)

@@ -1,10 +1,12 @@
-"""Tests run on 8 simulated CPU devices; these variables must be set before jax is imported."""
+"""Tests run on 8 simulated CPU devices; these variables must be set before jax is imported.
+On a machine with a GPU, `ENGINE_TEST_GPU=1 python -m pytest tests/test_gpu.py` runs the GPU's
+own tests (JAX's default backend is then the GPU; the CPU devices stay for the rest)."""
 import os
 import sys
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -143,6 +143,16 @@ def test_steps_per_call_changes_nothing_but_speed(make_config, tmp_path):
     assert logged[0] == logged[1]
 
 
+def test_convolutional_models_run_one_step_per_call_on_cpu(make_config, capsys):
+    """XLA:CPU runs convolutions ~7-20x slower inside a multi-step call (BENCHMARKS.md): a CNN
+    on CPU runs a step per call, and says so; the MLP keeps its device loop."""
+    args = ["mesh.num_devices=1", "train.steps=20", "log.every_steps=10", "train.steps_per_call=10"]
+    cnn = build_run(make_config("mnist_mlp.yaml", *args, "model.name=cnn"))
+    assert cnn.inputs.steps_per_call == 1 and cnn.cfg.train.steps_per_call == 1
+    assert "runs 1 step per call: on CPU, XLA runs model.name=cnn's convolutions" in capsys.readouterr().err
+    assert build_run(make_config("mnist_mlp.yaml", *args)).inputs.steps_per_call == 10
+
+
 def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_path):
     args = ["mesh.num_devices=1", "log.every_steps=2", "checkpoint.every_steps=2"]
     fit(make_config("mnist_mlp.yaml", *args, "train.steps=6", workdir=tmp_path / "w"))
