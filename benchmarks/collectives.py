@@ -63,13 +63,10 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -79,6 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
+from engine.hlo import OPS, Collective, hlo_collectives  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
@@ -95,65 +93,6 @@ LAYOUTS = {
     "data=4,tensor=2": ["mesh.data=4", "mesh.tensor=2"],
     "fsdp=4,tensor=2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
 }
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(OPS)
-                         + r")(?P<suffix>-start|-done)?\(")
-ARRAY_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
-
-
-# --- collectives in the HLO ----------------------------------------------------------------
-
-@dataclass
-class Collective:
-    op: str
-    bytes: int  # see the module docstring
-    group: int  # devices taking part in each group
-
-    @property
-    def ring_bytes(self) -> float:
-        n = self.group
-        if self.op == "collective-permute":
-            return float(self.bytes)
-        factor = 2 * (n - 1) / n if self.op == "all-reduce" else (n - 1) / n
-        return factor * self.bytes
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape such as `f32[64,128]{1,0}` or a tuple `(f32[10]{0}, bf16[4,8]{1,0})`."""
-    return sum(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in ARRAY_SHAPE.findall(shape))
-
-
-def group_size(line: str, num_devices: int) -> int:
-    """Devices per replica group, from any of the forms XLA prints."""
-    mesh_form = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if mesh_form:  # mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}
-        sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh_form.group(1))}
-        return math.prod(sizes[name] for name in re.findall(r"'(\w+)'", mesh_form.group(2)))
-    iota_form = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if iota_form:  # [num_groups,group_size]<=[devices]
-        return int(iota_form.group(2))
-    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if listed:  # {{0,2,4,6},{1,3,5,7}}
-        return len(listed.group(1).split(","))
-    return num_devices  # replica_groups={} (every device) or none (collective-permute)
-
-
-def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
-    found = []
-    for line in hlo.splitlines():
-        match = INSTRUCTION.match(line)
-        if not match or match.group("suffix") == "-start":  # async pairs count once, at -done
-            continue
-        op, size = match.group("op"), shape_bytes(match.group("shape"))
-        group = group_size(line, num_devices)
-        found.append(Collective(op, size * group if op == "reduce-scatter" else size, group))
-    return found
-
-
 # --- the theoretical minimum ---------------------------------------------------------------
 
 def entry_axes(entry) -> set[str]:

@@ -89,12 +89,20 @@ class MeshConfig:
     data: int = -1  # data-parallel replicas (-1 = all remaining devices)
     fsdp: int = 1  # devices params and optimizer state are sharded over (ZeRO-3)
     tensor: int = 1  # tensor-parallel (Megatron) devices
+    # context parallelism: each sequence's activations split over this many devices (the
+    # sequence length must divide); attention all-gathers keys and values (models that support it)
+    context: int = 1
+    # expert parallelism: a mixture-of-experts model's experts split over this many devices
+    # (tokens travel to their experts by all-to-all); the batch is split over it too
+    expert: int = 1
     num_devices: int = -1  # how many of the visible devices to use (-1 = all)
     # multi-slice / multi-host: how many of each axis's factors cross the slow data-center
     # network (these become the outer part of the axis); 1 = all on the fast interconnect
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
+    dcn_context: int = 1
+    dcn_expert: int = 1
     backend: str = "jit"  # jit (NamedSharding, any layout) | pmap (replicated data parallel)
     # logical axis name -> mesh axes to try in order; the first that is free, larger than 1
     # and divides the dimension is used (fsdp falls back to replication, tensor must divide)
@@ -106,6 +114,7 @@ class MeshConfig:
             "kv_heads": ["tensor"],  # grouped-query K/V heads: replicated where tensor does not divide them
             "kv": [],
             "layers": [],  # the stacked-layer axis of scanned models
+            "expert": ["expert"],  # a mixture-of-experts layer's experts
             "vocab": ["tensor", "fsdp"],
             "conv_in": ["fsdp"],
             "conv_out": ["tensor"],
@@ -181,7 +190,7 @@ CHOICES = {
     "checkpoint.restore_mode": ("params", "all"),
     "checkpoint.staging": ("host", "device"),
 }
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")  # outer to inner (tensor: the closest devices)
 
 
 MAX_YAML_VALUES = 100_000  # a config or sweep file expanding to more is refused (YAML alias bombs)
@@ -430,7 +439,7 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.mesh, f"dcn_{axis}") < 1:
             raise UsageError(f"mesh.dcn_{axis}={getattr(cfg.mesh, f'dcn_{axis}')} must be 1 or more")
     if [getattr(cfg.mesh, a) for a in MESH_AXES].count(-1) > 1:
-        raise UsageError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+        raise UsageError(f"only one of {', '.join('mesh.' + a for a in MESH_AXES)} may be -1")
     for logical, axes in cfg.mesh.rules.items():
         for axis in axes:
             if axis not in MESH_AXES:

@@ -1,4 +1,4 @@
-"""Mesh config → jax.sharding.Mesh with named axes (data, fsdp, tensor)."""
+"""Mesh config → jax.sharding.Mesh with named axes (data, fsdp, expert, context, tensor)."""
 from __future__ import annotations
 
 import math
@@ -24,7 +24,7 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
             sizes[axis] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
         raise UsageError(f"mesh {layout} uses {math.prod(sizes.values())} devices but {num_devices} are in use; "
-                         f"make mesh.data * mesh.fsdp * mesh.tensor = {num_devices} (or set one of them to -1)")
+                         f"make {' * '.join('mesh.' + a for a in MESH_AXES)} = {num_devices} (or set one of them to -1)")
     return sizes
 
 

@@ -118,6 +118,9 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     flops = compiled_flops(compiled) if compiled is not None else 0.0
     if not flops:
         return StepCost(0.0, "none (the step was not compiled)", analytic, formula)
+    reason = family.formula_only(cfg.model) if family.formula_only else ""
+    if reason and analytic:
+        return StepCost(analytic, f"analytic formula ({formula}): {reason}", analytic, formula)
     # as the module resolved them (an `auto` setting names what it chose)
     resolved = {key: getattr(module, key, getattr(cfg.model, key)) for key in family.work_settings}
     differs = [f"{key}={resolved[key]}" for key, value in family.work_settings.items() if resolved[key] != value]
@@ -151,6 +154,7 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     variables = jax.eval_shape(lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info),
                                                          train=False)))
     params = variables.pop("params")
+    variables.pop("aux", None)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
     state = state.replace(params=params, model_state=variables, opt_state=jax.eval_shape(tx.init, params))
     return lowered_flops(jax.jit(step).lower(state, batch))

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from engine import sharding
 from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
-from engine.config import Config
+from engine.config import MESH_AXES, Config
 from engine.data import Dataset, TrainBatches, example_spec, load_dataset
 from engine.errors import UsageError
 from engine.mesh import make_mesh
@@ -124,8 +124,10 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
     if "segments" in example_spec(dataset.train) and not family.packing:
         raise UsageError(f"data.packing=true gives packed documents, which model.name={cfg.model.name} cannot mask; "
                          "set data.packing=false, or use a model that takes segment ids (llama, transformer)")
+    _check_context_and_experts(cfg, mesh, dataset, family)
     shards = sharding.batch_shards(mesh)
-    layout = f"data*fsdp={mesh.shape['data']}*{mesh.shape['fsdp']}={shards}"
+    layout = (f"{'*'.join(sharding.BATCH_AXES)}={'*'.join(str(mesh.shape[a]) for a in sharding.BATCH_AXES)}"
+              f"={shards}")
     batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
     if batch % shards:
         raise UsageError(f"train.global_batch_size={batch} is not divisible by {layout}; "
@@ -133,13 +135,28 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
     if (batch // accum) % shards:
         raise UsageError(f"the microbatch train.global_batch_size / train.grad_accum_steps = {batch // accum} is not "
                          f"divisible by {layout}; use a global batch that is a multiple of {shards * accum}")
-    if cfg.mesh.backend == "pmap" and (mesh.shape["fsdp"] > 1 or mesh.shape["tensor"] > 1):
-        raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp=1 mesh.tensor=1 "
-                         "or use mesh.backend=jit")
+    if cfg.mesh.backend == "pmap" and any(mesh.shape[a] > 1 for a in MESH_AXES if a != "data"):
+        raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp, mesh.expert, "
+                         "mesh.context and mesh.tensor to 1, or use mesh.backend=jit")
     eval_batch = cfg.eval.batch_size or batch
     if eval_batch % shards:
         raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
     return eval_batch
+
+
+def _check_context_and_experts(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily) -> None:
+    """mesh.context needs a model that splits its sequence, and a sequence it divides;
+    mesh.expert must divide the experts."""
+    context, experts = mesh.shape["context"], getattr(cfg.model, "num_experts", 0)
+    if context > 1 and not family.context_parallel:
+        raise UsageError(f"mesh.context={context}: model.name={cfg.model.name} does not split its sequence over "
+                         f"devices; set mesh.context=1, or use model.name=llama")
+    if context > 1 and dataset.info.seq_len % context:
+        raise UsageError(f"data.seq_len={dataset.info.seq_len} is not divisible by mesh.context={context}; "
+                         f"choose a sequence length that is a multiple of {context}, or another mesh.context")
+    if mesh.shape["expert"] > 1 and experts % mesh.shape["expert"]:
+        raise UsageError(f"model.num_experts={experts} is not divisible by mesh.expert={mesh.shape['expert']}; "
+                         f"choose a mesh.expert that divides {experts}")
 
 
 def run_hparams(cfg: Config) -> dict:
@@ -239,6 +256,7 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
         init_key, train_key = jax.random.split(jax.random.key(seed))
         variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
         variables = sharding.unbox(variables)
+        variables.pop("aux", None)  # what a model sows while it runs (step.AUX): not state
         params = variables.pop("params")
         opt_state = tx.init(params)
         opt_state = opt_state._replace(hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype)
@@ -255,7 +273,7 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
     abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
                                           transform_non_params=lambda _: replicated)
-    model_state = {k: v for k, v in sharding.unbox(abstract_vars).items() if k != "params"}
+    model_state = {k: v for k, v in sharding.unbox(abstract_vars).items() if k not in ("params", "aux")}
     hparams = run_hparams(cfg)
     shardings = TrainState(step=replicated, params=param_shardings,
                            model_state=jax.tree.map(lambda _: replicated, model_state),

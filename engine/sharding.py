@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.errors import UsageError
 
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over these (expert: outside MoE layers)
 STRICT_AXES = ("tensor",)  # axes that must divide the dimensions they are asked to shard
 # ... except for these logical axes: fewer grouped-query K/V heads than tensor devices are
 # replicated, as Megatron does, while the query heads stay split
@@ -97,16 +97,19 @@ def tree_shardings(abstract_boxed, param_layouts: list[ParamLayout], mesh: Mesh)
     return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), abstract_boxed, is_leaf=_is_box)
 
 
-# Megatron: split where weights are
-ACTIVATION_AXES = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+# Megatron: split where weights are; the sequence over context; experts over expert
+ACTIVATION_AXES = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "seq": "context",
+                   "expert": "expert"}
 
 
 def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], mesh: Mesh) -> PartitionSpec:
-    """Activations: the batch over data and fsdp; heads, mlp and vocab over tensor; the rest whole."""
+    """Activations: the batch over data, fsdp and expert; heads, mlp and vocab over tensor; the
+    sequence over context; experts over expert; the rest whole. `expert_batch`: the batch
+    axes without expert (a mixture-of-experts layer's tokens, once at their experts)."""
     spec = []
     for dim, name in zip(shape, logical):
-        if name == "batch":
-            axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+        if name in ("batch", "expert_batch"):
+            axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and (name == "batch" or a != "expert"))
             size = int(np.prod([mesh.shape[a] for a in axes]))
             spec.append(axes if axes and dim % size == 0 else None)
         elif name in ACTIVATION_AXES and mesh.shape[ACTIVATION_AXES[name]] > 1 and \
@@ -124,11 +127,12 @@ def activation_constrainer(mesh: Mesh):
     def apply(x, logical):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x.shape, logical, mesh)))
 
+    apply.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}  # models.activation_splits
     return apply
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) dimension split over data and fsdp; the rest replicated."""
+    """Leading (batch) dimension split over the batch axes; the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 

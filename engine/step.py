@@ -44,22 +44,40 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
         if target_weights is not None:
             weights = weights * target_weights
         variables = {"params": params, **model_state}
-        mutable = list(model_state) if train and model_state else False
+        mutable = [*(model_state if train else ()), "aux"]
         model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
-        out = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
-                           rngs={"dropout": rng} if train else None, mutable=mutable, **model_hparams, **extra)
-        out, new_model_state = (out if mutable else (out, model_state))
+        out, collections = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
+                                        rngs={"dropout": rng} if train else None, mutable=mutable,
+                                        **model_hparams, **extra)
+        new_model_state = {k: v for k, v in collections.items() if k != "aux"} if train else model_state
+        aux = _aux_totals(collections.get("aux", {}))
         losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
         count = jnp.sum(weights)
         loss_sum = jnp.sum(losses * weights)
         correct = jnp.sum(hits * weights)
-        metrics = {"loss_sum": loss_sum, "correct": correct, "count": count}
+        # aux_loss (weighted by count, as the loss is, so microbatches and devices add up): the
+        # model's own terms of the objective (a mixture of experts' load balancing); routed and
+        # dropped: its token-to-expert assignments and those over an expert's capacity
+        metrics = {"loss_sum": loss_sum, "correct": correct, "count": count, "aux_loss": aux["aux_loss"] * count,
+                   "routed": aux["routed"], "dropped": aux["dropped"]}
         if num_sources and train and "source" in batch:
             per_row = jnp.sum(weights.reshape(weights.shape[0], -1), axis=1)
             metrics["source_tokens"] = jax.ops.segment_sum(per_row, batch["source"], num_segments=num_sources)
-        return loss_sum / jnp.maximum(count, 1.0), (metrics, new_model_state)
+        return loss_sum / jnp.maximum(count, 1.0) + aux["aux_loss"], (metrics, new_model_state)
 
     return loss_fn
+
+
+AUX = ("aux_loss", "routed", "dropped")  # what models may sow into their "aux" collection
+
+
+def _aux_totals(sown) -> dict[str, jax.Array]:
+    """Each AUX value summed over every layer that sowed it (0 where none did)."""
+    totals = {name: jnp.zeros((), jnp.float32) for name in AUX}
+    for path, value in jax.tree_util.tree_flatten_with_path(sown)[0]:
+        name = next(str(k.key) for k in reversed(path) if hasattr(k, "key"))
+        totals[name] = totals[name] + jnp.sum(value.astype(jnp.float32))
+    return totals
 
 
 def _example_ids(batch, axis_name: Optional[str]) -> jax.Array:
@@ -122,7 +140,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
 
 # What a train step reports, in the order of the packed metrics array (see make_block_step);
 # a mixture's per-source counted tokens (`source_tokens`) follow them.
-TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate")
+TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate", "aux_loss", "routed", "dropped")
 
 
 def unpack_metrics(packed) -> list[dict]:

@@ -207,8 +207,19 @@ def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter,
     writer.write(done, "train", {
         "loss": sum(m["loss_sum"] for m in host) / count, "accuracy": sum(m["correct"] for m in host) / count,
         "grad_norm": sum(m["grad_norm"] for m in host) / len(host), "learning_rate": host[-1]["learning_rate"],
-        **shares, **rates.per_step(window.seconds() / window.steps)})
+        **_routing(host, count), **shares, **rates.per_step(window.seconds() / window.steps)})
     return {window.start + offset + 1: m["loss_sum"] / m["count"] for offset, m in enumerate(host)}
+
+
+def _routing(host: list[dict], count: float) -> dict[str, float]:
+    """A mixture of experts' window: its load-balancing loss (the objective's term beside the
+    loss) and the token-to-expert assignments dropped for want of expert capacity."""
+    routed = sum(m["routed"] for m in host)
+    if not routed:  # no expert layers
+        return {}
+    dropped = sum(m["dropped"] for m in host)
+    return {"moe_aux_loss": sum(m["aux_loss"] for m in host) / count, "moe_dropped_tokens": dropped,
+            "moe_dropped_fraction": dropped / routed}
 
 
 def _evaluate(run: Run, state, step: int, writer: MetricWriter, nan_policy: str) -> dict[str, float]:

@@ -119,3 +119,8 @@ class ModelFamily:
     # XLA:CPU runs this family's convolutions several times slower inside a device-side loop
     # (train.steps_per_call > 1) than called a step at a time: on CPU it runs one step per call
     cpu_step_loop: bool = True
+    # the module splits its sequence over mesh.context (activations constrained on "seq",
+    # attention gathering keys and values)
+    context_parallel: bool = False
+    # (model cfg) → why the model FLOPs come from flops_per_example alone ("" = XLA counts them)
+    formula_only: Optional[Callable] = None

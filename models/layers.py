@@ -37,6 +37,13 @@ def constrain(x, axes: tuple[Optional[str], ...]):
     return x if apply is None else apply(x, axes)
 
 
+def activation_splits(logical: str) -> int:
+    """Devices the step being traced splits this logical activation axis over ("seq": the
+    context axis); 1 outside a traced step."""
+    apply = _activation_constraint.get()
+    return getattr(apply, "splits", {}).get(logical, 1) if apply is not None else 1
+
+
 def param_init(init, axes: tuple[Optional[str], ...]):
     """An initialiser whose parameter carries logical axis names (mapped to a mesh by config)."""
     return nn.with_logical_partitioning(init, axes)

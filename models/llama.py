@@ -8,6 +8,13 @@ parameter names and layouts follow Hugging Face's `LlamaForCausalLM` closely eno
 models/hf.py maps one onto the other tensor by tensor (RoPE rotates the two halves of each
 head, as Hugging Face's checkpoints expect).
 
+Context parallelism (`mesh.context`): activations are split along the sequence; each
+attention layer all-gathers the keys and values of the whole sequence (small under
+grouped-query attention) while every device keeps its own queries, so each device computes
+an equal share of the masked score matrix. Mixture of experts (`num_experts`): top-k routed
+SwiGLU experts with a capacity per expert, dispatched by one-hot einsums (GShard): with
+the experts split over `mesh.expert` the dispatch and return are all-to-alls.
+
 `decode=True` runs with a key/value cache (the `cache` collection): a prompt fills it, then
 each call appends one position (see models/sampling.py).
 """
@@ -22,7 +29,7 @@ import jax.numpy as jnp
 
 from models import llama_hf, sampling
 from models.family import ModelError, ModelFamily, NextToken
-from models.layers import LMHead, constrain, fused_cross_entropy, param_init
+from models.layers import LMHead, activation_splits, constrain, fused_cross_entropy, param_init
 from models.transformer import REMAT_POLICIES, validate_work_settings
 
 
@@ -48,6 +55,18 @@ class LlamaConfig:
     remat: str = "none"  # none | full | dots: activation rematerialisation per layer
     attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
     loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
+    # mixture of experts (0 experts = a dense SwiGLU MLP in every layer)
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 2  # top-k: experts each token is sent to
+    moe_interval: int = 1  # every k-th layer is MoE (layers k-1, 2k-1, ...); > 1 needs scan_layers=false
+    moe_mlp_dim: int = 0  # hidden width of each expert (0 = mlp_dim)
+    router: str = "softmax"  # softmax (Mixtral, Qwen-MoE) | sigmoid (DeepSeek-V3): the gate of each expert
+    shared_expert: bool = False  # a dense SwiGLU expert every token also goes through (DeepSeek, Qwen-MoE)
+    # tokens each expert takes per sequence = factor * seq_len * experts_per_token / num_experts;
+    # the tokens beyond it skip the expert (counted in metrics.jsonl); 0 = dropless (room for
+    # every token: memory grows with seq_len * num_experts)
+    expert_capacity_factor: float = 1.25
+    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer's) in the objective
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -68,6 +87,28 @@ class LlamaConfig:
         if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ModelError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor")
         validate_work_settings(self)
+        self._validate_moe()
+
+    def _validate_moe(self):
+        if self.num_experts < 0:
+            raise ModelError(f"model.num_experts={self.num_experts} must be 0 (a dense MLP) or positive")
+        if not self.num_experts:
+            return
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ModelError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
+                             f"model.num_experts={self.num_experts}")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ModelError(f"model.router={self.router!r} is not one of softmax, sigmoid")
+        if self.moe_interval < 1 or self.moe_mlp_dim < 0:
+            raise ModelError("model.moe_interval must be 1 or more and model.moe_mlp_dim 0 or more")
+        if self.moe_interval > 1 and self.scan_layers:
+            raise ModelError(f"model.moe_interval={self.moe_interval} mixes dense and MoE layers, which one scanned "
+                             f"layer cannot; set model.scan_layers=false")
+        if self.expert_capacity_factor < 0 or self.router_aux_loss_coef < 0:
+            raise ModelError("model.expert_capacity_factor and model.router_aux_loss_coef must be 0 or more")
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (layer + 1) % self.moe_interval == 0
 
     @property
     def kv_heads(self) -> int:
@@ -146,6 +187,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q = constrain(q, ("batch", "seq", "heads", "kv"))
         k, v = (constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v))
+        context = activation_splits("seq") > 1
+        if context:  # context parallelism: all keys and values on every device (an all-gather); queries stay split
+            k, v = (constrain(t, ("batch", None, "kv_heads", "kv")) for t in (k, v))
         if self.decode:
             k, v, mask = self._cached(k, v, positions)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
@@ -153,9 +197,11 @@ class Attention(nn.Module):
             length = x.shape[1]
             causal = jnp.tril(jnp.ones((length, length), bool))
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # [batch, query, key]
+            mask = constrain(mask, ("batch", "seq", None))
             y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
-        else:
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        else:  # cuDNN's kernel takes the whole sequence: XLA's under context parallelism
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation="xla" if context else self.implementation)
         y = constrain(y, ("batch", "seq", "heads", "kv"))
         return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), kernel_init=_kernel(("heads", "kv", "embed")),
                                name="out", **dense)(y)
@@ -175,12 +221,96 @@ class Attention(nn.Module):
         return cached_k.value, cached_v.value, mask
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU every token goes through beside its routed experts."""
+    width: int
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, y):
+        dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
+        gate = nn.Dense(self.width, kernel_init=_kernel(("embed", "mlp")), name="gate", **dense)(y)
+        up = nn.Dense(self.width, kernel_init=_kernel(("embed", "mlp")), name="up", **dense)(y)
+        h = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return nn.Dense(y.shape[-1], kernel_init=_kernel(("mlp", "embed")), name="down", **dense)(h)
+
+
+def expert_capacity(cfg: LlamaConfig, seq_len: int) -> int:
+    """Tokens each expert takes from one sequence (all of them when dropless)."""
+    if not cfg.expert_capacity_factor:
+        return seq_len
+    wanted = cfg.expert_capacity_factor * seq_len * cfg.experts_per_token / cfg.num_experts
+    return max(1, min(seq_len, math.ceil(wanted)))
+
+
+def route(cfg: LlamaConfig, logits, capacity: int):
+    """Top-k routing of each sequence's tokens → (dispatch [b, s, experts, capacity] 0/1,
+    combine [b, s, experts, capacity] gate weights, load-balancing loss, assignments dropped).
+    Expert slots are filled first choices first, then second choices, ... in sequence order."""
+    batch, seq, experts = logits.shape
+    k = cfg.experts_per_token
+    probs = jax.nn.softmax(logits, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
+    gates, chosen = jax.lax.top_k(probs, k)  # [b, s, k]
+    if k > 1:  # the chosen experts' gates sum to 1 (Mixtral, DeepSeek-V3)
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    choice = jax.nn.one_hot(chosen, experts, dtype=jnp.int32)  # [b, s, k, e]
+    by_priority = choice.transpose(0, 2, 1, 3).reshape(batch, k * seq, experts)
+    slot = (jnp.cumsum(by_priority, axis=1) - 1).reshape(batch, k, seq, experts).transpose(0, 2, 1, 3)
+    slot = jnp.sum(slot * choice, axis=-1)  # [b, s, k]: this assignment's place in its expert's queue
+    kept = slot < capacity
+    placed = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity, dtype=jnp.float32)  # [b, s, k, c] (0 if dropped)
+    dispatch = jnp.einsum("bske,bskc->bsec", choice.astype(jnp.float32), placed)
+    combine = jnp.einsum("bske,bskc,bsk->bsec", choice.astype(jnp.float32), placed, gates)
+    # Switch Transformer's loss, per sequence: experts * sum_e (share of assignments to e) * (mean gate of e)
+    share = jnp.mean(jnp.sum(choice, axis=2), axis=1) / k  # [b, e]
+    mean_prob = jnp.mean(probs / jnp.sum(probs, axis=-1, keepdims=True), axis=1)  # [b, e]
+    balance = experts * jnp.mean(jnp.sum(share * mean_prob, axis=-1))
+    return dispatch, combine, balance, jnp.sum(1 - kept)
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts (and an optional shared one) in place of the MLP."""
+    cfg: LlamaConfig
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        batch, seq, width = x.shape
+        hidden, experts = cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
+        router = self.param("router", _kernel(("embed", None)), (width, experts), self.param_dtype)
+        logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router.astype(jnp.float32))
+        dispatch, combine, balance, dropped = route(cfg, logits, expert_capacity(cfg, seq))
+        self.sow("aux", "aux_loss", cfg.router_aux_loss_coef * balance)
+        self.sow("aux", "routed", jnp.asarray(batch * seq * cfg.experts_per_token, jnp.float32))
+        self.sow("aux", "dropped", dropped.astype(jnp.float32))
+        weight = {name: self.param(name, _kernel(axes), shape, self.param_dtype).astype(self.dtype)
+                  for name, axes, shape in (("gate", ("expert", "embed", "mlp"), (experts, width, hidden)),
+                                            ("up", ("expert", "embed", "mlp"), (experts, width, hidden)),
+                                            ("down", ("expert", "mlp", "embed"), (experts, hidden, width)))}
+        # tokens to their experts: with the experts split over mesh.expert, an all-to-all
+        routed = jnp.einsum("bsec,bsd->becd", dispatch.astype(self.dtype), x.astype(self.dtype))
+        routed = constrain(routed, ("expert_batch", "expert", None, None))
+        h = nn.silu(jnp.einsum("becd,edf->becf", routed, weight["gate"])) * jnp.einsum(
+            "becd,edf->becf", routed, weight["up"])
+        h = constrain(h, ("expert_batch", "expert", None, "mlp"))
+        out = constrain(jnp.einsum("becf,efd->becd", h, weight["down"]), ("expert_batch", "expert", None, None))
+        out = constrain(out, ("batch", None, None, None))  # and back (an all-to-all)
+        y = jnp.einsum("becd,bsec->bsd", out, combine.astype(self.dtype))
+        if cfg.shared_expert:
+            y = y + SharedExpert(hidden, self.dtype, self.param_dtype, name="shared")(x)
+        return y
+
+
 class Block(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     implementation: str
     decode: bool = False
+    moe: bool = False  # a mixture-of-experts layer (else a dense MLP)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -189,11 +319,14 @@ class Block(nn.Module):
         x = constrain(x + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode,
                                     name="attn")(y, positions, segment_ids), ("batch", "seq", None))
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
-        dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
-        gate = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="gate", **dense)(y)
-        up = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="up", **dense)(y)
-        y = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))  # SwiGLU: [batch, seq, mlp]
-        y = nn.Dense(x.shape[-1], kernel_init=_kernel(("mlp", "embed")), name="down", **dense)(y)
+        if self.moe:
+            y = MoE(cfg, self.dtype, self.param_dtype, name="moe")(y)
+        else:  # SwiGLU
+            dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
+            gate = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="gate", **dense)(y)
+            up = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="up", **dense)(y)
+            y = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
+            y = nn.Dense(x.shape[-1], kernel_init=_kernel(("mlp", "embed")), name="down", **dense)(y)
         return constrain(x + y, ("batch", "seq", None))
 
 
@@ -210,8 +343,8 @@ class ScannedBlock(nn.Module):
         block = Block
         if self.cfg.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.cfg.remat])
-        return block(self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode, name="block")(
-            x, positions, segment_ids), None
+        return block(self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode,
+                     self.cfg.is_moe(0), name="block")(x, positions, segment_ids), None
 
 
 class Llama(nn.Module):
@@ -235,7 +368,7 @@ class Llama(nn.Module):
                          embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
         x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
         if cfg.scan_layers:
-            layers = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+            layers = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0, "aux": 0}, split_rngs={"params": True},
                              in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
                              metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name="layers")(
@@ -243,8 +376,8 @@ class Llama(nn.Module):
         else:
             block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
             for i in range(cfg.num_layers):
-                x = block(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name=f"layer_{i}")(
-                    x, positions, segment_ids)
+                x = block(cfg, self.dtype, self.param_dtype, self.attention, self.decode, cfg.is_moe(i),
+                          name=f"layer_{i}")(x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
             head = _TiedHead(embed, self.dtype)
@@ -284,10 +417,15 @@ def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, deco
 
 def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
     """Training FLOPs of one sequence: 6·N per token over the parameters used in matmuls (the
-    input embedding is a lookup, unless tied to the output) plus causal attention's
+    input embedding is a lookup, unless tied to the output; of a mixture of experts, the
+    experts_per_token experts a token goes to) plus causal attention's
     6·L·(heads·head_width)·T per token (QKᵀ and AV, forward and backward, the masked half not counted)."""
     vocab = cfg.vocab_size or info.vocab_size
     matmul_params = num_params - (0 if cfg.tie_embeddings else vocab * cfg.d_model)
+    if cfg.num_experts:  # only the experts a token is routed to do work for it
+        moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_layers))
+        expert = 3 * cfg.d_model * (cfg.moe_mlp_dim or cfg.mlp_dim)
+        matmul_params -= moe_layers * expert * (cfg.num_experts - cfg.experts_per_token)
     tokens = info.seq_len
     return (6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_width * tokens) * tokens
 
@@ -306,5 +444,7 @@ FAMILY = ModelFamily(
     # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
     # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
     work_settings={"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"},
-    generate=generate, hf=llama_hf, packing=True,
+    generate=generate, hf=llama_hf, packing=True, context_parallel=True,
+    # XLA would count every expert's capacity slots and the dispatch einsums; MFU counts active experts
+    formula_only=lambda cfg: "a mixture of experts counts its active experts only" if cfg.num_experts else "",
 )

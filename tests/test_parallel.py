@@ -121,7 +121,7 @@ def test_mesh_axis_product_must_match_devices(make_config):
 
 
 def test_batch_must_divide_over_batch_axes(make_config):
-    with pytest.raises(UsageError, match=r"train.global_batch_size=60 is not divisible by data\*fsdp=2\*4=8; "
+    with pytest.raises(UsageError, match=r"train.global_batch_size=60 is not divisible by data\*fsdp\*expert=2\*4\*1=8; "
                                          r"use a multiple of 8"):
         build_run(make_config("mnist_mlp.yaml", "mesh.data=2", "mesh.fsdp=4", "train.global_batch_size=60"))
 

@@ -1,0 +1,132 @@
+"""Long contexts and mixtures of experts on 8 simulated devices: the sequence split over
+`mesh.context` and the experts over `mesh.expert` give the one-device losses and weights of
+the same run; a context split holds a fraction of the activations, an expert split a
+fraction of the experts; MoE metrics reach metrics.jsonl; wrong settings exit 2 by name."""
+import jax
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from engine import hlo
+from engine.errors import UsageError
+from engine.rundir import read_records
+from engine.setup import build_run
+from engine.trainer import fit
+from test_parallel import addressable_bytes, train_losses
+from test_tokens import LLAMA_TOKENS, _corpus_files
+
+MOE = ["model.num_experts=8", "model.experts_per_token=2"]
+LLAMA = ["model.name=llama", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
+         "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.mlp_dim=48", "train.global_batch_size=16", "optimizer.learning_rate=0.003", "optimizer.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def packed_corpus(tmp_path_factory):
+    from engine.data.tokenize import tokenize
+
+    base = tmp_path_factory.mktemp("context_corpus")
+    tokenize([str(_corpus_files(base / "text", 60, seed=3))], str(base / "tokens"), "bpe:300", eval_fraction=0.1,
+             progress=False)
+    return base / "tokens"
+
+
+def assert_same_training(make_config, args, layouts, steps=4):
+    """Each layout's losses and final weights equal one device's (rtol 1e-5)."""
+    reference, state = train_losses(build_run(make_config("llama_tiny", *args, "mesh.num_devices=1")), steps)
+    assert reference[-1] < reference[0]
+    weights = jax.device_get(state.params)
+    for layout in layouts:
+        losses, state = train_losses(build_run(make_config("llama_tiny", *args, *layout)), steps)
+        np.testing.assert_allclose(losses, reference, rtol=1e-5, err_msg=str(layout))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(layout)),
+                     jax.device_get(state.params), weights)
+
+
+def test_context_parallel_packed_documents_match_one_device(make_config, packed_corpus):
+    """Packed documents (segment ids, positions restarting per document) over context 2, 4
+    and 8, alone and with fsdp and tensor: the one-device losses and weights."""
+    args = [*LLAMA_TOKENS, f"data.path={packed_corpus}", "data.seq_len=32"]
+    assert_same_training(make_config, args, [
+        ["mesh.data=4", "mesh.context=2"],
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4"],
+        ["mesh.data=1", "mesh.context=8"],
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"],
+    ])
+
+
+def test_moe_over_expert_axes_matches_one_device(make_config):
+    """Top-2 of 8 experts with tokens over capacity dropped (factor 1.0), over expert 2, 4 and
+    8, with fsdp, and with a shared expert and sigmoid router beside context and tensor."""
+    args = [*LLAMA, *MOE, "model.expert_capacity_factor=1.0"]
+    assert_same_training(make_config, args, [
+        ["mesh.data=4", "mesh.expert=2"],
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"],
+        ["mesh.data=1", "mesh.expert=8"],
+    ])
+    assert_same_training(make_config, [*args, "model.shared_expert=true", "model.router=sigmoid",
+                                       "model.scan_layers=false", "model.moe_interval=2"],
+                         [["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2"]], steps=3)
+
+
+def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path):
+    common = [*LLAMA, *MOE, "mesh.num_devices=1", "train.steps=4", "log.every_steps=2", "eval.every_steps=0",
+              "checkpoint.every_steps=0"]
+    for factor in ("0.5", "0"):
+        fit(make_config("llama_tiny", *common, f"model.expert_capacity_factor={factor}", workdir=tmp_path / factor))
+    tight, dropless = ([r for r in read_records(tmp_path / f / "metrics.jsonl") if r["split"] == "train"]
+                       for f in ("0.5", "0"))
+    for record in tight + dropless:
+        assert 0.01 * 0.5 < record["moe_aux_loss"] < 0.01 * 8  # coef x E * sum(f * P): 1 when balanced, 8 at worst
+    assert all(r["moe_dropped_fraction"] > 0.3 for r in tight)  # half the room of a balanced routing
+    assert all(r["moe_dropped_tokens"] == 0 for r in dropless)
+    dense = build_run(make_config("llama_tiny", *LLAMA, "mesh.num_devices=1"))
+    moe = build_run(make_config("llama_tiny", *LLAMA, *MOE, "mesh.num_devices=1"))
+    # active experts only: 2 of 8 experts of 3 x 32 x 48 weights per layer, + the router
+    assert moe.cost.flops_per_device_step == pytest.approx(
+        dense.cost.analytic_per_device_step + 6 * 16 * 16 * 2 * (2 * 3 * 32 * 48 - 3 * 32 * 48 + 32 * 8), rel=1e-9)
+    assert "active experts only" in moe.cost.source
+
+
+def test_a_context_split_holds_a_fraction_of_the_activations(make_config):
+    """XLA's memory estimate of the compiled step: a 512-token sequence over context 4 needs
+    under 40% of one device's temporaries (keys and values are gathered whole)."""
+    args = [*LLAMA, "data.seq_len=512", "train.global_batch_size=4", "data.num_examples=16", "data.eval_fraction=0.2"]
+    one = build_run(make_config("llama_tiny", *args, "mesh.num_devices=1")).compiled.memory.temp_size_in_bytes
+    split = build_run(make_config("llama_tiny", *args, "mesh.num_devices=4", "mesh.data=1", "mesh.context=4"))
+    assert split.compiled.memory.temp_size_in_bytes < 0.4 * one
+    found = {c.op for c in hlo.hlo_collectives(split.compiled.program.as_text(), 4)}
+    assert "all-gather" in found
+
+
+def test_an_expert_split_holds_its_share_of_the_experts_and_sends_tokens_by_all_to_all(make_config):
+    run = build_run(make_config("llama_tiny", *LLAMA, *MOE, "mesh.data=2", "mesh.expert=4"))
+    experts = {name: leaf for name, leaf in run.init_state().params["layers"]["block"]["moe"].items()
+               if name != "router"}
+    total = sum(leaf.nbytes for leaf in experts.values())
+    for device in run.mesh.devices.flat:
+        assert addressable_bytes(experts, device) == total // 4
+    assert "all-to-all" in {c.op for c in hlo.hlo_collectives(run.compiled.program.as_text(), 8)}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.data=1", "mesh.context=8", "data.seq_len=12"],
+     "data.seq_len=12 is not divisible by mesh.context=8"),
+    (["mesh.data=1", "mesh.expert=8", "model.num_experts=4"], "model.num_experts=4 is not divisible by mesh.expert=8"),
+    (["model.num_experts=4", "model.experts_per_token=5"], "model.experts_per_token=5 must be between 1 and"),
+    (["model.num_experts=4", "model.moe_interval=2"], "set model.scan_layers=false"),
+    (["model.name=transformer", "mesh.data=4", "mesh.context=2"],
+     "mesh.context=2: model.name=transformer does not split its sequence"),
+])
+def test_context_and_expert_mistakes_are_refused_by_key(make_config, overrides, message):
+    model = [a for a in LLAMA if "kv_heads" not in a] if "model.name=transformer" in overrides else LLAMA
+    with pytest.raises(UsageError, match=message):
+        build_run(make_config("llama_tiny", *model, *overrides))
+
+
+def test_cli_refuses_a_context_split_that_does_not_divide_with_exit_2(tmp_path):
+    proc = run_cli("--config", "configs/llama_tiny.yaml", "--workdir", str(tmp_path / "w"), "mesh.context=3",
+                   "mesh.data=1", "mesh.num_devices=3", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "data.seq_len=128 is not divisible by mesh.context=3" in proc.stderr
+    assert not (tmp_path / "w" / "checkpoints").exists()
