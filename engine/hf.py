@@ -159,6 +159,10 @@ def export_hf(workdir: str, out: str) -> Path:
     if family.hf is None:
         raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
     run = build_run(cfg, compile_train=False)
+    try:  # first: a model without a Hugging Face layout (a mixture of experts) writes nothing
+        hf_config = family.hf.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     restored = restore_newest(work, run.abstract_state, cfg.checkpoint.keep, "export")
     tensors = {}
     for tensor in family.hf.tensors(cfg.model):
@@ -167,7 +171,6 @@ def export_hf(workdir: str, out: str) -> Path:
         tensors.update({name: tensor.to_hf(np.asarray(layer)) for name, layer in zip(tensor.names, layers)})
     out_path.mkdir(parents=True, exist_ok=True)
     _write_safetensors(tensors, out_path)
-    hf_config = family.hf.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
     if (work / HF_CONFIG).is_file():  # an imported model keeps what we do not model (bos/eos ids, context length)
         original = json.loads((work / HF_CONFIG).read_text())
         kept = {k: v for k, v in original.items() if k not in hf_config or k == "max_position_embeddings"}

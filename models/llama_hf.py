@@ -68,6 +68,9 @@ def config_from_hf(hf: dict) -> dict:
 def config_to_hf(cfg, info, dtype: str = "float32") -> dict:
     """LlamaConfig (and the run's DataInfo) → a `config.json` that transformers'
     AutoModelForCausalLM loads."""
+    if cfg.num_experts:
+        raise ModelError(f"model.num_experts={cfg.num_experts}: a mixture-of-experts model has no Hugging Face "
+                         f"Llama layout here; export it in the default format (without --format hf)")
     vocab_size, max_positions = cfg.vocab_size or info.vocab_size, info.seq_len
     qwen3 = cfg.qk_norm  # Llama has no QK-norm; Qwen3 is the same architecture with it
     hf = {"architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],

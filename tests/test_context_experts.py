@@ -45,7 +45,9 @@ def assert_same_training(make_config, args, layouts, steps=4):
 
 def test_context_parallel_packed_documents_match_one_device(make_config, packed_corpus):
     """Packed documents (segment ids, positions restarting per document) over context 2, 4
-    and 8, alone and with fsdp and tensor: the one-device losses and weights."""
+    and 8, alone and with fsdp and tensor: the one-device losses and weights. (The Llama
+    family has no dropout; the transformer's is per example, so a sequence split would not
+    change it, but that family does not split its sequence.)"""
     args = [*LLAMA_TOKENS, f"data.path={packed_corpus}", "data.seq_len=32"]
     assert_same_training(make_config, args, [
         ["mesh.data=4", "mesh.context=2"],
@@ -53,6 +55,8 @@ def test_context_parallel_packed_documents_match_one_device(make_config, packed_
         ["mesh.data=1", "mesh.context=8"],
         ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"],
     ])
+    # unpacked sequences: plain causal attention (cuDNN's on a GPU without context parallelism)
+    assert_same_training(make_config, LLAMA, [["mesh.data=2", "mesh.context=4"]], steps=3)
 
 
 def test_moe_over_expert_axes_matches_one_device(make_config):
@@ -80,6 +84,10 @@ def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path
         assert 0.01 * 0.5 < record["moe_aux_loss"] < 0.01 * 8  # coef x E * sum(f * P): 1 when balanced, 8 at worst
     assert all(r["moe_dropped_fraction"] > 0.3 for r in tight)  # half the room of a balanced routing
     assert all(r["moe_dropped_tokens"] == 0 for r in dropless)
+    # no Hugging Face layout for experts: refused before anything is written
+    proc = run_cli("export", "--workdir", str(tmp_path / "0"), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "model.num_experts=8: a mixture-of-experts model" in proc.stderr, proc.stderr
+    assert not (tmp_path / "hf").exists()
     dense = build_run(make_config("llama_tiny", *LLAMA, "mesh.num_devices=1"))
     moe = build_run(make_config("llama_tiny", *LLAMA, *MOE, "mesh.num_devices=1"))
     # active experts only: 2 of 8 experts of 3 x 32 x 48 weights per layer, + the router

@@ -286,8 +286,11 @@ def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_is_bit_identical(tmp_path):
-    """Exact resume holds for scanned (stacked) parameters too."""
+@pytest.mark.parametrize("extra", [[], ["model.num_experts=4", "model.experts_per_token=2",
+                                        "model.expert_capacity_factor=1.0"]], ids=["dense", "moe"])
+def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
+    """Exact resume holds for scanned (stacked) parameters too, and for a mixture of experts
+    (its routing, dropped tokens and load-balancing metrics included)."""
     import os
     import subprocess
     import sys
@@ -296,7 +299,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path):
     from conftest import ROOT
     from engine.rundir import read_records
 
-    args = [*LLAMA, "train.steps=12", "checkpoint.every_steps=3", "log.every_steps=1", "log.progress=false",
+    args = [*LLAMA, *extra, "train.steps=12", "checkpoint.every_steps=3", "log.every_steps=1", "log.progress=false",
             "log.tensorboard=false", "eval.every_steps=0", "data.steps_per_transfer=1"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
@@ -306,7 +309,8 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path):
                                 stderr=subprocess.PIPE, text=True)
 
     def train_records(workdir):
-        return [(r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+        return [(r["step"], r["loss"], r.get("moe_aux_loss"), r.get("moe_dropped_tokens"))
+                for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert start(reference).wait(timeout=300) == 0
@@ -322,6 +326,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert train_records(killed) == train_records(reference)
+    assert (train_records(reference)[0][2] is not None) == bool(extra)  # MoE runs log their routing
     import orbax.checkpoint as ocp
 
     saved = [ocp.PyTreeCheckpointer().restore(path / "checkpoints" / "12" / "state")["params"]
