@@ -60,29 +60,32 @@ def memory_table(lengths: list[int], contexts: list[int]) -> None:
         print(f"{length:>8}" + "".join(f"{human_bytes(c) if c else '-':>16}" for c in cells) + f"{ratio:>9.2f}x")
 
 
-def minimum_context(run) -> int:
-    """Per layer: all-gather the keys and values of the whole sequence (forward; the
-    backward's reduce-scatter of their gradients counts the same bytes), bytes = the full
-    K and V; plus the data-parallel all-reduce of the gradients, none here (one sequence)
-    except that every parameter's gradient is summed over the context devices (1 x P)."""
+def gradient_bytes(run, keep=lambda layout: True) -> float:
+    """Bytes of the gradients all-reduced over the batch split, as the program text counts
+    them: a scanned layer's once (its share of the stacked parameters), the rest whole."""
+    return sum(p.nbytes / (p.shape[0] if p.logical[:1] == ("layers",) else 1)
+               for p in run.model.param_layouts if keep(p))
+
+
+def minimum_context(run) -> float:
+    """The keys and values of the whole sequence gathered on every device (once per layer,
+    forward; the backward may recompute or reduce them), plus every gradient summed over
+    the devices that split the sequence (1 x P)."""
     cfg, info = run.cfg, run.dataset.info
     kv = 2 * cfg.train.global_batch_size * info.seq_len * cfg.model.kv_heads * cfg.model.head_width * 4
-    params = sum(p.nbytes for p in run.model.param_layouts)
-    return 2 * kv + params
+    return kv + gradient_bytes(run)
 
 
-def minimum_expert(run) -> int:
-    """Per MoE layer: tokens to their experts and back (forward), the same twice more in the
-    backward: 4 all-to-alls of the dispatched buffer [batch, experts, capacity, d_model];
-    plus the all-reduce of the gradients of what is replicated over the batch split
-    (everything but the experts, 1 x P)."""
+def minimum_expert(run) -> float:
+    """Tokens to their experts and back, forward and backward: 4 all-to-alls of this
+    device's share of the dispatched buffer [batch, experts, capacity, d_model] per MoE
+    layer; plus the all-reduce of the gradients of everything but the experts (1 x P)."""
     from models.llama import expert_capacity
 
     cfg, info = run.cfg, run.dataset.info
     capacity = expert_capacity(cfg.model, info.seq_len)
     dispatched = cfg.train.global_batch_size * cfg.model.num_experts * capacity * cfg.model.d_model * 4
-    dense = sum(p.nbytes for p in run.model.param_layouts if "expert" not in p.logical)
-    return 4 * dispatched + dense
+    return 4 * dispatched / run.mesh.size + gradient_bytes(run, lambda p: "expert" not in p.logical)
 
 
 def collectives_table() -> None:
