@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+from typing import Optional
 
 from engine.errors import UsageError
 
@@ -35,13 +37,35 @@ def read_status(workdir: Path) -> dict:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a last line still being written (no newline yet) is skipped."""
+    """The records of a metrics.jsonl; a last line still being written (no newline yet) is
+    skipped. Damaged lines (not a JSON object with `step` and `split`: a disk error, a hand
+    edit) are skipped with one warning naming them; a resumed run rewrites the file without them."""
     if not Path(path).exists():
         return []
-    text = Path(path).read_text()
+    text = Path(path).read_text(errors="replace")
     lines = text.split("\n")
     complete = lines[:-1] if not text.endswith("\n") else lines
-    return [json.loads(line) for line in complete if line.strip()]
+    records, damaged = [], []
+    for number, line in enumerate(complete, 1):
+        if line.strip():
+            record = _record(line)
+            if record is None:
+                damaged.append(number)
+            else:
+                records.append(record)
+    if damaged:
+        shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        print(f"warning: {path}: {len(damaged)} damaged line(s) skipped (line {shown})", file=sys.stderr)
+    return records
+
+
+def _record(line: str) -> Optional[dict]:
+    """One metrics.jsonl line as a record, or None where it is not one."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) and "split" in record else None
 
 
 def final_metrics(workdir: Path) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Faults and abuse: each test reproduces one way real runs break (a hostile value, a second
 process on the same workdir, a damaged checkpoint) and checks the engine's answer."""
+import json
 import os
 import subprocess
 import sys
@@ -166,3 +167,27 @@ def test_bfloat16_parameters_train_resume_from_float32_and_an_optimizer_change_i
         fit(make_config("mnist_mlp.yaml", *common[1:], "train.steps=40", "optimizer.name=sgd",
                         workdir=tmp_path / "run"))
     assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20, 30]
+
+
+def test_a_damaged_metrics_line_is_skipped_by_name_and_dropped_on_resume(make_config, tmp_path, capsys):
+    """A line of metrics.jsonl damaged mid-file (a disk error, a hand edit): readers skip it
+    and say which; the resumed run rewrites the file without it and trains on."""
+    from engine.rundir import read_records
+    from engine.trainer import fit
+
+    workdir = tmp_path / "run"
+    args = ["mesh.num_devices=1", "log.every_steps=2", "checkpoint.every_steps=2", "eval.every_steps=0"]
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=4", workdir=workdir))
+    path = workdir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines.insert(1, '{"step": 2, "split": "tr\x00\x00')  # torn
+    lines.insert(3, "[1, 2]")  # JSON, not a record
+    path.write_text("\n".join(lines) + "\n")
+    records = read_records(path)
+    assert [r["step"] for r in records] == [json.loads(line)["step"] for line in lines if line.startswith('{"step": ')
+                                            and line.endswith("}")]
+    assert "metrics.jsonl: 2 damaged line(s) skipped (line 2, 4)" in capsys.readouterr().err
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=6", workdir=workdir))
+    capsys.readouterr()
+    assert [r["step"] for r in read_records(path) if r["split"] == "train"] == [2, 4, 6]
+    assert "damaged" not in capsys.readouterr().err  # the resume rewrote the file without them
