@@ -11,7 +11,7 @@ from engine.hlo import human_bytes
 from engine.setup import Run, build_run
 
 
-def per_devicehuman_bytes(abstract_tree) -> int:
+def per_device_bytes(abstract_tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
     total = 0
     for leaf in jax.tree.leaves(abstract_tree):
@@ -37,9 +37,9 @@ def dry_run_report(run: Run) -> str:
     total_params = sum(math.prod(p.shape) for p in run.model.param_layouts)
     state = run.abstract_state
     lines.append(f"parameters: {total_params:,} ({human_bytes(sum(p.nbytes for p in run.model.param_layouts))})")
-    lines.append(f"per device: params {human_bytes(per_devicehuman_bytes(state.params))}, "
-                 f"optimizer state {human_bytes(per_devicehuman_bytes(state.opt_state))}, "
-                 f"model state {human_bytes(per_devicehuman_bytes(state.model_state))}"
+    lines.append(f"per device: params {human_bytes(per_device_bytes(state.params))}, "
+                 f"optimizer state {human_bytes(per_device_bytes(state.opt_state))}, "
+                 f"model state {human_bytes(per_device_bytes(state.model_state))}"
                  + (" (pmap keeps a full copy on every device)" if cfg.mesh.backend == "pmap" else ""))
     m = run.compiled.memory
     if m is not None:
@@ -48,7 +48,8 @@ def dry_run_report(run: Run) -> str:
                      f"aliased (donated) {human_bytes(m.alias_size_in_bytes)}")
     if run.compiled.program is not None:  # what the layout makes each device send per step
         found = hlo.hlo_collectives(run.compiled.program.as_text(), run.mesh.size)
-        lines.append(f"collectives in the compiled step (per device): {hlo.summary(found)}")
+        lines.append(f"collectives in the compiled step (per device; one inside a loop, such as the scanned "
+                     f"layers, counted once): {hlo.summary(found)}")
     flops = run.cost.flops_per_device_step
     lines.append(f"model FLOPs per step ({run.cost.source}): {flops:.4g} per device, {flops * run.mesh.size:.4g} in "
                  f"all; compile time {run.compiled.compile_seconds:.2f}s")

@@ -10,12 +10,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from engine.checkpoint import restore_newest
-from engine.config import Config, load_config
+from engine.config import MESH_AXES, Config, load_config
 from engine.errors import UsageError
 from engine.setup import build_run
 
-SINGLE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.num_devices=1", "mesh.backend=jit",
-                 "log.progress=false"]
+SINGLE_DEVICE = [*(f"mesh.{axis}=1" for axis in MESH_AXES), *(f"mesh.dcn_{axis}=1" for axis in MESH_AXES),
+                 "mesh.num_devices=1", "mesh.backend=jit", "log.progress=false"]
 
 
 def run_config(workdir: Path) -> Config:

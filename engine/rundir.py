@@ -53,10 +53,14 @@ def read_records(path: Path) -> list[dict]:
                 damaged.append(number)
             else:
                 records.append(record)
-    if damaged:
+    if damaged and (str(path), len(damaged)) not in _WARNED:  # once per file and damage, not per reader
+        _WARNED.add((str(path), len(damaged)))
         shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
         print(f"warning: {path}: {len(damaged)} damaged line(s) skipped (line {shown})", file=sys.stderr)
     return records
+
+
+_WARNED: set[tuple[str, int]] = set()
 
 
 def _record(line: str) -> Optional[dict]:

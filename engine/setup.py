@@ -154,6 +154,9 @@ def _check_context_and_experts(cfg: Config, mesh: Mesh, dataset: Dataset, family
     if context > 1 and dataset.info.seq_len % context:
         raise UsageError(f"data.seq_len={dataset.info.seq_len} is not divisible by mesh.context={context}; "
                          f"choose a sequence length that is a multiple of {context}, or another mesh.context")
+    if mesh.shape["expert"] > 1 and not experts:
+        raise UsageError(f"mesh.expert={mesh.shape['expert']} splits experts, and model.name={cfg.model.name} has "
+                         f"none (model.num_experts=0); set mesh.expert=1 (mesh.data splits the batch)")
     if mesh.shape["expert"] > 1 and experts % mesh.shape["expert"]:
         raise UsageError(f"model.num_experts={experts} is not divisible by mesh.expert={mesh.shape['expert']}; "
                          f"choose a mesh.expert that divides {experts}")

@@ -64,7 +64,8 @@ class LlamaConfig:
     shared_expert: bool = False  # a dense SwiGLU expert every token also goes through (DeepSeek, Qwen-MoE)
     # tokens each expert takes per sequence = factor * seq_len * experts_per_token / num_experts;
     # the tokens beyond it skip the expert (counted in metrics.jsonl); 0 = dropless (room for
-    # every token: memory grows with seq_len * num_experts)
+    # every token: the one-hot dispatch then grows with seq_len^2 * num_experts). Generation
+    # (sample) never drops.
     expert_capacity_factor: float = 1.25
     router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer's) in the objective
 
@@ -247,7 +248,10 @@ def expert_capacity(cfg: LlamaConfig, seq_len: int) -> int:
 def route(cfg: LlamaConfig, logits, capacity: int):
     """Top-k routing of each sequence's tokens → (dispatch [b, s, experts, capacity] 0/1,
     combine [b, s, experts, capacity] gate weights, load-balancing loss, assignments dropped).
-    Expert slots are filled first choices first, then second choices, ... in sequence order."""
+    Expert slots are filled in token order (a token's choices in the order of its gates):
+    whether a token keeps an expert depends on earlier tokens only, as a causal model needs
+    (filling all first choices first, as encoders do, would let later tokens push earlier
+    ones out)."""
     batch, seq, experts = logits.shape
     k = cfg.experts_per_token
     probs = jax.nn.softmax(logits, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
@@ -255,8 +259,8 @@ def route(cfg: LlamaConfig, logits, capacity: int):
     if k > 1:  # the chosen experts' gates sum to 1 (Mixtral, DeepSeek-V3)
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     choice = jax.nn.one_hot(chosen, experts, dtype=jnp.int32)  # [b, s, k, e]
-    by_priority = choice.transpose(0, 2, 1, 3).reshape(batch, k * seq, experts)
-    slot = (jnp.cumsum(by_priority, axis=1) - 1).reshape(batch, k, seq, experts).transpose(0, 2, 1, 3)
+    in_order = choice.reshape(batch, seq * k, experts)  # token 0's choices, token 1's, ...
+    slot = (jnp.cumsum(in_order, axis=1) - 1).reshape(batch, seq, k, experts)
     slot = jnp.sum(slot * choice, axis=-1)  # [b, s, k]: this assignment's place in its expert's queue
     kept = slot < capacity
     placed = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity, dtype=jnp.float32)  # [b, s, k, c] (0 if dropped)
@@ -274,6 +278,7 @@ class MoE(nn.Module):
     cfg: LlamaConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -282,7 +287,8 @@ class MoE(nn.Module):
         hidden, experts = cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
         router = self.param("router", _kernel(("embed", None)), (width, experts), self.param_dtype)
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router.astype(jnp.float32))
-        dispatch, combine, balance, dropped = route(cfg, logits, expert_capacity(cfg, seq))
+        # generating (a cache, calls of one token): no token is dropped
+        dispatch, combine, balance, dropped = route(cfg, logits, seq if self.decode else expert_capacity(cfg, seq))
         self.sow("aux", "aux_loss", cfg.router_aux_loss_coef * balance)
         self.sow("aux", "routed", jnp.asarray(batch * seq * cfg.experts_per_token, jnp.float32))
         self.sow("aux", "dropped", dropped.astype(jnp.float32))
@@ -320,7 +326,7 @@ class Block(nn.Module):
                                     name="attn")(y, positions, segment_ids), ("batch", "seq", None))
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
         if self.moe:
-            y = MoE(cfg, self.dtype, self.param_dtype, name="moe")(y)
+            y = MoE(cfg, self.dtype, self.param_dtype, self.decode, name="moe")(y)
         else:  # SwiGLU
             dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
             gate = nn.Dense(cfg.mlp_dim, kernel_init=_kernel(("embed", "mlp")), name="gate", **dense)(y)

@@ -5,6 +5,7 @@ fraction of the experts; MoE metrics reach metrics.jsonl; wrong settings exit 2 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ from engine.data import DataInfo
 from engine.errors import UsageError
 from engine.rundir import read_records
 from engine.setup import build_run
+from engine.step import _aux_totals
 from engine.trainer import fit
 from models.llama import LlamaConfig, flops_per_example
 from test_parallel import addressable_bytes, train_losses
@@ -77,16 +79,21 @@ def test_moe_over_expert_axes_matches_one_device(make_config):
 
 
 def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path):
-    common = [*LLAMA, *MOE, "mesh.num_devices=1", "train.steps=4", "log.every_steps=2", "eval.every_steps=0",
+    common = [*LLAMA, *MOE, "train.steps=4", "log.every_steps=2", "eval.every_steps=0",
               "checkpoint.every_steps=0"]
-    for factor in ("0.5", "0"):
-        fit(make_config("llama_tiny", *common, f"model.expert_capacity_factor={factor}", workdir=tmp_path / factor))
+    fit(make_config("llama_tiny", *common, "mesh.num_devices=1", "model.expert_capacity_factor=0.5",
+                    workdir=tmp_path / "0.5"))
+    # the dropless run split over context and experts: its readers (export) run on one device
+    fit(make_config("llama_tiny", *common, "mesh.data=2", "mesh.expert=2", "mesh.context=2",
+                    "model.expert_capacity_factor=0", workdir=tmp_path / "0"))
     tight, dropless = ([r for r in read_records(tmp_path / f / "metrics.jsonl") if r["split"] == "train"]
                        for f in ("0.5", "0"))
     for record in tight + dropless:
         assert 0.01 * 0.5 < record["moe_aux_loss"] < 0.01 * 8  # coef x E * sum(f * P): 1 when balanced, 8 at worst
     assert all(r["moe_dropped_fraction"] > 0.3 for r in tight)  # half the room of a balanced routing
     assert all(r["moe_dropped_tokens"] == 0 for r in dropless)
+    proc = run_cli("export", "--workdir", str(tmp_path / "0"), "--out", str(tmp_path / "exported"))
+    assert proc.returncode == 0 and (tmp_path / "exported").exists(), proc.stderr
     # no Hugging Face layout for experts: refused before anything is written
     proc = run_cli("export", "--workdir", str(tmp_path / "0"), "--format", "hf", "--out", str(tmp_path / "hf"))
     assert proc.returncode == 2 and "model.num_experts=8: a mixture-of-experts model" in proc.stderr, proc.stderr
@@ -102,6 +109,32 @@ def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path
     added = 2 * (8 * 3 * 32 * 48 + 32 * 8 - 3 * 32 * 48)  # parameters the two MoE layers add
     extra = flops_per_example(moe, info, 10_000 + added) - flops_per_example(dense, info, 10_000)
     assert extra == pytest.approx(6 * 16 * 2 * (2 * 3 * 32 * 48 + 32 * 8 - 3 * 32 * 48), rel=1e-12)
+
+
+def test_routing_is_causal_a_token_keeps_its_experts_whatever_follows():
+    """With experts over capacity, which tokens are dropped depends on earlier tokens only:
+    changing the tokens after position t leaves the logits up to t as they were."""
+    from engine.sharding import unbox
+    from models import REGISTRY
+
+    cfg = LlamaConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=48, num_experts=4,
+                      experts_per_token=2, expert_capacity_factor=0.5)
+    info = DataInfo("tokens", 8, 8, vocab_size=64, seq_len=24)
+    module = REGISTRY["llama"].build(cfg, info, jnp.float32, jnp.float32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (4, 24))
+    params = unbox(module.init(jax.random.key(0), jnp.asarray(tokens, jnp.int32), train=False))["params"]
+    changed = tokens.copy()
+    changed[:, 12:] = rng.integers(0, 64, (4, 12))
+
+    def apply(t):
+        logits, sown = module.apply({"params": params}, jnp.asarray(t, jnp.int32), train=False, mutable=["aux"])
+        return np.asarray(logits), float(_aux_totals(sown["aux"])["dropped"])
+
+    (before, dropped), (after, _) = apply(tokens), apply(changed)
+    assert dropped > 0  # experts were over capacity
+    np.testing.assert_allclose(after[:, :12], before[:, :12], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(after[:, 12:], before[:, 12:])
 
 
 def test_a_context_split_holds_a_fraction_of_the_activations(make_config):
@@ -131,6 +164,7 @@ def test_an_expert_split_holds_its_share_of_the_experts_and_sends_tokens_by_all_
     (["mesh.data=1", "mesh.expert=8", "model.num_experts=4"], "model.num_experts=4 is not divisible by mesh.expert=8"),
     (["model.num_experts=4", "model.experts_per_token=5"], "model.experts_per_token=5 must be between 1 and"),
     (["model.num_experts=4", "model.moe_interval=2"], "set model.scan_layers=false"),
+    (["mesh.data=4", "mesh.expert=2"], r"mesh.expert=2 splits experts, and model.name=llama has none"),
     (["model.name=transformer", "mesh.data=4", "mesh.context=2"],
      "mesh.context=2: model.name=transformer does not split its sequence"),
 ])
