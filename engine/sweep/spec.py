@@ -11,7 +11,8 @@ each run a `launch.py` training process in its own workdir under the sweep's dir
     directory: runs/my_sweep             # default runs/<sweep file name>
     slurm: {partition: gpu, time: "01:00:00", cpus_per_task: 4, gres: "gpu:1"}
 
-Runs are the product of the grid's axes, the zip group (one axis) and the random samples.
+Runs are the product of the grid's axes, the zip group (one axis) and the random samples;
+or, with `search:` (and `pruner:`), the trials of an Optuna study (search.py).
 Each run's status lives in its workdir (`status.json`); `sweep.jsonl` is the index made from them.
 
 This module reads and checks sweep files; local.py runs them as local processes, slurm.py
@@ -34,8 +35,11 @@ from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
 
 LAUNCH = Path(__file__).resolve().parent.parent.parent / "launch.py"
-SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm"}
+SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm", "search", "pruner"}
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")
+SAMPLERS = ("tpe", "random", "grid")  # a search's (Optuna's) samplers and pruners with their settings
+PRUNERS = {"median": ("startup_trials", "warmup_steps"), "successive_halving": ("min_resource", "reduction_factor"),
+           "hyperband": ("min_resource", "max_resource", "reduction_factor")}
 MAX_RUNS = 10_000  # runs one sweep file may make (grid × zip × random samples)
 
 
@@ -55,6 +59,8 @@ class Sweep:
     mode: str
     directory: Path
     slurm: dict = field(default_factory=dict)
+    search: dict | None = None  # an Optuna study (search.py): runs are its trials, made as it goes
+    pruner: dict | None = None
 
     def workdir(self, run: RunSpec) -> Path:
         return self.directory / run.name
@@ -149,6 +155,37 @@ def check_slurm_values(slurm: dict, where: str) -> None:
                                  f"give each sbatch option on one line")
 
 
+def check_search(search: dict, pruner: dict | None, where: str) -> None:
+    """The search and pruner sections, refused by name before anything runs."""
+    if not isinstance(search, dict) or set(search) - {"sampler", "trials", "seed", "params"}:
+        raise UsageError(f"{where}: search takes sampler, trials, seed and params")
+    if search.get("sampler", "tpe") not in SAMPLERS:
+        raise UsageError(f"{where}: search.sampler={search.get('sampler')!r} is not one of {', '.join(SAMPLERS)}")
+    trials = search.get("trials")
+    if not isinstance(trials, int) or isinstance(trials, bool) or not 0 < trials <= 10_000:
+        raise UsageError(f"{where}: search.trials={trials!r} must be a whole number from 1 to 10000")
+    params = search.get("params")
+    if not isinstance(params, dict) or not params:
+        raise UsageError(f"{where}: search.params must map dotted keys to distributions, e.g. "
+                         "{optimizer.learning_rate: {log_uniform: [1e-4, 1e-2]}}")
+    for key, dist in params.items():
+        kind = next(iter(dist)) if isinstance(dist, dict) and len(dist) == 1 else None
+        if kind not in DISTRIBUTIONS or not isinstance(dist[kind], list) or not dist[kind]:
+            raise UsageError(f"{where}: search.params.{key} must be one of {', '.join(DISTRIBUTIONS)} with a list, "
+                             f"e.g. {{log_uniform: [1e-4, 1e-2]}}")
+        if kind != "choice" and (len(dist[kind]) != 2 or dist[kind][0] >= dist[kind][1]):
+            raise UsageError(f"{where}: search.params.{key}.{kind} must be [low, high] with low < high")
+        if search.get("sampler") == "grid" and kind != "choice":
+            raise UsageError(f"{where}: search.sampler=grid needs choice lists; search.params.{key} is {kind}")
+    if pruner is not None:
+        if not isinstance(pruner, dict) or pruner.get("kind") not in PRUNERS:
+            raise UsageError(f"{where}: pruner.kind must be one of {', '.join(PRUNERS)}")
+        unknown = set(pruner) - {"kind", *PRUNERS[pruner["kind"]]}
+        if unknown:
+            raise UsageError(f"{where}: pruner {pruner['kind']} takes {', '.join(PRUNERS[pruner['kind']])}; "
+                             f"not {', '.join(sorted(unknown))}")
+
+
 def load_sweep(path: str | os.PathLike) -> Sweep:
     path = Path(path).absolute()
     if not path.is_file():
@@ -197,12 +234,30 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     runs = [RunSpec(name, combo) for name, combo in zip(_run_names(combos), combos)]
     slurm = spec.get("slurm") or {}
     check_slurm_values(slurm, f"sweep file {path}")
-    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm)
+    search, pruner = spec.get("search"), spec.get("pruner")
+    if search is not None or pruner is not None:
+        if search is None or grid or zipped or random is not None:
+            raise UsageError(f"sweep file {path}: a pruner needs a search, and a search replaces grid, zip and "
+                             f"random; use one or the other")
+        check_search(search, pruner, f"sweep file {path}")
+        runs = []
+    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner)
+
+
+def _search_probes(search: dict) -> list[RunSpec]:
+    """Runs at the ends of a search's ranges and each of its choices: what validate_runs loads."""
+    probes = []
+    for end in (0, -1):
+        probes.append({key: values[end] for key, d in search["params"].items() for values in d.values()})
+    for key, d in search["params"].items():
+        probes += [{key: value} for value in d.get("choice", [])]
+    return [RunSpec(f"search probe {i}", combo) for i, combo in enumerate(probes)]
 
 
 def validate_runs(sweep: Sweep) -> None:
-    """Loads every run's config before any run starts; the first bad one stops the sweep."""
-    for run in sweep.runs:
+    """Loads every run's config before any run starts; the first bad one stops the sweep.
+    A search loads its ranges' ends and each choice."""
+    for run in _search_probes(sweep.search) if sweep.search else sweep.runs:
         args = sweep.argv(run)
         try:
             load_config(sweep.base, args[4:], args[3], override_source=f"the sweep file {sweep.path.name}")

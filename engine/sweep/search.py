@@ -1,0 +1,232 @@
+"""Model-based search with pruning, on an Optuna study in the sweep directory's SQLite database.
+
+    search: {sampler: tpe, trials: 12, seed: 0,            # tpe | random | grid
+             params: {optimizer.learning_rate: {log_uniform: [1e-4, 1e-1]},
+                      model.hidden_sizes: {choice: [[64], [128]]}}}
+    pruner: {kind: median, startup_trials: 3, warmup_steps: 0}   # | successive_halving | hyperband
+
+Each trial is a training run (`trial-NNNN` under the sweep directory) with the values the
+sampler asks for. While it trains, this process reads the sweep's metric from the run's
+metrics.jsonl as it is logged and reports it to the study; when the pruner says so the run
+is stopped (SIGTERM: it saves and exits) and marked `pruned`. The study lives in
+`study.db` (Optuna's RDB storage), so a stopped sweep resumes its study: a trial left
+running by a dead sweep process (no trainer holds its workdir) is trained to its end
+(resuming from its checkpoint) before new trials are asked for, and several sweep processes
+(or SLURM array tasks) on one directory share the study without running a trial twice
+(asking is a database transaction; a running trial's trainer holds its workdir's lock).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.rundir import STATUS, final_metrics, lock_holder, read_records, read_status, write_json
+from engine.sweep.local import write_index
+from engine.sweep.spec import LAUNCH, RunSpec, Sweep
+
+STUDY = "study.db"
+STOP = threading.Event()  # this sweep process was told to stop: the running trial saves and stops too
+
+
+def make_sampler(search: dict, seed: int):
+    import optuna
+
+    kind = search.get("sampler", "tpe")
+    if kind == "grid":
+        return optuna.samplers.GridSampler({k: v["choice"] for k, v in search["params"].items()}, seed=seed)
+    return (optuna.samplers.TPESampler if kind == "tpe" else optuna.samplers.RandomSampler)(seed=seed)
+
+
+def open_study(sweep: Sweep):
+    """The sweep's study, created on first use. Several sweep processes may open it at once:
+    creating the database's tables is serialised by a lock file beside it."""
+    import fcntl
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    settings = dict(sweep.pruner or {"kind": "none"})
+    kind = settings.pop("kind")
+    pruner = {"median": lambda startup_trials=3, warmup_steps=0: optuna.pruners.MedianPruner(startup_trials,
+                                                                                               warmup_steps),
+              "successive_halving": lambda **k: optuna.pruners.SuccessiveHalvingPruner(**k),
+              "hyperband": lambda **k: optuna.pruners.HyperbandPruner(**k),
+              "none": lambda: optuna.pruners.NopPruner()}[kind](**settings)
+    sweep.directory.mkdir(parents=True, exist_ok=True)
+    with open(sweep.directory / ".study.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        storage = optuna.storages.RDBStorage(f"sqlite:///{sweep.directory / STUDY}",
+                                             engine_kwargs={"connect_args": {"timeout": 60}})
+        return optuna.create_study(storage=storage, study_name="sweep", load_if_exists=True,
+                                   sampler=make_sampler(sweep.search, sweep.search.get("seed", 0)), pruner=pruner,
+                                   direction="minimize" if sweep.mode == "min" else "maximize")
+
+
+def _suggest(trial, key: str, dist: dict):
+    kind, values = next(iter(dist.items()))
+    if kind == "choice":  # lists (e.g. hidden sizes) travel as their YAML text
+        chosen = trial.suggest_categorical(key, [json.dumps(v) for v in values])
+        return json.loads(chosen)
+    if kind == "int_uniform":
+        return trial.suggest_int(key, int(values[0]), int(values[1]))
+    return trial.suggest_float(key, float(values[0]), float(values[1]), log=kind == "log_uniform")
+
+
+def trial_run(trial) -> RunSpec:
+    """A trial's run: its name and the values it trains with."""
+    return RunSpec(f"trial-{trial.number:04d}", {k: json.loads(v) if isinstance(v, str) and v[:1] in "[{" else v
+                                                 for k, v in trial.params.items()})
+
+
+def _reported(study, trial) -> set[int]:
+    """Steps already reported for this trial (a resumed trial re-logs none of them)."""
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    return set(frozen.intermediate_values)
+
+
+def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
+    """Trains (or resumes) one trial's run, reporting the metric as it is logged; tells the
+    study how it ended. Returns the run's status: finished, pruned, failed or interrupted."""
+    import optuna
+
+    run = trial_run(trial)
+    workdir = sweep.workdir(run)
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
+    split, name = sweep.metric.split("/")
+    seen, pruned, start = _reported(study, trial), False, time.time()
+    with open(workdir / "run.log", "a") as log:
+        child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
+                                 stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
+        while child.poll() is None:
+            if STOP.is_set() and not pruned:
+                child.send_signal(signal.SIGTERM)  # it saves and exits 143: resumed by the next sweep process
+            for record in read_records(workdir / "metrics.jsonl"):
+                if record["split"] == split and name in record and record["step"] not in seen:
+                    seen.add(record["step"])
+                    trial.report(float(record[name]), record["step"])
+                    if not pruned and trial.should_prune():
+                        pruned = True  # it saves and exits 143; a re-run of the sweep does not train it again
+                        child.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+    code = child.returncode
+    value = final_metrics(workdir).get(sweep.metric)
+    if pruned:
+        status = "pruned"
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    elif code == 0 and value is not None:
+        status = "finished"
+        study.tell(trial, value)
+    elif code in (143, 130) or STOP.is_set():
+        status = "interrupted"  # the trial stays running in the study; the next sweep process resumes it
+    else:
+        status = "failed"
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    write_json(workdir / STATUS, {"status": status, "exit_code": code, "trial": trial.number,
+                                  "seconds": round(time.time() - start, 2)})
+    return status
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def abandoned_trials(sweep: Sweep, study) -> tuple[list, list]:
+    """Running trials whose sweep process is gone (or said it stopped): (those no trainer
+    holds: to resume now, those a trainer left by that process still trains: to wait for)."""
+    import optuna
+
+    orphans, training = [], []
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        workdir = sweep.workdir(trial_run(trial))
+        status = read_status(workdir)
+        if status.get("status") == "running" and _alive(status.get("pid")):
+            continue  # its sweep process trains it
+        (training if lock_holder(workdir) is not None else orphans).append(trial)
+    return orphans, training
+
+
+def _next_trial(sweep: Sweep, study):
+    """An abandoned trial to finish, else a new one while the study has fewer than
+    search.trials; None when there is nothing left to start (waits for trainers that a
+    killed sweep process left running)."""
+    import optuna
+
+    while True:
+        orphans, training = abandoned_trials(sweep, study)
+        if orphans:
+            trial = optuna.trial.Trial(study, orphans[0]._trial_id)
+            print(f"resume {trial_run(trial).name}", flush=True)
+            return trial
+        if len(study.trials) < sweep.search["trials"]:
+            break
+        if not training or STOP.is_set():
+            return None
+        # a trainer left by a killed sweep process: it finishes (or stops), then its trial is resumed
+        print(f"waiting for {trial_run(training[0]).name}: a trainer still runs in its workdir", flush=True)
+        time.sleep(2.0)
+    trial = study.ask()
+    # trial n's values come from (seed, n): the same in one process or several (each process's
+    # sampler would otherwise draw the same startup values as every other)
+    study.sampler = make_sampler(sweep.search, sweep.search.get("seed", 0) + trial.number)
+    for key, dist in sweep.search["params"].items():
+        _suggest(trial, key, dist)
+    print(f"start {trial_run(trial).name} {trial_run(trial).overrides}", flush=True)
+    return trial
+
+
+def run_search(sweep: Sweep) -> int:
+    """Trials until the study has search.trials of them; 0 when none is left to start here
+    (others may still run in other sweep processes), 143 if stopped."""
+    study = open_study(sweep)
+    STOP.clear()
+    previous = {sig: signal.signal(sig, lambda signum, frame: STOP.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not STOP.is_set():
+            trial = _next_trial(sweep, study)
+            if trial is None:
+                break
+            status = train_trial(sweep, study, trial)
+            print(f"{status:>11} {trial_run(trial).name}", flush=True)
+            sweep.runs = [trial_run(t) for t in study.trials]
+            write_index(sweep)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 143 if STOP.is_set() else 0
+
+
+def study_report(sweep: Sweep) -> None:
+    """Parameter importances (importances.json) and a slice plot (slice.png) of the study."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import optuna
+
+    study = open_study(sweep)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if len(complete) < 2:
+        print("no parameter importances: fewer than 2 trials finished", file=sys.stderr)
+        return
+    importances = optuna.importance.get_param_importances(study)
+    write_json(sweep.directory / "importances.json", importances)
+    print("parameter importances: " + ", ".join(f"{k} {v:.2f}" for k, v in importances.items()))
+    import warnings
+
+    with warnings.catch_warnings():  # optuna marks its matplotlib plots experimental
+        warnings.simplefilter("ignore")
+        axes = optuna.visualization.matplotlib.plot_slice(study)
+    figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+    figure.savefig(Path(sweep.directory) / "slice.png", dpi=80, bbox_inches="tight")

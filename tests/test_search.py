@@ -1,0 +1,114 @@
+"""Model-based search with pruning (engine/sweep/search.py) on the digits MLP: an Optuna study
+in the sweep directory's SQLite database, pruned trials stopped early, a killed sweep
+resuming its study, two sweep processes sharing one study without running a trial twice."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from engine.errors import UsageError
+from engine.rundir import read_records
+from engine.sweep import load_sweep
+
+OVERRIDES = {"train.steps": 40, "eval.every_steps": 10, "log.every_steps": 10, "checkpoint.every_steps": 10,
+             "log.tensorboard": False, "mesh.num_devices": 1}
+PARAMS = {"optimizer.learning_rate": {"log_uniform": [1.0e-5, 1.0e-1]}, "model.hidden_sizes": {"choice": [[16], [64]]}}
+
+
+def sweep_file(tmp_path, trials, pruner=None, **search):
+    spec = {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "overrides": OVERRIDES, "metric": "eval/loss",
+            "mode": "min", "directory": str(tmp_path / "sweep"),
+            "search": {"sampler": "tpe", "trials": trials, "seed": 0, "params": PARAMS, **search}}
+    if pruner:
+        spec["pruner"] = pruner
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def start_sweep(path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def index(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "sweep" / "sweep.jsonl").read_text().splitlines()]
+
+
+def train_steps(workdir) -> list[int]:
+    return [r["step"] for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+
+
+def test_tpe_with_the_median_pruner_stops_bad_trials_early_and_reports_importances(tmp_path):
+    proc = start_sweep(sweep_file(tmp_path, 5, {"kind": "median", "startup_trials": 2, "warmup_steps": 10}))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    runs = {r["name"]: r for r in index(tmp_path)}
+    assert sorted(runs) == [f"trial-{i:04d}" for i in range(5)]
+    statuses = [r["status"] for r in runs.values()]
+    assert statuses.count("pruned") >= 1 and statuses.count("finished") >= 2, statuses
+    for name, run in runs.items():
+        steps = train_steps(tmp_path / "sweep" / name)
+        if run["status"] == "pruned":  # stopped at the eval the pruner judged, long before the end
+            assert steps and steps[-1] < 40, (name, steps)
+        else:
+            assert steps[-1] == 40
+    import optuna
+
+    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{tmp_path / 'sweep' / 'study.db'}")
+    assert [t.state.name for t in study.trials].count("PRUNED") == statuses.count("pruned")
+    importances = json.loads((tmp_path / "sweep" / "importances.json").read_text())
+    assert set(importances) == set(PARAMS)
+    assert (tmp_path / "sweep" / "slice.png").stat().st_size > 0
+    assert "pruned" in (tmp_path / "sweep" / "report.md").read_text()
+
+
+def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
+    """Two sweep processes on one study: one is SIGKILLed during a trial (its trainer, in a
+    session of its own, trains on); the other waits for that trainer and resumes the trial
+    (the trainer finds it finished, or resumes it from its checkpoint) and finishes the
+    study. Every trial is asked for once; the study ends with exactly `trials` trials."""
+    path = sweep_file(tmp_path, 4)
+    first, second = start_sweep(path), start_sweep(path)
+    deadline = time.time() + 300
+    while not any(train_steps(d) for d in (tmp_path / "sweep").glob("trial-*")):
+        assert time.time() < deadline and first.poll() is None, "no trial started"
+        time.sleep(0.2)
+    first.kill()  # the sweep process alone
+    out_first, _ = first.communicate()
+    out_second, _ = second.communicate(timeout=600)
+    third = start_sweep(path)  # finds the study done
+    out_third, _ = third.communicate(timeout=600)
+    assert second.returncode == 0 and third.returncode == 0, out_second + out_third
+    started = [line.split()[1] for out in (out_first, out_second, out_third) for line in out.splitlines()
+               if line.startswith("start ")]
+    assert len(started) == len(set(started)) == 4, started  # no trial asked for twice
+    runs = {r["name"]: r["status"] for r in index(tmp_path)}
+    assert sorted(runs) == [f"trial-{i:04d}" for i in range(4)] and set(runs.values()) == {"finished"}, runs
+    assert "resume trial-" in out_second  # the killed process's trial, finished by the other
+    for name in runs:
+        assert train_steps(tmp_path / "sweep" / name)[-1] == 40
+
+
+@pytest.mark.parametrize("search, extra, message", [
+    ({"sampler": "cmaes"}, {}, "search.sampler='cmaes' is not one of tpe, random, grid"),
+    ({"trials": 0}, {}, "search.trials=0 must be a whole number"),
+    ({"sampler": "grid"}, {}, "search.sampler=grid needs choice lists; search.params.optimizer.learning_rate"),
+    ({"params": {"optimizer.learning_rate": {"log_uniform": [0.1, 0.01]}}}, {}, "must be \\[low, high\\]"),
+    ({}, {"pruner": {"kind": "median", "patience": 3}}, "pruner median takes startup_trials, warmup_steps"),
+    ({}, {"grid": {"seed": [0, 1]}}, "a search replaces grid, zip and random"),
+])
+def test_malformed_search_fields_are_refused_by_name(tmp_path, search, extra, message):
+    path = sweep_file(tmp_path, 3)
+    spec = yaml.safe_load(path.read_text())
+    spec["search"].update(search)
+    spec.update(extra)
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(UsageError, match=message):
+        load_sweep(path)
