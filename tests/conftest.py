@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 # The tests compile far more than they run: XLA:CPU's code generation without LLVM's
-# optimisation passes compiles ~2.5x faster (BENCHMARKS.md "Test suite"); it changes speed, not
-# arithmetic (no fast-math reassociation at any level), and every in-process test uses it.
+# optimisation passes compiles ~2.4x faster (BENCHMARKS.md "Test suite"); every in-process test
+# uses it, so both sides of each comparison are compiled alike.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
