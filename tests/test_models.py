@@ -134,8 +134,11 @@ def test_fused_cross_entropy_equals_optax_on_full_logits(chunk):
     (ref, ref_hits), ref_grads = grad(variables, inputs, targets, False)
     np.testing.assert_allclose(fused, ref, rtol=1e-6)
     assert (fused_hits == ref_hits).all()
+    # two summation orders in float32: gradients of unit scale agree to ~1e-7 absolute, and
+    # code generated without LLVM's passes (the tests' -O0, no fused multiply-adds) rounds a
+    # little differently again; a wrong gradient is off by orders more
     jax.tree.map_with_path(lambda path, g, expected: np.testing.assert_allclose(
-        g, expected, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path)), fused_grads, ref_grads)
+        g, expected, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)), fused_grads, ref_grads)
 
 
 def test_chunked_loss_keeps_less_in_memory():
