@@ -31,6 +31,7 @@ from engine.sweep.local import write_index
 from engine.sweep.spec import LAUNCH, RunSpec, Sweep
 
 STUDY = "study.db"
+CLAIM_SECONDS = 60.0  # a trial asked for this recently, with no run status yet, belongs to whoever asked
 STOP = threading.Event()  # this sweep process was told to stop: the running trial saves and stops too
 
 
@@ -100,13 +101,14 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     workdir.mkdir(parents=True, exist_ok=True)
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
     split, name = sweep.metric.split("/")
-    seen, pruned, start = _reported(study, trial), False, time.time()
+    seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
     with open(workdir / "run.log", "a") as log:
         child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
                                  stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
         while child.poll() is None:
-            if STOP.is_set() and not pruned:
-                child.send_signal(signal.SIGTERM)  # it saves and exits 143: resumed by the next sweep process
+            if STOP.is_set() and not pruned and not stopped:
+                stopped = True  # it saves and exits 143: resumed by the next sweep process
+                child.send_signal(signal.SIGTERM)
             for record in read_records(workdir / "metrics.jsonl"):
                 if record["split"] == split and name in record and record["step"] not in seen:
                     seen.add(record["step"])
@@ -154,6 +156,8 @@ def abandoned_trials(sweep: Sweep, study) -> tuple[list, list]:
         status = read_status(workdir)
         if status.get("status") == "running" and _alive(status.get("pid")):
             continue  # its sweep process trains it
+        if not status and time.time() - trial.datetime_start.timestamp() < CLAIM_SECONDS:
+            continue  # just asked for by another sweep process, which has not written its status yet
         (training if lock_holder(workdir) is not None else orphans).append(trial)
     return orphans, training
 
