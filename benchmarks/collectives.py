@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
-from engine.hlo import OPS, Collective, hlo_collectives  # noqa: E402
+from engine.hlo import OPS, Collective, hlo_collectives, human_bytes  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
@@ -166,16 +166,6 @@ def median_step_seconds(run, steps: int, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
-def human(n: float) -> str:
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB"):
-        n /= 1024
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} GiB"
-
-
 def totals(collectives: list[Collective], op: str | None = None) -> tuple[int, int, float]:
     chosen = [c for c in collectives if op is None or c.op == op]
     return len(chosen), sum(c.bytes for c in chosen), sum(c.ring_bytes for c in chosen)
@@ -187,16 +177,16 @@ def report(model: str, layout: str, run, seconds: float, measured: list[Collecti
     params = sum(layout.nbytes for layout in run.model.param_layouts)
     print(f"\n{model} | {layout}  (mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
           f"global batch {run.cfg.train.global_batch_size})")
-    print(f"step {seconds * 1e3:.2f} ms (median)   parameters {human(params)}")
+    print(f"step {seconds * 1e3:.2f} ms (median)   parameters {human_bytes(params)}")
     print(f"  {'op':<20}{'count':>6}{'bytes':>12}{'ring bytes':>12}   |{'minimum bytes':>15}{'ring bytes':>12}")
     for op in OPS:
         count, size, ring = totals(measured, op)
         _, low, low_ring = totals(minimum, op)
         if count or low:
-            print(f"  {op:<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}")
+            print(f"  {op:<20}{count:>6}{human_bytes(size):>12}{human_bytes(ring):>12}   |{human_bytes(low):>15}{human_bytes(low_ring):>12}")
     count, size, ring = totals(measured)
     _, low, low_ring = totals(minimum)
-    print(f"  {'total':<20}{count:>6}{human(size):>12}{human(ring):>12}   |{human(low):>15}{human(low_ring):>12}")
+    print(f"  {'total':<20}{count:>6}{human_bytes(size):>12}{human_bytes(ring):>12}   |{human_bytes(low):>15}{human_bytes(low_ring):>12}")
 
 
 def main() -> None:
@@ -236,8 +226,8 @@ def main() -> None:
     print(f"\n{'model':<12}{'layout':<17}{'step ms':>8}{'ops':>5}{'bytes':>12}{'minimum':>12}{'ratio':>7}"
           f"{'ring bytes':>12}{'ring min':>11}")
     for model, layout, seconds, (count, size, ring), (_, low, low_ring) in summary:
-        print(f"{model:<12}{layout:<17}{seconds * 1e3:>8.2f}{count:>5}{human(size):>12}{human(low):>12}"
-              f"{size / low:>7.2f}{human(ring):>12}{human(low_ring):>11}")
+        print(f"{model:<12}{layout:<17}{seconds * 1e3:>8.2f}{count:>5}{human_bytes(size):>12}{human_bytes(low):>12}"
+              f"{size / low:>7.2f}{human_bytes(ring):>12}{human_bytes(low_ring):>11}")
 
 
 if __name__ == "__main__":

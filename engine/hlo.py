@@ -70,7 +70,6 @@ def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
     return found
 
 
-
 def summary(collectives: list[Collective]) -> str:
     """'all-gather x4 (1.2 MiB), all-to-all x2 (64.0 KiB)': per kind, the count and bytes."""
     kinds: dict[str, list[int]] = {}

@@ -17,7 +17,7 @@ import numpy as np
 import flax.linen as nn
 
 from engine.data import example_spec
-from engine.step import make_loss_fn, make_train_step, unpack_metrics
+from engine.step import make_loss_fn, make_train_step, split_variables, unpack_metrics
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,
@@ -153,8 +153,7 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
              for name, a in example_spec(dataset.train).items()}
     variables = jax.eval_shape(lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info),
                                                          train=False)))
-    params = variables.pop("params")
-    variables.pop("aux", None)
+    params, variables = split_variables(variables)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
     state = state.replace(params=params, model_state=variables, opt_state=jax.eval_shape(tx.init, params))
     return lowered_flops(jax.jit(step).lower(state, batch))

@@ -28,7 +28,7 @@ from engine.mesh import make_mesh
 from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.perf import StepCost, enable_compilation_cache, step_cost
 from engine.process import compile_cache_events
-from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step
+from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step, split_variables
 from models import REGISTRY, ModelFamily
 
 @dataclass(frozen=True)
@@ -258,9 +258,7 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
         """Seed and hyperparameters are traced inputs: one compiled init serves every value."""
         init_key, train_key = jax.random.split(jax.random.key(seed))
         variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
-        variables = sharding.unbox(variables)
-        variables.pop("aux", None)  # what a model sows while it runs (step.AUX): not state
-        params = variables.pop("params")
+        params, variables = split_variables(sharding.unbox(variables))
         opt_state = tx.init(params)
         opt_state = opt_state._replace(hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype)
                                                     for k, v in opt_state.hyperparams.items()})
@@ -276,7 +274,7 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
     abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
                                           transform_non_params=lambda _: replicated)
-    model_state = {k: v for k, v in sharding.unbox(abstract_vars).items() if k not in ("params", "aux")}
+    model_state = split_variables(sharding.unbox(abstract_vars))[1]
     hparams = run_hparams(cfg)
     shardings = TrainState(step=replicated, params=param_shardings,
                            model_state=jax.tree.map(lambda _: replicated, model_state),

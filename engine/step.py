@@ -44,13 +44,13 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
         if target_weights is not None:
             weights = weights * target_weights
         variables = {"params": params, **model_state}
-        mutable = [*(model_state if train else ()), "aux"]
+        mutable = [*(model_state if train else ()), AUX_COLLECTION]
         model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
         out, collections = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
                                         rngs={"dropout": rng} if train else None, mutable=mutable,
                                         **model_hparams, **extra)
-        new_model_state = {k: v for k, v in collections.items() if k != "aux"} if train else model_state
-        aux = _aux_totals(collections.get("aux", {}))
+        new_model_state = split_variables(collections)[1] if train else model_state
+        aux = _aux_totals(collections.get(AUX_COLLECTION, {}))
         losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
         count = jnp.sum(weights)
         loss_sum = jnp.sum(losses * weights)
@@ -68,7 +68,14 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
     return loss_fn
 
 
-AUX = ("aux_loss", "routed", "dropped")  # what models may sow into their "aux" collection
+AUX_COLLECTION = "aux"  # what a model sows while it runs (models/llama.py's MoE): not state
+AUX = ("aux_loss", "routed", "dropped")  # the values models may sow there
+
+
+def split_variables(variables: dict) -> tuple[Any, dict]:
+    """A module's variables → (params, model state): the other collections but the sown ones."""
+    state = {k: v for k, v in variables.items() if k not in ("params", AUX_COLLECTION)}
+    return variables.get("params"), state
 
 
 def _aux_totals(sown) -> dict[str, jax.Array]:
