@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig, Node, OmegaConf
+from omegaconf import DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES, SOURCES, source_name
@@ -240,6 +240,8 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Reads a config file, following `extends:` to its base first."""
+    if "\x00" in str(path):
+        raise UsageError(f"config file {str(path)!r}: a path cannot hold a NUL character")
     if not path.is_file():
         raise UsageError(f"config file {path} does not exist; shipped configs: {', '.join(shipped_configs())}")
     if path in seen:
@@ -318,10 +320,10 @@ def _expected_type(schema: DictConfig, key: str) -> str:
     node = schema
     parts = key.split(".")
     for part in parts[:-1]:
-        node = node._get_node(part)
+        node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
         if node is None:
             return "a valid value"
-    leaf = node._get_node(parts[-1]) if isinstance(node, DictConfig) else None
+    leaf = node._get_node(parts[-1]) if isinstance(node, DictConfig) and parts[-1] in node else None
     if leaf is None:
         return "a valid value"
     ref = leaf._metadata.ref_type
@@ -338,6 +340,24 @@ def _example(expected: str) -> str:
             "a mapping": "{a: 1}"}.get(expected, "[1,2]")
 
 
+def _check_shapes(tree: dict, schema: DictConfig, source: str, prefix: str = "") -> None:
+    """Sections the schema holds as mappings (or lists) get mappings (or lists): OmegaConf would
+    fail on them with a message naming no key (or with a TypeError)."""
+    for key, value in tree.items():
+        if not isinstance(key, str) or key not in schema or value is None:
+            continue  # unknown keys get OmegaConf's own message (with the closest valid key)
+        node = schema._get_node(key)
+        full = f"{prefix}{key}"
+        if isinstance(node, DictConfig) and not isinstance(value, dict):
+            raise UsageError(f"config key '{full}' is a section of keys, but {source} gives it {value!r}; "
+                             f"set its keys instead, e.g. {full}.<key>=value")
+        if isinstance(node, ListConfig) and isinstance(value, dict):
+            raise UsageError(f"config key '{full}' must be a list, but {source} gives it a mapping ({value!r}); "
+                             f"e.g. {full}=[1,2]")
+        if isinstance(node, DictConfig) and not node._is_missing():
+            _check_shapes(value, node, source, full + ".")
+
+
 def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None,
                 override_source: str = "the command line") -> Config:
     """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
@@ -350,6 +370,8 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
         if "=" not in item or item.startswith("="):
             raise UsageError(f"override '{item}' is not of the form dotted.key=value, e.g. train.steps=100")
         key, value = item.split("=", 1)
+        if not all(part.strip() and part.isprintable() for part in key.split(".")):
+            raise UsageError(f"override '{item}': the key '{key}' is not a dotted key such as train.steps")
         try:
             yaml.safe_load(value)
         except yaml.YAMLError as e:
@@ -357,17 +379,18 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
                              f"brackets and quotes, e.g. {key}=[256,128]") from None
     try:
         override_cfg = OmegaConf.from_dotlist(list(overrides))
-    except (OmegaConfBaseException, yaml.YAMLError) as e:
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:  # e.g. a=[1] then a.b=2
         raise UsageError(f"could not parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
-    file_model = (raw.get("model") or {}).get("name") or "mlp"
-    model_name = OmegaConf.select(override_cfg, "model.name") or file_model
+    overrides_tree = OmegaConf.to_container(override_cfg)
+    file_model, model_name = _model_names(raw, overrides_tree, str(path))
     if model_name != file_model:  # the file's model keys belong to another model: start from defaults
         raw["model"] = {"name": model_name}
     schema = _schema(str(model_name))
     cfg = schema
-    for source, layer in ((str(path), OmegaConf.create(raw)), (override_source, override_cfg)):
+    for source, layer in ((str(path), raw), (override_source, overrides_tree)):
+        _check_shapes(layer, schema, source)
         try:
-            cfg = OmegaConf.merge(cfg, layer)
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(layer))
         except OmegaConfBaseException as e:
             raise UsageError(_explain(e, schema, source)) from None
     if workdir is not None:
@@ -381,6 +404,19 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
                          "write the value itself, or ${section.key} of a key that exists") from None
     validate(config)
     return config
+
+
+def _model_names(raw: dict, overrides: dict, source: str) -> tuple[str, str]:
+    """The model the file names and the one the run uses (an override may switch it)."""
+    for where, tree in ((source, raw), ("the command line", overrides)):
+        if "model" in tree and tree["model"] is not None and not isinstance(tree["model"], dict):
+            raise UsageError(f"config key 'model' is a section of keys, but {where} gives it {tree['model']!r}; "
+                             "set model.name=<model> and its keys instead")
+    file_model = (raw.get("model") or {}).get("name") or "mlp"
+    model_name = (overrides.get("model") or {}).get("name") or file_model
+    if not isinstance(model_name, str):
+        model_name = repr(model_name)  # refused by _schema with the list of models
+    return file_model, model_name
 
 
 def validate(cfg: Config) -> None:
@@ -454,7 +490,30 @@ def validate(cfg: Config) -> None:
             raise UsageError(str(e)) from None
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _numbers(node, prefix: str = ""):
+    """(dotted key, value) of every number in a config (dataclasses, dicts and lists)."""
+    if dataclasses.is_dataclass(node):
+        node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+        else:
+            yield from _numbers(value, f"{prefix}{key}.")
+
+
 def _check_ranges(cfg: Config) -> None:
+    for key, value in _numbers(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{key}={value} must be a finite number")
+        if isinstance(value, int) and abs(value) > 2**62:
+            raise UsageError(f"{key}={value} is out of range; give a value below 2**62")
+    for key, value in (("seed", cfg.seed), ("train.steps", cfg.train.steps)):
+        if value > INT32_MAX:
+            raise UsageError(f"{key}={value} is more than {INT32_MAX} (it is held as a 32-bit integer)")
     window = list(cfg.log.profile_steps)
     if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
         raise UsageError(f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "

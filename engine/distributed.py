@@ -38,13 +38,23 @@ def parse_tf_config(text: str) -> TFConfigTask:
     coordinator at its address. An `evaluator` task runs the sidecar evaluator; `ps` tasks
     have no counterpart: parameter servers are replaced by sharding over the fsdp axis.
     """
+    example = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
     try:
         spec = json.loads(text)
         cluster, task = spec["cluster"], spec["task"]
-        kind, index = task["type"], int(task["index"])
+        kind, index = task["type"], task["index"]
     except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"TF_CONFIG is not valid: {e!s}; expected "
-                         '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}') from None
+        raise UsageError(f"TF_CONFIG is not valid: {e!s}; expected {example}") from None
+    if not isinstance(cluster, dict) or not all(isinstance(v, list) for v in cluster.values()):
+        raise UsageError(f"TF_CONFIG's cluster must map task types to lists of addresses, got {cluster!r}; "
+                         f"expected {example}")
+    if isinstance(index, str) and index.isdigit():
+        index = int(index)
+    if not isinstance(kind, str) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise UsageError(f"TF_CONFIG's task must name a type and a whole index, got {task!r}; expected {example}")
+    for role, addresses in cluster.items():
+        for address in addresses:
+            check_address(address, f"TF_CONFIG cluster.{role}")
     if kind == "ps":
         raise UsageError("TF_CONFIG task type 'ps': parameter servers are not used here; parameters and optimizer "
                          "state are sharded over the mesh's fsdp axis instead (mesh.fsdp=N). Start only chief and "
@@ -82,6 +92,7 @@ def initialize(cfg: DistributedConfig) -> str:
         if not cfg.coordinator_address or cfg.num_processes < 1 or cfg.process_id < 0:
             raise UsageError("set all of distributed.coordinator_address (host:port), distributed.num_processes "
                              "and distributed.process_id (or --coordinator-address, --num-processes, --process-id)")
+        check_address(cfg.coordinator_address, "distributed.coordinator_address")
         if cfg.process_id >= cfg.num_processes:
             raise UsageError(f"distributed.process_id={cfg.process_id} must be below "
                              f"distributed.num_processes={cfg.num_processes}")
@@ -123,6 +134,14 @@ def initialize(cfg: DistributedConfig) -> str:
     print(f"process {jax.process_index()} of {jax.process_count()}: joined the job ({source}); "
           f"{jax.device_count()} devices in all, {jax.local_device_count()} here", file=sys.stderr, flush=True)
     return source
+
+
+def check_address(address, where: str) -> None:
+    """`host:port` with a port number: UsageError naming `where` otherwise."""
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{where}: {address!r} is not an address host:port (a port from 1 to 65535), "
+                         "e.g. 10.0.0.1:12345")
 
 
 def wait_for_coordinator(address: str, timeout_seconds: int, process_id: int) -> None:

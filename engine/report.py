@@ -3,11 +3,10 @@ CSV and Markdown, and one PNG of every run's train and eval loss curves."""
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 from engine.errors import UsageError
-from engine.rundir import METRICS, final_metrics, read_records, read_status
+from engine.rundir import METRICS, STATUS, final_metrics, read_json, read_records, read_status
 
 
 def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
@@ -15,7 +14,10 @@ def _runs(paths: list[Path]) -> list[tuple[str, Path, str]]:
     runs = []
     for path in paths:
         if (path / "sweep.json").exists():
-            for name in json.loads((path / "sweep.json").read_text())["runs"]:
+            names = (read_json(path / "sweep.json") or {}).get("runs")
+            if not isinstance(names, list):  # damaged: the runs are the sweep directory's workdirs
+                names = sorted(p.name for p in path.iterdir() if (p / METRICS).exists() or (p / STATUS).exists())
+            for name in names:
                 runs.append((name, path / name, read_status(path / name).get("status", "pending")))
         elif (path / METRICS).exists():
             runs.append((path.name, path, read_status(path).get("status", "finished")))
@@ -44,7 +46,7 @@ def report(paths: list[Path | str], metric: str | None = None, mode: str | None 
            out: Path | str | None = None) -> list[dict]:
     """Writes report.csv, report.md and report.png into `out`; prints and returns the ranked rows."""
     paths = [Path(p) for p in paths]
-    sweep_meta = next((json.loads((p / "sweep.json").read_text()) for p in paths if (p / "sweep.json").exists()), {})
+    sweep_meta = next((read_json(p / "sweep.json") or {} for p in paths if (p / "sweep.json").exists()), {})
     metric = metric or sweep_meta.get("metric", "eval/loss")
     mode = mode or sweep_meta.get("mode", "min")
     out = Path(out) if out else (paths[0] if len(paths) == 1 and (paths[0] / "sweep.json").exists() else Path("."))

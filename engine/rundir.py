@@ -30,18 +30,43 @@ def write_json(path: str | os.PathLike, record: dict) -> None:
     write_atomic(path, json.dumps(record) + "\n")
 
 
+def read_json(path: str | os.PathLike) -> Optional[dict]:
+    """A JSON object file (status.json, sweep.json): None when it is missing or damaged (not a
+    JSON object: a disk error, a hand edit). A damaged file's text is kept in `<name>.damaged`
+    beside it, with one warning; writers replace the file whole, so the next write mends it."""
+    path = Path(path)
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if isinstance(value, dict):
+        return value
+    keep_aside(path, text)
+    _warn_once(path, text, f"warning: {path} is damaged (not a JSON object); ignored, its text kept in "
+                           f"{path.name}.damaged")
+    return None
+
+
 def read_status(workdir: Path) -> dict:
-    """A run's status.json ({} when it has none yet)."""
-    path = Path(workdir) / STATUS
-    return json.loads(path.read_text()) if path.exists() else {}
+    """A run's status.json ({} when it has none yet, or when it is damaged)."""
+    return read_json(Path(workdir) / STATUS) or {}
 
 
-def read_records(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; a last line still being written (no newline yet) is
-    skipped. Damaged lines (not a JSON object with `step` and `split`: a disk error, a hand
-    edit) are skipped with one warning naming them; a resumed run rewrites the file without them."""
-    if not Path(path).exists():
-        return []
+def keep_aside(path: Path, text: str) -> None:
+    """Appends damaged text of `path` to `<path>.damaged` (once per distinct text)."""
+    aside = path.with_name(path.name + ".damaged")
+    if not text or (aside.exists() and text in aside.read_text(errors="replace")):
+        return
+    with open(aside, "a") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+
+
+def _parse_records(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """metrics.jsonl → (records, damaged (line number, line)); an unfinished last line is neither."""
     text = Path(path).read_text(errors="replace")
     lines = text.split("\n")
     complete = lines[:-1] if not text.endswith("\n") else lines
@@ -50,17 +75,35 @@ def read_records(path: Path) -> list[dict]:
         if line.strip():
             record = _record(line)
             if record is None:
-                damaged.append(number)
+                damaged.append((number, line))
             else:
                 records.append(record)
-    if damaged and (str(path), len(damaged)) not in _WARNED:  # once per file and damage, not per reader
-        _WARNED.add((str(path), len(damaged)))
-        shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
-        print(f"warning: {path}: {len(damaged)} damaged line(s) skipped (line {shown})", file=sys.stderr)
+    return records, damaged
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a last line still being written (no newline yet) is
+    skipped. Damaged lines (not a JSON object with `step` and `split`: a disk error, a hand
+    edit) are skipped with one warning naming them; a resumed run moves them to
+    `metrics.jsonl.damaged` (drop_records_after)."""
+    if not Path(path).exists():
+        return []
+    records, damaged = _parse_records(path)
+    if damaged:
+        numbers = [number for number, _ in damaged]
+        shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+        _warn_once(path, len(damaged), f"warning: {path}: {len(damaged)} damaged line(s) skipped (line {shown})")
     return records
 
 
-_WARNED: set[tuple[str, int]] = set()
+_WARNED: set[tuple[str, object]] = set()
+
+
+def _warn_once(path: Path, damage, message: str) -> None:
+    """One warning per file and damage, not one per reader."""
+    if (str(path), damage) not in _WARNED:
+        _WARNED.add((str(path), damage))
+        print(message, file=sys.stderr)
 
 
 def _record(line: str) -> Optional[dict]:
@@ -89,6 +132,10 @@ def drop_records_after(path: Path, step: int) -> int:
     if not path.exists():
         return 0
     records = read_records(path)
+    damaged = _parse_records(path)[1]
+    if damaged:
+        keep_aside(path, "".join(line + "\n" for _, line in damaged))
+        print(f"warning: {path}: moved {len(damaged)} damaged line(s) to {path.name}.damaged", file=sys.stderr)
     logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
     return max(logged - step, 0)

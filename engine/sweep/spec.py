@@ -134,13 +134,42 @@ def _check_random(random: dict, where: str) -> None:
         raise UsageError(f"{where}: random.samples={random['samples']:,} is more than {MAX_RUNS:,} runs; sample fewer "
                          "(or split the sweep into several files)")
     for key, spec in random["params"].items():
-        ok = isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in DISTRIBUTIONS
-        args = next(iter(spec.values())) if ok else None
-        if not ok or not isinstance(args, list) or (next(iter(spec)) != "choice" and len(args) != 2):
-            raise UsageError(f"{where}: random.params.{key} must be one of {{log_uniform: [lo, hi]}}, "
-                             "{uniform: [lo, hi]}, {int_uniform: [lo, hi]} or {choice: [a, b, ...]}")
-        if next(iter(spec)) == "log_uniform" and min(args) <= 0:
-            raise UsageError(f"{where}: random.params.{key}: log_uniform bounds must be positive")
+        _check_distribution(spec, f"{where}: random.params.{key}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_distribution(spec, where: str) -> None:
+    """One of {log_uniform: [lo, hi]}, {uniform: [lo, hi]}, {int_uniform: [lo, hi]} (lo < hi;
+    log_uniform above 0; int_uniform whole numbers) or {choice: [a, b, ...]} (not empty)."""
+    kind = next(iter(spec)) if isinstance(spec, dict) and len(spec) == 1 else None
+    args = spec[kind] if kind in DISTRIBUTIONS else None
+    if not isinstance(args, list) or not args:
+        raise UsageError(f"{where} must be one of {{log_uniform: [lo, hi]}}, {{uniform: [lo, hi]}}, "
+                         "{int_uniform: [lo, hi]} or {choice: [a, b, ...]} (a non-empty list)")
+    if kind == "choice":
+        return
+    if len(args) != 2 or not all(map(_is_number, args)) or not args[0] < args[1]:
+        raise UsageError(f"{where}.{kind}={args!r} must be [low, high]: two numbers with low < high")
+    if kind == "int_uniform" and not all(isinstance(a, int) for a in args):
+        raise UsageError(f"{where}.int_uniform={args!r} must be two whole numbers")
+    if kind == "log_uniform" and args[0] <= 0:
+        raise UsageError(f"{where}.log_uniform={args!r}: the bounds must be positive")
+
+
+def _overrides(overrides, where: str) -> dict:
+    """The sweep's fixed overrides: a mapping of dotted keys, or a list of "a.b=value" strings."""
+    if isinstance(overrides, list) and all(isinstance(item, str) and "=" in item[1:] for item in overrides):
+        try:
+            return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in overrides)}
+        except yaml.YAMLError as e:
+            raise UsageError(f"{where}: overrides: a value is not valid YAML ({e.__class__.__name__})") from None
+    if not isinstance(overrides, dict) or not all(isinstance(key, str) for key in overrides):
+        raise UsageError(f"{where}: overrides must map dotted keys to values ({{train.steps: 300}}) or list "
+                         f"\"key=value\" strings, not {overrides!r}")
+    return overrides
 
 
 def check_slurm_values(slurm: dict, where: str) -> None:
@@ -169,12 +198,8 @@ def check_search(search: dict, pruner: dict | None, where: str) -> None:
         raise UsageError(f"{where}: search.params must map dotted keys to distributions, e.g. "
                          "{optimizer.learning_rate: {log_uniform: [1e-4, 1e-2]}}")
     for key, dist in params.items():
-        kind = next(iter(dist)) if isinstance(dist, dict) and len(dist) == 1 else None
-        if kind not in DISTRIBUTIONS or not isinstance(dist[kind], list) or not dist[kind]:
-            raise UsageError(f"{where}: search.params.{key} must be one of {', '.join(DISTRIBUTIONS)} with a list, "
-                             f"e.g. {{log_uniform: [1e-4, 1e-2]}}")
-        if kind != "choice" and (len(dist[kind]) != 2 or dist[kind][0] >= dist[kind][1]):
-            raise UsageError(f"{where}: search.params.{key}.{kind} must be [low, high] with low < high")
+        _check_distribution(dist, f"{where}: search.params.{key}")
+        kind = next(iter(dist))
         if search.get("sampler") == "grid" and kind != "choice":
             raise UsageError(f"{where}: search.sampler=grid needs choice lists; search.params.{key} is {kind}")
     if pruner is not None:
@@ -194,12 +219,10 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     unknown = set(spec) - SWEEP_KEYS
     if unknown:
         raise UsageError(f"sweep file {path}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(SWEEP_KEYS)}")
-    if "base" not in spec:
-        raise UsageError(f"sweep file {path} needs 'base: <config file>'")
+    if not isinstance(spec.get("base"), str) or not spec["base"] or "\x00" in spec["base"]:
+        raise UsageError(f"sweep file {path} needs 'base: <config file>' (one path), not {spec.get('base')!r}")
     base = (path.parent / spec["base"]).resolve()
-    overrides = spec.get("overrides") or {}
-    if isinstance(overrides, list):  # also accept ["a.b=1", ...]
-        overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in overrides)}
+    overrides = _overrides(spec.get("overrides") or {}, f"sweep file {path}")
     grid, zipped = spec.get("grid") or {}, spec.get("zip") or {}
     for section, axes in (("grid", grid), ("zip", zipped)):
         if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
@@ -228,6 +251,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     metric = spec.get("metric", "eval/loss")
     if not isinstance(metric, str) or metric.count("/") != 1:
         raise UsageError(f"sweep file {path}: metric={metric!r} must be split/name, e.g. eval/accuracy")
+    if not isinstance(spec.get("directory") or "", str) or "\x00" in (spec.get("directory") or ""):
+        raise UsageError(f"sweep file {path}: directory={spec['directory']!r} must be a path")
     directory = Path(spec.get("directory") or Path("runs") / path.stem)
     if not directory.is_absolute():
         directory = Path.cwd() / directory
