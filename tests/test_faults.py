@@ -316,3 +316,23 @@ def test_random_config_and_sweep_files_load_or_exit_2_never_a_traceback(tmp_path
                 raise AssertionError(f"document {i} ({what}) raised {e!r}\nconfig:\n{text}\noverrides: {overrides}"
                                      f"\nsweep: {sweep}") from e
     assert outcomes["loaded"] > 20 and outcomes["refused"] > 300, outcomes  # both paths were exercised
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda raw: raw[: len(raw) // 2], "is not a complete gzip file"),  # a cut-off download
+    (lambda raw: b"not gzip at all" + raw, "is not a complete gzip file"),
+    (lambda raw: __import__("gzip").compress(bytes([0, 0, 8, 3]) + (2**31).to_bytes(4, "big") * 3),
+     "header says (2147483648, 2147483648, 2147483648)"),
+    (lambda raw: __import__("gzip").compress(bytes([0, 0, 8, 3, 0, 0])), "bytes end inside its IDX header"),
+], ids=["truncated-gz", "not-gzip", "huge-dims", "short-header"])
+def test_damaged_idx_files_are_named(tmp_path, damage, message):
+    """Before: gzip/EOFError/numpy tracebacks."""
+    from engine.config import DataConfig
+    from engine.data.sources import load_dataset
+    from test_data import make_mnist_dir
+
+    make_mnist_dir(tmp_path, gz=True)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_dataset(DataConfig(name="idx", path=str(tmp_path)))

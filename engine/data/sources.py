@@ -4,7 +4,9 @@ MNIST IDX, CIFAR-10 binary batches, .npz/.npy (never unpickled) and raw text byt
 from __future__ import annotations
 
 import gzip
+import math
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -159,15 +161,21 @@ def npz(cfg) -> Dataset:
 
 def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
     """One IDX file (the MNIST format: magic 0x0000 08 ndim, big-endian sizes, uint8 data)."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise UsageError(f"{path} is not a complete gzip file ({e or type(e).__name__}); download it again, or "
+                         "give the file uncompressed without .gz") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] != expect_dims:
         raise UsageError(f"{path} is not an IDX file of uint8 with {expect_dims} dimension(s) "
                          f"(expected magic 0x000008{expect_dims:02x})")
-    dims = np.frombuffer(raw, dtype=">u4", count=expect_dims, offset=4).astype(int)
+    if len(raw) < 4 + 4 * expect_dims:
+        raise UsageError(f"{path} is truncated: {len(raw)} bytes end inside its IDX header")
+    dims = [int(d) for d in np.frombuffer(raw, dtype=">u4", count=expect_dims, offset=4)]
     body = raw[4 + 4 * expect_dims:]
-    if len(body) != int(np.prod(dims)):
-        raise UsageError(f"{path} is truncated or padded: header says {tuple(dims)} = {int(np.prod(dims))} bytes, "
-                         f"file has {len(body)}")
+    if len(body) != math.prod(dims):  # Python integers: a header of 2**31-sized dimensions cannot overflow
+        raise UsageError(f"{path} is truncated or padded: header says {tuple(dims)} = {math.prod(dims):,} bytes, "
+                         f"file has {len(body):,}")
     return np.frombuffer(body, dtype=np.uint8).reshape(dims)
 
 
