@@ -4,14 +4,17 @@ complete checkpoint straight into the target shardings, and clear errors.
 A checkpoint holds two items: `state` (the whole TrainState: step, params, optimizer state,
 model state, RNG) and `meta` (JSON: the data iterator's position and the resolved config).
 Orbax writes each step into a temporary directory and renames it when complete, so a save
-cut off by a crash is never listed; a finished checkpoint that fails to read (a truncated
-file) is skipped with a warning, and the previous one is used.
+cut off by a crash is never listed. Once a step is complete, process 0 hashes its files into
+`<step>/SHA256SUMS` (`sha256sum` format) on a background thread; a restore checks them first.
+A finished checkpoint that fails to read or to match its checksums (a truncated file, a
+flipped bit) is skipped with a warning and moved into `damaged/`, and the previous one is used.
 """
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -22,6 +25,7 @@ import orbax.checkpoint as ocp
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.process import distributed_client_barriers_on
+from engine.rundir import check_sums, write_sums
 from engine.sharding import path_name
 
 
@@ -36,13 +40,20 @@ class Restored(NamedTuple):
     step: int
 
 
+class _Damaged(Exception):
+    """A checkpoint step's files do not match their SHA256SUMS."""
+
+
 class Checkpointer:
     """One run's checkpoints directory: save (async), list, restore (into target shardings)."""
 
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
-                 timeout_seconds: int = 600, staging: str = "host"):
+                 timeout_seconds: int = 600, staging: str = "host", verify: bool = True):
         self.directory = Path(directory).absolute()
-        self.read_only, self.timeout_seconds = read_only, timeout_seconds
+        self.read_only, self.timeout_seconds, self.verify = read_only, timeout_seconds, verify
+        # process 0 hashes each completed step's files (SHA256SUMS) while training goes on
+        self._hashing = ThreadPoolExecutor(1, "checkpoint-sums") if verify and not read_only else None
+        self._sums: list[Future] = []
         self.staging = staging
         if staging == "device" and jax.process_count() > 1 and not distributed_client_barriers_on():
             raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
@@ -74,6 +85,7 @@ class Checkpointer:
         (one more state's worth of device memory until it is written); orbax saves that copy
         from a background thread, so its host copy and bookkeeping overlap training."""
         self._join_save()  # one save at a time, in step order
+        self._join_sums()  # and no hashing while this save's clean-up may delete old steps
         if self.staging == "host":
             self._save(step, state, meta)
             return
@@ -85,6 +97,26 @@ class Checkpointer:
     def _save(self, step: int, state, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                          meta=ocp.args.JsonSave(meta)), force=True)
+        if self._hashing is not None and jax.process_index() == 0:
+            self._sums.append(self._hashing.submit(self._write_sums, step))
+
+    def _write_sums(self, step: int) -> None:
+        """On the hashing thread: waits for orbax to finish `step` (its temporary directory is
+        renamed to the step's name when complete), then writes its SHA256SUMS."""
+        final, deadline = self.directory / str(step), time.monotonic() + self.timeout_seconds
+        while not final.is_dir():
+            if time.monotonic() > deadline:
+                return  # never completed (its save failed, and says so): nothing to hash
+            time.sleep(0.05)
+        try:
+            write_sums(final)
+        except FileNotFoundError:  # the step was deleted meanwhile (checkpoint.keep): nothing to vouch for
+            pass
+
+    def _join_sums(self) -> None:
+        """Waits for the checksums of every save so far; raises what hashing raised."""
+        while self._sums:
+            self._sums.pop(0).result()
 
     def _save_in_background(self, step: int, snapshot, meta: dict) -> None:
         try:
@@ -104,12 +136,15 @@ class Checkpointer:
     def wait(self) -> None:
         self._join_save()
         self.manager.wait_until_finished()
+        self._join_sums()
 
     def close(self) -> None:
         if self._saving is not None:
             self._saving.join()  # a save cut short by an error elsewhere still finishes
             self._saving = None
         self.manager.close()
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True)  # a complete step gets its checksums before the process ends
 
     def _param_mismatches(self, step: int, abstract_params) -> list[str]:
         """'path: saved (shape), expected (shape)' for each parameter the model and checkpoint disagree on."""
@@ -136,6 +171,9 @@ class Checkpointer:
         failures, damaged = [], {}
         for candidate in steps:
             try:
+                mismatch = check_sums(self.directory / str(candidate)) if self.verify else None
+                if mismatch:
+                    raise _Damaged(mismatch)
                 self._check_compatible(candidate, abstract_state)
                 restored = self.manager.restore(candidate, args=ocp.args.Composite(
                     state=_restore_args(abstract_state), meta=ocp.args.JsonRestore()))

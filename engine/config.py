@@ -130,6 +130,7 @@ class CheckpointConfig:
     restore_from: str = ""  # start a new run from another run's checkpoints directory
     restore_mode: str = "params"  # params (fresh optimizer, step 0) | all (continue that run's state)
     staging: str = "host"  # host | device: where a save copies the state before training goes on
+    verify: bool = True  # SHA256SUMS per step, written after each save and checked before a restore
 
 
 @dataclass

@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 from engine.checkpoint import restore_newest
 from engine.config import MESH_AXES, Config, load_config
 from engine.errors import UsageError
+from engine.rundir import write_sums
 from engine.setup import build_run
 
 SINGLE_DEVICE = [*(f"mesh.{axis}=1" for axis in MESH_AXES), *(f"mesh.dcn_{axis}=1" for axis in MESH_AXES),
@@ -61,6 +62,7 @@ def export_run(workdir: str, out: str) -> Path:
         "preprocessing": run.dataset.info.preprocessing or "none: the data source's values as stored",
         "variables": "variables/", "forward": "forward.stablehlo",
         "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits"}, indent=2))
+    write_sums(out_path)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
 
 

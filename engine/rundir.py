@@ -6,6 +6,7 @@ then `os.replace`), so nobody ever reads half of one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -139,6 +140,44 @@ def drop_records_after(path: Path, step: int) -> int:
     logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
     return max(logged - step, 0)
+
+
+SUMS = "SHA256SUMS"  # a checkpoint step's or an export's checksums, in `sha256sum` format
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()  # releases the GIL on large chunks: a thread can hash while training goes on
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_sums(directory: Path) -> None:
+    """directory/SHA256SUMS: the SHA-256 of every file under `directory`, as `sha256sum` writes
+    them (so `cd DIR && sha256sum -c SHA256SUMS` checks them without this code)."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SUMS)
+    write_atomic(directory / SUMS, "".join(f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n"
+                                           for p in files))
+
+
+def check_sums(directory: Path) -> Optional[str]:
+    """The first file under `directory` that is missing or differs from its SHA256SUMS line
+    (as a reason), or None when all match or there is no SHA256SUMS (not yet written)."""
+    directory = Path(directory)
+    try:
+        lines = (directory / SUMS).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        digest, _, name = line.partition("  ")
+        path = directory / name
+        if not name or not path.is_file():
+            return f"{name or line!r} listed in {SUMS} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its checksum in {SUMS} (the file changed on disk)"
+    return None
 
 
 class WorkdirBusy(UsageError):

@@ -50,7 +50,8 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
         if is_chief:
             _write_run_files(cfg, run, workdir)
         checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
-            workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging)))
+            workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging,
+            verify=cfg.checkpoint.verify)))
         state, start = initial_state(run, checkpointer)
         state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
         barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint

@@ -230,6 +230,14 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
     expected = run.model.module.apply({"params": state.params}, images, train=False)
     np.testing.assert_allclose(exported.call(variables, images), expected, rtol=1e-6)
     assert run_cli("export", "--workdir", str(workdir), "--out", str(out)).returncode == 2  # never overwrites
+    from engine.rundir import check_sums
+
+    assert check_sums(out) is None and "variables/" in (out / "SHA256SUMS").read_text()
+    data = max((p for p in (out / "variables").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1  # one flipped bit in the variables: named
+    data.write_bytes(bytes(raw))
+    assert check_sums(out) == f"{data.relative_to(out)} does not match its checksum in SHA256SUMS (the file changed on disk)"
 
 
 def test_device_staged_save_errors_reach_the_training_thread(tmp_path):

@@ -336,3 +336,30 @@ def test_damaged_idx_files_are_named(tmp_path, damage, message):
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(UsageError, match=re.escape(message)):
         load_dataset(DataConfig(name="idx", path=str(tmp_path)))
+
+
+def test_a_flipped_bit_in_a_checkpoint_is_caught_by_its_checksums(make_config, tmp_path, capsys):
+    """Before: one flipped byte in a data file restored without a word (an optimizer moment
+    changed). Each complete step now has a SHA256SUMS; a mismatch sets the step aside and the
+    run resumes from the step before."""
+    from engine.trainer import fit
+
+    workdir = tmp_path / "run"
+    args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=20", workdir=workdir))
+    step20 = workdir / "checkpoints" / "20"
+    sums = (step20 / "SHA256SUMS").read_text().splitlines()
+    assert len(sums) == sum(1 for p in step20.rglob("*") if p.is_file()) - 1  # every file but itself
+    subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=step20, check=True)  # the standard format
+    data = max((p for p in (step20 / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    capsys.readouterr()
+    resumed = fit(make_config("mnist_mlp.yaml", *args, "train.steps=30", workdir=workdir))
+    err = capsys.readouterr().err
+    assert "does not match its checksum in SHA256SUMS" in err and "moved the unreadable checkpoint" in err, err
+    assert min(resumed.losses) == 11  # from step 10: the damaged step 20 was not used
+    (aside,) = [p for p in (workdir / "checkpoints" / "damaged").iterdir() if p.is_dir()]
+    assert aside.name.startswith("20-") and (aside / "SHA256SUMS").is_file()
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20, 30]

@@ -29,9 +29,9 @@ from typing import Iterator
 
 import numpy as np
 
-from engine.data.tokens import FORMAT, sha256_file
+from engine.data.tokens import FORMAT
 from engine.errors import UsageError
-from engine.rundir import write_json
+from engine.rundir import sha256_file, write_json
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
 EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")

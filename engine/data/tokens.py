@@ -21,7 +21,6 @@ example i of training is a function of (seed, i) and the step alone resumes the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from array import array
@@ -32,6 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from engine.errors import UsageError
+from engine.rundir import sha256_file
 
 FORMAT = "jax-engine-tokens/1"
 
@@ -89,14 +89,6 @@ def open_corpus(path: str, verify: bool = True, where: str = "data.path") -> Cor
                     raise UsageError(f"{file}: checksum does not match the manifest (the file changed or is "
                                      "damaged); tokenize the corpus again, or set data.verify=false to skip the check")
     return Corpus(directory, manifest)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class ShardFile:
