@@ -54,6 +54,7 @@ class Checkpointer:
         # process 0 hashes each completed step's files (SHA256SUMS) while training goes on
         self._hashing = ThreadPoolExecutor(1, "checkpoint-sums") if verify and not read_only else None
         self._sums: list[Future] = []
+        self._closed = threading.Event()
         self.staging = staging
         if staging == "device" and jax.process_count() > 1 and not distributed_client_barriers_on():
             raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
@@ -85,7 +86,9 @@ class Checkpointer:
         (one more state's worth of device memory until it is written); orbax saves that copy
         from a background thread, so its host copy and bookkeeping overlap training."""
         self._join_save()  # one save at a time, in step order
-        self._join_sums()  # and no hashing while this save's clean-up may delete old steps
+        if self._sums:  # the previous step's checksums are written before this save's clean-up may delete it
+            self.manager.wait_until_finished()  # (orbax's save would wait here too); raises a failed save's error
+            self._join_sums()
         if self.staging == "host":
             self._save(step, state, meta)
             return
@@ -103,11 +106,11 @@ class Checkpointer:
     def _write_sums(self, step: int) -> None:
         """On the hashing thread: waits for orbax to finish `step` (its temporary directory is
         renamed to the step's name when complete), then writes its SHA256SUMS."""
-        final, deadline = self.directory / str(step), time.monotonic() + self.timeout_seconds
+        final = self.directory / str(step)
         while not final.is_dir():
-            if time.monotonic() > deadline:
-                return  # never completed (its save failed, and says so): nothing to hash
-            time.sleep(0.05)
+            if self._closed.wait(0.05):  # closed, and orbax's saves all ended: this one failed (and said so)
+                if not final.is_dir():
+                    return
         try:
             write_sums(final)
         except FileNotFoundError:  # the step was deleted meanwhile (checkpoint.keep): nothing to vouch for
@@ -142,7 +145,8 @@ class Checkpointer:
         if self._saving is not None:
             self._saving.join()  # a save cut short by an error elsewhere still finishes
             self._saving = None
-        self.manager.close()
+        self.manager.close()  # waits for orbax's saves to end
+        self._closed.set()
         if self._hashing is not None:
             self._hashing.shutdown(wait=True)  # a complete step gets its checksums before the process ends
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from engine.rundir import METRICS, read_records
+from engine.rundir import METRICS, append_line, read_records
 
 
 class MetricWriter:
@@ -45,8 +45,7 @@ class MetricWriter:
         record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
         # Opened per record: a trainer resuming beside a sidecar evaluator rewrites this file,
         # and a handle held open would keep appending to the replaced one.
-        with open(self.jsonl_path, "a") as jsonl:
-            jsonl.write(json.dumps(record) + "\n")
+        append_line(self.jsonl_path, json.dumps(record) + "\n")
         if self.summary is not None:
             _add_scalars(self.summary, step, split, values)
             self.summary.flush()

@@ -7,6 +7,8 @@ code (the Checkpointer, the trainer, a notebook importing the engine) changes no
   tensorstore callbacks that print tracebacks (a closed event loop, exceptions never
   retrieved); the checkpointer reports the failure once in one line, so that noise is
   dropped from stderr, the asyncio log and the unraisable-exception hook.
+- A save that meets a full disk logs its error from several orbax threads with tracebacks;
+  the trainer reports it in one line, so those logs are dropped.
 - Orbax logs "directory is read only" at every read of an evaluator's or export's
   checkpoints: silenced for the commands that only read.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import warnings
 from collections import Counter
 
 # Persistent compilation cache hits and misses in this process, from JAX's monitoring events
@@ -35,11 +38,15 @@ def install(reader: bool = False) -> None:
 
     jax.monitoring.register_event_listener(_count_cache_event)
     logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
+    logging.getLogger("absl").addFilter(_DropStorageFaultLogs())
     if reader:
         logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's per-read "read only" warnings
     if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
         sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
     sys.unraisablehook = _drop_orphaned_reads(sys.unraisablehook)
+    # and the writes of a save cut short by a full disk, never started
+    warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host.*' was never awaited",
+                            category=RuntimeWarning)
 
 
 def use_distributed_client_barriers() -> None:
@@ -93,7 +100,28 @@ class _DropOrphanedTaskErrors(logging.Filter):
     print each with a traceback. The error itself is raised to the caller and reported once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Task exception was never retrieved")
+        from engine.rundir import STORAGE_TEXTS
+
+        message = record.getMessage()
+        if message.startswith("Task exception was never retrieved"):
+            return False
+        # a save that failed on a full disk leaves orbax's other writes holding the same error
+        return not ("exception was never retrieved" in message.split("\n", 1)[0]
+                    and ("orbax" in message or any(fault in message for fault in STORAGE_TEXTS)))
+
+
+class _DropStorageFaultLogs(logging.Filter):
+    """A save that meets a full or read-only disk fails in several orbax threads, and each
+    logs the error with a traceback; the trainer reports it once, in one line (engine.rundir
+    storage_error), so those logs are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from engine.rundir import STORAGE_TEXTS
+
+        if "orbax" not in record.pathname or record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not any(fault in text for fault in STORAGE_TEXTS)
 
 
 class _WithoutClosedLoopTracebacks:

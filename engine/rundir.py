@@ -1,30 +1,88 @@
 """A run's directory on disk: atomic file writes, `metrics.jsonl` records and `status.json`.
 
 Shared by the trainer, the evaluator, sweeps and reports; of the engine it imports only
-its error type. Files that readers may open at any moment are replaced whole (a temporary file,
+its error type and a byte formatter. Files that readers may open at any moment are replaced whole (a temporary file,
 then `os.replace`), so nobody ever reads half of one.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
 
 from engine.errors import UsageError
+from engine.hlo import human_bytes
 
 METRICS = "metrics.jsonl"
 STATUS = "status.json"
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Writes `text` to `path` so that readers see the old file or the new one, never a part."""
+    """Writes `text` to `path` so that readers see the old file or the new one, never a part
+    (and no temporary file is left when the write fails: a full disk)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: SLURM array tasks write at once
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Appends one line whole or not at all: a failed write (a full disk) is cut back off."""
+    with open(path, "a") as f:
+        size = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+        except OSError:
+            f.truncate(size)
+            raise
+
+
+STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+                  errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
+STORAGE_TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+                 "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
+
+
+def storage_errno(error: BaseException) -> Optional[int]:
+    """The storage fault (ENOSPC, EDQUOT, EROFS, EACCES) behind `error` or the errors it came
+    from, as Python's OSError or as the text of orbax's and tensorstore's wrapped errors."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
+            return error.errno
+        for text, number in STORAGE_TEXTS.items():
+            if text in str(error):
+                return number
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class StorageError(UsageError):
+    """The workdir's file system refused a write (full, read-only, no permission): exit 2."""
+
+
+def storage_error(workdir: Path, number: int, doing: str) -> StorageError:
+    """One line naming the directory, the fault, the free space and what to do."""
+    try:
+        usage = shutil.disk_usage(workdir if workdir.exists() else workdir.parent)
+        space = f"; {human_bytes(usage.free)} free of {human_bytes(usage.total)}"
+    except OSError:
+        space = ""
+    fix = ("free some space (or raise the quota) and re-run the same command: it resumes from the newest complete "
+           "checkpoint" if number in (errno.ENOSPC, errno.EDQUOT) else
+           "give a --workdir you can write to (or fix its permissions)")
+    return StorageError(f"cannot write to {workdir} while {doing}: {STORAGE_ERRNOS[number]}{space}; {fix}")
+
 
 
 def write_json(path: str | os.PathLike, record: dict) -> None:

@@ -19,7 +19,7 @@ from engine.evaluator import evaluate
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, StepTrace, Throughput, Window, summary_text
 from engine.preemption import Preempted, PreemptionWatch
-from engine.rundir import METRICS, WorkdirLock, drop_records_after
+from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
@@ -38,7 +38,23 @@ class FitResult:
 
 
 def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> FitResult:
-    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
+    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating.
+    A full, read-only or unwritable workdir is one StorageError (exit 2): the unfinished save is
+    removed, the newest complete checkpoint kept, and a re-run resumes from it."""
+    try:
+        return _fit(cfg, run, started)
+    except Exception as e:
+        number = storage_errno(e)
+        if number is None or isinstance(e, UsageError):
+            raise
+        if jax.process_index() == 0:  # the lock holder: the unfinished save is its own
+            for partial in Path(cfg.workdir, "checkpoints").glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        doing = "saving a checkpoint" if "checkpoint" in str(e) else "writing the run's files"
+        raise storage_error(Path(cfg.workdir), number, doing) from None
+
+
+def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
     goodput = Goodput(started or time.time())
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
     with contextlib.ExitStack() as closing:  # closed in reverse order, on success or failure
@@ -168,8 +184,13 @@ def _claim(workdir: Path, closing: contextlib.ExitStack) -> None:
     """Takes the workdir's lock for the life of `closing`; a workdir created here is removed
     again if the run stops before writing anything into it (a bad config or bad data)."""
     created = not workdir.exists()
-    workdir.mkdir(parents=True, exist_ok=True)
-    closing.enter_context(WorkdirLock(workdir))
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        closing.enter_context(WorkdirLock(workdir))
+    except OSError as e:  # a read-only or unwritable place: said before anything is compiled
+        if storage_errno(e) is None:
+            raise
+        raise storage_error(workdir, storage_errno(e), "claiming the workdir") from None
     if created:
         closing.callback(lambda: [p.name for p in workdir.iterdir()] == [".lock"] and shutil.rmtree(workdir))
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -363,3 +364,58 @@ def test_a_flipped_bit_in_a_checkpoint_is_caught_by_its_checksums(make_config, t
     (aside,) = [p for p in (workdir / "checkpoints" / "damaged").iterdir() if p.is_dir()]
     assert aside.name.startswith("20-") and (aside / "SHA256SUMS").is_file()
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20, 30]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root may mount one here; elsewhere the test is skipped), unmounted after."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(disk, leave: int) -> Path:
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * max(os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - leave, 0))
+    return filler
+
+
+def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_freed(make_config, tmp_path, small_disk):
+    """Before: 54 tracebacks, and a re-run while still full left a 0-byte metrics.tmp."""
+    from engine.rundir import StorageError, read_records
+    from engine.trainer import fit
+
+    args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
+    workdir = small_disk / "run"
+    fit(make_config("mnist_mlp.yaml", *args, "train.steps=20", workdir=workdir))
+    filler = _fill(small_disk, leave=60_000)  # room for the records, not for the next checkpoint
+    with pytest.raises(StorageError, match=r"cannot write to .*/run while saving a checkpoint: no space left; "
+                                           r"[\d.]+ KiB free of 3.0 MiB; free some space"):
+        fit(make_config("mnist_mlp.yaml", *args, "train.steps=60", workdir=workdir))
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "20"]  # no partial save left
+    assert not [p for p in workdir.iterdir() if p.name.endswith(".tmp")]
+    assert (workdir / "metrics.jsonl").read_text().endswith("\n")  # no half-written record
+    filler.unlink()
+    resumed = fit(make_config("mnist_mlp.yaml", *args, "train.steps=60", workdir=workdir))
+    reference = fit(make_config("mnist_mlp.yaml", *args, "train.steps=60", workdir=tmp_path / "reference"))
+    assert resumed.losses == {step: reference.losses[step] for step in range(21, 61)}
+    strip = lambda records: [{k: v for k, v in r.items() if k not in RATES} for r in records if r["split"] == "train"]
+    assert strip(read_records(workdir / "metrics.jsonl")) == strip(read_records(tmp_path / "reference" / "metrics.jsonl"))
+
+
+RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
+
+
+def test_a_read_only_workdir_is_refused_before_compiling(small_disk):
+    """Before: an OSError traceback from the lock file."""
+    (small_disk / "run").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    for workdir in (small_disk / "run", small_disk / "new"):
+        proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=5")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"cannot write to {workdir} while claiming the workdir: read-only file system" in proc.stderr
+        assert "give a --workdir you can write to" in proc.stderr and "compile" not in proc.stdout + proc.stderr
