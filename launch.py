@@ -157,6 +157,10 @@ def main(argv: list[str]) -> int:
     args = _parser(command).parse_intermixed_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
     from engine.errors import UsageError
 
+    from engine.preemption import Preempted, note_signals, stop_if_noted
+
+    if command == "train" and not args.local_processes:
+        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (see engine/preemption.py)
     if command == "train" and args.local_processes:
         if args.local_processes < 1 or args.devices_per_process < 1:
             sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
@@ -217,9 +221,13 @@ def main(argv: list[str]) -> int:
         tf_config = os.environ.get("TF_CONFIG")
         if tf_config and parse_tf_config(tf_config).kind == "evaluator":
             from engine.evaluator import run_evaluator
+            from engine.preemption import release_signals
+
+            release_signals()  # the evaluator ends on SIGTERM as a reader does
 
             return run_evaluator(cfg, watch=True)
         initialize(cfg.distributed)
+        stop_if_noted("starting")
         if cfg.checkpoint.staging == "device" and jax.process_count() > 1:
             process.use_distributed_client_barriers()
         if args.dry_run:
@@ -227,16 +235,16 @@ def main(argv: list[str]) -> int:
 
             dry_run(cfg)
             return 0
-        from engine.trainer import NonFiniteLoss, Preempted, fit
+        from engine.trainer import NonFiniteLoss, fit
 
         try:
             result = fit(cfg, started=STARTED)
         except NonFiniteLoss as e:
             sys.stderr.write(f"error: training stopped: {e}\n")
             return 1
-        except Preempted as e:
-            sys.stderr.write(f"{e}\n")
-            return e.exit_code
+    except Preempted as e:  # SIGTERM/SIGINT: saved (or nothing new to save during start-up)
+        sys.stderr.write(f"{e}\n")
+        return e.exit_code
     except UsageError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2

@@ -16,6 +16,7 @@ import jax
 
 from engine.config import DistributedConfig
 from engine.errors import UsageError
+from engine.preemption import release_signals
 
 
 class DistributedError(RuntimeError):
@@ -122,6 +123,7 @@ def initialize(cfg: DistributedConfig) -> str:
               file=sys.stderr, flush=True)
         if kwargs["process_id"] != 0:
             wait_for_coordinator(kwargs["coordinator_address"], cfg.initialization_timeout, kwargs["process_id"])
+    release_signals()  # several processes: JAX's own SIGTERM notifier feeds the preemption sync point
     try:
         jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout,
                                    heartbeat_timeout_seconds=cfg.heartbeat_timeout, **kwargs)

@@ -244,11 +244,30 @@ class Window:
     def __init__(self, start: int):
         self.start, self.metrics, self.steps = start, [], 0
         self.began, self.paused = time.perf_counter(), 0.0
+        self.timed_steps = 0  # steps run in this process (a resumed window also holds earlier ones)
+
+    @classmethod
+    def resumed(cls, start: int, carried: Optional[dict]) -> "Window":
+        """The window a checkpoint saved part of (carried()), or a new one from `start`: the log
+        record at its end then covers the same steps as in a run that never stopped."""
+        if not carried or carried["start"] + len(carried["metrics"]) != start:
+            return cls(start)
+        window = cls(carried["start"])
+        window.metrics.append(np.asarray(carried["metrics"], np.float32))
+        window.steps = len(carried["metrics"])
+        return window
+
+    def carried(self) -> Optional[dict]:
+        """The window's steps so far, for a checkpoint's meta (None when it holds none)."""
+        if not self.steps:
+            return None
+        return {"start": self.start, "metrics": np.concatenate(jax.device_get(self.metrics)).tolist()}
 
     def add(self, metrics, steps: int) -> None:
         """One call's packed metrics ([steps, len(TRAIN_METRICS)], still on the device)."""
         self.metrics.append(metrics)
         self.steps += steps
+        self.timed_steps += steps
 
     def to_host(self) -> list[dict[str, float]]:
         """Each step's metrics on the host (the window's arrays fetched together)."""

@@ -18,7 +18,7 @@ from engine.errors import UsageError
 from engine.evaluator import evaluate
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, StepTrace, Throughput, Window, summary_text
-from engine.preemption import Preempted, PreemptionWatch
+from engine.preemption import Preempted, PreemptionWatch, stop_if_noted
 from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
 
@@ -58,21 +58,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
     goodput = Goodput(started or time.time())
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
     with contextlib.ExitStack() as closing:  # closed in reverse order, on success or failure
-        if is_chief:  # one job per workdir: claimed before compiling and before anything is written
-            _claim(workdir, closing)
-        if run is None or started is not None:  # a run built before the clock started was not compiled on it
-            run = run or build_run(cfg)
-            goodput.compile_seconds = run.compiled.compile_seconds
-        if is_chief:
-            _write_run_files(cfg, run, workdir)
-        checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
-            workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging,
-            verify=cfg.checkpoint.verify)))
-        state, start = initial_state(run, checkpointer)
-        state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
-        barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
-        if is_chief:
-            goodput.redone_steps = drop_records_after(workdir / METRICS, start)
+        run, checkpointer, state, start, meta = _start(cfg, run, started, goodput, closing)
         total, per_call, per_block = cfg.train.steps, run.inputs.steps_per_call, run.inputs.steps_per_block
         writer = closing.enter_context(contextlib.closing(MetricWriter(
             workdir, enabled=is_chief, total_steps=total, start_step=start, progress=cfg.log.progress,
@@ -83,13 +69,15 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
         rates = Throughput(run.cost, cfg.train.global_batch_size,
                            cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info),
                            run.mesh.devices.flat[0], cfg.train.compute_dtype, run.compile_cache)
-        result, window, block, last_saved = FitResult(state), Window(start), None, start or None
+        result, block, last_saved = FitResult(state), None, start or None
+        window = Window.resumed(start, meta.get("window"))  # the log window a checkpoint cut in two
         if run.inputs.resident_bytes and start < total:
             writer.message(_resident_message(run))
 
         def save(step):
             with _paused(window, goodput, "checkpoint_seconds"):
-                meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg)}
+                meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg),
+                        "window": window.carried()}
                 checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once off the devices
 
         trace = closing.enter_context(contextlib.closing(StepTrace(cfg.log.profile_steps, start, workdir)))
@@ -104,8 +92,9 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
             if trace.after(done, metrics):
                 writer.message(trace.message())
             if _due(cfg.log.every_steps, done, total):
-                result.losses.update(_log_train(window, done, cfg.train.nan_policy, writer, rates, goodput,
-                                                run.dataset.info.sources))
+                losses = _log_train(window, done, cfg.train.nan_policy, writer, rates, goodput,
+                                    run.dataset.info.sources)
+                result.losses.update({s: loss for s, loss in losses.items() if s > start})  # this call's steps
                 window = Window(done)
             if _due(cfg.eval.every_steps, done, total):
                 with _paused(window, goodput, "eval_seconds"):  # eval time is not training throughput
@@ -123,6 +112,8 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
                            f"from scratch give another --workdir, to train longer raise train.steps")
         with _paused(window, goodput, "checkpoint_seconds"):
             checkpointer.wait()  # the last save is complete before the run reports success
+        if preemption.requested and total > start:  # a signal during the final save: it completed
+            raise Preempted(total, preemption.signum)
         barrier("finished", timeout)
         goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
         if total > start:
@@ -133,6 +124,30 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
             writer.message(summary_text(result.summary))
     result.state = state
     return result
+
+
+def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput, closing: contextlib.ExitStack):
+    """Claims the workdir, builds (compiles) the run, restores: (run, checkpointer, state, start
+    step, checkpoint meta). A SIGTERM or SIGINT noted meanwhile stops here (nothing new to save)."""
+    workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
+    if is_chief:  # one job per workdir: claimed before compiling and before anything is written
+        _claim(workdir, closing)
+    if run is None or started is not None:  # a run built before the clock started was not compiled on it
+        run = run or build_run(cfg)
+        goodput.compile_seconds = run.compiled.compile_seconds
+    stop_if_noted("compiling")
+    if is_chief:
+        _write_run_files(cfg, run, workdir)
+    checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
+        workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging,
+        verify=cfg.checkpoint.verify)))
+    state, start, meta = initial_state(run, checkpointer)
+    stop_if_noted("restoring", start)
+    state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
+    barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
+    if is_chief:
+        goodput.redone_steps = drop_records_after(workdir / METRICS, start)
+    return run, checkpointer, state, start, meta
 
 
 def _write_run_files(cfg: Config, run: Run, workdir: Path) -> None:
@@ -161,23 +176,24 @@ def _dispatch(run: Run, state, block, goodput: Goodput):
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):
-    """(state, step): the workdir's newest readable checkpoint, else checkpoint.restore_from, else fresh."""
+    """(state, step, meta): the workdir's newest readable checkpoint, else checkpoint.restore_from,
+    else fresh (meta: the checkpoint's JSON, {} for a fresh or another run's state)."""
     cfg = run.cfg
     restored = checkpointer.restore(run.abstract_state)
     if restored is None and cfg.checkpoint.restore_from:
         source = Checkpointer(cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True)
         if cfg.checkpoint.restore_mode == "params":
             params, _ = source.restore_params(run.abstract_state.params)
-            return run.init_state().replace(params=params), 0
+            return run.init_state().replace(params=params), 0, {}
         restored = source.restore(run.abstract_state)
         if restored is None:
             raise UsageError(f"checkpoint.restore_from={cfg.checkpoint.restore_from} holds no complete checkpoint")
-    state, start = (restored.state, restored.step) if restored is not None else (run.init_state(), 0)
+    state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
     if start % run.inputs.steps_per_call:
         per_call = run.inputs.steps_per_call
         raise UsageError(f"the run resumes at step {start}, which is not a multiple of train.steps_per_call="
                          f"{per_call}; set train.steps_per_call to a divisor of {start} (e.g. 1) for this run")
-    return state, start
+    return state, start, meta
 
 
 def _claim(workdir: Path, closing: contextlib.ExitStack) -> None:
@@ -229,7 +245,7 @@ def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter,
     writer.write(done, "train", {
         "loss": sum(m["loss_sum"] for m in host) / count, "accuracy": sum(m["correct"] for m in host) / count,
         "grad_norm": sum(m["grad_norm"] for m in host) / len(host), "learning_rate": host[-1]["learning_rate"],
-        **_routing(host, count), **shares, **rates.per_step(window.seconds() / window.steps)})
+        **_routing(host, count), **shares, **rates.per_step(window.seconds() / max(window.timed_steps, 1))})
     return {window.start + offset + 1: m["loss_sum"] / m["count"] for offset, m in enumerate(host)}
 
 

@@ -185,7 +185,7 @@ def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path):
     run = build_run(cfg)
     from engine.trainer import initial_state
 
-    state, step = initial_state(run, Checkpointer(tmp_path / "finetune" / "checkpoints", 3))
+    state, step, _ = initial_state(run, Checkpointer(tmp_path / "finetune" / "checkpoints", 3))
     assert step == 0 and int(state.step) == 0
     params, _ = Checkpointer(source / "checkpoints", 5, read_only=True).restore_params(run.abstract_state.params)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):

@@ -419,3 +419,56 @@ def test_a_read_only_workdir_is_refused_before_compiling(small_disk):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert f"cannot write to {workdir} while claiming the workdir: read-only file system" in proc.stderr
         assert "give a --workdir you can write to" in proc.stderr and "compile" not in proc.stdout + proc.stderr
+
+
+def test_sigterm_while_compiling_exits_143_with_one_line_and_leaves_nothing(tmp_path):
+    """Before: SIGTERM during start-up or restore ended the process by the signal (no 143)."""
+    import signal
+
+    workdir = tmp_path / "run"
+    proc = _train(workdir)
+    deadline = time.time() + 120
+    while not (workdir / ".lock").exists():  # claimed: compiling now (config.yaml comes after)
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    assert "preempted by SIGTERM while compiling: nothing new to save (no checkpoint was written yet)" in err
+    assert not workdir.exists()  # the workdir it had just made held nothing: removed
+
+
+def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(make_config, tmp_path, monkeypatch):
+    """Before: SIGTERM in the middle of a log window saved and exited 143, but that window's
+    steps were never logged, so metrics.jsonl differed from an uninterrupted run. The window's
+    per-step metrics now travel in the checkpoint's meta and the resumed run logs them."""
+    import signal
+
+    from engine import trainer
+    from engine.preemption import Preempted
+    from engine.rundir import read_records
+
+    args = ["mesh.num_devices=1", "train.steps=100", "log.every_steps=25", "eval.every_steps=50",
+            "checkpoint.every_steps=0"]
+    real, calls = trainer._dispatch, []
+
+    def dispatch(*a):
+        calls.append(1)
+        if len(calls) == 37:  # SIGTERM arrives during step 37: the window of steps 26..50 is cut at 37
+            signal.raise_signal(signal.SIGTERM)
+        return real(*a)
+
+    monkeypatch.setattr(trainer, "_dispatch", dispatch)
+    with pytest.raises(Preempted, match="saved a checkpoint at step 37") as stopped:
+        trainer.fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "run"))
+    assert stopped.value.exit_code == 143
+    monkeypatch.setattr(trainer, "_dispatch", real)
+    resumed = trainer.fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "run"))
+    reference = trainer.fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "reference"))
+    assert resumed.losses == {step: loss for step, loss in reference.losses.items() if step > 37}
+
+    def records(workdir):
+        return [{k: v for k, v in r.items() if k not in RATES} for r in read_records(workdir / "metrics.jsonl")
+                if r["split"] in ("train", "eval")]
+
+    assert records(tmp_path / "run") == records(tmp_path / "reference")
