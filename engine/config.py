@@ -165,6 +165,17 @@ class DistributedConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    # Seconds without progress before a training process dumps every thread's stack to stderr
+    # and WORKDIR/hang-<time>.txt and exits 1 (0 = no limit); see engine/watchdog.py.
+    compile: int = 7200  # loading data and compiling
+    restore: int = 3600  # reading the newest checkpoint
+    step: int = 1800  # between two iterations of the training loop (a hung collective)
+    eval: int = 3600  # one evaluation
+    save: int = 3600  # one checkpoint save (and the wait for it at the end)
+
+
+@dataclass
 class Config:
     seed: int = 0  # every random draw (init, dropout, data order) derives from this
     workdir: str = ""  # where outputs go ("" = runs/<config file name>)
@@ -177,6 +188,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
 
 CHOICES = {
@@ -450,6 +462,7 @@ def validate(cfg: Config) -> None:
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
         "optimizer.grad_clip_norm": cfg.optimizer.grad_clip_norm,
         "optimizer.weight_decay": cfg.optimizer.weight_decay,
+        **{f"watchdog.{f.name}": getattr(cfg.watchdog, f.name) for f in dataclasses.fields(cfg.watchdog)},
     }
     for key, value in non_negative.items():
         if value < 0:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import shutil
 import time
@@ -21,6 +22,7 @@ from engine.perf import Goodput, StepTrace, Throughput, Window, summary_text
 from engine.preemption import Preempted, PreemptionWatch, stop_if_noted
 from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
+from engine.watchdog import Watchdog
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
 
@@ -58,7 +60,10 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
     goodput = Goodput(started or time.time())
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
     with contextlib.ExitStack() as closing:  # closed in reverse order, on success or failure
-        run, checkpointer, state, start, meta = _start(cfg, run, started, goodput, closing)
+        watchdog = closing.enter_context(contextlib.closing(Watchdog(
+            dataclasses.asdict(cfg.watchdog), workdir, jax.process_index())))
+        run, checkpointer, state, start, meta = _start(cfg, run, started, goodput, closing, watchdog)
+        watchdog.enter("step")
         total, per_call, per_block = cfg.train.steps, run.inputs.steps_per_call, run.inputs.steps_per_block
         writer = closing.enter_context(contextlib.closing(MetricWriter(
             workdir, enabled=is_chief, total_steps=total, start_step=start, progress=cfg.log.progress,
@@ -75,7 +80,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
             writer.message(_resident_message(run))
 
         def save(step):
-            with _paused(window, goodput, "checkpoint_seconds"):
+            with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
                 meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg),
                         "window": window.carried()}
                 checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once off the devices
@@ -85,6 +90,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
             if block is None or step % per_block == 0:
                 block = next(batches)
             trace.before(step)
+            watchdog.beat()
             state, metrics = _dispatch(run, state, block, goodput)  # steps [step, step + per_call)
             window.add(metrics, per_call)
             writer.advance(per_call)
@@ -97,7 +103,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
                 result.losses.update({s: loss for s, loss in losses.items() if s > start})  # this call's steps
                 window = Window(done)
             if _due(cfg.eval.every_steps, done, total):
-                with _paused(window, goodput, "eval_seconds"):  # eval time is not training throughput
+                with _paused(window, goodput, "eval_seconds"), watchdog.phase("eval"):  # not training throughput
                     result.eval_metrics = _evaluate(run, state, done, writer, cfg.train.nan_policy)
             if _due(cfg.checkpoint.every_steps, done, total):
                 save(done)
@@ -110,7 +116,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
         if start >= total:
             writer.message(f"already finished: the newest checkpoint is at step {start} of {total}; to train again "
                            f"from scratch give another --workdir, to train longer raise train.steps")
-        with _paused(window, goodput, "checkpoint_seconds"):
+        with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
             checkpointer.wait()  # the last save is complete before the run reports success
         if preemption.requested and total > start:  # a signal during the final save: it completed
             raise Preempted(total, preemption.signum)
@@ -126,7 +132,8 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
     return result
 
 
-def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput, closing: contextlib.ExitStack):
+def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput, closing: contextlib.ExitStack,
+           watchdog: Watchdog):
     """Claims the workdir, builds (compiles) the run, restores: (run, checkpointer, state, start
     step, checkpoint meta). A SIGTERM or SIGINT noted meanwhile stops here (nothing new to save)."""
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
@@ -141,6 +148,7 @@ def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
         workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging,
         verify=cfg.checkpoint.verify)))
+    watchdog.enter("restore")
     state, start, meta = initial_state(run, checkpointer)
     stop_if_noted("restoring", start)
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))

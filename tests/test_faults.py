@@ -472,3 +472,20 @@ def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(
                 if r["split"] in ("train", "eval")]
 
     assert records(tmp_path / "run") == records(tmp_path / "reference")
+
+
+def test_a_hung_data_reader_is_named_with_every_threads_stack(tmp_path):
+    """No silent wait: a reader blocked forever (here a FIFO no one writes; in life a dead
+    network mount) ends the run after watchdog.compile seconds with the stacks on disk."""
+    data = tmp_path / "data"
+    data.mkdir()
+    os.mkfifo(data / "x_train.npy")
+    workdir = tmp_path / "run"
+    started = time.time()
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "data.name=npz",
+                   f"data.path={data}", "watchdog.compile=3", timeout=120)
+    assert proc.returncode == 1 and time.time() - started < 60, proc.stderr
+    assert "error: no progress for 3s while loading data and compiling (watchdog.compile=3)" in proc.stderr
+    (hang,) = workdir.glob("hang-*.txt")
+    stacks = hang.read_text()
+    assert "in load" in stacks and "engine/data/sources.py" in stacks and "in _watch" in stacks  # every thread
