@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -124,6 +125,8 @@ def initialize(cfg: DistributedConfig) -> str:
         if kwargs["process_id"] != 0:
             wait_for_coordinator(kwargs["coordinator_address"], cfg.initialization_timeout, kwargs["process_id"])
     release_signals()  # several processes: JAX's own SIGTERM notifier feeds the preemption sync point
+    deadline = _join_deadline(cfg.initialization_timeout, kwargs.get("process_id", "?"),
+                              kwargs.get("num_processes", "?"), source)
     try:
         jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout,
                                    heartbeat_timeout_seconds=cfg.heartbeat_timeout, **kwargs)
@@ -133,9 +136,30 @@ def initialize(cfg: DistributedConfig) -> str:
             f"process {kwargs.get('process_id', '?')} could not join the job at {where} within "
             f"{cfg.initialization_timeout}s ({source}): {first_line(e)}. Check that every process was started "
             f"with the same coordinator and process count, and that the coordinator's port is reachable") from None
+    finally:
+        deadline.cancel()
     print(f"process {jax.process_index()} of {jax.process_count()}: joined the job ({source}); "
           f"{jax.device_count()} devices in all, {jax.local_device_count()} here", file=sys.stderr, flush=True)
     return source
+
+
+def _join_deadline(timeout_seconds: int, process_id, num_processes, source: str) -> threading.Timer:
+    """A process whose job never assembles (a peer never started, or failed at start) would be
+    aborted by jaxlib at the initialization timeout with a C++ stack: this ends it a moment
+    before, with one line and exit 1."""
+
+    def give_up():
+        sys.__stderr__.write(f"error: process {process_id} of {num_processes}: the job did not assemble within "
+                             f"{timeout_seconds}s (distributed.initialization_timeout, {source}): a process was never "
+                             f"started, failed at start, or was given another coordinator or process count; see "
+                             f"the other processes' output\n")
+        sys.__stderr__.flush()
+        os._exit(1)
+
+    timer = threading.Timer(max(timeout_seconds - 2, 1), give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def check_address(address, where: str) -> None:

@@ -489,3 +489,20 @@ def test_a_hung_data_reader_is_named_with_every_threads_stack(tmp_path):
     (hang,) = workdir.glob("hang-*.txt")
     stacks = hang.read_text()
     assert "in load" in stacks and "engine/data/sources.py" in stacks and "in _watch" in stacks  # every thread
+
+
+def test_a_peer_that_never_starts_ends_the_job_with_one_line_not_sigabrt(tmp_path):
+    """Before: process 0 waited the whole initialization timeout, then jaxlib aborted it
+    (SIGABRT, exit 134) with a C++ stack."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.time()
+    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "run"), "--coordinator-address",
+                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+                   "distributed.initialization_timeout=6", timeout=120)
+    assert proc.returncode == 1 and time.time() - started < 60, proc.stderr
+    assert "error: process 0 of 2: the job did not assemble within 6s" in proc.stderr
+    assert "Check failure" not in proc.stderr and "Traceback" not in proc.stderr
