@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.checkpoint import Checkpointer  # noqa: E402
 from engine.config import load_config, to_yaml  # noqa: E402
+from engine.rundir import write_sums  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
@@ -77,7 +78,7 @@ def async_save(checkpointer: Checkpointer, step: int, state, meta: dict) -> tupl
 
 def sync_save(directory: Path, step: int, state, meta: dict) -> tuple[float, int]:
     """(seconds for save + wait, bytes on disk of the step's checkpoint)."""
-    checkpointer = Checkpointer(directory, keep=3, async_save=False)
+    checkpointer = Checkpointer(directory, keep=3, async_save=False, verify=False)
     start = time.perf_counter()
     checkpointer.save(step, state, meta)
     checkpointer.wait()
@@ -170,6 +171,10 @@ def main() -> None:
     fsync = "+ fsync" if args.fsync else "no fsync"
     row(f"(e) numpy.save of the same bytes ({fsync})", [s for s, _ in plain],
         f"   {numpy_bytes / 1e6:.1f} MB, {numpy_bytes / 1e6 / numpy_seconds:.0f} MB/s")
+    began = time.perf_counter()
+    write_sums(base / "sync_0" / str(101))
+    print(f"{'(f) SHA256SUMS of one step (a background thread)':<44}{(time.perf_counter() - began) * 1e3:>10.1f} ms"
+          "   (checkpoint.verify: in (a) only when a save comes before the last one is hashed, and in (c))")
     host.close()
     device.close()
     print(f"blocked / synchronous = {median(blocked) / sync_seconds:.1%} with staging=host, "

@@ -65,19 +65,21 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
 
     preempted = []
 
-    def forward_sigterm(signum, frame):  # preemption of the launcher preempts every process
-        preempted.append(True)
+    def forward_sigterm(signum, frame):  # preemption of the launcher (or Ctrl-C) preempts every process
+        preempted.append(signum)
         for child in children:
             if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+                child.send_signal(signal.SIGTERM)  # JAX's preemption sync point: all save at one step
 
-    previous = signal.signal(signal.SIGTERM, forward_sigterm)
+    previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
             codes = [child.poll() for child in children]
             if preempted:  # every process is saving its part of the checkpoint: let them finish
                 codes = [child.wait() for child in children]
-                return 143 if all(code == 143 for code in codes) else _exit_status(max(codes, key=abs))
+                if all(code == 143 for code in codes):
+                    return 128 + int(preempted[0])  # 143, or 130 for Ctrl-C
+                return _exit_status(max(codes, key=abs))
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 index, code = failed[0]
@@ -88,7 +90,8 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
                 return 0
             time.sleep(0.2)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         _stop(children)
         for relay in relays:  # the children's last lines (an error message, say) are still in the pipes
             relay.join(timeout=5)
