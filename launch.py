@@ -154,13 +154,13 @@ def _distributed_overrides(args) -> list[str]:
 
 def main(argv: list[str]) -> int:
     command = argv[0] if argv and argv[0] in COMMANDS else "train"
+    from engine.preemption import Preempted, note_signals
+
+    if command == "train" and not any(arg.split("=")[0] == "--local-processes" for arg in argv):
+        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (see engine/preemption.py)
     args = _parser(command).parse_intermixed_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
     from engine.errors import UsageError
 
-    from engine.preemption import Preempted, note_signals, stop_if_noted
-
-    if command == "train" and not args.local_processes:
-        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (see engine/preemption.py)
     if command == "train" and args.local_processes:
         if args.local_processes < 1 or args.devices_per_process < 1:
             sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
@@ -227,7 +227,6 @@ def main(argv: list[str]) -> int:
 
             return run_evaluator(cfg, watch=True)
         initialize(cfg.distributed)
-        stop_if_noted("starting")
         if cfg.checkpoint.staging == "device" and jax.process_count() > 1:
             process.use_distributed_client_barriers()
         if args.dry_run:

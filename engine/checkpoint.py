@@ -5,7 +5,8 @@ A checkpoint holds two items: `state` (the whole TrainState: step, params, optim
 model state, RNG) and `meta` (JSON: the data iterator's position and the resolved config).
 Orbax writes each step into a temporary directory and renames it when complete, so a save
 cut off by a crash is never listed. Once a step is complete, process 0 hashes its files into
-`<step>/SHA256SUMS` (`sha256sum` format) on a background thread; a restore checks them first.
+`<step>/SHA256SUMS` (`sha256sum` format) on a background thread; before a restore process 0
+checks them and every process gets its verdict.
 A finished checkpoint that fails to read or to match its checksums (a truncated file, a
 flipped bit) is skipped with a warning and moved into `damaged/`, and the previous one is used.
 """
@@ -20,12 +21,13 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.process import distributed_client_barriers_on
-from engine.rundir import check_sums, write_sums
+from engine.rundir import SUMS, check_sums, write_sums
 from engine.sharding import path_name
 
 
@@ -106,9 +108,10 @@ class Checkpointer:
     def _write_sums(self, step: int) -> None:
         """On the hashing thread: waits for orbax to finish `step` (its temporary directory is
         renamed to the step's name when complete), then writes its SHA256SUMS."""
-        final = self.directory / str(step)
+        final, deadline = self.directory / str(step), time.monotonic() + self.timeout_seconds
         while not final.is_dir():
-            if self._closed.wait(0.05):  # closed, and orbax's saves all ended: this one failed (and said so)
+            # closed (orbax's saves all ended) or past the commit timeout: this save failed, and says so
+            if self._closed.wait(0.05) or time.monotonic() > deadline:
                 if not final.is_dir():
                     return
         try:
@@ -145,10 +148,25 @@ class Checkpointer:
         if self._saving is not None:
             self._saving.join()  # a save cut short by an error elsewhere still finishes
             self._saving = None
-        self.manager.close()  # waits for orbax's saves to end
-        self._closed.set()
+        try:
+            self.manager.close()  # waits for orbax's saves to end
+        finally:
+            self._closed.set()
         if self._hashing is not None:
             self._hashing.shutdown(wait=True)  # a complete step gets its checksums before the process ends
+
+    def _verify(self, step: int) -> Optional[str]:
+        """Process 0 checks the step's SHA256SUMS (one read of the checkpoint, not one per
+        process) and every process gets its verdict: all must restore the same step."""
+        if not self.verify:
+            return None
+        mismatch = check_sums(self.directory / str(step)) if jax.process_index() == 0 else None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if int(multihost_utils.broadcast_one_to_all(np.int32(mismatch is not None))) and mismatch is None:
+                mismatch = f"its files do not match {SUMS} (checked by process 0)"
+        return mismatch
 
     def _param_mismatches(self, step: int, abstract_params) -> list[str]:
         """'path: saved (shape), expected (shape)' for each parameter the model and checkpoint disagree on."""
@@ -175,7 +193,7 @@ class Checkpointer:
         failures, damaged = [], {}
         for candidate in steps:
             try:
-                mismatch = check_sums(self.directory / str(candidate)) if self.verify else None
+                mismatch = self._verify(candidate)
                 if mismatch:
                     raise _Damaged(mismatch)
                 self._check_compatible(candidate, abstract_state)
@@ -241,10 +259,11 @@ class Checkpointer:
         return params, step
 
 
-def restore_newest(workdir: str | Path, abstract_state, keep: int, purpose: str) -> Restored:
-    """The newest readable checkpoint of the run in `workdir`, opened read-only (the export,
-    sample and evaluator commands); UsageError if it has none."""
-    checkpointer = Checkpointer(Path(workdir) / "checkpoints", keep, read_only=True)
+def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Restored:
+    """The newest readable checkpoint of the run in `workdir` (its config `cfg`), opened
+    read-only (the export, sample and evaluator commands); UsageError if it has none."""
+    checkpointer = Checkpointer(Path(workdir) / "checkpoints", cfg.checkpoint.keep, read_only=True,
+                                verify=cfg.checkpoint.verify)
     try:
         restored = checkpointer.restore(abstract_state)
     finally:

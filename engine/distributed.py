@@ -149,7 +149,8 @@ def _join_deadline(timeout_seconds: int, process_id, num_processes, source: str)
     before, with one line and exit 1."""
 
     def give_up():
-        sys.__stderr__.write(f"error: process {process_id} of {num_processes}: the job did not assemble within "
+        who = f"process {process_id} of {num_processes}" if process_id != "?" else "this process"
+        sys.__stderr__.write(f"error: {who}: the job did not assemble within "
                              f"{timeout_seconds}s (distributed.initialization_timeout, {source}): a process was never "
                              f"started, failed at start, or was given another coordinator or process count; see "
                              f"the other processes' output\n")

@@ -50,7 +50,7 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
             raise UsageError(f"no checkpoints appeared in {directory} within {idle_timeout:.0f}s")
         time.sleep(poll_seconds)
         waited += poll_seconds
-    checkpointer = Checkpointer(directory, cfg.checkpoint.keep, read_only=True)
+    checkpointer = Checkpointer(directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
     writer = MetricWriter(workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
                           tensorboard=False)

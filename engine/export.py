@@ -40,7 +40,7 @@ def export_run(workdir: str, out: str) -> Path:
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = run_config(workdir_path)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
-    restored = restore_newest(workdir_path, run.abstract_state, cfg.checkpoint.keep, "export")
+    restored = restore_newest(workdir_path, run.abstract_state, cfg, "export")
     variables = {"params": restored.state.params, **restored.state.model_state}
     module, task = run.model.module, run.model.family.task
 

@@ -41,7 +41,7 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
     else:
         encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
         decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")  # noqa: E731
-    restored = restore_newest(work, run.abstract_state, cfg.checkpoint.keep, "sample from")
+    restored = restore_newest(work, run.abstract_state, cfg, "sample from")
     tokens = family.generate(cfg.model, info, restored.state.params, encode(prompt), max_tokens,
                              temperature, top_p, seed, jnp.dtype(cfg.train.compute_dtype))
     return decode(tokens)

@@ -111,7 +111,7 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
     work.mkdir(parents=True, exist_ok=True)
     save_config(cfg, work / "config.yaml")
     write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
-    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep)
+    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
     try:
         checkpointer.save(0, state, {"step": 0, "data": {"next_step": 0, "seed": cfg.seed}, "config": to_yaml(cfg),
                                      "imported_from": str(hf_path.absolute())})
@@ -163,7 +163,7 @@ def export_hf(workdir: str, out: str) -> Path:
         hf_config = family.hf.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    restored = restore_newest(work, run.abstract_state, cfg.checkpoint.keep, "export")
+    restored = restore_newest(work, run.abstract_state, cfg, "export")
     tensors = {}
     for tensor in family.hf.tensors(cfg.model):
         value = np.asarray(jax.device_get(_get(restored.state.params, tensor.path)))

@@ -247,10 +247,13 @@ class Window:
         self.timed_steps = 0  # steps run in this process (a resumed window also holds earlier ones)
 
     @classmethod
-    def resumed(cls, start: int, carried: Optional[dict]) -> "Window":
+    def resumed(cls, start: int, carried: Optional[dict], width: int) -> "Window":
         """The window a checkpoint saved part of (carried()), or a new one from `start`: the log
-        record at its end then covers the same steps as in a run that never stopped."""
-        if not carried or carried["start"] + len(carried["metrics"]) != start:
+        record at its end then covers the same steps as in a run that never stopped. `width`:
+        this run's packed metrics per step (a run resumed with other data sources starts anew)."""
+        rows = (carried or {}).get("metrics") or []
+        fits = bool(rows) and carried.get("start", -1) + len(rows) == start and all(len(r) == width for r in rows)
+        if not fits:
             return cls(start)
         window = cls(carried["start"])
         window.metrics.append(np.asarray(carried["metrics"], np.float32))

@@ -1,58 +1,86 @@
 """SIGTERM → save and stop: noticing the signal, and agreeing on the step across processes."""
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import socket
+import sys
 import threading
-from typing import Optional
 
 
 class Preempted(Exception):
-    """SIGTERM (or Ctrl-C's SIGINT) arrived; a checkpoint at `step` was saved and completed, or
-    (`phase`: during start-up) nothing new was trained and `step` is the newest checkpoint.
+    """SIGTERM (or Ctrl-C's SIGINT) arrived; a checkpoint at `step` was saved and completed.
     exit_code: 143 for SIGTERM, 130 for SIGINT, as a shell reports a process ended by them."""
 
-    def __init__(self, step: Optional[int], signum: int = signal.SIGTERM, phase: str = ""):
+    def __init__(self, step: int, signum: int = signal.SIGTERM):
         name = signal.Signals(signum).name
-        how = f"{'preempted' if signum == signal.SIGTERM else 'stopped'} by {name}"
-        if phase:
-            newest = f"the newest checkpoint is at step {step}" if step else "no checkpoint was written yet"
-            text = f"{how} while {phase}: nothing new to save ({newest}); re-run the same command to resume"
-        else:
-            text = f"{how}: saved a checkpoint at step {step}; re-run the same command to resume"
-        super().__init__(text)
+        super().__init__(f"{'preempted' if signum == signal.SIGTERM else 'stopped'} by {name}: saved a checkpoint "
+                         f"at step {step}; re-run the same command to resume")
         self.step, self.exit_code = step, 128 + int(signum)
 
 
 _noted: list[int] = []  # signals that arrived before the training loop watched for them
 _startup_handlers: dict = {}
+_startup = {"phase": None, "cleanups": []}  # what start-up is doing; what to undo if it ends there
 
 
 def note_signals() -> None:
-    """From start-up until the training loop watches: SIGTERM and SIGINT are noted instead of
-    ending the process, so a stop while compiling or restoring ends with one line and 143/130
-    (stop_if_noted). A second Ctrl-C aborts."""
-    if threading.current_thread() is threading.main_thread() and not _startup_handlers:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            _startup_handlers[sig] = signal.signal(sig, _note)
+    """From start-up until the training loop watches (end_startup): a SIGTERM or SIGINT ends
+    the process at once, whatever the main thread is in (loading data, an XLA compile, a
+    restore), with one line and 143/130: nothing new was trained, so there is nothing to
+    save. Python runs signal handlers only between bytecodes of the main thread, so a thread
+    woken through the signal wakeup fd does it."""
+    if threading.current_thread() is not threading.main_thread() or _startup_handlers:
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        _startup_handlers[sig] = signal.signal(sig, _note)
+    _startup.update(phase="starting", sockets=(reader, writer))
+    threading.Thread(target=_end_at_once, args=(reader,), name="startup-signals", daemon=True).start()
 
 
 def _note(signum, frame):
-    if signum == signal.SIGINT and signal.SIGINT in _noted:
-        raise KeyboardInterrupt
     _noted.append(signum)
+
+
+def _end_at_once(reader: socket.socket) -> None:
+    while data := reader.recv(1):
+        phase = _startup["phase"]
+        if phase is None or data[0] not in (signal.SIGTERM, signal.SIGINT):
+            continue  # the training loop (or JAX's notifier) handles signals now
+        for cleanup in _startup["cleanups"]:
+            with contextlib.suppress(OSError):
+                cleanup()
+        how = "preempted by SIGTERM" if data[0] == signal.SIGTERM else "stopped by SIGINT"
+        sys.__stderr__.write(f"{how} while {phase}: nothing new to save; re-run the same command to resume\n")
+        sys.__stderr__.flush()
+        os._exit(128 + data[0])
+
+
+def starting(phase: str, cleanup=None) -> None:
+    """Names what start-up does now (for that one line); `cleanup` runs if a signal ends it."""
+    if _startup["phase"] is not None:
+        _startup["phase"] = phase
+    if cleanup is not None:
+        _startup["cleanups"].append(cleanup)
+
+
+def end_startup() -> None:
+    """The training loop takes over: signals are noted again (and saved for), not fatal."""
+    _startup["phase"] = None
+    if threading.current_thread() is threading.main_thread() and _startup_handlers:
+        signal.set_wakeup_fd(-1)
 
 
 def release_signals() -> None:
     """The handlers from before note_signals (several processes: jax.distributed then takes SIGTERM)."""
+    end_startup()
     for sig, handler in _startup_handlers.items():
         signal.signal(sig, handler)
     _startup_handlers.clear()
-
-
-def stop_if_noted(phase: str, step: Optional[int] = None) -> None:
-    """Preempted (nothing new saved) when SIGTERM or SIGINT arrived during start-up."""
-    if _noted:
-        raise Preempted(step, _noted[0], phase)
 
 
 class PreemptionWatch:

@@ -36,14 +36,19 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Appends one line whole or not at all: a failed write (a full disk) is cut back off."""
-    with open(path, "a") as f:
-        size = f.tell()
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
         try:
-            f.write(line)
-            f.flush()
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
         except OSError:
-            f.truncate(size)
+            os.ftruncate(fd, size)  # unbuffered: nothing is left to flush into the full disk first
             raise
+    finally:
+        os.close(fd)
 
 
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
@@ -52,16 +57,19 @@ STORAGE_TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded":
                  "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
 
 
-def storage_errno(error: BaseException) -> Optional[int]:
+def storage_errno(error: BaseException, directory: Path) -> Optional[int]:
     """The storage fault (ENOSPC, EDQUOT, EROFS, EACCES) behind `error` or the errors it came
-    from, as Python's OSError or as the text of orbax's and tensorstore's wrapped errors."""
-    seen = set()
+    from, as Python's OSError or as the text of orbax's and tensorstore's wrapped errors, when
+    it concerns a file under `directory` (an unreadable data file is not the workdir's fault)."""
+    seen, where = set(), str(Path(directory).absolute())
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
-            return error.errno
+            name = error.filename if isinstance(error.filename, str) else ""
+            if str(Path(name).absolute()).startswith(where) or (not name and error.errno != errno.EACCES):
+                return error.errno
         for text, number in STORAGE_TEXTS.items():
-            if text in str(error):
+            if text in str(error) and where in str(error):
                 return number
         error = error.__cause__ or error.__context__
     return None
@@ -120,8 +128,10 @@ def keep_aside(path: Path, text: str) -> None:
     aside = path.with_name(path.name + ".damaged")
     if not text or (aside.exists() and text in aside.read_text(errors="replace")):
         return
-    with open(aside, "a") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
+    try:
+        append_line(aside, text if text.endswith("\n") else text + "\n")
+    except OSError as e:  # a read-only archive of runs: reading goes on, the damage is only reported
+        print(f"warning: could not keep the damaged text of {path} in {aside.name}: {e.strerror}", file=sys.stderr)
 
 
 def _parse_records(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:

@@ -19,9 +19,10 @@ from engine.errors import UsageError
 from engine.evaluator import evaluate
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, StepTrace, Throughput, Window, summary_text
-from engine.preemption import Preempted, PreemptionWatch, stop_if_noted
+from engine.preemption import Preempted, PreemptionWatch, end_startup, starting
 from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
+from engine.step import TRAIN_METRICS
 from engine.watchdog import Watchdog
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
@@ -46,7 +47,7 @@ def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> Fi
     try:
         return _fit(cfg, run, started)
     except Exception as e:
-        number = storage_errno(e)
+        number = storage_errno(e, Path(cfg.workdir))
         if number is None or isinstance(e, UsageError):
             raise
         if jax.process_index() == 0:  # the lock holder: the unfinished save is its own
@@ -64,6 +65,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
             dataclasses.asdict(cfg.watchdog), workdir, jax.process_index())))
         run, checkpointer, state, start, meta = _start(cfg, run, started, goodput, closing, watchdog)
         watchdog.enter("step")
+        end_startup()  # from here a signal is noted, and the loop saves and exits
         total, per_call, per_block = cfg.train.steps, run.inputs.steps_per_call, run.inputs.steps_per_block
         writer = closing.enter_context(contextlib.closing(MetricWriter(
             workdir, enabled=is_chief, total_steps=total, start_step=start, progress=cfg.log.progress,
@@ -75,7 +77,9 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
                            cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info),
                            run.mesh.devices.flat[0], cfg.train.compute_dtype, run.compile_cache)
         result, block, last_saved = FitResult(state), None, start or None
-        window = Window.resumed(start, meta.get("window"))  # the log window a checkpoint cut in two
+        window = Window.resumed(start, meta.get("window"),  # the log window a checkpoint cut in two
+                                len(TRAIN_METRICS) + len(run.dataset.info.sources))
+        watchdog.watch(window.metrics)
         if run.inputs.resident_bytes and start < total:
             writer.message(_resident_message(run))
 
@@ -102,6 +106,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
                                     run.dataset.info.sources)
                 result.losses.update({s: loss for s, loss in losses.items() if s > start})  # this call's steps
                 window = Window(done)
+                watchdog.watch(window.metrics)
             if _due(cfg.eval.every_steps, done, total):
                 with _paused(window, goodput, "eval_seconds"), watchdog.phase("eval"):  # not training throughput
                     result.eval_metrics = _evaluate(run, state, done, writer, cfg.train.nan_policy)
@@ -118,8 +123,6 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
                            f"from scratch give another --workdir, to train longer raise train.steps")
         with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
             checkpointer.wait()  # the last save is complete before the run reports success
-        if preemption.requested and total > start:  # a signal during the final save: it completed
-            raise Preempted(total, preemption.signum)
         barrier("finished", timeout)
         goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
         if total > start:
@@ -128,6 +131,8 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
                               **({"profile_dir": str(trace.directory)} if trace.traced else {})}
             writer.write(total, "summary", result.summary)
             writer.message(summary_text(result.summary))
+        if preemption.requested and total > start:  # a signal during the final save: it completed, and so did the run
+            raise Preempted(total, preemption.signum)
     result.state = state
     return result
 
@@ -139,18 +144,18 @@ def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
     if is_chief:  # one job per workdir: claimed before compiling and before anything is written
         _claim(workdir, closing)
+    starting("loading data and compiling")
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
-    stop_if_noted("compiling")
     if is_chief:
         _write_run_files(cfg, run, workdir)
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
         workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging,
         verify=cfg.checkpoint.verify)))
     watchdog.enter("restore")
+    starting("restoring")
     state, start, meta = initial_state(run, checkpointer)
-    stop_if_noted("restoring", start)
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
     barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
     if is_chief:
@@ -189,7 +194,8 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     cfg = run.cfg
     restored = checkpointer.restore(run.abstract_state)
     if restored is None and cfg.checkpoint.restore_from:
-        source = Checkpointer(cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True)
+        source = Checkpointer(cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True,
+                              verify=cfg.checkpoint.verify)
         if cfg.checkpoint.restore_mode == "params":
             params, _ = source.restore_params(run.abstract_state.params)
             return run.init_state().replace(params=params), 0, {}
@@ -212,11 +218,13 @@ def _claim(workdir: Path, closing: contextlib.ExitStack) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         closing.enter_context(WorkdirLock(workdir))
     except OSError as e:  # a read-only or unwritable place: said before anything is compiled
-        if storage_errno(e) is None:
+        if storage_errno(e, workdir) is None:
             raise
-        raise storage_error(workdir, storage_errno(e), "claiming the workdir") from None
+        raise storage_error(workdir, storage_errno(e, workdir), "claiming the workdir") from None
     if created:
-        closing.callback(lambda: [p.name for p in workdir.iterdir()] == [".lock"] and shutil.rmtree(workdir))
+        unused = lambda: [p.name for p in workdir.iterdir()] == [".lock"] and shutil.rmtree(workdir)  # noqa: E731
+        closing.callback(unused)
+        starting("starting", cleanup=unused)  # also when a signal ends start-up
 
 
 def _due(every: int, done: int, total: int) -> bool:

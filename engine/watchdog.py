@@ -5,7 +5,8 @@ process (exit 1) with one line naming the phase.
 
 Each phase has its own limit (config `watchdog`, seconds, 0 = no limit): `compile` (loading
 data and compiling), `restore`, `step` (between two iterations of the training loop),
-`eval` and `save`. The loop calls `beat()` once per iteration; phases nest (`with
+`eval` and `save`. The loop calls `beat()` once per iteration, and each step's metrics that
+arrive from the device count too (`watch`); phases nest (`with
 watchdog.phase("save"): ...`), and leaving one restarts the clock of the phase around it.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Watchdog:
     def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, exit=os._exit):
         self.limits, self.workdir, self.process_index, self.exit = limits, Path(workdir), process_index, exit
         self.phases, self.since = ["compile"], time.monotonic()
+        self.in_flight, self.ready = [], 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self.thread.start()
@@ -37,12 +39,18 @@ class Watchdog:
         try:
             yield
         finally:
+            self.since = time.monotonic()  # first: the phase around is never timed from before this one
             self.phases.pop()
-            self.since = time.monotonic()
 
     def beat(self) -> None:
         """Progress in the current phase: its clock starts again."""
         self.since = time.monotonic()
+
+    def watch(self, in_flight: list) -> None:
+        """The arrays the current steps will produce (a log window's metrics, appended to as
+        calls are dispatched): each that becomes ready is progress too. The loop runs ahead of
+        the device, so a healthy run can wait at a log line for many steps' worth of time."""
+        self.in_flight, self.ready = in_flight, 0
 
     def enter(self, name: str) -> None:
         """Moves on to phase `name` (compile → restore → step), not nested."""
@@ -53,11 +61,18 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self.stopped.wait(1.0):
+            self._count_ready()
             phase = self.phases[-1]
             limit, waited = self.limits.get(phase, 0), time.monotonic() - self.since
             if limit and waited > limit:
                 self._hung(phase, waited, limit)
                 return
+
+    def _count_ready(self) -> None:
+        in_flight = self.in_flight
+        while self.ready < len(in_flight) and getattr(in_flight[self.ready], "is_ready", lambda: True)():
+            self.ready += 1
+            self.since = time.monotonic()
 
     def _hung(self, phase: str, waited: float, limit: int) -> None:
         """Every thread's stack to stderr and hang-<time>.txt, one line, exit 1."""

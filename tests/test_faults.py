@@ -434,7 +434,7 @@ def test_sigterm_while_compiling_exits_143_with_one_line_and_leaves_nothing(tmp_
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err
-    assert "preempted by SIGTERM while compiling: nothing new to save (no checkpoint was written yet)" in err
+    assert "preempted by SIGTERM while loading data and compiling: nothing new to save" in err
     assert not workdir.exists()  # the workdir it had just made held nothing: removed
 
 
@@ -506,3 +506,20 @@ def test_a_peer_that_never_starts_ends_the_job_with_one_line_not_sigabrt(tmp_pat
     assert proc.returncode == 1 and time.time() - started < 60, proc.stderr
     assert "error: process 0 of 2: the job did not assemble within 6s" in proc.stderr
     assert "Check failure" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_record_that_meets_a_full_disk_is_not_left_half_written(small_disk):
+    """A text-mode append flushes into the full disk before it can truncate: the file would
+    end mid-line, and the next record, once space is freed, would be glued to it."""
+    from engine.rundir import append_line, read_records
+
+    path = small_disk / "metrics.jsonl"
+    filler = _fill(small_disk, leave=4096)
+    with pytest.raises(OSError):
+        for step in range(1, 10):  # records of 3 kB until the disk is full
+            append_line(path, json.dumps({"step": step, "split": "train", "pad": "x" * 3000}) + "\n")
+    assert path.read_bytes().endswith(b"\n")  # whole records only
+    filler.unlink()
+    append_line(path, json.dumps({"step": 99, "split": "train", "loss": 0.5}) + "\n")
+    steps = [r["step"] for r in read_records(path)]
+    assert steps[-1] == 99 and steps == list(range(1, len(steps))) + [99]

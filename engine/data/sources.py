@@ -161,8 +161,9 @@ def npz(cfg) -> Dataset:
 
 def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
     """One IDX file (the MNIST format: magic 0x0000 08 ndim, big-endian sizes, uint8 data)."""
+    raw = path.read_bytes()
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        raw = gzip.decompress(raw) if path.suffix == ".gz" else raw
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise UsageError(f"{path} is not a complete gzip file ({e or type(e).__name__}); download it again, or "
                          "give the file uncompressed without .gz") from None

@@ -141,6 +141,16 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _number(value):
+    """`value`, or the float a text such as "1e-4" spells."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _check_distribution(spec, where: str) -> None:
     """One of {log_uniform: [lo, hi]}, {uniform: [lo, hi]}, {int_uniform: [lo, hi]} (lo < hi;
     log_uniform above 0; int_uniform whole numbers) or {choice: [a, b, ...]} (not empty)."""
@@ -151,6 +161,7 @@ def _check_distribution(spec, where: str) -> None:
                          "{int_uniform: [lo, hi]} or {choice: [a, b, ...]} (a non-empty list)")
     if kind == "choice":
         return
+    args[:] = [_number(a) for a in args]  # YAML reads 1e-4 (no dot) as text; configs accept it, so do sweeps
     if len(args) != 2 or not all(map(_is_number, args)) or not args[0] < args[1]:
         raise UsageError(f"{where}.{kind}={args!r} must be [low, high]: two numbers with low < high")
     if kind == "int_uniform" and not all(isinstance(a, int) for a in args):
