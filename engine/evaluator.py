@@ -2,6 +2,7 @@
 training run as it appears, appending `split: "eval"` records to the run's metrics."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from engine.errors import UsageError
 from engine.metrics import MetricWriter
 from engine.rundir import METRICS, lock_holder, read_records
 from engine.setup import Run, build_run
+from engine.watchdog import Watchdog
 
 SOURCE = "evaluator"
 
@@ -50,8 +52,10 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
             raise UsageError(f"no checkpoints appeared in {directory} within {idle_timeout:.0f}s")
         time.sleep(poll_seconds)
         waited += poll_seconds
+    watchdog = Watchdog(dataclasses.asdict(cfg.watchdog), workdir, who="evaluator")  # no silent hang either
     checkpointer = Checkpointer(directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
+    watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
     writer = MetricWriter(workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
                           tensorboard=False)
     summary = None
@@ -69,7 +73,8 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
             if not watch and not pending:
                 raise UsageError(f"no complete checkpoint in {directory} to evaluate")
             for step in pending:
-                _evaluate_step(run, checkpointer, step, writer, summary)
+                with watchdog.phase("eval"):  # restore and evaluate
+                    _evaluate_step(run, checkpointer, step, writer, summary)
                 done.add(step)
                 idle_since = alive_at = time.monotonic()
             newest = max(steps, default=0)
@@ -92,6 +97,7 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
                 said = newest
             time.sleep(poll_seconds)
     finally:
+        watchdog.close()
         writer.close()
         if summary is not None:
             summary.close()

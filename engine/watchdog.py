@@ -24,8 +24,9 @@ WHAT = {"compile": "loading data and compiling", "restore": "restoring a checkpo
 
 
 class Watchdog:
-    def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, exit=os._exit):
+    def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, exit=os._exit, who: str = ""):
         self.limits, self.workdir, self.process_index, self.exit = limits, Path(workdir), process_index, exit
+        self.who = who  # "evaluator": its stacks go to hang-evaluator-<time>.txt
         self.phases, self.since = ["compile"], time.monotonic()
         self.in_flight, self.ready = [], 0
         self.stopped = threading.Event()
@@ -77,7 +78,8 @@ class Watchdog:
     def _hung(self, phase: str, waited: float, limit: int) -> None:
         """Every thread's stack to stderr and hang-<time>.txt, one line, exit 1."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = f"hang-{stamp}" + (f"-process{self.process_index}" if self.process_index else "") + ".txt"
+        name = (f"hang-{self.who + '-' if self.who else ''}{stamp}"
+                + (f"-process{self.process_index}" if self.process_index else "") + ".txt")
         headline = (f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
                     f"process {self.process_index}, pid {os.getpid()}")
         stderr = sys.__stderr__
