@@ -62,15 +62,15 @@ def _end_at_once(reader: socket.socket) -> None:
 
 def starting(phase: str, cleanup=None) -> None:
     """Names what start-up does now (for that one line); `cleanup` runs if a signal ends it."""
-    if _startup["phase"] is not None:
+    if _startup["phase"] is not None:  # only while note_signals watches
         _startup["phase"] = phase
-    if cleanup is not None:
-        _startup["cleanups"].append(cleanup)
+        if cleanup is not None:
+            _startup["cleanups"].append(cleanup)
 
 
 def end_startup() -> None:
     """The training loop takes over: signals are noted again (and saved for), not fatal."""
-    _startup["phase"] = None
+    _startup.update(phase=None, cleanups=[])
     if threading.current_thread() is threading.main_thread() and _startup_handlers:
         signal.set_wakeup_fd(-1)
 

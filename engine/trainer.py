@@ -140,7 +140,8 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
 def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput, closing: contextlib.ExitStack,
            watchdog: Watchdog):
     """Claims the workdir, builds (compiles) the run, restores: (run, checkpointer, state, start
-    step, checkpoint meta). A SIGTERM or SIGINT noted meanwhile stops here (nothing new to save)."""
+    step, checkpoint meta). A SIGTERM or SIGINT meanwhile ends the process at once (launched from
+    the command line: engine.preemption.note_signals); there is nothing new to save."""
     workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
     if is_chief:  # one job per workdir: claimed before compiling and before anything is written
         _claim(workdir, closing)
