@@ -116,8 +116,10 @@ class Checkpointer:
                     return
         try:
             write_sums(final)
-        except FileNotFoundError:  # the step was deleted meanwhile (checkpoint.keep): nothing to vouch for
-            pass
+        except FileNotFoundError:
+            if final.is_dir():
+                raise
+            # else the step was deleted meanwhile (checkpoint.keep): there is nothing to vouch for
 
     def _join_sums(self) -> None:
         """Waits for the checksums of every save so far; raises what hashing raised."""

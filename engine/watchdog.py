@@ -86,15 +86,14 @@ class Watchdog:
         stderr.write(f"{headline}\nevery thread's Python stack:\n")
         stderr.flush()
         faulthandler.dump_traceback(file=stderr, all_threads=True)
-        where = "stderr only (the workdir is not writable)"
         try:
             with open(self.workdir / name, "w") as f:
                 f.write(headline + "\n\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
             where = str(self.workdir / name)
-        except OSError:
-            pass  # the stacks went to stderr above
+        except OSError as e:  # the stacks went to stderr above
+            where = f"stderr only ({self.workdir / name}: {e.strerror})"
         stderr.write(f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), "
                      f"a stalled file system or data reader are the usual causes; raise watchdog.{phase} if this "
                      f"phase is just slow\n")
