@@ -16,7 +16,7 @@ from typing import Optional
 import jax
 
 from engine.config import DistributedConfig
-from engine.errors import UsageError
+from engine.errors import UsageError, exit_now
 from engine.preemption import release_signals
 
 
@@ -150,12 +150,9 @@ def _join_deadline(timeout_seconds: int, process_id, num_processes, source: str)
 
     def give_up():
         who = f"process {process_id} of {num_processes}" if process_id != "?" else "this process"
-        sys.__stderr__.write(f"error: {who}: the job did not assemble within "
-                             f"{timeout_seconds}s (distributed.initialization_timeout, {source}): a process was never "
-                             f"started, failed at start, or was given another coordinator or process count; see "
-                             f"the other processes' output\n")
-        sys.__stderr__.flush()
-        os._exit(1)
+        exit_now(f"error: {who}: the job did not assemble within {timeout_seconds}s (distributed."
+                 f"initialization_timeout, {source}): a process was never started, failed at start, or was given "
+                 f"another coordinator or process count; see the other processes' output", 1)
 
     timer = threading.Timer(max(timeout_seconds - 2, 1), give_up)
     timer.daemon = True

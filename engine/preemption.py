@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
-import sys
 import threading
+
+from engine.errors import exit_now
 
 
 class Preempted(Exception):
@@ -55,9 +55,7 @@ def _end_at_once(reader: socket.socket) -> None:
             with contextlib.suppress(OSError):
                 cleanup()
         how = "preempted by SIGTERM" if data[0] == signal.SIGTERM else "stopped by SIGINT"
-        sys.__stderr__.write(f"{how} while {phase}: nothing new to save; re-run the same command to resume\n")
-        sys.__stderr__.flush()
-        os._exit(128 + data[0])
+        exit_now(f"{how} while {phase}: nothing new to save; re-run the same command to resume", 128 + data[0])
 
 
 def starting(phase: str, cleanup=None) -> None:

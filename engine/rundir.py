@@ -200,8 +200,7 @@ def drop_records_after(path: Path, step: int) -> int:
     Returns how many logged training steps will be redone (badput of the restart)."""
     if not path.exists():
         return 0
-    records = read_records(path)
-    damaged = _parse_records(path)[1]
+    records, damaged = _parse_records(path)
     if damaged:
         keep_aside(path, "".join(line + "\n" for _, line in damaged))
         print(f"warning: {path}: moved {len(damaged)} damaged line(s) to {path.name}.damaged", file=sys.stderr)

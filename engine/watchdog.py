@@ -19,13 +19,15 @@ import threading
 import time
 from pathlib import Path
 
+from engine.errors import exit_now
+
 WHAT = {"compile": "loading data and compiling", "restore": "restoring a checkpoint", "step": "training (no step)",
         "eval": "evaluating", "save": "saving a checkpoint"}
 
 
 class Watchdog:
-    def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, exit=os._exit, who: str = ""):
-        self.limits, self.workdir, self.process_index, self.exit = limits, Path(workdir), process_index, exit
+    def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, who: str = ""):
+        self.limits, self.workdir, self.process_index = limits, Path(workdir), process_index
         self.who = who  # "evaluator": its stacks go to hang-evaluator-<time>.txt
         self.phases, self.since = ["compile"], time.monotonic()
         self.in_flight, self.ready = [], 0
@@ -94,8 +96,5 @@ class Watchdog:
             where = str(self.workdir / name)
         except OSError as e:  # the stacks went to stderr above
             where = f"stderr only ({self.workdir / name}: {e.strerror})"
-        stderr.write(f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), "
-                     f"a stalled file system or data reader are the usual causes; raise watchdog.{phase} if this "
-                     f"phase is just slow\n")
-        stderr.flush()
-        self.exit(1)
+        exit_now(f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), a stalled "
+                 f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow", 1)
