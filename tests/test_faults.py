@@ -54,6 +54,14 @@ def test_control_characters_in_slurm_values_are_refused(tmp_path, value):
         load_sweep(sweep_file)
 
 
+def _wait_until(ready, proc, seconds=120, poll=0.1):
+    """Polls `ready()` while `proc` runs; fails with its output if it ends or time runs out first."""
+    deadline = time.time() + seconds
+    while not ready():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(poll)
+
+
 def _train(workdir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
@@ -64,10 +72,7 @@ def _train(workdir, *extra):
 def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
     workdir = tmp_path / "run"
     first = _train(workdir, "train.steps=1000000", "log.every_steps=10", "checkpoint.every_steps=50")
-    deadline = time.time() + 120
-    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
-        assert time.time() < deadline and first.poll() is None, first.communicate()
-        time.sleep(0.1)
+    _wait_until(lambda: (workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text(), first)
     config_before = (workdir / "config.yaml").read_text()
     second = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=7")
     assert second.returncode == 2, second.stderr
@@ -136,10 +141,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
 
     workdir = tmp_path / "run"
     proc = _train(workdir, "train.steps=1000000", "log.every_steps=10", "checkpoint.every_steps=100000")
-    deadline = time.time() + 120
-    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
+    _wait_until(lambda: (workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text(), proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
@@ -427,10 +429,7 @@ def test_sigterm_while_compiling_exits_143_with_one_line_and_leaves_nothing(tmp_
 
     workdir = tmp_path / "run"
     proc = _train(workdir)
-    deadline = time.time() + 120
-    while not (workdir / ".lock").exists():  # claimed: compiling now (config.yaml comes after)
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+    _wait_until(lambda: (workdir / ".lock").exists(), proc, poll=0.02)  # claimed: compiling now
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err
