@@ -16,8 +16,10 @@ class MetricWriter:
     """Writes each metrics record to every sink; on other processes it does nothing."""
 
     def __init__(self, workdir: str | Path, *, enabled: bool, total_steps: int, start_step: int,
-                 progress: bool, tensorboard: bool):
+                 progress: bool, tensorboard: bool, name: str = ""):
+        """name: printed before each line (the runs of a vectorised group share one output)."""
         self.enabled = enabled
+        self.prefix = f"{name}: " if name else ""
         self.bar: Optional[tqdm] = None
         self.summary = None
         self.jsonl_path = Path(workdir) / METRICS
@@ -58,7 +60,7 @@ class MetricWriter:
             else:
                 self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
         elif split != "train":
-            print(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()
+            print(f"{self.prefix}step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()
                                                       if isinstance(v, (int, float))), flush=True)
 
     def message(self, text: str) -> None:
@@ -67,7 +69,7 @@ class MetricWriter:
         if self.bar is not None:
             self.bar.write(text)
         else:
-            print(text, flush=True)
+            print(self.prefix + text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

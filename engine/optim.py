@@ -1,7 +1,7 @@
 """Optimizer and learning-rate schedule, built by name from the config.
 
 Hyperparameters that do not change shapes (learning rate, warm-up, decay length, weight
-decay, Adam's betas) are arrays in the train state, not constants in the compiled program,
+decay, Adam's betas and epsilon, the gradient-clipping norm) are arrays in the train state, not constants in the compiled program,
 so runs that differ only in them share one compiled step (and its persistent cache entry).
 """
 from __future__ import annotations
@@ -50,6 +50,8 @@ def optimizer_hparams(cfg: OptimizerConfig) -> dict[str, float]:
         hp.update(b1=cfg.momentum, b2=cfg.b2, eps=cfg.eps)
     if cfg.name == "adamw":
         hp["weight_decay"] = cfg.weight_decay
+    if cfg.grad_clip_norm:  # the norm is a number in the state too; whether to clip is the program's
+        hp["grad_clip_norm"] = cfg.grad_clip_norm
     return hp
 
 
@@ -67,10 +69,13 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """The optimizer (with optional global-norm clipping), its numbers held in its state."""
     build = BUILDERS[cfg.name]
 
-    def clipped(**hparams):
+    def clipped(grad_clip_norm=None, **hparams):
         tx = build(**hparams)
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx) if cfg.grad_clip_norm else tx
+        return optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx) if cfg.grad_clip_norm else tx
 
-    clipped.__signature__ = inspect.signature(build)  # inject_hyperparams reads the parameter names
+    parameters = list(inspect.signature(build).parameters.values())
+    if cfg.grad_clip_norm:
+        parameters.append(inspect.Parameter("grad_clip_norm", inspect.Parameter.KEYWORD_ONLY))
+    clipped.__signature__ = inspect.Signature(parameters)  # inject_hyperparams reads the parameter names
     # float32 whatever the parameters' dtype: in bfloat16, Adam's b2=0.999 would round to 1.0
     return optax.inject_hyperparams(clipped, hyperparam_dtype=jnp.float32)(**optimizer_hparams(cfg))

@@ -204,13 +204,27 @@ def _fit_cpu_step_loop(cfg: Config, family) -> None:
         cfg.train.steps_per_call = 1
 
 
-def build_run(cfg: Config, compile_train: bool = True) -> Run:
-    """Builds and compiles a run from shapes alone; no state is allocated until init_state().
+@dataclass(frozen=True)
+class Plan:
+    """A run up to its compiled programs: what build_run compiles, and what a vectorised group
+    of runs (engine/vectorize.py) compiles with a trial axis."""
+    mesh: Mesh
+    dataset: Dataset
+    family: ModelFamily
+    module: Any
+    tx: optax.GradientTransformation
+    state: "_StatePlan"
+    train_step: Callable  # make_block_step's (state, block) → (state, packed metrics), not compiled
+    eval_step: Callable  # (state, batch) → metric sums, not compiled
+    shapes: Shapes
+    resident_bytes: int  # >0: the train split lives on the devices (data.placement)
 
-    compile_train=False (the evaluator, export) skips compiling the train step: train_step is None."""
+
+def plan_run(cfg: Config, mesh: Optional[Mesh] = None) -> Plan:
+    """Mesh, data, model, train-state plan and the pure steps of a run; nothing compiled.
+    `mesh`: another mesh than the config's (a vectorised group's, with a trial axis)."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
-    cache_before = dict(compile_cache_events)
-    mesh = make_mesh(cfg.mesh)
+    mesh = mesh or make_mesh(cfg.mesh)
     dataset = load_dataset(cfg.data)
     pmap_axis = PMAP_AXIS if cfg.mesh.backend == "pmap" else None
     family, module = build_model(cfg, dataset.info, pmap_axis)
@@ -225,17 +239,36 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
                                                  pmap_axis), steps, cfg.train.steps_per_call, resident_bytes > 0)
     shapes = Shapes(state.abstract, state.shardings, example_spec(dataset.train), cfg.train.global_batch_size, steps,
                     eval_batch_size, resident=resident_bytes > 0)
-    compile_fn = compile_pmap if pmap_axis else compile_jit
-    compiled = compile_fn(mesh, shapes, train_step if compile_train else None, make_eval_step(loss_fn, pmap_axis),
+    return Plan(mesh, dataset, family, module, tx, state, train_step, make_eval_step(loss_fn, pmap_axis), shapes,
+                resident_bytes)
+
+
+def train_batches(cfg: Config, plan: Plan, rows: np.ndarray) -> TrainBatches:
+    """The run's host batches (this process's `rows` of each), in the run's data order."""
+    return TrainBatches(plan.dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle, rows,
+                        indices_only=plan.resident_bytes > 0)
+
+
+def build_run(cfg: Config, compile_train: bool = True) -> Run:
+    """Builds and compiles a run from shapes alone; no state is allocated until init_state().
+
+    compile_train=False (the evaluator, export) skips compiling the train step: train_step is None."""
+    cache_before = dict(compile_cache_events)
+    plan = plan_run(cfg)
+    mesh, shapes = plan.mesh, plan.shapes
+    compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
+    compiled = compile_fn(mesh, shapes, plan.train_step if compile_train else None, plan.eval_step,
                           eager=cfg.train.eager)
-    inputs = Inputs(train=TrainBatches(dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle,
-                                       compiled.rows(cfg.train.global_batch_size), indices_only=resident_bytes > 0),
-                    eval_rows=compiled.rows(eval_batch_size), eval_batch_size=eval_batch_size,
-                    steps_per_block=steps, steps_per_call=cfg.train.steps_per_call, resident_bytes=resident_bytes)
-    cost = step_cost(cfg, family, module, dataset, tx, state.abstract, mesh.size, compiled.program)
-    return Run(cfg=cfg, mesh=mesh, dataset=dataset, model=Model(family, module, state.param_layouts),
-               abstract_state=state.abstract, init_state=state.create, compiled=compiled, inputs=inputs, cost=cost,
-               compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
+    inputs = Inputs(train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),
+                    eval_rows=compiled.rows(shapes.eval_batch), eval_batch_size=shapes.eval_batch,
+                    steps_per_block=shapes.steps_per_block, steps_per_call=cfg.train.steps_per_call,
+                    resident_bytes=plan.resident_bytes)
+    cost = step_cost(cfg, plan.family, plan.module, plan.dataset, plan.tx, plan.state.abstract, mesh.size,
+                     compiled.program)
+    return Run(cfg=cfg, mesh=mesh, dataset=plan.dataset, model=Model(plan.family, plan.module,
+                                                                      plan.state.param_layouts),
+               abstract_state=plan.state.abstract, init_state=plan.state.create, compiled=compiled, inputs=inputs,
+               cost=cost, compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
                # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
                # before the first has finished; accelerators keep asynchronous dispatch.
                sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1)
@@ -247,6 +280,7 @@ class _StatePlan:
     shardings: TrainState  # NamedShardings
     param_layouts: list
     create: Callable  # () → a fresh TrainState, created already sharded
+    init: Callable  # (seed, run_hparams) → a fresh TrainState: pure, not compiled (vectorize.py maps it)
 
 
 def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) -> _StatePlan:
@@ -285,4 +319,4 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
                             jax.eval_shape(init_state, seed, hparams), shardings)
     # Created inside jit with output shardings: no device ever holds the whole state.
     create = jax.jit(init_state, out_shardings=shardings)
-    return _StatePlan(abstract, shardings, param_layouts, lambda: create(seed, hparams))
+    return _StatePlan(abstract, shardings, param_layouts, lambda: create(seed, hparams), init_state)

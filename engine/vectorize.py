@@ -1,0 +1,420 @@
+"""Vectorised runs: several runs whose configs differ only in numbers that do not change the
+compiled program, trained as one program with a leading trial axis over the train state
+(a sweep's `vectorize:`).
+
+What may differ within a group (VECTOR_KEYS): the seed, the learning-rate schedule's
+numbers, weight decay, momentum, Adam's betas and epsilon, the gradient-clipping norm, and
+the model family's hyperparameters (dropout). These are arrays in the train state already
+(engine/optim.py, setup.run_hparams), so the group's step is the run's own step under
+`jax.vmap`: each trial's losses are those of the same config trained alone. Where there
+are several devices, a `trial` mesh axis spreads the trials over them (each trial keeps the
+run's own layout on its share of the devices). Trials with one seed read the same batches;
+trials with different seeds each read their own data order, as they would alone.
+
+Each trial keeps what a run has: its own workdir, config.yaml, metrics.jsonl, TensorBoard
+events and checkpoints (ordinary checkpoints of one run: `launch.py train` resumes them
+alone too). A trial whose loss becomes NaN stops alone; the others go on.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from engine import sharding
+from engine.backends import _abstract, _replicated_arrays
+from engine.checkpoint import Checkpointer
+from engine.config import MESH_AXES, Config, to_yaml
+from engine.data import Prefetcher, eval_batches
+from engine.errors import UsageError
+from engine.mesh import mesh_shape, num_devices
+from engine.metrics import MetricWriter
+from engine.perf import Goodput, StepCost, Throughput, Window, compiled_flops, summary_text
+from engine.preemption import Preempted, PreemptionWatch, end_startup, starting
+from engine.rundir import METRICS, drop_records_after
+from engine.setup import Plan, plan_run, run_hparams, train_batches, with_config_hparams
+from engine.step import TRAIN_METRICS
+from engine.trainer import NonFiniteLoss, _claim, _due, _log_train, _paused, _write_run_files
+from engine.watchdog import Watchdog
+from models import REGISTRY, constrained_activations
+
+TRIAL = "trial"  # the mesh axis over trials
+# config keys whose values are numbers in the train state (plus the model family's hparams)
+VECTOR_KEYS = ("seed", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.end_learning_rate_factor",
+               "optimizer.weight_decay", "optimizer.momentum", "optimizer.b2", "optimizer.eps",
+               "optimizer.grad_clip_norm")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def program_settings(cfg: Config) -> dict[str, Any]:
+    """The settings that make a run's compiled program: the whole config but its VECTOR_KEYS,
+    the family's hyperparameters and the workdir (clipping on or off stays: it is a program)."""
+    flat = _flat(dataclasses.asdict(cfg))
+    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in REGISTRY[cfg.model.name].hparams} | {"workdir"}
+    settings = {key: value for key, value in flat.items() if key not in vector}
+    settings["optimizer.grad_clip"] = bool(cfg.optimizer.grad_clip_norm)
+    return settings
+
+
+def shape_differences(a: Config, b: Config) -> list[str]:
+    """The program settings in which two configs differ (empty: they can share one program)."""
+    sa, sb = program_settings(a), program_settings(b)
+    return sorted(key for key in sa.keys() | sb.keys() if sa.get(key) != sb.get(key))
+
+
+def check_vectorizable(cfg: Config, where: str) -> None:
+    if cfg.mesh.backend != "jit" or cfg.train.eager:
+        raise UsageError(f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
+                         f"train.eager=false, or remove vectorize")
+
+
+def group_mesh(cfg: Config, trials: int) -> Mesh:
+    """The devices as a (trial, *MESH_AXES) mesh: the most trials side by side that divide both
+    the trials and the devices while each trial's share still takes the config's mesh."""
+    count = num_devices(cfg.mesh)
+    for split in sorted((d for d in range(1, math.gcd(count, trials) + 1) if count % d == 0 == trials % d),
+                        reverse=True):
+        try:
+            sizes = mesh_shape(cfg.mesh, count // split)
+        except UsageError:
+            if split == 1:
+                raise
+            continue
+        return jax.make_mesh((split, *(sizes[a] for a in MESH_AXES)), (TRIAL, *MESH_AXES),
+                             (AxisType.Auto,) * (len(MESH_AXES) + 1), devices=jax.devices()[:count])
+    raise AssertionError("split=1 always returns or raises")
+
+
+def _stack(trees: list):
+    return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *trees)
+
+
+@dataclass
+class Group:
+    """K runs of one compiled program: the vmapped steps and their inputs."""
+    cfgs: list[Config]
+    plan: Plan  # the first run's plan, on the group's mesh
+    mesh: Mesh
+    train_step: Callable  # (stacked states, block) → (states, metrics [steps_per_call, K, len(TRAIN_METRICS)])
+    eval_step: Callable  # (stacked states, eval batch) → metric sums, each [K]
+    trial_shardings: Any  # the TrainState's shardings with the trial axis in front
+    batches: list  # one TrainBatches per trial, or one shared by all (one seed)
+    resident: Any  # the train split on the devices (data.placement), or None
+    compile_seconds: float
+    cost: StepCost
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.plan.shapes.steps_per_block
+
+    def block_sharding(self) -> NamedSharding:
+        trial = (TRIAL,) if len(self.batches) > 1 else ()
+        return NamedSharding(self.mesh, PartitionSpec(*trial, None, sharding.BATCH_AXES))
+
+    def train_block(self, block: int):
+        """The device input for the steps of `block`: each trial's batches (or the shared ones)."""
+        steps = self.steps_per_block
+        hosts = [b.block(block, steps) for b in self.batches]
+        host = hosts[0] if len(hosts) == 1 else _stack(hosts)
+        put = jax.device_put(host, self.block_sharding())
+        return (self.resident, put) if self.resident is not None else put
+
+    def init_states(self):
+        """Fresh states, one per trial (each as its config alone would make it), stacked."""
+        seeds = np.array([cfg.seed for cfg in self.cfgs], np.int32)
+        hparams = _stack([run_hparams(cfg) for cfg in self.cfgs])
+        return jax.jit(jax.vmap(self.plan.state.init), out_shardings=self.trial_shardings)(seeds, hparams)
+
+    def stack_states(self, states: list):
+        """Single-run states (a restore) → the group's stacked state."""
+        return jax.jit(lambda *s: jax.tree.map(lambda *x: jax.numpy.stack(x), *s),
+                       out_shardings=self.trial_shardings)(*states)
+
+    def take(self, states, index: int):
+        """Trial `index`'s state, laid out as a run alone on this mesh would be (for a save)."""
+        return jax.jit(lambda s: jax.tree.map(lambda x: x[index], s),
+                       out_shardings=self.plan.state.shardings)(states)
+
+
+def build_group(cfgs: list[Config]) -> Group:
+    """Plans the first run on a mesh with a trial axis and compiles its steps under vmap."""
+    if jax.process_count() > 1:
+        raise UsageError("vectorize trains a group in one process; run the sweep without --local-processes")
+    first = cfgs[0]
+    for cfg in cfgs:
+        check_vectorizable(cfg, f"run {cfg.workdir}")
+        differs = shape_differences(first, cfg)
+        if differs:
+            raise UsageError(f"runs {first.workdir} and {cfg.workdir} differ in {', '.join(differs)}, which change "
+                             "the compiled program; they cannot be vectorised together")
+    mesh = group_mesh(first, len(cfgs))
+    plan = plan_run(first, mesh)
+    trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)),
+                                   plan.state.shardings)
+    shared = len({cfg.seed for cfg in cfgs}) == 1  # one data order
+    replicated, batch_sharding = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    rows = np.arange(first.train.global_batch_size)
+    batches = [train_batches(cfg, plan, rows) for cfg in (cfgs[:1] if shared else cfgs)]
+    shapes, resident = plan.shapes, None
+    block_shape = (shapes.steps_per_block, shapes.global_batch) if shared else (
+        len(cfgs), shapes.steps_per_block, shapes.global_batch)
+    group = Group(cfgs, plan, mesh, None, None, trial_shardings, batches, None, 0.0, StepCost(0.0, ""))
+    block_sharding = group.block_sharding()
+    if shapes.resident:
+        resident = _replicated_arrays(shapes.train_arrays, replicated)
+        arrays = _abstract(shapes.train_arrays, (len(next(iter(shapes.train_arrays.values()))),), replicated)
+        block = (arrays, {"index": jax.ShapeDtypeStruct(block_shape, np.int32, sharding=block_sharding)})
+        block_axes = (None, None if shared else 0)
+    else:
+        block = _abstract(shapes.train_arrays, block_shape, block_sharding)
+        block_axes = None if shared else 0
+    states = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((len(cfgs), *x.shape), x.dtype, sharding=s),
+                          plan.state.abstract, trial_shardings)
+    step = jax.vmap(plan.train_step, in_axes=(0, block_axes), out_axes=(0, 1), spmd_axis_name=TRIAL)
+    evaluate = jax.vmap(plan.eval_step, in_axes=(0, None), spmd_axis_name=TRIAL)
+    eval_batch = {**_abstract(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
+                  "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), np.float32, sharding=batch_sharding)}
+    began = time.perf_counter()
+    with constrained_activations(sharding.activation_constrainer(mesh)):
+        group.train_step = jax.jit(step, in_shardings=(trial_shardings, jax.tree.map(lambda a: a.sharding, block)),
+                                   out_shardings=(trial_shardings, replicated),
+                                   donate_argnums=0).lower(states, block).compile()
+        group.compile_seconds = time.perf_counter() - began
+        group.eval_step = jax.jit(evaluate, out_shardings=replicated).lower(states, eval_batch).compile()
+    group.resident = resident
+    group.cost = StepCost(compiled_flops(group.train_step), f"XLA cost analysis of the group's step ({len(cfgs)} "
+                                                            "trials)")
+    return group
+
+
+@dataclass
+class Trial:
+    """One run of a group: its files, and whether it still trains."""
+    cfg: Config
+    writer: MetricWriter
+    checkpointer: Checkpointer
+    losses: dict = dataclasses.field(default_factory=dict)  # step → train loss (this process's steps)
+    eval_metrics: dict = dataclasses.field(default_factory=dict)
+    error: Optional[str] = None  # why it stopped alone (a non-finite loss), else None
+
+    @property
+    def live(self) -> bool:
+        return self.error is None
+
+    def stop(self, text: str) -> None:
+        self.error = text
+        self.writer.message(f"error: training stopped: {text}")
+
+
+def _trial_host(window: Window) -> np.ndarray:
+    """The window's packed metrics on the host: [steps, trials, len(TRAIN_METRICS) (+ sources)]."""
+    return np.concatenate(jax.device_get(window.metrics))
+
+
+def _view(window: Window, rows: np.ndarray) -> Window:
+    """One trial's window: the group's times and steps, the trial's metrics."""
+    view = copy.copy(window)
+    view.metrics = [rows]
+    return view
+
+
+def _restore(group: Group, trials: list[Trial]):
+    """(stacked states, start step, the log window carried): every trial from its newest
+    checkpoint, which must be at one step (the sweep groups runs by where they resume)."""
+    restored = [t.checkpointer.restore(group.plan.state.abstract) for t in trials]
+    steps = {r.step if r else 0 for r in restored}
+    if len(steps) > 1:
+        where = ", ".join(f"{t.cfg.workdir}: {r.step if r else 0}" for t, r in zip(trials, restored))
+        raise UsageError(f"the runs of a vectorised group resume from different steps ({where}); a sweep groups "
+                         f"runs by the step they resume from, run them in separate groups")
+    start = steps.pop()
+    if start % group.cfgs[0].train.steps_per_call:
+        raise UsageError(f"the runs resume at step {start}, which is not a multiple of train.steps_per_call")
+    if start:
+        states = group.stack_states([with_config_hparams(r.state, t.cfg) for r, t in zip(restored, trials)])
+    else:
+        states = group.init_states()
+    carried = [(r.meta.get("window") if r else None) or {} for r in restored]
+    window = Window(start)
+    rows = [c.get("metrics") or [] for c in carried]
+    width = len(TRAIN_METRICS) + len(group.plan.dataset.info.sources)
+    if rows[0] and all(c.get("start", -1) + len(r) == start and len(r) == len(rows[0]) and all(
+            len(m) == width for m in r) for c, r in zip(carried, rows)):
+        window = Window(carried[0]["start"])
+        window.metrics.append(np.stack([np.asarray(r, np.float32) for r in rows], axis=1))
+        window.steps = len(rows[0])
+    return states, start, window
+
+
+def fit_group(cfgs: list[Config], started: Optional[float] = None) -> list[Trial]:
+    """Trains the group to train.steps from the trials' newest checkpoints (or from scratch);
+    each trial logs, evaluates and saves into its own workdir as a run alone does. A trial
+    with a non-finite loss (train.nan_policy=stop) stops alone; a signal saves every live
+    trial and raises Preempted."""
+    goodput = Goodput(started or time.time())
+    first = cfgs[0]
+    with contextlib.ExitStack() as closing:
+        watchdog = closing.enter_context(contextlib.closing(Watchdog(
+            dataclasses.asdict(first.watchdog), Path(first.workdir), 0)))
+        for cfg in cfgs:
+            _claim(Path(cfg.workdir), closing)
+        starting("loading data and compiling")
+        group = build_group(cfgs)
+        goodput.compile_seconds = group.compile_seconds
+        trials = [_open_trial(group, cfg, closing) for cfg in cfgs]
+        watchdog.enter("restore")
+        starting("restoring")
+        states, start, window = _restore(group, trials)
+        goodput.redone_steps = max(drop_records_after(Path(cfg.workdir) / METRICS, start) for cfg in cfgs)
+        watchdog.enter("step")
+        end_startup()
+        _train(group, trials, states, start, window, goodput, watchdog, closing)
+    return trials
+
+
+def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack) -> Trial:
+    workdir = Path(cfg.workdir)
+    _write_run_files(cfg, group.plan, workdir)
+    writer = closing.enter_context(contextlib.closing(MetricWriter(
+        workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
+        tensorboard=cfg.log.tensorboard, name=workdir.name)))
+    checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
+        workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
+        staging=cfg.checkpoint.staging, verify=cfg.checkpoint.verify)))
+    return Trial(cfg, writer, checkpointer)
+
+
+def _train(group: Group, trials: list[Trial], states, start: int, window: Window, goodput: Goodput,
+           watchdog: Watchdog, closing: contextlib.ExitStack) -> None:
+    cfg = group.cfgs[0]
+    total, per_call, per_block = cfg.train.steps, cfg.train.steps_per_call, group.steps_per_block
+    batches = closing.enter_context(contextlib.closing(Prefetcher(group.train_block, start // per_block,
+                                                                  cfg.data.prefetch)))
+    preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
+    info = group.plan.dataset.info
+    rates = Throughput(group.cost, cfg.train.global_batch_size,
+                       cfg.train.global_batch_size * group.plan.family.task.tokens_per_example(info),
+                       group.mesh.devices.flat[0], cfg.train.compute_dtype, {})
+    sync = jax.default_backend() == "cpu" and group.mesh.size > 1
+    watchdog.watch(window.metrics)
+    block, last_saved = None, start or None
+    print(f"group of {len(trials)} runs on {_layout(group)}; {_data_text(group)}", flush=True)
+
+    def save(step):
+        with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
+            host = _trial_host(window) if window.steps else None
+            for index, trial in enumerate(trials):
+                if trial.live:
+                    carried = {"start": window.start, "metrics": host[:, index].tolist()} if host is not None else None
+                    meta = {"step": step, "data": {"next_step": step, "seed": trial.cfg.seed},
+                            "config": to_yaml(trial.cfg), "window": carried}
+                    trial.checkpointer.save(step, group.take(states, index), meta)
+
+    for step in range(start, total, per_call):
+        if block is None or step % per_block == 0:
+            block = next(batches)
+        watchdog.beat()
+        began = time.perf_counter()
+        states, metrics = group.train_step(states, block)
+        goodput.dispatch_seconds += time.perf_counter() - began
+        if sync or goodput.first_step_at is None:
+            jax.block_until_ready(metrics)
+            goodput.first_step_at = goodput.first_step_at or time.time()
+        window.add(metrics, per_call)
+        done = step + per_call
+        if _due(cfg.log.every_steps, done, total):
+            _log_trials(trials, window, done, start, rates, goodput, info.sources)
+            window = Window(done)
+            watchdog.watch(window.metrics)
+        if _due(cfg.eval.every_steps, done, total):
+            with _paused(window, goodput, "eval_seconds"), watchdog.phase("eval"):
+                _evaluate_trials(group, trials, states, done)
+        if _due(cfg.checkpoint.every_steps, done, total):
+            save(done)
+            last_saved = done
+        if preemption.should_stop(step + 1, done):
+            if last_saved != done:
+                save(done)
+            for trial in trials:
+                trial.checkpointer.wait()
+            raise Preempted(done, preemption.signum)
+        if not any(trial.live for trial in trials):
+            break
+    with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
+        for trial in trials:
+            trial.checkpointer.wait()
+    goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds
+    if total > start:
+        timing = goodput.summary(time.time())
+        summary = {**timing, **rates.summary(timing["mean_step_seconds"]), "trials": len(trials)}
+        for trial in trials:
+            if trial.live:
+                trial.writer.write(total, "summary", summary)
+        print(f"group of {len(trials)} runs: {summary_text(summary)}", flush=True)
+
+
+def _layout(group: Group) -> str:
+    sizes = " x ".join(f"{axis}={size}" for axis, size in group.mesh.shape.items() if size > 1 or axis == TRIAL)
+    return f"{group.mesh.size} device(s) ({sizes})"
+
+
+def _data_text(group: Group) -> str:
+    order = "one data order" if len(group.batches) == 1 else "each run its own data order (their seeds differ)"
+    where = "the train split lives on every device" if group.resident is not None else "batches from the host"
+    return f"{order}, {where}"
+
+
+def _log_trials(trials: list[Trial], window: Window, done: int, start: int, rates: Throughput,
+                goodput: Goodput, sources: tuple) -> None:
+    """Each live trial's train record from the group's window (one fetch for all)."""
+    waited = time.perf_counter()
+    host = _trial_host(window)
+    goodput.device_wait_seconds += time.perf_counter() - waited
+    goodput.loop_seconds += window.seconds()
+    for index, trial in enumerate(trials):
+        if not trial.live:
+            continue
+        try:
+            losses = _log_train(_view(window, host[:, index]), done, trial.cfg.train.nan_policy, trial.writer,
+                                rates, Goodput(0.0), sources)
+        except NonFiniteLoss as e:
+            trial.stop(str(e))
+            continue
+        trial.losses.update({s: loss for s, loss in losses.items() if s > start})
+
+
+def _evaluate_trials(group: Group, trials: list[Trial], states, step: int) -> None:
+    """Every trial on the eval split (the batches shared, the states vmapped)."""
+    cfg = group.cfgs[0]
+    totals = np.zeros((3, len(trials)))
+    size = group.plan.shapes.eval_batch
+    batch_sharding = sharding.batch_sharding(group.mesh)
+    for host_batch in eval_batches(group.plan.dataset.eval, size, cfg.eval.max_batches):
+        sums = jax.device_get(group.eval_step(states, jax.device_put(host_batch, batch_sharding)))
+        totals += np.array([sums["loss_sum"], sums["correct"], sums["count"]], np.float64)
+    for index, trial in enumerate(trials):
+        if not trial.live:
+            continue
+        loss_sum, correct, count = totals[:, index]
+        trial.eval_metrics = {"loss": loss_sum / count, "accuracy": correct / count}
+        trial.writer.write(step, "eval", trial.eval_metrics)
+        if not math.isfinite(trial.eval_metrics["loss"]) and trial.cfg.train.nan_policy == "stop":
+            trial.stop(f"eval loss is {trial.eval_metrics['loss']} at step {step}; lower optimizer.learning_rate")
