@@ -44,6 +44,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--retry-failed", action="store_true", help="run failed runs again")
         parser.add_argument("--run-task", type=int, help=argparse.SUPPRESS)  # inside a SLURM array task
         parser.add_argument("--task-runs", help=argparse.SUPPRESS)
+        parser.add_argument("--run-group", help=argparse.SUPPRESS)  # a vectorised group, in the sweep's child
         return parser
     if command == "report":
         parser = _Parser(prog="launch.py report", description="Rank runs by a metric: a console table, report.csv, "
@@ -156,7 +157,8 @@ def main(argv: list[str]) -> int:
     command = argv[0] if argv and argv[0] in COMMANDS else "train"
     from engine.preemption import Preempted, note_signals
 
-    if command == "train" and not any(arg.split("=")[0] == "--local-processes" for arg in argv):
+    trains = command == "train" or (command == "sweep" and "--run-group" in argv)  # a vectorised group trains
+    if trains and not any(arg.split("=")[0] == "--local-processes" for arg in argv):
         note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (see engine/preemption.py)
     args = _parser(command).parse_intermixed_args(argv[1:] if argv and argv[0] in COMMANDS else argv)
     from engine.errors import UsageError
@@ -179,7 +181,7 @@ def main(argv: list[str]) -> int:
             if args.parallel < 1:
                 raise UsageError(f"--parallel {args.parallel} must be at least 1")
             return sweep_main(args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task,
-                              args.task_runs)
+                              args.task_runs, args.run_group)
         if command == "report":
             from engine.report import report
 

@@ -316,7 +316,8 @@ def _train(group: Group, trials: list[Trial], states, start: int, window: Window
     sync = jax.default_backend() == "cpu" and group.mesh.size > 1
     watchdog.watch(window.metrics)
     block, last_saved = None, start or None
-    print(f"group of {len(trials)} runs on {_layout(group)}; {_data_text(group)}", flush=True)
+    begins = f"resuming from step {start}" if start else "from scratch"
+    print(f"group of {len(trials)} runs on {_layout(group)}, {begins}; {_data_text(group)}", flush=True)
 
     def save(step):
         with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):

@@ -1,10 +1,14 @@
 """`launch.py sweep SWEEP.yaml`: config sweeps (see spec.py for the file format)."""
 from __future__ import annotations
 
+import json
 import sys
+import time
+from pathlib import Path
 
 from engine.errors import UsageError
 from engine.report import report
+from engine.rundir import STATUS, write_json
 from engine.sweep.local import run_pending, write_index
 from engine.sweep.search import run_search, study_report
 from engine.sweep.slurm import run_task, submit_slurm
@@ -13,11 +17,39 @@ from engine.sweep.spec import RunSpec, Sweep, format_value, load_sweep, validate
 __all__ = ["RunSpec", "Sweep", "format_value", "load_sweep", "validate_runs", "main"]
 
 
+def run_group_task(sweep: Sweep, names_file: str) -> int:
+    """Inside a sweep's child process: trains the runs named in `names_file` (a JSON list) as
+    one vectorised group; a run whose loss diverged is marked failed here, alone."""
+    from engine.vectorize import fit_group
+
+    started = time.time()
+    try:
+        names = json.loads(Path(names_file).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--run-group {names_file} is not a readable JSON list of run names: {e}") from None
+    by_name = {run.name: run for run in sweep.runs}
+    missing = [name for name in names if name not in by_name]
+    if missing or not names:
+        raise UsageError(f"--run-group {names_file}: no run of {sweep.path.name} is called {missing or names}")
+    runs = [by_name[name] for name in names]
+    trials = fit_group([sweep.config(run) for run in runs], started)
+    for run, trial in zip(runs, trials):
+        if trial.error:
+            write_json(sweep.workdir(run) / STATUS, {"status": "failed", "exit_code": 1, "error": trial.error,
+                                                     "seconds": round(time.time() - started, 2)})
+    return 0
+
+
 def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task: int | None = None,
-         task_runs: str | None = None) -> int:
+         task_runs: str | None = None, group: str | None = None) -> int:
     sweep = load_sweep(sweep_file)
     if task is not None:
         return run_task(sweep, task, task_runs or "")
+    if group is not None:
+        return run_group_task(sweep, group)
+    if sweep.vectorize and backend == "slurm":
+        raise UsageError("vectorize groups runs into local processes; with --backend slurm each run is its own "
+                         "array task: remove vectorize, or run the sweep locally")
     validate_runs(sweep)  # one bad value stops the sweep before anything runs
     sweep.directory.mkdir(parents=True, exist_ok=True)
     if not sweep.search:  # a search's index is written as its trials end

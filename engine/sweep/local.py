@@ -2,6 +2,7 @@
 the sweep's index (sweep.jsonl) is made from those statuses."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -34,18 +35,48 @@ def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid()})
     start = time.time()
-    with open(workdir / "run.log", "a") as log:
-        child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
-                                 stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
-        code = _wait(child)
+    code = _child([sys.executable, str(LAUNCH), *sweep.argv(run)], workdir / "run.log", env)
+    write_json(workdir / STATUS, _ended(code, workdir / "run.log", start))
+    return code
+
+
+def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int:
+    """Trains runs that share a compiled program as one vectorised child process (its output
+    in the sweep directory's group-<id>.log); each run's status is its own: the child marks
+    a run whose loss diverged failed, the others follow its exit code."""
+    names = [run.name for run in runs]
+    ident = hashlib.sha1("\n".join(names).encode()).hexdigest()[:10]
+    groups = sweep.directory / "groups"
+    groups.mkdir(exist_ok=True)
+    write_atomic(groups / f"{ident}.json", json.dumps(names))
+    for run in runs:
+        sweep.workdir(run).mkdir(parents=True, exist_ok=True)
+        write_json(sweep.workdir(run) / STATUS, {"status": "running", "pid": os.getpid(), "group": ident})
+    start, log = time.time(), groups / f"{ident}.log"
+    code = _child([sys.executable, str(LAUNCH), "sweep", str(sweep.path), "--run-group", str(groups / f"{ident}.json")],
+                  log, env)
+    for run in runs:
+        if read_status(sweep.workdir(run)).get("status") == "running":
+            write_json(sweep.workdir(run) / STATUS, {**_ended(code, log, start), "group": ident})
+    return code
+
+
+def _child(argv: list[str], log_path: Path, env: dict | None) -> int:
+    with open(log_path, "a") as log:
+        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
+                                 start_new_session=True)
+        return _wait(child)
+
+
+def _ended(code: int, log: Path, start: float) -> dict:
+    """A run's status once its process has exited with `code`."""
     # stopped by a signal (saved, 143/130), or ended while this sweep was being stopped (a run
     # still starting has no handler yet): interrupted, resumed on the next run of the sweep
     status = "finished" if code == 0 else "interrupted" if code in (143, 130) or STOPPING.is_set() else "failed"
     record = {"status": status, "exit_code": code, "seconds": round(time.time() - start, 2)}
     if status == "failed":
-        record["error"] = _last_error(workdir / "run.log")
-    write_json(workdir / STATUS, record)
-    return code
+        record["error"] = _last_error(log)
+    return record
 
 
 _children: list[subprocess.Popen] = []
@@ -102,18 +133,55 @@ def _nvidia_gpus() -> list[str]:
     return [str(i) for i in range(len(list(path.iterdir())))] if path.is_dir() else []
 
 
-def _next_free(sweep: Sweep, queue: list[RunSpec], waiting: set[str]):
-    """The first queued run whose workdir no trainer holds. A trainer left running by an earlier
-    sweep process (killed, its trainer orphaned) keeps its lock: its run waits for it to end,
-    then starts and resumes (or finds it finished), instead of training twice at once."""
-    for run in queue:
-        holder = lock_holder(sweep.workdir(run))
-        if holder is None:
-            return run
-        if run.name not in waiting:
-            waiting.add(run.name)
-            print(f"waiting for {run.name}: a trainer still runs in its workdir ({holder})", flush=True)
+def _next_free(sweep: Sweep, queue: list[list[RunSpec]], waiting: set[str]):
+    """The first queued unit (one run, or a vectorised group) whose workdirs no trainer holds.
+    A trainer left running by an earlier sweep process (killed, its trainer orphaned) keeps
+    its lock: its run waits for it to end, then starts and resumes (or finds it finished),
+    instead of training twice at once."""
+    for unit in queue:
+        held = [(run, lock_holder(sweep.workdir(run))) for run in unit]
+        held = [(run, holder) for run, holder in held if holder is not None]
+        if not held:
+            return unit
+        for run, holder in held:
+            if run.name not in waiting:
+                waiting.add(run.name)
+                print(f"waiting for {run.name}: a trainer still runs in its workdir ({holder})", flush=True)
     return None
+
+
+def units(sweep: Sweep, todo: list[RunSpec]) -> list[list[RunSpec]]:
+    """What runs as one process: each run alone, or (vectorize) runs that share a compiled
+    program and resume from one step, up to sweep.vectorize per group; says how it grouped."""
+    if not sweep.vectorize:
+        return [[run] for run in todo]
+    from engine.vectorize import check_vectorizable, program_settings, shape_differences
+
+    groups: dict[tuple, list[RunSpec]] = {}
+    configs = {}
+    for run in todo:
+        configs[run.name] = cfg = sweep.config(run)
+        check_vectorizable(cfg, f"run '{run.name}'")
+        key = (json.dumps(program_settings(cfg), sort_keys=True, default=str), _resume_step(sweep.workdir(run)))
+        groups.setdefault(key, []).append(run)
+    chunks = [runs[i:i + sweep.vectorize] for runs in groups.values() for i in range(0, len(runs), sweep.vectorize)]
+    print(f"vectorize: {len(todo)} runs as {len(chunks)} program(s) of " + ", ".join(str(len(c)) for c in chunks),
+          flush=True)
+    listed = list(groups.items())
+    for i, (key, runs) in enumerate(listed[1:], 1):
+        same = [(k, r) for k, r in listed[:i] if k[0] == key[0]]  # one program, another resume step
+        other_key, others = same[0] if same else listed[0]
+        differs = shape_differences(configs[others[0].name], configs[runs[0].name])
+        why = (f"{', '.join(differs)} change the compiled program" if differs else
+               f"they resume from step {key[1]}, it from step {other_key[1]}")
+        print(f"  {runs[0].name} (+{len(runs) - 1}) apart from {others[0].name}: {why}", flush=True)
+    return chunks
+
+
+def _resume_step(workdir: Path) -> int:
+    """The newest complete checkpoint step in a workdir (0: none)."""
+    steps = [int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit() and p.is_dir()]
+    return max(steps, default=0)
 
 
 def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
@@ -138,21 +206,23 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         envs = device_envs(parallel)
-        slots: dict[int, tuple[RunSpec, threading.Thread]] = {}
-        queue, waiting = list(todo), set()
+        slots: dict[int, tuple[list[RunSpec], threading.Thread]] = {}
+        queue, waiting = units(sweep, todo), set()
         while (queue and not stopping) or slots:
             for slot in range(parallel):
-                run = slot not in slots and not stopping and _next_free(sweep, queue, waiting)
-                if run:
-                    queue.remove(run)
-                    print(f"start {run.name}", flush=True)
-                    thread = threading.Thread(target=run_one, args=(sweep, run, envs[slot]), daemon=True)
+                unit = slot not in slots and not stopping and _next_free(sweep, queue, waiting)
+                if unit:
+                    queue.remove(unit)
+                    print(f"start {', '.join(run.name for run in unit)}", flush=True)
+                    target, args = (run_one, unit[0]) if len(unit) == 1 else (run_group, unit)
+                    thread = threading.Thread(target=target, args=(sweep, args, envs[slot]), daemon=True)
                     thread.start()
-                    slots[slot] = (run, thread)
-            for slot, (run, thread) in list(slots.items()):
+                    slots[slot] = (unit, thread)
+            for slot, (unit, thread) in list(slots.items()):
                 if not thread.is_alive():
                     del slots[slot]
-                    print(f"{read_status(sweep.workdir(run)).get('status', '?'):>11} {run.name}", flush=True)
+                    for run in unit:
+                        print(f"{read_status(sweep.workdir(run)).get('status', '?'):>11} {run.name}", flush=True)
                     write_index(sweep)
             time.sleep(0.1)
     finally:

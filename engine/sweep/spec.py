@@ -10,6 +10,8 @@ each run a `launch.py` training process in its own workdir under the sweep's dir
     mode: max                            # or min
     directory: runs/my_sweep             # default runs/<sweep file name>
     slurm: {partition: gpu, time: "01:00:00", cpus_per_task: 4, gres: "gpu:1"}
+    vectorize: 8                         # or auto: runs that share a compiled program train
+                                         # K at a time as one program (engine/vectorize.py)
 
 Runs are the product of the grid's axes, the zip group (one axis) and the random samples;
 or, with `search:` (and `pruner:`), the trials of an Optuna study (search.py).
@@ -35,12 +37,14 @@ from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
 
 LAUNCH = Path(__file__).resolve().parent.parent.parent / "launch.py"
-SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm", "search", "pruner"}
+SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm", "search", "pruner",
+              "vectorize"}
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")
 SAMPLERS = ("tpe", "random", "grid")  # a search's (Optuna's) samplers and pruners with their settings
 PRUNERS = {"median": ("startup_trials", "warmup_steps"), "successive_halving": ("min_resource", "reduction_factor"),
            "hyperband": ("min_resource", "max_resource", "reduction_factor")}
 MAX_RUNS = 10_000  # runs one sweep file may make (grid × zip × random samples)
+MAX_VECTOR = 64  # vectorize: auto puts at most this many runs in one program
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Sweep:
     slurm: dict = field(default_factory=dict)
     search: dict | None = None  # an Optuna study (search.py): runs are its trials, made as it goes
     pruner: dict | None = None
+    vectorize: int = 0  # runs per vectorised program (0: each run its own process)
 
     def workdir(self, run: RunSpec) -> Path:
         return self.directory / run.name
@@ -70,6 +75,14 @@ class Sweep:
         values = {**self.overrides, **run.overrides}
         return ["--config", str(self.base), "--workdir", str(self.workdir(run)), "log.progress=false",
                 *(f"{key}={format_value(value)}" for key, value in values.items())]
+
+    def config(self, run: RunSpec):
+        """The run's validated Config; UsageError naming the run if a value is bad."""
+        args = self.argv(run)
+        try:
+            return load_config(self.base, args[4:], args[3], override_source=f"the sweep file {self.path.name}")
+        except UsageError as e:
+            raise UsageError(f"run '{run.name}': {e}") from None
 
 
 def format_value(value) -> str:
@@ -222,6 +235,18 @@ def check_search(search: dict, pruner: dict | None, where: str) -> None:
                              f"not {', '.join(sorted(unknown))}")
 
 
+def _vectorize(value, where: str) -> int:
+    """`vectorize:` → runs per program: a whole number (1 = off), or auto (MAX_VECTOR)."""
+    if value is None or value is False:
+        return 0
+    if value == "auto":
+        return MAX_VECTOR
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1024:
+        raise UsageError(f"{where}: vectorize={value!r} must be a whole number of runs per program (1 to 1024) or "
+                         "auto")
+    return value if value > 1 else 0
+
+
 def load_sweep(path: str | os.PathLike) -> Sweep:
     path = Path(path).absolute()
     if not path.is_file():
@@ -277,7 +302,11 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
                              f"random; use one or the other")
         check_search(search, pruner, f"sweep file {path}")
         runs = []
-    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner)
+    vectorize = _vectorize(spec.get("vectorize"), f"sweep file {path}")
+    if vectorize and search is not None:
+        raise UsageError(f"sweep file {path}: a search makes its trials one at a time and cannot vectorise them; "
+                         "remove vectorize, or use grid/zip/random")
+    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner, vectorize)
 
 
 def _search_probes(search: dict) -> list[RunSpec]:
@@ -294,8 +323,4 @@ def validate_runs(sweep: Sweep) -> None:
     """Loads every run's config before any run starts; the first bad one stops the sweep.
     A search loads its ranges' ends and each choice."""
     for run in _search_probes(sweep.search) if sweep.search else sweep.runs:
-        args = sweep.argv(run)
-        try:
-            load_config(sweep.base, args[4:], args[3], override_source=f"the sweep file {sweep.path.name}")
-        except UsageError as e:
-            raise UsageError(f"run '{run.name}': {e}") from None
+        sweep.config(run)

@@ -1,0 +1,160 @@
+"""Vectorised runs (a sweep's `vectorize:`): K configs trained as one program give each
+config's own losses, keep each run's files, stop a diverging run alone, resume exactly,
+and never share a program between configs of different shapes."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from engine.errors import UsageError
+from engine.rundir import read_records
+from engine.sweep import load_sweep
+from engine.sweep.local import units
+from engine.trainer import fit
+from engine.vectorize import fit_group
+
+# four configs differing in learning rate, weight decay, dropout rate, seed and clipping norm
+VARIANTS = [["optimizer.learning_rate=0.001"],
+            ["optimizer.learning_rate=0.004", "optimizer.weight_decay=0.3"],
+            ["model.dropout_rate=0.5", "optimizer.b2=0.99"],
+            ["seed=3", "optimizer.grad_clip_norm=0.5", "optimizer.eps=1e-6"]]
+COMMON = ["optimizer.name=adamw", "optimizer.grad_clip_norm=1.0", "train.steps=20", "train.steps_per_call=5",
+          "log.every_steps=5", "eval.every_steps=10", "checkpoint.every_steps=10", "train.global_batch_size=32"]
+
+
+def _losses(losses: dict) -> np.ndarray:
+    return np.array([losses[step] for step in sorted(losses)])
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path, devices):
+    """On one device, and on 8 with the trial axis on the mesh (4 trials x data=2)."""
+    mesh = [f"mesh.num_devices={devices}"]
+    cfgs = [make_config("mnist_mlp.yaml", *COMMON, *mesh, *v, workdir=tmp_path / f"v{i}")
+            for i, v in enumerate(VARIANTS)]
+    trials = fit_group(cfgs)
+    for i, (variant, trial) in enumerate(zip(VARIANTS, trials)):
+        alone = fit(make_config("mnist_mlp.yaml", *COMMON, *variant, workdir=tmp_path / f"alone{i}"))
+        assert trial.error is None
+        assert sorted(trial.losses) == list(range(1, 21))
+        np.testing.assert_allclose(_losses(trial.losses), _losses(alone.losses), rtol=1e-6)
+        assert trial.eval_metrics["loss"] == pytest.approx(alone.eval_metrics["loss"], rel=1e-6)
+        workdir = tmp_path / f"v{i}"  # each run's own files, as a run alone writes them
+        assert (workdir / "config.yaml").is_file()
+        assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+        records = read_records(workdir / "metrics.jsonl")
+        assert [r["step"] for r in records if r["split"] == "train"] == [5, 10, 15, 20]
+        assert [r["step"] for r in records if r["split"] == "eval"] == [10, 20]
+    # the configs differ: so do their losses (the comparison above is not of one run four times)
+    assert len({round(float(_losses(t.losses)[-1]), 6) for t in trials}) == 4
+
+
+def test_a_vectorised_runs_checkpoint_resumes_alone(make_config, tmp_path):
+    """A trial's checkpoints are a run's own: `launch.py train` continues one alone, exactly."""
+    cfgs = [make_config("mnist_mlp.yaml", *COMMON, *v, workdir=tmp_path / f"v{i}") for i, v in enumerate(VARIANTS[:2])]
+    fit_group(cfgs)
+    longer = ["train.steps=30"]
+    resumed = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "v1"))
+    alone = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "alone"))
+    assert sorted(resumed.losses) == list(range(21, 31))
+    np.testing.assert_allclose(_losses(resumed.losses), _losses({s: alone.losses[s] for s in range(21, 31)}),
+                               rtol=1e-6)
+
+
+def test_a_diverging_run_stops_alone(make_config, tmp_path):
+    cfgs = [make_config("mnist_mlp.yaml", *COMMON, f"optimizer.learning_rate={lr}", "optimizer.name=sgd",
+                        "optimizer.grad_clip_norm=0", workdir=tmp_path / f"v{i}") for i, lr in enumerate([0.05, 1e30])]
+    good, bad = fit_group(cfgs)
+    assert bad.error is not None and "loss is nan" in bad.error
+    assert good.error is None and sorted(good.losses) == list(range(1, 21))
+    assert not [p for p in (tmp_path / "v1" / "checkpoints").iterdir() if p.name.isdigit()]  # nothing saved after
+    assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+
+
+def _sweep_file(path, directory, **extra):
+    spec = {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "directory": str(directory),
+            "overrides": {"train.steps": 60, "train.steps_per_call": 5, "log.every_steps": 5, "eval.every_steps": 30,
+                          "checkpoint.every_steps": 10, "train.global_batch_size": 32, "log.tensorboard": False,
+                          "optimizer.name": "adamw"},
+            "grid": {"optimizer.learning_rate": [0.001, 0.003], "optimizer.weight_decay": [0.0, 0.1]},
+            "vectorize": "auto", **extra}
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_grouping_by_compiled_program(tmp_path, capsys):
+    """Configs that change shapes (hidden size, batch size) never share a program; the sweep says why."""
+    sweep = load_sweep(_sweep_file(tmp_path / "s.yaml", tmp_path / "out", vectorize=2,
+                                   zip={"model.hidden_sizes": [[32], [64], [32]],
+                                        "train.global_batch_size": [32, 32, 64]}))
+    groups = units(sweep, sweep.runs)
+    said = capsys.readouterr().out
+    assert "12 runs as 6 program(s) of 2, 2, 2, 2, 2, 2" in said
+    assert "model.hidden_sizes change the compiled program" in said
+    assert "train.global_batch_size change the compiled program" in said
+    for group in groups:  # within a group only learning rate and weight decay differ
+        shapes = {(json.dumps(r.overrides["model.hidden_sizes"]), r.overrides["train.global_batch_size"])
+                  for r in group}
+        assert len(shapes) == 1
+    # a run that resumes from another step is grouped apart
+    first = sweep.workdir(sweep.runs[0]) / "checkpoints" / "10"
+    first.mkdir(parents=True)
+    groups = units(sweep, sweep.runs)
+    assert [sweep.runs[0]] in groups
+    assert "they resume from step 0, it from step 10" in capsys.readouterr().out
+
+
+def test_vectorize_settings_are_checked(tmp_path):
+    with pytest.raises(UsageError, match="vectorize='some' must be a whole number"):
+        load_sweep(_sweep_file(tmp_path / "a.yaml", tmp_path / "o", vectorize="some"))
+    with pytest.raises(UsageError, match="cannot vectorise"):
+        load_sweep(_sweep_file(tmp_path / "b.yaml", tmp_path / "o", grid=None, search={
+            "trials": 2, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]}}}))
+    sweep = load_sweep(_sweep_file(tmp_path / "c.yaml", tmp_path / "o", overrides={"mesh.backend": "pmap"}))
+    with pytest.raises(UsageError, match="set mesh.backend=jit"):
+        units(sweep, sweep.runs)
+
+
+def _train_losses(directory) -> dict:
+    losses = {}
+    for workdir in sorted(p for p in directory.iterdir() if (p / "metrics.jsonl").is_file()):
+        losses[workdir.name] = [(r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl")
+                                if r["split"] == "train"]
+    return losses
+
+
+def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
+    """SIGKILL of the sweep and its group mid-way; the re-run resumes every run from its
+    checkpoint and ends with the metrics of a sweep that never stopped."""
+    whole = _sweep_file(tmp_path / "whole.yaml", tmp_path / "whole")
+    assert run_cli("sweep", str(whole), timeout=600).returncode == 0
+    cut = _sweep_file(tmp_path / "cut.yaml", tmp_path / "cut")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    sweep = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(cut)], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    checkpoints = [tmp_path / "cut" / run / "checkpoints" / "20" for run in _train_losses(tmp_path / "whole")]
+    while not all(p.is_dir() for p in checkpoints) and time.time() < deadline and sweep.poll() is None:
+        time.sleep(0.05)
+    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its child, no chance to save
+    sweep.wait()
+    assert all(p.is_dir() for p in checkpoints), "the sweep ended before every run had saved step 20"
+    statuses = [json.loads(line)["status"] for line in (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()]
+    assert "finished" not in statuses
+    rerun = run_cli("sweep", str(cut), timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "4 to run (4 resuming from a checkpoint" in rerun.stdout
+    (log,) = (tmp_path / "cut" / "groups").glob("*.log")
+    assert int(re.findall(r"resuming from step (\d+)", log.read_text())[-1]) >= 20
+    expected, got = _train_losses(tmp_path / "whole"), _train_losses(tmp_path / "cut")
+    assert len(expected) == 4 and got == expected
+    index = [json.loads(line) for line in (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()]
+    assert [entry["status"] for entry in index] == ["finished"] * 4
