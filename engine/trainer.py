@@ -83,9 +83,11 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
         if run.inputs.resident_bytes and start < total:
             writer.message(_resident_message(run))
 
+        config_text = to_yaml(cfg)  # once: it takes ~0.1 s
+
         def save(step):
             with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
-                meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": to_yaml(cfg),
+                meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": config_text,
                         "window": window.carried()}
                 checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once off the devices
 

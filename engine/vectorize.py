@@ -214,6 +214,7 @@ class Trial:
     losses: dict = dataclasses.field(default_factory=dict)  # step → train loss (this process's steps)
     eval_metrics: dict = dataclasses.field(default_factory=dict)
     error: Optional[str] = None  # why it stopped alone (a non-finite loss), else None
+    config_text: str = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
 
     @property
     def live(self) -> bool:
@@ -299,7 +300,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack) -> Tri
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
         workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
         staging=cfg.checkpoint.staging, verify=cfg.checkpoint.verify)))
-    return Trial(cfg, writer, checkpointer)
+    return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg))
 
 
 def _train(group: Group, trials: list[Trial], states, start: int, window: Window, goodput: Goodput,
@@ -326,7 +327,7 @@ def _train(group: Group, trials: list[Trial], states, start: int, window: Window
                 if trial.live:
                     carried = {"start": window.start, "metrics": host[:, index].tolist()} if host is not None else None
                     meta = {"step": step, "data": {"next_step": step, "seed": trial.cfg.seed},
-                            "config": to_yaml(trial.cfg), "window": carried}
+                            "config": trial.config_text, "window": carried}
                     trial.checkpointer.save(step, group.take(states, index), meta)
 
     for step in range(start, total, per_call):
