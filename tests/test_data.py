@@ -6,6 +6,7 @@ import pytest
 
 from engine.config import DataConfig
 from engine.data import Prefetcher, TrainBatches, eval_batches, load_dataset, process_rows
+from engine.data.sources import digits_arrays
 from engine.errors import UsageError
 
 
@@ -36,6 +37,16 @@ def test_digits_is_the_real_embedded_dataset():
     assert ds.info.num_train + ds.info.num_eval == 1797
     assert ds.info.input_shape == (8, 8, 1) and ds.info.num_classes == 10
     assert 0.0 <= ds.train["image"].min() and ds.train["image"].max() <= 1.0
+
+
+def test_digits_are_read_as_scikit_learn_loads_them():
+    """The engine reads scikit-learn's digits file itself (importing scikit-learn takes ~2 s)."""
+    from sklearn.datasets import load_digits
+
+    images, labels = digits_arrays()
+    bunch = load_digits()
+    np.testing.assert_array_equal(images, bunch.images)
+    np.testing.assert_array_equal(labels, bunch.target)
 
 
 def test_synthetic_has_requested_shapes():

@@ -128,6 +128,20 @@ def device_envs(parallel: int) -> list[dict]:
     return [base] * parallel
 
 
+def cpu_devices_env(env: dict, trials: int, parallel: int) -> dict:
+    """A vectorised group's environment: where its devices are the host's CPU, one CPU device
+    per core of its slot (the most that divide the trials), so the trial axis runs on every
+    core (XLA runs a small step on one core per device). Simulated devices already set stay;
+    on a GPU or TPU host the flag only shapes the CPU platform, which the group does not use."""
+    marker = "--xla_force_host_platform_device_count="
+    flags = env.get("XLA_FLAGS", "")
+    if marker in flags:
+        return env
+    cores = max(len(os.sched_getaffinity(0)) // parallel, 1)
+    devices = max(d for d in range(1, cores + 1) if trials % d == 0)
+    return dict(env, XLA_FLAGS=f"{flags} {marker}{devices}".strip()) if devices > 1 else env
+
+
 def _nvidia_gpus() -> list[str]:
     path = Path("/proc/driver/nvidia/gpus")
     return [str(i) for i in range(len(list(path.iterdir())))] if path.is_dir() else []
@@ -214,8 +228,9 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
                 if unit:
                     queue.remove(unit)
                     print(f"start {', '.join(run.name for run in unit)}", flush=True)
-                    target, args = (run_one, unit[0]) if len(unit) == 1 else (run_group, unit)
-                    thread = threading.Thread(target=target, args=(sweep, args, envs[slot]), daemon=True)
+                    target, args, env = ((run_one, unit[0], envs[slot]) if len(unit) == 1 else
+                                         (run_group, unit, cpu_devices_env(envs[slot], len(unit), parallel)))
+                    thread = threading.Thread(target=target, args=(sweep, args, env), daemon=True)
                     thread.start()
                     slots[slot] = (unit, thread)
             for slot, (unit, thread) in list(slots.items()):
