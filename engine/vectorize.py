@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -150,8 +151,12 @@ class Group:
 
     def take(self, states, index: int):
         """Trial `index`'s state, laid out as a run alone on this mesh would be (for a save)."""
-        return jax.jit(lambda s: jax.tree.map(lambda x: x[index], s),
-                       out_shardings=self.plan.state.shardings)(states)
+        return self._take(states, np.int32(index))
+
+    @functools.cached_property
+    def _take(self):  # one compiled program for every trial: the index is an argument
+        return jax.jit(lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
+                       out_shardings=self.plan.state.shardings)
 
 
 def build_group(cfgs: list[Config]) -> Group:
