@@ -600,3 +600,43 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
                                       num_processes=0, process_id=-1)
     write_atomic(path, to_yaml(dataclasses.replace(cfg, distributed=launch_free)))
 
+
+# Vectorised runs (engine/vectorize.py): which configs can share one compiled program.
+# config keys whose values are numbers in the train state (plus the model family's hparams)
+VECTOR_KEYS = ("seed", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.end_learning_rate_factor",
+               "optimizer.weight_decay", "optimizer.momentum", "optimizer.b2", "optimizer.eps",
+               "optimizer.grad_clip_norm")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def program_settings(cfg: Config) -> dict[str, Any]:
+    """The settings that make a run's compiled program: the whole config but its VECTOR_KEYS,
+    the family's hyperparameters and the workdir (clipping on or off stays: it is a program)."""
+    from models import REGISTRY
+
+    flat = _flat(dataclasses.asdict(cfg))
+    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in REGISTRY[cfg.model.name].hparams} | {"workdir"}
+    settings = {key: value for key, value in flat.items() if key not in vector}
+    settings["optimizer.grad_clip"] = bool(cfg.optimizer.grad_clip_norm)
+    return settings
+
+
+def shape_differences(a: Config, b: Config) -> list[str]:
+    """The program settings in which two configs differ (empty: they can share one program)."""
+    sa, sb = program_settings(a), program_settings(b)
+    return sorted(key for key in sa.keys() | sb.keys() if sa.get(key) != sb.get(key))
+
+
+def check_vectorizable(cfg: Config, where: str) -> None:
+    if cfg.mesh.backend != "jit" or cfg.train.eager:
+        raise UsageError(f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
+                         f"train.eager=false, or remove vectorize")

@@ -34,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from engine import sharding
 from engine.backends import _abstract, _replicated_arrays
 from engine.checkpoint import Checkpointer
-from engine.config import MESH_AXES, Config, to_yaml
+from engine.config import MESH_AXES, Config, check_vectorizable, shape_differences, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.errors import UsageError
 from engine.mesh import mesh_shape, num_devices
@@ -46,47 +46,9 @@ from engine.setup import Plan, plan_run, run_hparams, train_batches, with_config
 from engine.step import TRAIN_METRICS
 from engine.trainer import NonFiniteLoss, _claim, _due, _log_train, _paused, _write_run_files
 from engine.watchdog import Watchdog
-from models import REGISTRY, constrained_activations
+from models import constrained_activations
 
 TRIAL = "trial"  # the mesh axis over trials
-# config keys whose values are numbers in the train state (plus the model family's hparams)
-VECTOR_KEYS = ("seed", "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.end_learning_rate_factor",
-               "optimizer.weight_decay", "optimizer.momentum", "optimizer.b2", "optimizer.eps",
-               "optimizer.grad_clip_norm")
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def program_settings(cfg: Config) -> dict[str, Any]:
-    """The settings that make a run's compiled program: the whole config but its VECTOR_KEYS,
-    the family's hyperparameters and the workdir (clipping on or off stays: it is a program)."""
-    flat = _flat(dataclasses.asdict(cfg))
-    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in REGISTRY[cfg.model.name].hparams} | {"workdir"}
-    settings = {key: value for key, value in flat.items() if key not in vector}
-    settings["optimizer.grad_clip"] = bool(cfg.optimizer.grad_clip_norm)
-    return settings
-
-
-def shape_differences(a: Config, b: Config) -> list[str]:
-    """The program settings in which two configs differ (empty: they can share one program)."""
-    sa, sb = program_settings(a), program_settings(b)
-    return sorted(key for key in sa.keys() | sb.keys() if sa.get(key) != sb.get(key))
-
-
-def check_vectorizable(cfg: Config, where: str) -> None:
-    if cfg.mesh.backend != "jit" or cfg.train.eager:
-        raise UsageError(f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
-                         f"train.eager=false, or remove vectorize")
-
-
 def group_mesh(cfg: Config, trials: int) -> Mesh:
     """The devices as a (trial, *MESH_AXES) mesh: the most trials side by side that divide both
     the trials and the devices while each trial's share still takes the config's mesh."""

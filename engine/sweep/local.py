@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from engine.config import check_vectorizable, program_settings, shape_differences
 from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
 from engine.sweep.spec import LAUNCH, RunSpec, Sweep
 
@@ -169,8 +170,6 @@ def units(sweep: Sweep, todo: list[RunSpec]) -> list[list[RunSpec]]:
     program and resume from one step, up to sweep.vectorize per group; says how it grouped."""
     if not sweep.vectorize:
         return [[run] for run in todo]
-    from engine.vectorize import check_vectorizable, program_settings, shape_differences
-
     groups: dict[tuple, list[RunSpec]] = {}
     configs = {}
     for run in todo:

@@ -22,6 +22,7 @@ as a SLURM job array.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import math
@@ -66,6 +67,7 @@ class Sweep:
     search: dict | None = None  # an Optuna study (search.py): runs are its trials, made as it goes
     pruner: dict | None = None
     vectorize: int = 0  # runs per vectorised program (0: each run its own process)
+    _configs: dict = field(default_factory=dict, repr=False)  # run name → its loaded Config
 
     def workdir(self, run: RunSpec) -> Path:
         return self.directory / run.name
@@ -77,12 +79,16 @@ class Sweep:
                 *(f"{key}={format_value(value)}" for key, value in values.items())]
 
     def config(self, run: RunSpec):
-        """The run's validated Config; UsageError naming the run if a value is bad."""
-        args = self.argv(run)
-        try:
-            return load_config(self.base, args[4:], args[3], override_source=f"the sweep file {self.path.name}")
-        except UsageError as e:
-            raise UsageError(f"run '{run.name}': {e}") from None
+        """The run's validated Config (a copy of the one loaded first); UsageError naming the
+        run if a value is bad."""
+        if run.name not in self._configs:
+            args = self.argv(run)
+            try:
+                self._configs[run.name] = load_config(self.base, args[4:], args[3],
+                                                      override_source=f"the sweep file {self.path.name}")
+            except UsageError as e:
+                raise UsageError(f"run '{run.name}': {e}") from None
+        return copy.deepcopy(self._configs[run.name])
 
 
 def format_value(value) -> str:
