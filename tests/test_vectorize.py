@@ -4,10 +4,12 @@ and never share a program between configs of different shapes."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from engine.rundir import read_records
 from engine.sweep import load_sweep
 from engine.sweep.local import units
 from engine.trainer import fit
-from engine.vectorize import fit_group
+from engine.vectorize import fit_group, group_mesh
 
 # four configs differing in learning rate, weight decay, dropout rate, seed and clipping norm
 VARIANTS = [["optimizer.learning_rate=0.001"],
@@ -40,6 +42,8 @@ def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path, dev
     mesh = [f"mesh.num_devices={devices}"]
     cfgs = [make_config("mnist_mlp.yaml", *COMMON, *mesh, *v, workdir=tmp_path / f"v{i}")
             for i, v in enumerate(VARIANTS)]
+    mesh_shape = dict(group_mesh(cfgs[0], len(cfgs)).shape)
+    assert (mesh_shape["trial"], mesh_shape["data"]) == ((4, 2) if devices == 8 else (1, 1))
     trials = fit_group(cfgs)
     for i, (variant, trial) in enumerate(zip(VARIANTS, trials)):
         alone = fit(make_config("mnist_mlp.yaml", *COMMON, *variant, workdir=tmp_path / f"alone{i}"))
@@ -81,7 +85,7 @@ def test_a_diverging_run_stops_alone(make_config, tmp_path):
 
 def _sweep_file(path, directory, **extra):
     spec = {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "directory": str(directory),
-            "overrides": {"train.steps": 60, "train.steps_per_call": 5, "log.every_steps": 5, "eval.every_steps": 30,
+            "overrides": {"train.steps": 100, "train.steps_per_call": 5, "log.every_steps": 25, "eval.every_steps": 50,
                           "checkpoint.every_steps": 10, "train.global_batch_size": 32, "log.tensorboard": False,
                           "optimizer.name": "adamw"},
             "grid": {"optimizer.learning_rate": [0.001, 0.003], "optimizer.weight_decay": [0.0, 0.1]},
@@ -131,9 +135,22 @@ def _train_losses(directory) -> dict:
     return losses
 
 
+def _pids_running(sweep_file) -> list[int]:
+    """Processes started with `sweep_file` in their command line (a sweep and its children)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(sweep_file).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            continue
+    return pids
+
+
 def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     """SIGKILL of the sweep and its group mid-way; the re-run resumes every run from its
-    checkpoint and ends with the metrics of a sweep that never stopped."""
+    checkpoint and ends with the metrics of a sweep that never stopped (step 20's checkpoint
+    cuts a 25-step log window: it carries the window's first steps)."""
     whole = _sweep_file(tmp_path / "whole.yaml", tmp_path / "whole")
     assert run_cli("sweep", str(whole), timeout=600).returncode == 0
     cut = _sweep_file(tmp_path / "cut.yaml", tmp_path / "cut")
@@ -144,16 +161,23 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     checkpoints = [tmp_path / "cut" / run / "checkpoints" / "20" for run in _train_losses(tmp_path / "whole")]
     while not all(p.is_dir() for p in checkpoints) and time.time() < deadline and sweep.poll() is None:
         time.sleep(0.05)
-    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its child, no chance to save
+    for pid in [sweep.pid, *_pids_running(cut)]:  # the sweep and its group's process, no chance to save
+        os.kill(pid, signal.SIGKILL)
     sweep.wait()
+    while _pids_running(cut):
+        time.sleep(0.05)
     assert all(p.is_dir() for p in checkpoints), "the sweep ended before every run had saved step 20"
+    for step_dir in (tmp_path / "cut").glob("*/checkpoints/*"):  # as if killed right after step 20:
+        if not step_dir.name.isdigit() or int(step_dir.name) > 20:  # its window carries steps 1..20 of 25
+            shutil.rmtree(step_dir)
     statuses = [json.loads(line)["status"] for line in (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()]
     assert "finished" not in statuses
     rerun = run_cli("sweep", str(cut), timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "4 to run (4 resuming from a checkpoint" in rerun.stdout
-    (log,) = (tmp_path / "cut" / "groups").glob("*.log")
-    assert int(re.findall(r"resuming from step (\d+)", log.read_text())[-1]) >= 20
+    resumed = [int(step) for log in (tmp_path / "cut" / "groups").glob("*.log")
+               for step in re.findall(r"resuming from step (\d+)", log.read_text())]
+    assert resumed == [20]
     expected, got = _train_losses(tmp_path / "whole"), _train_losses(tmp_path / "cut")
     assert len(expected) == 4 and got == expected
     index = [json.loads(line) for line in (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()]
