@@ -199,8 +199,7 @@ class Checkpointer:
                 if mismatch:
                     raise _Damaged(mismatch)
                 self._check_compatible(candidate, abstract_state)
-                restored = self.manager.restore(candidate, args=ocp.args.Composite(
-                    state=_restore_args(abstract_state), meta=ocp.args.JsonRestore()))
+                restored = self._read(candidate, abstract_state)
             except UsageError:
                 raise
             except Exception as e:  # any read failure makes this step unusable: try the one before
@@ -227,6 +226,29 @@ class Checkpointer:
         raise UsageError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "
                          f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
                          f"good checkpoint")
+
+    def _read(self, step: int, abstract_state) -> dict:
+        """The step's state (into `abstract_state`) and meta. A checkpoint saved before the
+        gradient-clipping norm became a state number (engine/optim.py) lacks it: it is read
+        without it, and the norm is put back as 0 for the caller to set from its config (the
+        trainer does: setup.with_config_hparams)."""
+        def args(target):
+            return ocp.args.Composite(state=_restore_args(target), meta=ocp.args.JsonRestore())
+
+        hyperparams = getattr(getattr(abstract_state, "opt_state", None), "hyperparams", None)
+        try:
+            return self.manager.restore(step, args=args(abstract_state))
+        except Exception as e:
+            if "tree structures do not match" not in str(e) or "grad_clip_norm" not in (hyperparams or {}):
+                raise
+        older = {k: v for k, v in hyperparams.items() if k != "grad_clip_norm"}
+        restored = self.manager.restore(step, args=args(abstract_state.replace(
+            opt_state=abstract_state.opt_state._replace(hyperparams=older))))
+        norm = hyperparams["grad_clip_norm"]
+        state = restored["state"]
+        filled = {**state.opt_state.hyperparams,
+                  "grad_clip_norm": jax.device_put(np.zeros(norm.shape, norm.dtype), norm.sharding)}
+        return {**restored, "state": state.replace(opt_state=state.opt_state._replace(hyperparams=filled))}
 
     def _set_aside(self, damaged: dict[int, str]) -> None:
         """Moves unreadable steps into checkpoints/damaged/ with the reason beside them (nothing

@@ -640,3 +640,7 @@ def check_vectorizable(cfg: Config, where: str) -> None:
     if cfg.mesh.backend != "jit" or cfg.train.eager:
         raise UsageError(f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
                          f"train.eager=false, or remove vectorize")
+    if cfg.checkpoint.restore_from:
+        raise UsageError(f"{where}: vectorized runs start from scratch or their own checkpoints, not "
+                         f"checkpoint.restore_from; remove vectorize to start each run from "
+                         f"{cfg.checkpoint.restore_from}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -65,13 +66,26 @@ BUILDERS = {
 }
 
 
+def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm, for a norm given as a float32 array (a state number): each
+    clipped update keeps its dtype, as it does with optax's own for a Python float."""
+
+    def update(updates, state, params=None):
+        norm = optax.tree.norm(updates)
+        keep = norm < max_norm
+        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm.astype(t.dtype)),
+                            updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """The optimizer (with optional global-norm clipping), its numbers held in its state."""
     build = BUILDERS[cfg.name]
 
     def clipped(grad_clip_norm=None, **hparams):
         tx = build(**hparams)
-        return optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx) if cfg.grad_clip_norm else tx
+        return optax.chain(clip_by_global_norm(grad_clip_norm), tx) if cfg.grad_clip_norm else tx
 
     parameters = list(inspect.signature(build).parameters.values())
     if cfg.grad_clip_norm:

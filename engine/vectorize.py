@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import functools
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from engine.mesh import mesh_shape, num_devices
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, StepCost, Throughput, Window, compiled_flops, summary_text
 from engine.preemption import Preempted, PreemptionWatch, end_startup, starting
-from engine.rundir import METRICS, drop_records_after
+from engine.rundir import METRICS, drop_records_after, storage_errno, storage_error
 from engine.setup import Plan, plan_run, run_hparams, train_batches, with_config_hparams
 from engine.step import TRAIN_METRICS
 from engine.trainer import NonFiniteLoss, _claim, _due, _log_train, _paused, _write_run_files
@@ -182,6 +183,7 @@ class Trial:
     eval_metrics: dict = dataclasses.field(default_factory=dict)
     error: Optional[str] = None  # why it stopped alone (a non-finite loss), else None
     config_text: str = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
+    on_stop: Optional[Callable] = None  # (cfg, why) when it stops alone, at once (a sweep records it)
 
     @property
     def live(self) -> bool:
@@ -190,6 +192,8 @@ class Trial:
     def stop(self, text: str) -> None:
         self.error = text
         self.writer.message(f"error: training stopped: {text}")
+        if self.on_stop is not None:
+            self.on_stop(self.cfg, text)
 
 
 def _trial_host(window: Window) -> np.ndarray:
@@ -211,12 +215,13 @@ def _restore(group: Group, trials: list[Trial]):
     steps = {r.step if r else 0 for r in restored}
     if len(steps) > 1:
         where = ", ".join(f"{t.cfg.workdir}: {r.step if r else 0}" for t, r in zip(trials, restored))
-        raise UsageError(f"the runs of a vectorised group resume from different steps ({where}); a sweep groups "
-                         f"runs by the step they resume from, run them in separate groups")
+        raise UsageError(f"the runs of a vectorised group resume from different steps ({where}: a checkpoint was "
+                         f"set aside as unreadable, or another process saved meanwhile); run the sweep again with "
+                         f"--retry-failed: it groups runs by the step they resume from")
     start = steps.pop()
     if start % group.cfgs[0].train.steps_per_call:
         raise UsageError(f"the runs resume at step {start}, which is not a multiple of train.steps_per_call")
-    if start:
+    if all(restored):  # (a step-0 checkpoint too: `import-hf` writes one)
         states = group.stack_states([with_config_hparams(r.state, t.cfg) for r, t in zip(restored, trials)])
     else:
         states = group.init_states()
@@ -232,11 +237,27 @@ def _restore(group: Group, trials: list[Trial]):
     return states, start, window
 
 
-def fit_group(cfgs: list[Config], started: Optional[float] = None) -> list[Trial]:
+def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Optional[Callable] = None) -> list[Trial]:
     """Trains the group to train.steps from the trials' newest checkpoints (or from scratch);
     each trial logs, evaluates and saves into its own workdir as a run alone does. A trial
-    with a non-finite loss (train.nan_policy=stop) stops alone; a signal saves every live
-    trial and raises Preempted."""
+    with a non-finite loss (train.nan_policy=stop) stops alone (on_stop(cfg, why) is called);
+    a signal saves every live trial and raises Preempted. A full, read-only or unwritable
+    workdir is one StorageError, as for a run alone (trainer.fit)."""
+    try:
+        return _fit_group(cfgs, started, on_stop)
+    except Exception as e:
+        workdirs = [Path(cfg.workdir) for cfg in cfgs]
+        number = next((n for n in (storage_errno(e, w) for w in workdirs) if n is not None), None)
+        if number is None or isinstance(e, UsageError):
+            raise
+        for workdir in workdirs:  # the unfinished saves; each run's newest complete checkpoint stays
+            for partial in (workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        doing = "saving a checkpoint" if "checkpoint" in str(e) else "writing the runs' files"
+        raise storage_error(workdirs[0].parent, number, doing) from None
+
+
+def _fit_group(cfgs: list[Config], started: Optional[float], on_stop: Optional[Callable]) -> list[Trial]:
     goodput = Goodput(started or time.time())
     first = cfgs[0]
     with contextlib.ExitStack() as closing:
@@ -247,7 +268,7 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None) -> list[Trial
         starting("loading data and compiling")
         group = build_group(cfgs)
         goodput.compile_seconds = group.compile_seconds
-        trials = [_open_trial(group, cfg, closing) for cfg in cfgs]
+        trials = [_open_trial(group, cfg, closing, on_stop) for cfg in cfgs]
         watchdog.enter("restore")
         starting("restoring")
         states, start, window = _restore(group, trials)
@@ -258,7 +279,7 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None) -> list[Trial
     return trials
 
 
-def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack) -> Trial:
+def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_stop: Optional[Callable]) -> Trial:
     workdir = Path(cfg.workdir)
     _write_run_files(cfg, group.plan, workdir)
     writer = closing.enter_context(contextlib.closing(MetricWriter(
@@ -267,7 +288,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack) -> Tri
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
         workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
         staging=cfg.checkpoint.staging, verify=cfg.checkpoint.verify)))
-    return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg))
+    return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
 
 
 def _train(group: Group, trials: list[Trial], states, start: int, window: Window, goodput: Goodput,

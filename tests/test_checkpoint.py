@@ -148,6 +148,23 @@ def test_incompatible_model_lists_mismatched_parameters(make_config, tmp_path):
         train_briefly(make_config, workdir, "model.hidden_sizes=[32]", "train.steps=40")
 
 
+def test_a_checkpoint_from_before_the_clipping_norm_was_a_state_number_resumes(make_config, tmp_path):
+    """Runs with optimizer.grad_clip_norm saved their optimizer without the norm among its
+    numbers: such a checkpoint resumes, and the norm comes from the config."""
+    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "optimizer.grad_clip_norm=0.5", "train.steps=4",
+                      workdir=tmp_path / "run")
+    run = build_run(cfg)
+    state = run.init_state()
+    hyperparams = dict(state.opt_state.hyperparams)
+    del hyperparams["grad_clip_norm"]  # the layout such a run saved
+    checkpointer = Checkpointer(tmp_path / "run" / "checkpoints", keep=2)
+    checkpointer.save(2, state.replace(opt_state=state.opt_state._replace(hyperparams=hyperparams)), {"step": 2})
+    checkpointer.close()
+    result = fit(cfg, run)
+    assert sorted(result.losses) == [3, 4]  # resumed at step 2
+    assert float(result.state.opt_state.hyperparams["grad_clip_norm"]) == 0.5
+
+
 FSDP8 = ["mesh.data=1", "mesh.fsdp=8", "model.dropout_rate=0.2", "checkpoint.keep=5", "log.every_steps=1",
          "eval.every_steps=0"]
 

@@ -175,3 +175,13 @@ def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, mo
     assert cost.flops_per_device_step == cost.analytic_per_device_step > 0
     assert cost.source.startswith("analytic formula (6*N*tokens")
     assert cost.source.endswith("XLA cost analysis of the compiled step, with remat=full is not the model's")
+
+
+def test_the_clipping_norm_is_a_state_number_that_keeps_each_dtype(make_config):
+    """optimizer.grad_clip_norm is an input of the step (runs of different norms share one
+    program); it clips as optax does, and bfloat16 parameters keep bfloat16 updates."""
+    common = ["mesh.num_devices=1", "train.steps=3", "train.param_dtype=bfloat16", "optimizer.name=adamw"]
+    result = fit(make_config("mnist_mlp.yaml", *common, "optimizer.grad_clip_norm=0.5"))
+    assert result.state.opt_state.hyperparams["grad_clip_norm"] == np.float32(0.5)
+    assert jax.tree.leaves(result.state.params)[0].dtype == jax.numpy.bfloat16
+    assert all(np.isfinite(loss) for loss in result.losses.values())

@@ -76,7 +76,9 @@ def test_a_vectorised_runs_checkpoint_resumes_alone(make_config, tmp_path):
 def test_a_diverging_run_stops_alone(make_config, tmp_path):
     cfgs = [make_config("mnist_mlp.yaml", *COMMON, f"optimizer.learning_rate={lr}", "optimizer.name=sgd",
                         "optimizer.grad_clip_norm=0", workdir=tmp_path / f"v{i}") for i, lr in enumerate([0.05, 1e30])]
-    good, bad = fit_group(cfgs)
+    stopped = []
+    good, bad = fit_group(cfgs, on_stop=lambda cfg, why: stopped.append(cfg.workdir))  # the sweep's status
+    assert stopped == [str(tmp_path / "v1")]
     assert bad.error is not None and "loss is nan" in bad.error
     assert good.error is None and sorted(good.losses) == list(range(1, 21))
     assert not [p for p in (tmp_path / "v1" / "checkpoints").iterdir() if p.name.isdigit()]  # nothing saved after
@@ -124,6 +126,10 @@ def test_vectorize_settings_are_checked(tmp_path):
             "trials": 2, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]}}}))
     sweep = load_sweep(_sweep_file(tmp_path / "c.yaml", tmp_path / "o", overrides={"mesh.backend": "pmap"}))
     with pytest.raises(UsageError, match="set mesh.backend=jit"):
+        units(sweep, sweep.runs)
+    sweep = load_sweep(_sweep_file(tmp_path / "d.yaml", tmp_path / "o2",
+                                   overrides={"checkpoint.restore_from": str(tmp_path / "pretrained")}))
+    with pytest.raises(UsageError, match="not checkpoint.restore_from"):
         units(sweep, sweep.runs)
 
 

@@ -32,11 +32,12 @@ def run_group_task(sweep: Sweep, names_file: str) -> int:
     if missing or not names:
         raise UsageError(f"--run-group {names_file}: no run of {sweep.path.name} is called {missing or names}")
     runs = [by_name[name] for name in names]
-    trials = fit_group([sweep.config(run) for run in runs], started)
-    for run, trial in zip(runs, trials):
-        if trial.error:
-            write_json(sweep.workdir(run) / STATUS, {"status": "failed", "exit_code": 1, "error": trial.error,
-                                                     "seconds": round(time.time() - started, 2)})
+
+    def failed(cfg, error: str) -> None:  # recorded at once: the group may yet be stopped or fail
+        write_json(Path(cfg.workdir) / STATUS, {"status": "failed", "exit_code": 1, "error": error,
+                                                "seconds": round(time.time() - started, 2)})
+
+    fit_group([sweep.config(run) for run in runs], started, on_stop=failed)
     return 0
 
 
