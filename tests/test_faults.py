@@ -412,6 +412,24 @@ def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_free
 RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
 
 
+def test_a_full_disk_stops_a_vectorised_group_with_one_error(make_config, small_disk):
+    from engine.rundir import StorageError
+    from engine.vectorize import fit_group
+
+    args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
+
+    def configs(steps):
+        return [make_config("mnist_mlp.yaml", *args, f"train.steps={steps}", f"optimizer.learning_rate={lr}",
+                            workdir=small_disk / f"run{i}") for i, lr in enumerate((1e-3, 2e-3))]
+
+    fit_group(configs(20))
+    _fill(small_disk, leave=60_000)
+    with pytest.raises(StorageError, match=r"cannot write to .*/disk while .*: no space left; .* free some space"):
+        fit_group(configs(60))
+    for i in range(2):  # each run keeps its newest complete checkpoint, no partial save
+        assert sorted(p.name for p in (small_disk / f"run{i}" / "checkpoints").iterdir()) == ["10", "20"]
+
+
 def test_a_read_only_workdir_is_refused_before_compiling(small_disk):
     """Before: an OSError traceback from the lock file."""
     (small_disk / "run").mkdir()
