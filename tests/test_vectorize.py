@@ -188,3 +188,34 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     assert len(expected) == 4 and got == expected
     index = [json.loads(line) for line in (tmp_path / "cut" / "sweep.jsonl").read_text().splitlines()]
     assert [entry["status"] for entry in index] == ["finished"] * 4
+
+
+def test_a_preempted_vectorised_sweep_saves_every_run_and_exits_143(tmp_path):
+    """SIGTERM to the sweep (a pod's preemption): the group saves every run at one step and
+    exits 143, the runs are `interrupted`, and the re-run resumes them from that step."""
+    path = _sweep_file(tmp_path / "s.yaml", tmp_path / "out", overrides={
+        "train.steps": 400, "train.steps_per_call": 5, "log.every_steps": 25, "eval.every_steps": 0,
+        "checkpoint.every_steps": 0, "train.global_batch_size": 32, "log.tensorboard": False,
+        "optimizer.name": "adamw"})  # checkpoint.every_steps=0: only the signal's save, and the last
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    sweep = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(path)], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = list((tmp_path / "out").glob("*/metrics.jsonl"))
+    deadline = time.time() + 300
+    while len(metrics) < 4 and time.time() < deadline and sweep.poll() is None:  # training has begun
+        time.sleep(0.05)
+        metrics = list((tmp_path / "out").glob("*/metrics.jsonl"))
+    sweep.send_signal(signal.SIGTERM)
+    out, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == 143, out
+    index = [json.loads(line) for line in (tmp_path / "out" / "sweep.jsonl").read_text().splitlines()]
+    assert [entry["status"] for entry in index] == ["interrupted"] * 4
+    newest = {max(int(p.name) for p in (tmp_path / "out" / entry["name"] / "checkpoints").iterdir()
+                  if p.name.isdigit()) for entry in index}
+    assert len(newest) == 1  # one step for every run: the step the signal stopped them at
+    (log,) = (tmp_path / "out" / "groups").glob("*.log")
+    stopped = re.findall(r"preempted by SIGTERM: saved a checkpoint at step (\d+)", log.read_text())
+    assert [int(step) for step in stopped] == list(newest) and 0 < newest.pop() < 400
+    rerun = run_cli("sweep", str(path), timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "4 to run (4 resuming from a checkpoint" in rerun.stdout
