@@ -50,6 +50,8 @@ from engine.watchdog import Watchdog
 from models import constrained_activations
 
 TRIAL = "trial"  # the mesh axis over trials
+
+
 def group_mesh(cfg: Config, trials: int) -> Mesh:
     """The devices as a (trial, *MESH_AXES) mesh: the most trials side by side that divide both
     the trials and the devices while each trial's share still takes the config's mesh."""
