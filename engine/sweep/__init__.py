@@ -9,7 +9,7 @@ from pathlib import Path
 from engine.errors import UsageError
 from engine.report import report
 from engine.rundir import STATUS, write_json
-from engine.sweep.local import run_pending, write_index
+from engine.sweep.local import REPORTS, run_pending, write_index
 from engine.sweep.search import run_search, study_report
 from engine.sweep.slurm import run_task, submit_slurm
 from engine.sweep.spec import RunSpec, Sweep, format_value, load_sweep, validate_runs
@@ -52,6 +52,7 @@ def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task:
         raise UsageError("vectorize groups runs into local processes; with --backend slurm each run is its own "
                          "array task: remove vectorize, or run the sweep locally")
     validate_runs(sweep)  # one bad value stops the sweep before anything runs
+    REPORTS.set()
     sweep.directory.mkdir(parents=True, exist_ok=True)
     if not sweep.search:  # a search's index is written as its trials end
         write_index(sweep)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from engine.config import check_vectorizable, program_settings, shape_differences
+from engine.report import preload
 from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
 from engine.sweep.spec import LAUNCH, RunSpec, Sweep
 
@@ -81,11 +82,15 @@ def _ended(code: int, log: Path, start: float) -> dict:
 
 
 _children: list[subprocess.Popen] = []
+_preloading: list = []  # report.preload's thread, once started
+REPORTS = threading.Event()  # set when this process draws the sweep's report once its runs end
 STOPPING = threading.Event()  # set when this sweep process is told to stop (SIGTERM, SIGINT)
 
 
 def _wait(child: subprocess.Popen) -> int:
     _children.append(child)
+    if REPORTS.is_set() and not _preloading:  # the report's plotting library loads while the first child runs
+        _preloading.append(preload())
     if STOPPING.is_set():  # the stop came while this child was starting: it gets the signal too
         child.send_signal(signal.SIGTERM)
     try:
