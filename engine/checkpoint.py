@@ -35,6 +35,42 @@ from engine.sharding import path_name
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
+class InBackground:
+    """Work on one background thread, one piece at a time and in order: `start` first waits
+    for the previous piece; what a piece raised is raised again by `join`, on the caller's
+    thread."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, work, *args) -> None:
+        self.join()
+        self._thread = threading.Thread(target=self._run, args=(work, *args), name=self.name, daemon=True)
+        self._thread.start()
+
+    def _run(self, work, *args) -> None:
+        try:
+            work(*args)
+        except BaseException as error:  # noqa: BLE001 -- raised again on the caller's thread (join)
+            self._error = error
+
+    def join(self) -> None:
+        """Waits for the piece in progress; raises what it raised."""
+        self.finish()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def finish(self) -> None:
+        """Waits for the piece in progress, raising nothing: for clean-up while another error
+        is on its way (a piece cut short by that error still ends)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
 class Restored(NamedTuple):
     """A restored checkpoint."""
     state: Any  # the TrainState, in the target shardings
@@ -62,8 +98,7 @@ class Checkpointer:
             raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
                                "barriers: call engine.process.use_distributed_client_barriers() at start-up "
                                "(launch.py does)")
-        self._saving: Optional[threading.Thread] = None  # staging="device": the save in progress
-        self._save_error: Optional[BaseException] = None
+        self._saving = InBackground("checkpoint-save")  # staging="device": the save in progress
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
         options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
@@ -87,17 +122,14 @@ class Checkpointer:
         staging="device": this returns once a copy of the state on the devices is dispatched
         (one more state's worth of device memory until it is written); orbax saves that copy
         from a background thread, so its host copy and bookkeeping overlap training."""
-        self._join_save()  # one save at a time, in step order
+        self._saving.join()  # one save at a time, in step order; raises a background save's error
         if self._sums:  # the previous step's checksums are written before this save's clean-up may delete it
             self.manager.wait_until_finished()  # (orbax's save would wait here too); raises a failed save's error
             self._join_sums()
         if self.staging == "host":
             self._save(step, state, meta)
             return
-        snapshot = _device_copy(state)
-        self._saving = threading.Thread(target=self._save_in_background, args=(step, snapshot, meta),
-                                        name=f"checkpoint-save-{step}", daemon=True)
-        self._saving.start()
+        self._saving.start(self._save, step, _device_copy(state), meta)
 
     def _save(self, step: int, state, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
@@ -126,30 +158,13 @@ class Checkpointer:
         while self._sums:
             self._sums.pop(0).result()
 
-    def _save_in_background(self, step: int, snapshot, meta: dict) -> None:
-        try:
-            self._save(step, snapshot, meta)
-        except BaseException as error:  # noqa: BLE001 -- raised again on the training thread
-            self._save_error = error
-
-    def _join_save(self) -> None:
-        """Waits for a background save to hand its work to orbax; raises what it raised."""
-        if self._saving is not None:
-            self._saving.join()
-            self._saving = None
-        if self._save_error is not None:
-            error, self._save_error = self._save_error, None
-            raise error
-
     def wait(self) -> None:
-        self._join_save()
+        self._saving.join()
         self.manager.wait_until_finished()
         self._join_sums()
 
     def close(self) -> None:
-        if self._saving is not None:
-            self._saving.join()  # a save cut short by an error elsewhere still finishes
-            self._saving = None
+        self._saving.finish()  # a save cut short by an error elsewhere still finishes
         try:
             self.manager.close()  # waits for orbax's saves to end
         finally:

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import math
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from engine import sharding
 from engine.backends import _abstract, _replicated_arrays
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, InBackground
 from engine.config import MESH_AXES, Config, check_vectorizable, shape_differences, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.errors import UsageError
@@ -379,11 +378,10 @@ class _Saves:
 
     def __init__(self, group: Group, trials: list[Trial]):
         self.group, self.trials = group, trials
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self.thread = InBackground("group-save")
 
     def start(self, step: int, states, window: Window) -> None:
-        self.join()
+        self.thread.join()
         host = _trial_host(window) if window.steps else None
         work = []
         for index, trial in enumerate(self.trials):
@@ -392,37 +390,22 @@ class _Saves:
                 meta = {"step": step, "data": {"next_step": step, "seed": trial.cfg.seed},
                         "config": trial.config_text, "window": carried}
                 work.append((trial.checkpointer, self.group.take(states, index), meta))
-        self._thread = threading.Thread(target=self._save, args=(step, work), name=f"group-save-{step}", daemon=True)
-        self._thread.start()
-
-    def _save(self, step: int, work: list) -> None:
-        try:
-            for checkpointer, state, meta in work:
-                checkpointer.save(step, state, meta)
-        except BaseException as error:  # noqa: BLE001 -- raised again on the loop's thread (join)
-            self._error = error
-
-    def join(self) -> None:
-        """Waits until every trial's save of the last group save has started; raises its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self.thread.start(_save_each, step, work)
 
     def wait(self) -> None:
         """Every save written (and its checksums)."""
-        self.join()
+        self.thread.join()
         for trial in self.trials:
             trial.checkpointer.wait()
 
     def close(self) -> None:
-        """Leaves no save half handed over (the checkpointers close next); an error here is
-        one the loop did not reach, and the exception already on its way is the one reported."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Leaves no save half handed over (the checkpointers close next)."""
+        self.thread.finish()
+
+
+def _save_each(step: int, work: list) -> None:
+    for checkpointer, state, meta in work:
+        checkpointer.save(step, state, meta)
 
 
 def _layout(group: Group) -> str:

@@ -17,7 +17,7 @@ import yaml
 
 from conftest import ROOT, run_cli
 from engine.errors import UsageError
-from engine.rundir import read_records
+from engine.rundir import StorageError, read_records
 from engine.sweep import load_sweep
 from engine.sweep.local import units
 from engine.trainer import fit
@@ -83,6 +83,26 @@ def test_a_diverging_run_stops_alone(make_config, tmp_path):
     assert good.error is None and sorted(good.losses) == list(range(1, 21))
     assert not [p for p in (tmp_path / "v1" / "checkpoints").iterdir() if p.name.isdigit()]  # nothing saved after
     assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+
+
+def test_a_save_that_fails_on_the_groups_save_thread_stops_the_group(make_config, tmp_path, monkeypatch):
+    """The group's saves run on a background thread while training goes on; an error there
+    reaches the loop (at the next save or the end) instead of vanishing with the thread."""
+    from engine.checkpoint import Checkpointer
+
+    saved, real_save = [], Checkpointer.save
+
+    def save(self, step, state, meta):
+        if step == 10 and self.directory.parent.name == "v1":
+            raise OSError(28, "No space left on device")
+        saved.append((self.directory.parent.name, step))
+        real_save(self, step, state, meta)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    cfgs = [make_config("mnist_mlp.yaml", *COMMON, workdir=tmp_path / f"v{i}") for i in range(2)]
+    with pytest.raises(StorageError, match="no space left"):  # one clear error, as for a run alone
+        fit_group(cfgs)
+    assert saved == [("v0", 10)]  # v1's save failed, and the group saved nothing after it
 
 
 def _sweep_file(path, directory, **extra):
