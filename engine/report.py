@@ -126,7 +126,10 @@ def _plot(curves: list[tuple[str, dict]], path: Path, metric: str, best: str | N
     from matplotlib.figure import Figure  # no pyplot: a file, no display, no global figure state
 
     panels = ["train", "eval"] + ([metric] if metric not in ("train/loss", "eval/loss") else [])
-    fig = Figure(figsize=(6.5 * len(panels), 5))
+    shown = sum(1 for _, by_panel in curves if any(panel in by_panel for panel in panels))
+    legend_inches = 0.17 * ((shown + 2) // 3) + (0.2 if shown else 0)  # three names a row, under the panels
+    height = 4.5 + legend_inches
+    fig = Figure(figsize=(6.5 * len(panels), height))
     axes = fig.subplots(1, len(panels))
     for ax, panel in zip(axes, panels):
         for name, by_panel in curves:
@@ -146,8 +149,8 @@ def _plot(curves: list[tuple[str, dict]], path: Path, metric: str, best: str | N
                 labels.append(label)
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
-    legend_rows = (len(labels) + 2) // 3
-    # fixed margins: matplotlib's tight_layout measured every label (0.5 s of a sweep's report)
-    fig.subplots_adjust(left=0.07 / len(panels) * 2, right=0.98, top=0.88, wspace=0.25,
-                        bottom=0.12 + 0.035 * legend_rows)
+    # fixed margins (inches over the figure's height): matplotlib's tight_layout measured every
+    # label, 0.5 s of a sweep's report
+    fig.subplots_adjust(left=0.07 / len(panels) * 2, right=0.98, top=1 - 0.75 / height, wspace=0.25,
+                        bottom=(0.55 + legend_inches) / height)
     fig.savefig(path, dpi=110)

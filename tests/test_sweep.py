@@ -99,6 +99,22 @@ def test_grid_runs_ranks_and_plots(tmp_path):
     assert "eval/accuracy" in typo.stderr and not (tmp_path / "typo" / "report.csv").exists()
 
 
+def test_the_plot_grows_to_hold_a_large_sweeps_legend(tmp_path):
+    """64 runs (vectorize's largest group): every name in the legend, under the panels."""
+    from matplotlib.image import imread
+
+    from engine.report import _plot
+
+    def curves(count):
+        return [(f"learning_rate={i},weight_decay=0.1", {"train": ([100, 200], [2.0, 1.0 + i / 64]),
+                                                         "eval": ([200], [0.5]), "eval/accuracy": ([200], [0.9])})
+                for i in range(count)]
+    for count in (1, 64):
+        _plot(curves(count), tmp_path / f"{count}.png", "eval/accuracy", "learning_rate=0,weight_decay=0.1")
+    small, large = imread(tmp_path / "1.png"), imread(tmp_path / "64.png")
+    assert small.shape[1] == large.shape[1] and large.shape[0] > small.shape[0] + 21 * 0.17 * 110 * 0.9  # 21 more rows of names
+
+
 @pytest.mark.slow
 def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
     path = write_sweep(tmp_path / "kill.yaml", grid={"optimizer.learning_rate": [0.001, 0.002, 0.003]},
