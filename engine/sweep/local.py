@@ -87,10 +87,16 @@ REPORTS = threading.Event()  # set when this process draws the sweep's report on
 STOPPING = threading.Event()  # set when this sweep process is told to stop (SIGTERM, SIGINT)
 
 
+def preload_report() -> None:
+    """In the process that draws the sweep's report: its plotting library starts loading (once)
+    while the first child runs."""
+    if REPORTS.is_set() and not _preloading:
+        _preloading.append(preload())
+
+
 def _wait(child: subprocess.Popen) -> int:
     _children.append(child)
-    if REPORTS.is_set() and not _preloading:  # the report's plotting library loads while the first child runs
-        _preloading.append(preload())
+    preload_report()
     if STOPPING.is_set():  # the stop came while this child was starting: it gets the signal too
         child.send_signal(signal.SIGTERM)
     try:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from engine.rundir import STATUS, final_metrics, lock_holder, read_records, read_status, write_json
-from engine.sweep.local import write_index
+from engine.sweep.local import preload_report, write_index
 from engine.sweep.spec import LAUNCH, RunSpec, Sweep
 
 STUDY = "study.db"
@@ -105,6 +105,7 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     with open(workdir / "run.log", "a") as log:
         child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
                                  stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
+        preload_report()
         while child.poll() is None:
             if STOP.is_set() and not pruned and not stopped:
                 stopped = True  # it saves and exits 143: resumed by the next sweep process
