@@ -3,6 +3,7 @@ CSV and Markdown, and one PNG of every run's train and eval loss curves."""
 from __future__ import annotations
 
 import csv
+import importlib
 import threading
 from pathlib import Path
 
@@ -15,10 +16,12 @@ def preload() -> threading.Thread:
     machine), so that a sweep's report, drawn once its runs end, finds them loaded: the sweep
     process only waits for its runs meanwhile."""
     def load() -> None:
-        import matplotlib.backends.backend_agg  # noqa: F401  (the PNG writer Figure.savefig uses)
-        import matplotlib.figure  # noqa: F401
+        for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):  # backend_agg: the PNG writer
+            importlib.import_module(module)
 
-    thread = threading.Thread(target=load, name="report-preload", daemon=True)
+    # not a daemon: a sweep ending early waits for the import rather than cutting it off
+    # (matplotlib may be writing its font cache)
+    thread = threading.Thread(target=load, name="report-preload")
     thread.start()
     return thread
 

@@ -301,7 +301,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_sto
         tensorboard=cfg.log.tensorboard, name=workdir.name)))
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
         workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
-        staging="host", verify=cfg.checkpoint.verify)))  # the group's own thread overlaps its saves (_Saves)
+        staging="host", verify=cfg.checkpoint.verify)))  # the slice saved is a copy already (_Saves)
     return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
 
 
@@ -370,14 +370,17 @@ def _train(group: Group, trials: list[Trial], states, start: int, window: Window
 
 
 class _Saves:
-    """The group's checkpoint saves on one background thread. The loop only dispatches each
-    live trial's slice of the state (fresh arrays, so training may donate the state at once)
-    and goes on; the thread hands the slices to the trials' checkpointers one after another,
-    while orbax's host copies and bookkeeping (~20-50 ms a save) overlap training. One
+    """The group's checkpoint saves, as `checkpoint.staging` says. `host` (the default): one
+    trial's slice of the state at a time, each handed to orbax (which copies it to the host)
+    before the next is taken, so a save needs no more device memory than a run alone's.
+    `device`: the loop takes every live trial's slice (fresh arrays: one more group state on
+    the devices until orbax has them) and goes on training; one background thread hands them
+    to the trials' checkpointers, so orbax's host copies and bookkeeping overlap training. One
     group save at a time, in step order; a save's error is raised on the loop's thread."""
 
     def __init__(self, group: Group, trials: list[Trial]):
         self.group, self.trials = group, trials
+        self.background = group.cfgs[0].checkpoint.staging == "device"
         self.thread = InBackground("group-save")
 
     def start(self, step: int, states, window: Window) -> None:
@@ -389,8 +392,12 @@ class _Saves:
                 carried = {"start": window.start, "metrics": host[:, index].tolist()} if host is not None else None
                 meta = {"step": step, "data": {"next_step": step, "seed": trial.cfg.seed},
                         "config": trial.config_text, "window": carried}
-                work.append((trial.checkpointer, self.group.take(states, index), meta))
-        self.thread.start(_save_each, step, work)
+                if self.background:
+                    work.append((trial.checkpointer, self.group.take(states, index), meta))
+                else:
+                    trial.checkpointer.save(step, self.group.take(states, index), meta)
+        if work:
+            self.thread.start(_save_each, step, work)
 
     def wait(self) -> None:
         """Every save written (and its checksums)."""

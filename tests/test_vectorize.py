@@ -85,9 +85,11 @@ def test_a_diverging_run_stops_alone(make_config, tmp_path):
     assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
 
 
-def test_a_save_that_fails_on_the_groups_save_thread_stops_the_group(make_config, tmp_path, monkeypatch):
-    """The group's saves run on a background thread while training goes on; an error there
-    reaches the loop (at the next save or the end) instead of vanishing with the thread."""
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_a_failed_save_stops_the_group(make_config, tmp_path, monkeypatch, staging):
+    """A save that fails stops the group with one clear error. With checkpoint.staging=device
+    the group's saves run on a background thread while training goes on; the error reaches
+    the loop (at the next save or the end) instead of vanishing with the thread."""
     from engine.checkpoint import Checkpointer
 
     saved, real_save = [], Checkpointer.save
@@ -99,7 +101,8 @@ def test_a_save_that_fails_on_the_groups_save_thread_stops_the_group(make_config
         real_save(self, step, state, meta)
 
     monkeypatch.setattr(Checkpointer, "save", save)
-    cfgs = [make_config("mnist_mlp.yaml", *COMMON, workdir=tmp_path / f"v{i}") for i in range(2)]
+    cfgs = [make_config("mnist_mlp.yaml", *COMMON, f"checkpoint.staging={staging}", workdir=tmp_path / f"v{i}")
+            for i in range(2)]
     with pytest.raises(StorageError, match="no space left"):  # one clear error, as for a run alone
         fit_group(cfgs)
     assert saved == [("v0", 10)]  # v1's save failed, and the group saved nothing after it

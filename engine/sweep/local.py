@@ -83,6 +83,7 @@ def _ended(code: int, log: Path, start: float) -> dict:
 
 _children: list[subprocess.Popen] = []
 _preloading: list = []  # report.preload's thread, once started
+_preload_lock = threading.Lock()
 REPORTS = threading.Event()  # set when this process draws the sweep's report once its runs end
 STOPPING = threading.Event()  # set when this sweep process is told to stop (SIGTERM, SIGINT)
 
@@ -90,8 +91,9 @@ STOPPING = threading.Event()  # set when this sweep process is told to stop (SIG
 def preload_report() -> None:
     """In the process that draws the sweep's report: its plotting library starts loading (once)
     while the first child runs."""
-    if REPORTS.is_set() and not _preloading:
-        _preloading.append(preload())
+    with _preload_lock:  # (parallel runs' threads each wait on a child)
+        if REPORTS.is_set() and not _preloading:
+            _preloading.append(preload())
 
 
 def _wait(child: subprocess.Popen) -> int:
