@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
 import sys
@@ -22,8 +23,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES, SOURCES, source_name
 from engine.errors import UsageError
-from engine.optim import BUILDERS, SCHEDULES
 from engine.rundir import write_atomic
+from models.configs import CONFIGS  # the model.* dataclasses, without jax or flax
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -198,8 +199,8 @@ CHOICES = {
     "train.param_dtype": ("float32", "bfloat16", "float16"),
     "train.compute_dtype": ("float32", "bfloat16", "float16"),
     "train.nan_policy": ("stop", "warn"),
-    "optimizer.name": tuple(BUILDERS),
-    "optimizer.schedule": SCHEDULES,
+    "optimizer.name": ("sgd", "momentum", "adam", "adamw"),  # engine.optim.BUILDERS builds each
+    "optimizer.schedule": ("constant", "warmup_cosine", "warmup_linear"),
     "mesh.backend": ("jit", "pmap"),
     "checkpoint.restore_mode": ("params", "all"),
     "checkpoint.staging": ("host", "device"),
@@ -303,19 +304,15 @@ def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 def _schema(model_name: str) -> DictConfig:
     """The config schema with model.name's model section; read-only (merges copy it)."""
-    from models import REGISTRY  # the registry knows each model's config dataclass
-
-    if model_name not in REGISTRY:
-        raise UsageError(_choice_message("model.name", model_name, sorted(REGISTRY)))
+    if model_name not in CONFIGS:
+        raise UsageError(_choice_message("model.name", model_name, sorted(CONFIGS)))
     return _built_schema(model_name)
 
 
 @functools.lru_cache(maxsize=None)
 def _built_schema(model_name: str) -> DictConfig:
-    from models import REGISTRY
-
     schema = OmegaConf.structured(Config)
-    schema.model = OmegaConf.structured(REGISTRY[model_name].config_cls)
+    schema.model = OmegaConf.structured(CONFIGS[model_name])
     OmegaConf.set_struct(schema, True)
     OmegaConf.set_struct(schema.mesh.rules, False)  # users may add logical axis names
     return schema
@@ -413,13 +410,12 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
     if model_name != file_model:  # the file's model keys belong to another model: start from defaults
         raw["model"] = {"name": model_name}
     schema = _schema(str(model_name))
-    cfg = schema
-    for source, layer in ((str(path), raw), (override_source, overrides_tree)):
-        _check_shapes(layer, schema, source)
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.create(layer))
-        except OmegaConfBaseException as e:
-            raise UsageError(_explain(e, schema, source)) from None
+    cfg = _file_layer(schema, raw, str(model_name), str(path))
+    _check_shapes(overrides_tree, schema, override_source)
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides_tree))
+    except OmegaConfBaseException as e:
+        raise UsageError(_explain(e, schema, override_source)) from None
     if workdir is not None:
         cfg.workdir = workdir
     if not cfg.workdir:
@@ -431,6 +427,24 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
                          "write the value itself, or ${section.key} of a key that exists") from None
     validate(config)
     return config
+
+
+_FILE_LAYERS: dict[str, DictConfig] = {}  # a sweep loads one file with many overrides
+
+
+def _file_layer(schema: DictConfig, raw: dict, model_name: str, source: str) -> DictConfig:
+    """The schema merged with a config file's contents (never changed: merges copy it). Kept by
+    content, so the runs of a sweep pay OmegaConf's schema merge once, not once each."""
+    key = json.dumps([model_name, raw], sort_keys=True, default=repr)
+    if key not in _FILE_LAYERS:
+        _check_shapes(raw, schema, source)
+        try:
+            layer = OmegaConf.merge(schema, OmegaConf.create(raw))
+        except OmegaConfBaseException as e:
+            raise UsageError(_explain(e, schema, source)) from None
+        _FILE_LAYERS.clear()  # one file at a time is what sweeps and runs load
+        _FILE_LAYERS[key] = layer
+    return _FILE_LAYERS[key]
 
 
 def _model_names(raw: dict, overrides: dict, source: str) -> tuple[str, str]:
@@ -626,10 +640,9 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
 def program_settings(cfg: Config) -> dict[str, Any]:
     """The settings that make a run's compiled program: the whole config but its VECTOR_KEYS,
     the family's hyperparameters and the workdir (clipping on or off stays: it is a program)."""
-    from models import REGISTRY
-
     flat = _flat(dataclasses.asdict(cfg))
-    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in REGISTRY[cfg.model.name].hparams} | {"workdir"}
+    hparams = getattr(CONFIGS[cfg.model.name], "hparams", ())
+    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in hparams} | {"workdir"}
     settings = {key: value for key, value in flat.items() if key not in vector}
     settings["optimizer.grad_clip"] = bool(cfg.optimizer.grad_clip_norm)
     return settings

@@ -17,8 +17,6 @@ import optax
 if TYPE_CHECKING:
     from engine.config import OptimizerConfig
 
-SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
-
 
 def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.ndarray]:
     """The learning-rate schedule's numbers, as float32 scalars carried in the train state."""

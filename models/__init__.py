@@ -3,19 +3,26 @@
 A model is a flax module called as `module(inputs, train=..., example_ids=..., **hparams)`
 whose parameters carry logical axis names. Each family declares what the engine needs to
 know of it (task, FLOPs, settings, hyperparameters); see README "Adding a model".
+
+`CONFIGS` (each family's `model.*` dataclass, models/configs.py) loads without jax or flax,
+so a config can be read and checked by a process that never builds a model (a sweep's);
+the families themselves (`REGISTRY` and the names below it) load on first use.
 """
 from __future__ import annotations
 
-from models import cnn, llama, mlp, resnet, transformer
-from models.family import Classification, ModelError, ModelFamily, NextToken
-from models.layers import constrained_activations
+import importlib
 
-REGISTRY: dict[str, ModelFamily] = {
-    "mlp": mlp.FAMILY,
-    "cnn": cnn.FAMILY,
-    "resnet": resnet.FAMILY,
-    "transformer": transformer.FAMILY,
-    "llama": llama.FAMILY,
-}
+from models.configs import CONFIGS, ModelError
 
-__all__ = ["REGISTRY", "ModelFamily", "ModelError", "Classification", "NextToken", "constrained_activations"]
+_LAZY = {"REGISTRY": "models.registry", "ModelFamily": "models.family", "Classification": "models.family",
+         "NextToken": "models.family", "constrained_activations": "models.layers"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
+
+
+__all__ = ["CONFIGS", "REGISTRY", "ModelFamily", "ModelError", "Classification", "NextToken",
+           "constrained_activations"]

@@ -1,27 +1,12 @@
 """A small CIFAR-10 style conv net: two conv/pool stages, then Dense → Dropout → Dense."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.family import Classification, ModelError, ModelFamily
+from models.configs import CNNConfig
+from models.family import Classification, ModelFamily
 from models.layers import Dropout, dense, param_init
-
-
-@dataclass
-class CNNConfig:
-    name: str = "cnn"
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # conv widths, one 2x2 pool after each
-    dense_size: int = 128  # width of the hidden dense layer
-    dropout_rate: float = 0.0
-
-    def validate(self):
-        if not self.channels or min(self.channels) <= 0 or self.dense_size <= 0:
-            raise ModelError(f"model.channels={self.channels} and model.dense_size must be positive")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
 def conv(features: int, kernel: int, dtype, param_dtype, strides: int = 1, name=None, use_bias=True):
@@ -58,4 +43,4 @@ def build(cfg: CNNConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.
     return CNN(tuple(cfg.channels), cfg.dense_size, info.num_classes, cfg.dropout_rate, dtype, param_dtype)
 
 
-FAMILY = ModelFamily(CNNConfig, build, Classification(), hparams=("dropout_rate",), cpu_step_loop=False)
+FAMILY = ModelFamily(CNNConfig, build, Classification(), cpu_step_loop=False)

@@ -17,10 +17,6 @@ import jax.numpy as jnp
 import optax
 
 
-class ModelError(ValueError):
-    """A model setting is wrong; the message names the `model.` key and the fix."""
-
-
 @dataclass(frozen=True)
 class Classification:
     """Images → one label each. A batch holds `image` [batch, ...] and `label` [batch]."""
@@ -104,9 +100,6 @@ class ModelFamily:
     # config fields that change the compiled work (recomputation, loops XLA counts once,
     # custom calls it cannot count) but not the model FLOPs → their plain reference value
     work_settings: Mapping[str, Any] = field(default_factory=dict)
-    # shape-independent config fields the compiled step takes as float32 inputs and passes
-    # to the module call by name (runs that differ only in them share one compiled program)
-    hparams: tuple[str, ...] = ()
     # (cfg, DataInfo, params, prompt token ids, max_tokens, temperature, top_p, seed, dtype) →
     # generated token ids, with a key/value cache (None: the family does not generate)
     generate: Optional[Callable] = None
@@ -124,3 +117,10 @@ class ModelFamily:
     context_parallel: bool = False
     # (model cfg) → why the model FLOPs come from flops_per_example alone ("" = XLA counts them)
     formula_only: Optional[Callable] = None
+
+    @property
+    def hparams(self) -> tuple[str, ...]:
+        """Shape-independent config fields the compiled step takes as float32 inputs and passes
+        to the module call by name (runs that differ only in them share one compiled program);
+        declared on the config dataclass (models/configs.py), which a sweep reads without jax."""
+        return getattr(self.config_cls, "hparams", ())

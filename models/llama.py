@@ -21,103 +21,16 @@ each call appends one position (see models/sampling.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from models import llama_hf, sampling
-from models.family import ModelError, ModelFamily, NextToken
+from models.configs import LlamaConfig, ModelError
+from models.family import ModelFamily, NextToken
 from models.layers import LMHead, activation_splits, constrain, fused_cross_entropy, param_init
-from models.transformer import REMAT_POLICIES, validate_work_settings
-
-
-@dataclass
-class LlamaConfig:
-    name: str = "llama"
-    num_layers: int = 4
-    d_model: int = 256  # width of the residual stream (hidden_size)
-    num_heads: int = 4  # query heads
-    num_kv_heads: int = 0  # key/value heads (grouped-query attention; 0 = num_heads); divides num_heads
-    head_dim: int = 0  # width of one head (0 = d_model / num_heads)
-    mlp_dim: int = 688  # hidden width of the SwiGLU MLP (intermediate_size)
-    vocab_size: int = 0  # output classes (0 = the data's vocabulary); >= every token id
-    rope_theta: float = 500000.0  # base of the rotary frequencies
-    rope_scaling_factor: float = 0.0  # Llama-3 long-context scaling of the frequencies (0 = off; 8 for 3.1)
-    rope_low_freq_factor: float = 1.0  # Llama-3 scaling: wavelengths above original_len / this are divided
-    rope_high_freq_factor: float = 4.0  # Llama-3 scaling: wavelengths below original_len / this are kept
-    rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the model was trained at
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    tie_embeddings: bool = False  # the output projection is the input embedding, transposed
-    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, OLMo-2)
-    scan_layers: bool = True  # layers under nn.scan: one compiled layer, parameters stacked on `layers`
-    remat: str = "none"  # none | full | dots: activation rematerialisation per layer
-    attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
-    loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
-    # mixture of experts (0 experts = a dense SwiGLU MLP in every layer)
-    num_experts: int = 0  # routed experts per MoE layer
-    experts_per_token: int = 2  # top-k: experts each token is sent to
-    moe_interval: int = 1  # every k-th layer is MoE (layers k-1, 2k-1, ...); > 1 needs scan_layers=false
-    moe_mlp_dim: int = 0  # hidden width of each expert (0 = mlp_dim)
-    router: str = "softmax"  # softmax (Mixtral, Qwen-MoE) | sigmoid (DeepSeek-V3): the gate of each expert
-    shared_expert: bool = False  # a dense SwiGLU expert every token also goes through (DeepSeek, Qwen-MoE)
-    # tokens each expert takes per sequence = factor * seq_len * experts_per_token / num_experts;
-    # the tokens beyond it skip the expert (counted in metrics.jsonl); 0 = dropless (room for
-    # every token: the one-hot dispatch then grows with seq_len^2 * num_experts). Generation
-    # (sample) never drops.
-    expert_capacity_factor: float = 1.25
-    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer's) in the objective
-
-    def validate(self):
-        if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
-            raise ModelError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
-        if self.num_kv_heads < 0 or self.head_dim < 0 or self.vocab_size < 0:
-            raise ModelError("model.num_kv_heads, head_dim and vocab_size must be 0 (automatic) or positive")
-        if self.num_heads % self.kv_heads:
-            raise ModelError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
-                             f"{self.num_heads}; grouped-query attention shares each key/value head among an "
-                             f"equal number of query heads")
-        if not self.head_dim and self.d_model % self.num_heads:
-            raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
-                             f"set model.head_dim or change one of them")
-        if self.head_width % 2:
-            raise ModelError(f"the head width {self.head_width} must be even for rotary embeddings")
-        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.rope_scaling_factor < 0:
-            raise ModelError("model.rope_theta and model.norm_eps must be positive, rope_scaling_factor >= 0")
-        if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
-            raise ModelError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor")
-        validate_work_settings(self)
-        self._validate_moe()
-
-    def _validate_moe(self):
-        if self.num_experts < 0:
-            raise ModelError(f"model.num_experts={self.num_experts} must be 0 (a dense MLP) or positive")
-        if not self.num_experts:
-            return
-        if not 0 < self.experts_per_token <= self.num_experts:
-            raise ModelError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
-                             f"model.num_experts={self.num_experts}")
-        if self.router not in ("softmax", "sigmoid"):
-            raise ModelError(f"model.router={self.router!r} is not one of softmax, sigmoid")
-        if self.moe_interval < 1 or self.moe_mlp_dim < 0:
-            raise ModelError("model.moe_interval must be 1 or more and model.moe_mlp_dim 0 or more")
-        if self.moe_interval > 1 and self.scan_layers:
-            raise ModelError(f"model.moe_interval={self.moe_interval} mixes dense and MoE layers, which one scanned "
-                             f"layer cannot; set model.scan_layers=false")
-        if self.expert_capacity_factor < 0 or self.router_aux_loss_coef < 0:
-            raise ModelError("model.expert_capacity_factor and model.router_aux_loss_coef must be 0 or more")
-
-    def is_moe(self, layer: int) -> bool:
-        return self.num_experts > 0 and (layer + 1) % self.moe_interval == 0
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def head_width(self) -> int:
-        return self.head_dim or self.d_model // self.num_heads
+from models.transformer import REMAT_POLICIES
 
 
 def rope_frequencies(cfg: LlamaConfig) -> jnp.ndarray:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from models.family import ModelError
+from models.configs import ModelError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -1,26 +1,12 @@
 """The MNIST-style MLP of the TensorFlow tutorials: Flatten → Dense 128 relu → Dropout → Dense."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models.family import Classification, ModelError, ModelFamily
+from models.configs import MLPConfig
+from models.family import Classification, ModelFamily
 from models.layers import Dropout, dense
-
-
-@dataclass
-class MLPConfig:
-    name: str = "mlp"
-    hidden_sizes: list[int] = field(default_factory=lambda: [128])  # width of each hidden layer
-    dropout_rate: float = 0.2  # dropout after each hidden layer
-
-    def validate(self):
-        if not self.hidden_sizes or min(self.hidden_sizes) <= 0:
-            raise ModelError(f"model.hidden_sizes={self.hidden_sizes} must be a non-empty list of positive widths")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
 class MLP(nn.Module):
@@ -46,4 +32,4 @@ def build(cfg: MLPConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.
     return MLP(tuple(cfg.hidden_sizes), info.num_classes, cfg.dropout_rate, dtype, param_dtype)
 
 
-FAMILY = ModelFamily(MLPConfig, build, Classification(), hparams=("dropout_rate",))
+FAMILY = ModelFamily(MLPConfig, build, Classification())

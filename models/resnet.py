@@ -2,7 +2,6 @@
 which the engine carries beside the parameters (updated in training, read in eval)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -10,28 +9,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.cnn import conv
-from models.family import Classification, ModelError, ModelFamily
+from models.configs import STAGES, ResNetConfig
+from models.family import Classification, ModelFamily
 from models.layers import dense, param_init
-
-STAGES = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3))}
-
-
-@dataclass
-class ResNetConfig:
-    name: str = "resnet"
-    depth: int = 18  # 18 | 34 | 50
-    width: int = 64  # channels of the first stage (doubles each stage)
-    stem: str = "auto"  # cifar (3x3 conv, no pool) | imagenet (7x7/2 conv + pool) | auto (by image size)
-    bn_momentum: float = 0.9  # decay of the running batch statistics
-
-    def validate(self):
-        if self.depth not in STAGES:
-            raise ModelError(f"model.depth={self.depth} is not one of {', '.join(map(str, STAGES))}")
-        if self.stem not in ("auto", "cifar", "imagenet"):
-            raise ModelError(f"model.stem={self.stem!r} is not one of auto, cifar, imagenet")
-        if self.width <= 0:
-            raise ModelError(f"model.width={self.width} must be positive")
-
 
 class Block(nn.Module):
     width: int

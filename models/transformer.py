@@ -2,13 +2,13 @@
 blocks of causal self-attention (jax.nn.dot_product_attention) and an MLP, optional remat."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.family import ModelError, ModelFamily, NextToken
+from models.configs import ModelError, TransformerConfig
+from models.family import ModelFamily, NextToken
 from models.layers import Dropout, LMHead, constrain, dense, param_init
 
 REMAT_POLICIES = {
@@ -16,38 +16,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute every activation
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep matmul outputs
 }
-
-
-def validate_work_settings(cfg) -> None:
-    """model.attention, remat and loss_chunk, as the decoder families share them."""
-    if cfg.attention not in ("auto", "xla", "cudnn"):
-        raise ModelError(f"model.attention={cfg.attention!r} is not one of auto, xla, cudnn")
-    if cfg.remat not in REMAT_POLICIES:
-        raise ModelError(f"model.remat={cfg.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
-    if cfg.loss_chunk < 0:
-        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} must be 0 (whole sequence) or positive")
-
-
-@dataclass
-class TransformerConfig:
-    name: str = "transformer"
-    num_layers: int = 4
-    d_model: int = 256  # width of the residual stream
-    num_heads: int = 4
-    mlp_dim: int = 1024  # hidden width of each block's MLP
-    dropout_rate: float = 0.1
-    remat: str = "none"  # none | full | dots: activation rematerialisation per block
-    attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
-    loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
-
-    def validate(self):
-        if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
-            raise ModelError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
-        if self.d_model % self.num_heads:
-            raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
-        validate_work_settings(self)
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
 def layer_norm(dtype, param_dtype, name=None):
@@ -159,5 +127,5 @@ FAMILY = ModelFamily(
     # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
     # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
     work_settings={"remat": "none", "loss_chunk": 0, "attention": "xla"},
-    hparams=("dropout_rate",), packing=True,
+    packing=True,
 )

@@ -3,6 +3,8 @@ no engine, imports run one way, and the loop and setup stay small enough to read
 import ast
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,38 @@ def test_a_run_is_a_handful_of_named_parts():
 def test_model_validation_errors_are_usage_errors():
     with pytest.raises(UsageError, match=r"model.dropout_rate=1.5 must be in \[0, 1\)"):
         load_config(ROOT / "configs" / "mnist_mlp.yaml", ["model.name=cnn", "model.dropout_rate=1.5"], "/tmp/unused")
+
+
+def test_a_sweep_plans_its_runs_without_jax(tmp_path):
+    """A sweep's own process reads and checks every run's config and groups the runs by
+    compiled program; it never builds a model, so it never imports jax, flax or optax (their
+    import was most of every sweep's start, and their memory stayed for the sweep's life)."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ndirectory: {tmp_path / 'out'}\n"
+                     "grid: {optimizer.learning_rate: [0.001, 0.01], model.hidden_sizes: [[32], [64]]}\n"
+                     "vectorize: auto\n")
+    script = ("import sys\n"
+              "from engine.sweep import load_sweep, validate_runs\n"
+              "from engine.sweep.local import units\n"
+              f"sweep = load_sweep({str(sweep)!r})\n"
+              "validate_runs(sweep)\n"
+              "print(len(units(sweep, sweep.runs)), 'units')\n"
+              "print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "2 units" in done.stdout  # two hidden sizes: two compiled programs, each with two learning rates
+    assert "loaded: []" in done.stdout, done.stdout
+
+
+def test_the_light_declarations_agree_with_what_they_stand_for():
+    """The names config checking reads without jax are the ones the heavy modules build."""
+    from engine.config import CHOICES
+    from engine.optim import BUILDERS
+    from models import CONFIGS, REGISTRY
+    from models.configs import REMAT_NAMES
+    from models.transformer import REMAT_POLICIES
+
+    assert tuple(BUILDERS) == CHOICES["optimizer.name"]
+    assert tuple(REMAT_POLICIES) == REMAT_NAMES
+    assert {name: family.config_cls for name, family in REGISTRY.items()} == CONFIGS
+    assert REGISTRY["mlp"].hparams == ("dropout_rate",) and REGISTRY["llama"].hparams == ()

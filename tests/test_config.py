@@ -66,6 +66,21 @@ def test_unknown_key_in_a_file_is_rejected(tmp_path):
         load_config(path)
 
 
+def test_loads_of_one_file_with_different_overrides_stay_apart(tmp_path):
+    """A sweep loads one file many times with each run's overrides (the file's layer is kept
+    between loads): no run's override or workdir leaks into the next, and an edited file is
+    read anew."""
+    path = tmp_path / "base.yaml"
+    path.write_text("train: {steps: 7}\noptimizer: {learning_rate: 0.5}\n")
+    first = load_config(path, ["optimizer.learning_rate=0.1", "model.hidden_sizes=[16]"], str(tmp_path / "a"))
+    second = load_config(path, ["train.steps=9"], str(tmp_path / "b"))
+    assert (first.optimizer.learning_rate, first.model.hidden_sizes, first.train.steps) == (0.1, [16], 7)
+    assert (second.optimizer.learning_rate, second.model.hidden_sizes, second.train.steps) == (0.5, [128], 9)
+    assert (first.workdir, second.workdir) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    path.write_text("train: {steps: 8}\n")
+    assert load_config(path, [], str(tmp_path / "c")).train.steps == 8
+
+
 def test_resolved_config_reproduces_the_run(make_config, tmp_path):
     cfg = make_config("mnist_mlp.yaml", "train.steps=11", "model.hidden_sizes=[20]")
     path = tmp_path / "config.yaml"
