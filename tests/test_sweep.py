@@ -186,15 +186,17 @@ def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
 @pytest.mark.skipif(not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge "
                                                             "(.ci/run installs them)")
 def test_slurm_backend_submits_a_job_array(tmp_path):
-    path = write_sweep(tmp_path / "array.yaml", grid={"optimizer.learning_rate": [0.001, 0.003]},
-                       slurm={"cpus_per_task": 1, "time": "00:10:00"})
+    """Three runs, vectorised two at a time: one array task trains a group of two, another the
+    third run alone."""
+    path = write_sweep(tmp_path / "array.yaml", grid={"optimizer.learning_rate": [0.001, 0.003, 0.01]},
+                       slurm={"cpus_per_task": 1, "time": "00:10:00"}, vectorize=2)
     out = tmp_path / "out"
     with slurm_cluster.SlurmCluster(tmp_path / "cluster") as cluster:
         env = {k: v for k, v in cluster.env.items() if k != "XLA_FLAGS"}
         proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "sweep", str(path), "--backend", "slurm"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert "submitted job array" in proc.stdout
+        assert "submitted job array" in proc.stdout and "(3 runs in 2 tasks)" in proc.stdout, proc.stdout
         script = (out / "sweep.sbatch").read_text()
         assert "#SBATCH --array=0-1" in script and "#SBATCH --cpus-per-task=1" in script
         deadline = time.time() + 400
@@ -202,8 +204,9 @@ def test_slurm_backend_submits_a_job_array(tmp_path):
             assert time.time() < deadline, [r["status"] for r in index(out)]
             time.sleep(1)
     runs = index(out)
-    assert [r["status"] for r in runs] == ["finished", "finished"], [r.get("error") for r in runs]
+    assert [r["status"] for r in runs] == ["finished"] * 3, [r.get("error") for r in runs]
     assert all(r["final"]["eval/accuracy"] > 0 for r in runs)
+    assert len(list((out / "groups").glob("*.log"))) == 1  # the group trained as one process
 
 
 def test_long_run_names_are_cut_and_stay_distinct(tmp_path):

@@ -48,9 +48,6 @@ def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task:
         return run_task(sweep, task, task_runs or "")
     if group is not None:
         return run_group_task(sweep, group)
-    if sweep.vectorize and backend == "slurm":
-        raise UsageError("vectorize groups runs into local processes; with --backend slurm each run is its own "
-                         "array task: remove vectorize, or run the sweep locally")
     validate_runs(sweep)  # one bad value stops the sweep before anything runs
     REPORTS.set()
     sweep.directory.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,10 @@
-"""A sweep as one SLURM job array: an sbatch script with one array task per pending run;
-each task trains its run by index (`launch.py sweep FILE --run-task I`)."""
+"""A sweep as one SLURM job array: an sbatch script with one array task per pending run, or
+with `vectorize` per group of runs that share a compiled program; each task trains its run
+or group by index (`launch.py sweep FILE --run-task I`)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -10,21 +12,22 @@ from pathlib import Path
 
 from engine.errors import UsageError
 from engine.rundir import STATUS, write_atomic, write_json
-from engine.sweep.local import pending_runs, run_one, write_index
-from engine.sweep.spec import LAUNCH, RunSpec, Sweep, check_slurm_values
+from engine.sweep.local import cpu_devices_env, pending_runs, run_group, run_one, units, write_index
+from engine.sweep.spec import LAUNCH, Sweep, check_slurm_values
 
 
-def sbatch_script(sweep: Sweep, runs: list[RunSpec], tasks_file: Path) -> str:
-    """An sbatch script with one array task per run; task i trains the i-th run named in
-    `tasks_file` (a JSON list). No run name or config value appears in the script itself,
-    and every path and option in it is shell-quoted."""
+def sbatch_script(sweep: Sweep, tasks: list, tasks_file: Path) -> str:
+    """An sbatch script with one array task per entry of `tasks` (a run, or a group of runs);
+    task i trains the i-th entry of `tasks_file` (a JSON list of lists of run names). No run
+    name or config value appears in the script itself, and every path and option in it is
+    shell-quoted."""
     check_slurm_values(sweep.slurm, f"sweep file {sweep.path}")
     resources = {"partition": None, "time": None, "cpus_per_task": None, "gres": None, "mem": None,
                  "nodes": None, "ntasks": None, "account": None, "qos": None}
     resources.update(sweep.slurm)
     quote = shlex.quote
     lines = ["#!/bin/bash", f"#SBATCH --job-name={quote('sweep-' + sweep.path.stem)}",
-             f"#SBATCH --array=0-{len(runs) - 1}",
+             f"#SBATCH --array=0-{len(tasks) - 1}",
              f"#SBATCH --output={quote(str(sweep.directory / 'slurm-%A_%a.out'))}"]
     for key, value in resources.items():
         if value is not None:
@@ -40,9 +43,10 @@ def submit_slurm(sweep: Sweep, retry_failed: bool) -> int:
     if not todo:
         print("nothing to submit: every run is finished")
         return 0
-    script, tasks = sweep.directory / "sweep.sbatch", sweep.directory / "sweep.tasks.json"
-    write_atomic(tasks, json.dumps([run.name for run in todo]))
-    script.write_text(sbatch_script(sweep, todo, tasks))
+    script, tasks_file = sweep.directory / "sweep.sbatch", sweep.directory / "sweep.tasks.json"
+    tasks = units(sweep, todo)  # each run alone, or (vectorize) groups of runs sharing a program
+    write_atomic(tasks_file, json.dumps([[run.name for run in task] for task in tasks]))
+    script.write_text(sbatch_script(sweep, tasks, tasks_file))
     for run in todo:
         sweep.workdir(run).mkdir(parents=True, exist_ok=True)
         write_json(sweep.workdir(run) / STATUS, {"status": "submitted"})
@@ -50,19 +54,25 @@ def submit_slurm(sweep: Sweep, retry_failed: bool) -> int:
     result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if result.returncode != 0:
         raise UsageError(f"sbatch refused {script}: {result.stderr.strip()}")
-    print(f"submitted job array {result.stdout.strip()} ({len(todo)} runs): {script}")
+    print(f"submitted job array {result.stdout.strip()} ({len(todo)} runs in {len(tasks)} tasks): {script}")
     return 0
 
 
 def run_task(sweep: Sweep, index: int, tasks_file: str) -> int:
-    """Inside a SLURM array task: train the run named at `index` of `tasks_file`."""
+    """Inside a SLURM array task: train the run (or vectorised group) at `index` of `tasks_file`."""
     try:
-        names = json.loads(Path(tasks_file).read_text())
+        tasks = json.loads(Path(tasks_file).read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"--task-runs {tasks_file} is not a readable JSON list of run names: {e}") from None
     by_name = {run.name: run for run in sweep.runs}
-    if not 0 <= index < len(names) or names[index] not in by_name:
-        raise UsageError(f"array task {index} has no run in {tasks_file} ({len(names)} runs listed)")
-    code = run_one(sweep, by_name[names[index]])
+    count = len(tasks) if isinstance(tasks, list) else 0
+    task = tasks[index] if 0 <= index < count else None
+    names = [task] if isinstance(task, str) else task  # a name alone: written before groups were
+    if not names or not isinstance(names, list) or not all(isinstance(name, str) and name in by_name for name in names):
+        raise UsageError(f"array task {index} has no run in {tasks_file} ({count} tasks listed)")
+    runs = [by_name[name] for name in names]
+    # a group's child gets one CPU device per core of this task's allocation (on a CPU host)
+    code = run_one(sweep, runs[0]) if len(runs) == 1 else run_group(sweep, runs, cpu_devices_env(
+        dict(os.environ), len(runs), 1))
     write_index(sweep)
     return 0 if code == 0 else 1
