@@ -20,8 +20,11 @@ step is a couple of milliseconds of tiny kernels) and `gpt_small` (configs/gpt_s
 as it is). For `mlp` there are two hand-written loops: one around a plain flax MLP (Dense
 128 relu → Dropout 0.2 → Dense 10 with `nn.Dropout`, mean cross-entropy), and one around
 the engine's own flax module and loss (`run.model.module`, `engine.step.make_loss_fn`), which
-separates the model's cost (per-example dropout masks, metric sums) from the loop's. The
-transformers' hand-written loops use the engine's module and loss.
+separates the model's cost (per-example dropout masks, metric sums) from the loop's; and a
+third around that module and loss with no per-step host work at all (`--device-loop N`: the
+split on the device, rows drawn there, N steps per `lax.scan` dispatch): the floor a
+hand-written loop reaches on this step. The transformers' hand-written loops use the
+engine's module and loss.
 
 Every loop is compiled and warmed up first, then the loops are timed in turn (engine,
 hand-written, engine, hand-written, …) for `--rounds` rounds of `--steps` steps, each
@@ -198,6 +201,34 @@ def handwritten_loop(train_step, host_batches: list, state, start: int, steps: i
     return jax.block_until_ready(state)
 
 
+def make_device_loop(loss, tx, train: dict, batch_size: int, per_call: int):
+    """The strongest loop one would write by hand: the train split on the device, each step's
+    rows drawn there (uniformly, by `jax.random.randint`) and `per_call` steps per dispatch in
+    a `lax.scan`. Returns advance(state, start, steps)."""
+    arrays = jax.device_put(train)
+    rows = len(next(iter(train.values())))
+
+    def one_step(state, step):
+        params, model_state, opt_state, key = state
+        index = jax.random.randint(jax.random.fold_in(key, step), (batch_size,), 0, rows)
+        batch = {name: array[index] for name, array in arrays.items()}
+        dropout_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
+        (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params, model_state, batch, dropout_key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), model_state, opt_state, key), value
+
+    @partial(jax.jit, donate_argnums=0)
+    def call(state, start):
+        return jax.lax.scan(one_step, state, start + jax.numpy.arange(per_call))[0]
+
+    def advance(state, start: int, steps: int):
+        for first in range(start, start + steps, per_call):
+            state = call(state, first)
+        return jax.block_until_ready(state)
+
+    return advance
+
+
 def slice_batches(train, batch_size: int) -> list[dict[str, np.ndarray]]:
     """One epoch of contiguous host batches, made once before timing (a token mixture: its
     first 64 batches, in the engine's order)."""
@@ -250,7 +281,7 @@ def handwritten_optimizer(cfg) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), tx) if opt.grad_clip_norm else tx
 
 
-def build_loops(run, per_call_run=None) -> list[Loop]:
+def build_loops(run, per_call_run=None, device_loop: int = 10) -> list[Loop]:
     cfg = run.cfg
     tx = handwritten_optimizer(cfg)
     host_batches = slice_batches(run.dataset.train, cfg.train.global_batch_size)
@@ -261,6 +292,11 @@ def build_loops(run, per_call_run=None) -> list[Loop]:
     for name, (loss, params, model_state) in variants:
         state = (params, model_state, tx.init(params), jax.random.key(cfg.seed))
         loops.append(Loop(name, partial(handwritten_loop, make_handwritten_step(loss, tx), host_batches), state))
+    if cfg.model.name == "mlp" and device_loop > 1:  # the data on the device, several steps per dispatch
+        loss, params, model_state = engine_model_loss(run)
+        state = (params, model_state, tx.init(params), jax.random.key(cfg.seed))
+        advance = make_device_loop(loss, tx, run.dataset.train, cfg.train.global_batch_size, device_loop)
+        loops.append(Loop(f"hand-written, device data, {device_loop}/scan", advance, state))
     return loops
 
 
@@ -284,7 +320,7 @@ def benchmark(model: str, args, cache_dir: str) -> None:
             per_call_run = build_run(per_call)
         except UsageError as error:
             print(f"{model}: not timing train.steps_per_call={args.steps_per_call}: {error}")
-    loops = build_loops(run, per_call_run)
+    loops = build_loops(run, per_call_run, args.device_loop)
 
     for loop in loops:  # compile (hand-written) and warm up
         loop.run_steps(args.warmup)
@@ -325,6 +361,9 @@ def main() -> None:
     parser.add_argument("--steps-per-call", type=int, default=10,
                         help="also time the engine with train.steps_per_call=N (1: skip); divides --steps, --warmup "
                              "and log.every_steps")
+    parser.add_argument("--device-loop", type=int, default=10,
+                        help="steps per lax.scan of the hand-written device-data loop (MLPs; 1: skip it); divides "
+                             "--steps and --warmup")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra engine config overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache_dir:  # a fresh persistent compilation cache
