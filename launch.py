@@ -171,9 +171,11 @@ def main(argv: list[str]) -> int:
 
         return run_local_job(_without_local_flags(argv), args.local_processes, args.devices_per_process)
     from engine import process
-    from engine.distributed import DistributedError
+    from engine.errors import DistributedError
 
-    process.install(reader=command in ("eval", "export", "sample"))  # once (see engine/process.py)
+    # a sweep's own process (its runs are children) and a report never load jax
+    if command not in ("sweep", "report") or getattr(args, "run_group", None):
+        process.install(reader=command in ("eval", "export", "sample"))  # once (see engine/process.py)
     try:
         if command == "sweep":
             from engine.sweep import main as sweep_main

@@ -16,12 +16,8 @@ from typing import Optional
 import jax
 
 from engine.config import DistributedConfig
-from engine.errors import UsageError, exit_now
+from engine.errors import DistributedError, UsageError, exit_now
 from engine.preemption import release_signals
-
-
-class DistributedError(RuntimeError):
-    """A process did not join, or did not reach a barrier, in time (exit code 1)."""
 
 
 @dataclass(frozen=True)

@@ -126,13 +126,16 @@ def test_a_sweep_plans_its_runs_without_jax(tmp_path):
     sweep.write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ndirectory: {tmp_path / 'out'}\n"
                      "grid: {optimizer.learning_rate: [0.001, 0.01], model.hidden_sizes: [[32], [64]]}\n"
                      "vectorize: auto\n")
+    # `launch.py sweep FILE` up to where its runs would start, in place of starting them
     script = ("import sys\n"
-              "from engine.sweep import load_sweep, validate_runs\n"
+              "import launch, engine.sweep\n"
               "from engine.sweep.local import units\n"
-              f"sweep = load_sweep({str(sweep)!r})\n"
-              "validate_runs(sweep)\n"
-              "print(len(units(sweep, sweep.runs)), 'units')\n"
-              "print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))\n")
+              "def planned(sweep, parallel, retry_failed):\n"
+              "    print(len(units(sweep, sweep.runs)), 'units')\n"
+              "    print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))\n"
+              "    return 0\n"
+              "engine.sweep.run_pending, engine.sweep.report = planned, lambda *args, **kwargs: None\n"
+              f"sys.exit(launch.main(['sweep', {str(sweep)!r}]))\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2 units" in done.stdout  # two hidden sizes: two compiled programs, each with two learning rates
