@@ -366,6 +366,8 @@ def main() -> None:
                              "--steps and --warmup")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra engine config overrides")
     args = parser.parse_args()
+    if args.device_loop > 1 and ((args.steps or 0) % args.device_loop or args.warmup % args.device_loop):
+        parser.error(f"--device-loop {args.device_loop} must divide --steps and --warmup")
     with tempfile.TemporaryDirectory() as cache_dir:  # a fresh persistent compilation cache
         for model in args.models:
             benchmark(model, args, cache_dir)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import math
 import os
 import sys
@@ -435,7 +434,7 @@ _FILE_LAYERS: dict[str, DictConfig] = {}  # a sweep loads one file with many ove
 def _file_layer(schema: DictConfig, raw: dict, model_name: str, source: str) -> DictConfig:
     """The schema merged with a config file's contents (never changed: merges copy it). Kept by
     content, so the runs of a sweep pay OmegaConf's schema merge once, not once each."""
-    key = json.dumps([model_name, raw], sort_keys=True, default=repr)
+    key = repr((model_name, raw))  # keys of any type (YAML's `on:` is True), 1 and "1" apart
     if key not in _FILE_LAYERS:
         _check_shapes(raw, schema, source)
         try:

@@ -79,6 +79,9 @@ def test_loads_of_one_file_with_different_overrides_stay_apart(tmp_path):
     assert (first.workdir, second.workdir) == (str(tmp_path / "a"), str(tmp_path / "b"))
     path.write_text("train: {steps: 8}\n")
     assert load_config(path, [], str(tmp_path / "c")).train.steps == 8
+    path.write_text("train: {steps: 8, on: 1}\n")  # YAML reads `on` as True: a key of another type
+    with pytest.raises(UsageError, match="unknown config key 'train.True'"):
+        load_config(path, [], str(tmp_path / "d"))
 
 
 def test_resolved_config_reproduces_the_run(make_config, tmp_path):
