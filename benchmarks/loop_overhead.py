@@ -184,7 +184,8 @@ def engine_model_loss(run):
     return loss, state.params, state.model_state
 
 
-def make_handwritten_step(loss, tx):
+def handwritten_step(loss, tx):
+    """train_step(state, batch) → (state, loss), not yet jitted."""
     def train_step(state, batch):
         params, model_state, opt_state, key = state
         key, dropout_key = jax.random.split(key)
@@ -192,7 +193,11 @@ def make_handwritten_step(loss, tx):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), model_state, opt_state, key), value
 
-    return jax.jit(train_step, donate_argnums=0)
+    return train_step
+
+
+def make_handwritten_step(loss, tx):
+    return jax.jit(handwritten_step(loss, tx), donate_argnums=0)
 
 
 def handwritten_loop(train_step, host_batches: list, state, start: int, steps: int):
@@ -207,15 +212,12 @@ def make_device_loop(loss, tx, train: dict, batch_size: int, per_call: int):
     a `lax.scan`. Returns advance(state, start, steps)."""
     arrays = jax.device_put(train)
     rows = len(next(iter(train.values())))
+    train_step = handwritten_step(loss, tx)
+    data_key = jax.random.key(1)
 
     def one_step(state, step):
-        params, model_state, opt_state, key = state
-        index = jax.random.randint(jax.random.fold_in(key, step), (batch_size,), 0, rows)
-        batch = {name: array[index] for name, array in arrays.items()}
-        dropout_key = jax.random.fold_in(jax.random.fold_in(key, step), 1)
-        (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params, model_state, batch, dropout_key)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), model_state, opt_state, key), value
+        index = jax.random.randint(jax.random.fold_in(data_key, step), (batch_size,), 0, rows)
+        return train_step(state, {name: array[index] for name, array in arrays.items()})
 
     @partial(jax.jit, donate_argnums=0)
     def call(state, start):

@@ -640,8 +640,7 @@ def program_settings(cfg: Config) -> dict[str, Any]:
     """The settings that make a run's compiled program: the whole config but its VECTOR_KEYS,
     the family's hyperparameters and the workdir (clipping on or off stays: it is a program)."""
     flat = _flat(dataclasses.asdict(cfg))
-    hparams = getattr(CONFIGS[cfg.model.name], "hparams", ())
-    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in hparams} | {"workdir"}
+    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in CONFIGS[cfg.model.name].hparams} | {"workdir"}
     settings = {key: value for key, value in flat.items() if key not in vector}
     settings["optimizer.grad_clip"] = bool(cfg.optimizer.grad_clip_norm)
     return settings

@@ -56,6 +56,7 @@ STAGES = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottle
 
 @dataclass
 class ResNetConfig:
+    hparams: ClassVar[tuple[str, ...]] = ()
     name: str = "resnet"
     depth: int = 18  # 18 | 34 | 50
     width: int = 64  # channels of the first stage (doubles each stage)
@@ -106,6 +107,7 @@ class TransformerConfig:
 
 @dataclass
 class LlamaConfig:
+    hparams: ClassVar[tuple[str, ...]] = ()
     name: str = "llama"
     num_layers: int = 4
     d_model: int = 256  # width of the residual stream (hidden_size)

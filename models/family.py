@@ -123,4 +123,4 @@ class ModelFamily:
         """Shape-independent config fields the compiled step takes as float32 inputs and passes
         to the module call by name (runs that differ only in them share one compiled program);
         declared on the config dataclass (models/configs.py), which a sweep reads without jax."""
-        return getattr(self.config_cls, "hparams", ())
+        return self.config_cls.hparams

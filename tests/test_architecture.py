@@ -153,4 +153,5 @@ def test_the_light_declarations_agree_with_what_they_stand_for():
     assert tuple(BUILDERS) == CHOICES["optimizer.name"]
     assert tuple(REMAT_POLICIES) == REMAT_NAMES
     assert {name: family.config_cls for name, family in REGISTRY.items()} == CONFIGS
+    assert all("hparams" in vars(config) for config in CONFIGS.values())  # program_settings reads it
     assert REGISTRY["mlp"].hparams == ("dropout_rate",) and REGISTRY["llama"].hparams == ()

@@ -42,6 +42,14 @@ def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
     return code
 
 
+def run_unit(sweep: Sweep, unit: list[RunSpec], env: dict, parallel: int = 1) -> int:
+    """Trains one of units(): a run alone, or a vectorised group (whose process gets one CPU
+    device per core of this slot's share of the host, `parallel` slots sharing it)."""
+    if len(unit) == 1:
+        return run_one(sweep, unit[0], env)
+    return run_group(sweep, unit, cpu_devices_env(env, len(unit), parallel))
+
+
 def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int:
     """Trains runs that share a compiled program as one vectorised child process (its output
     in the sweep directory's group-<id>.log); each run's status is its own: the child marks
@@ -240,9 +248,7 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
                 if unit:
                     queue.remove(unit)
                     print(f"start {', '.join(run.name for run in unit)}", flush=True)
-                    target, args, env = ((run_one, unit[0], envs[slot]) if len(unit) == 1 else
-                                         (run_group, unit, cpu_devices_env(envs[slot], len(unit), parallel)))
-                    thread = threading.Thread(target=target, args=(sweep, args, env), daemon=True)
+                    thread = threading.Thread(target=run_unit, args=(sweep, unit, envs[slot], parallel), daemon=True)
                     thread.start()
                     slots[slot] = (unit, thread)
             for slot, (unit, thread) in list(slots.items()):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.errors import UsageError
 from engine.rundir import STATUS, write_atomic, write_json
-from engine.sweep.local import cpu_devices_env, pending_runs, run_group, run_one, units, write_index
+from engine.sweep.local import pending_runs, run_unit, units, write_index
 from engine.sweep.spec import LAUNCH, Sweep, check_slurm_values
 
 
@@ -70,9 +70,6 @@ def run_task(sweep: Sweep, index: int, tasks_file: str) -> int:
     names = [task] if isinstance(task, str) else task  # a name alone: written before groups were
     if not names or not isinstance(names, list) or not all(isinstance(name, str) and name in by_name for name in names):
         raise UsageError(f"array task {index} has no run in {tasks_file} ({count} tasks listed)")
-    runs = [by_name[name] for name in names]
-    # a group's child gets one CPU device per core of this task's allocation (on a CPU host)
-    code = run_one(sweep, runs[0]) if len(runs) == 1 else run_group(sweep, runs, cpu_devices_env(
-        dict(os.environ), len(runs), 1))
+    code = run_unit(sweep, [by_name[name] for name in names], dict(os.environ))
     write_index(sweep)
     return 0 if code == 0 else 1
