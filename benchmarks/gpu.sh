@@ -4,6 +4,7 @@
 # ~1B Llama and a ~350M GPT. Run from the repository root on a machine whose python3 has
 # jax with CUDA:   OUT=/tmp/gpu bash benchmarks/gpu.sh [all|tests|small|large]
 # Wheels of missing packages (grain, omegaconf, tensorboardX, ...) may lie in .whl/.
+# (-o addopts=-ra: the GPU tests run in one process, with or without pytest-xdist installed.)
 set -u
 OUT=${OUT:-/tmp/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print('jax', 
 run() { echo "+ $*"; "$@"; }
 case $part in
   tests|all)
-    ENGINE_TEST_GPU=1 run python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;&
+    ENGINE_TEST_GPU=1 run python3 -m pytest -o addopts=-ra -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;&
   small|all)
     JAX_PLATFORMS=cuda run python3 benchmarks/loop_overhead.py --models seed_mlp 2>&1 | tee "$OUT/seed_mlp.log"
     JAX_PLATFORMS=cuda run python3 benchmarks/loop_overhead.py --models resnet18 gpt_small llama_tiny --steps 200 \

@@ -24,6 +24,16 @@ from engine.config import load_config  # noqa: E402
 process.install()  # as launch.py does: compile-cache counting, orbax noise filters
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): two test processes, which take a 2-core machine's
+    suite from ~21 to ~14 minutes (compiles are single-threaded and subprocess tests wait);
+    one process for the GPU tests (each process would claim most of the GPU's memory).
+    PYTEST_XDIST_AUTO_NUM_WORKERS=N sets another number, `-n 0` runs in this process."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return 0 if os.environ.get("ENGINE_TEST_GPU") == "1" else min(2, os.cpu_count() or 1)
+
+
 @pytest.fixture(scope="session")
 def compilation_cache(tmp_path_factory):
     """A persistent compilation cache of this test session's own (set once per process)."""

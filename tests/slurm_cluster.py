@@ -9,6 +9,7 @@ binaries are installed; .ci/run installs them with apt-get.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -19,6 +20,9 @@ import time
 from pathlib import Path
 
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sinfo")
+# One of these clusters at a time on a machine (the tests run in parallel workers): each is
+# the machine's one node under its host name.
+LOCK = Path(tempfile.gettempdir()) / "engine-test-slurm-cluster.lock"
 
 
 def available() -> bool:
@@ -47,6 +51,7 @@ class SlurmCluster:
         self.munge_dir = Path(tempfile.mkdtemp(prefix="engine-munge-"))
         self.pid_files = [self.munge_dir / "munged.pid", self.dir / "slurmctld.pid", self.dir / "slurmd.pid"]
         self._pids: list[int] = []  # the daemons this cluster started, from their pid files
+        self._lock = None
 
     def _write_config(self) -> None:
         for sub in ("state", "spool", "log"):
@@ -91,6 +96,8 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
             time.sleep(0.1)
 
     def __enter__(self) -> "SlurmCluster":
+        self._lock = open(LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # waits for another worker's cluster to stop
         self._write_config()
         self._start_munge()
         subprocess.run([_binary("slurmctld"), "-f", str(self.conf)], check=True, env=self.env)
@@ -118,6 +125,9 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
             while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
                 time.sleep(0.2)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.close()  # (releases the lock)
+            self._lock = None
 
 
 def _descendants(pid: int) -> list[int]:
