@@ -38,18 +38,20 @@ from engine.checkpoint import Checkpointer, InBackground
 from engine.config import MESH_AXES, Config, check_vectorizable, shape_differences, to_yaml
 from engine.data import Prefetcher, eval_batches
 from engine.errors import UsageError
+from engine.hlo import human_bytes
 from engine.mesh import mesh_shape, num_devices
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, StepCost, Throughput, Window, compiled_flops, summary_text
 from engine.preemption import Preempted, PreemptionWatch, end_startup, starting
 from engine.rundir import METRICS, drop_records_after, storage_errno, storage_error
-from engine.setup import Plan, plan_run, run_hparams, train_batches, with_config_hparams
+from engine.setup import Plan, device_memory_bytes, plan_run, run_hparams, train_batches, with_config_hparams
 from engine.step import TRAIN_METRICS
 from engine.trainer import NonFiniteLoss, _claim, _due, _log_train, _paused, _write_run_files
 from engine.watchdog import Watchdog
 from models import constrained_activations
 
 TRIAL = "trial"  # the mesh axis over trials
+MEMORY_FRACTION = 0.9  # of one device's memory that a group's compiled train step may plan to use
 
 
 def group_mesh(cfg: Config, trials: int) -> Mesh:
@@ -187,6 +189,38 @@ def build_group(cfgs: list[Config]) -> Group:
     return group
 
 
+class _TooBig(Exception):
+    """The group's step does not fit in a device's memory: `fits` trials would."""
+
+    def __init__(self, fits: int, text: str):
+        super().__init__(text)
+        self.fits = fits
+
+
+def check_fits(group: Group) -> None:
+    """_TooBig unless the compiled step's memory per device (arguments, outputs and
+    temporaries, less what donation reuses) fits in MEMORY_FRACTION of a device's memory.
+    Its `fits` is the largest smaller group that would, from that figure: each trial's state
+    and activations take their share of a device (trials over the `trial` mesh axis: a device
+    holds trials / its size of them), the train split on the devices (data.placement) is
+    the same for any number of trials."""
+    memory, trials = group.train_step.memory_analysis(), len(group.cfgs)
+    if memory is None or trials == 1:  # one run is trained as it would be alone
+        return
+    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes)
+    room = MEMORY_FRACTION * device_memory_bytes(group.mesh)
+    if need <= room:
+        return
+    shared = 0 if group.resident is None else sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(group.resident))
+    per_trial = max(need - shared, 1) * group.mesh.shape[TRIAL] / trials  # one trial's bytes on a device
+    fits = next((k for k in range(trials - 1, 1, -1)
+                 if shared + per_trial * k / group_mesh(group.cfgs[0], k).shape[TRIAL] <= room), 1)
+    raise _TooBig(fits, f"the group of {trials} runs needs {human_bytes(need)} per device, more than "
+                        f"{MEMORY_FRACTION:.0%} of a device's {human_bytes(room / MEMORY_FRACTION)}")
+
+
 @dataclass
 class Trial:
     """One run of a group: its files, and whether it still trains."""
@@ -256,9 +290,16 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
     each trial logs, evaluates and saves into its own workdir as a run alone does. A trial
     with a non-finite loss (train.nan_policy=stop) stops alone (on_stop(cfg, why) is called);
     a signal saves every live trial and raises Preempted. A full, read-only or unwritable
-    workdir is one StorageError, as for a run alone (trainer.fit)."""
+    workdir is one StorageError, as for a run alone (trainer.fit). A group whose compiled
+    step would not fit in a device's memory (check_fits) trains as smaller groups, in turn."""
     try:
         return _fit_group(cfgs, started, on_stop)
+    except _TooBig as big:  # (nothing was written: the check comes before the trials' files)
+        parts = [cfgs[i:i + big.fits] for i in range(0, len(cfgs), big.fits)]
+        print(f"vectorize: {big}; training its runs as {len(parts)} groups of up to {big.fits}", flush=True)
+        # each later group's goodput counts from its own start, not from the groups before it
+        return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None,
+                                                                                on_stop)]
     except Exception as e:
         workdirs = [Path(cfg.workdir) for cfg in cfgs]
         number = next((n for n in (storage_errno(e, w) for w in workdirs) if n is not None), None)
@@ -281,6 +322,7 @@ def _fit_group(cfgs: list[Config], started: Optional[float], on_stop: Optional[C
             _claim(Path(cfg.workdir), closing)
         starting("loading data and compiling")
         group = build_group(cfgs)
+        check_fits(group)
         goodput.compile_seconds = group.compile_seconds
         trials = [_open_trial(group, cfg, closing, on_stop) for cfg in cfgs]
         watchdog.enter("restore")

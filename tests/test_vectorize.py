@@ -85,6 +85,38 @@ def test_a_diverging_run_stops_alone(make_config, tmp_path):
     assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
 
 
+def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_path, monkeypatch, capsys):
+    """With room on the device for the step of 2 trials and not 3, a group of 4 trains as two
+    groups of 2, one after the other, each run with the losses the group of 4 gives it."""
+    import engine.vectorize as vectorize
+
+    def group(name, variants):
+        return [make_config("mnist_mlp.yaml", *COMMON, "mesh.num_devices=1", *v, workdir=tmp_path / f"{name}{i}")
+                for i, v in enumerate(variants)]
+
+    def need(cfgs):
+        m = vectorize.build_group(cfgs).train_step.memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+    whole = fit_group(group("whole", VARIANTS))
+    cfgs = group("v", VARIANTS)
+    one, two = need(cfgs[:1]), need(cfgs[:2])
+    room = two + (two - one) / 2  # two trials fit, three do not
+    monkeypatch.setattr(vectorize, "device_memory_bytes", lambda mesh: room / vectorize.MEMORY_FRACTION)
+    built, build = [], vectorize.build_group
+    monkeypatch.setattr(vectorize, "build_group", lambda cfgs: built.append(len(cfgs)) or build(cfgs))
+    capsys.readouterr()
+    trials = fit_group(cfgs)
+    assert built == [4, 2, 2]  # the group of 4 was compiled, found too big, and not trained
+    assert "the group of 4 runs needs" in capsys.readouterr().out
+    assert [t.cfg.workdir for t in trials] == [c.workdir for c in cfgs]
+    for trial, alone in zip(trials, whole):
+        assert trial.error is None
+        np.testing.assert_allclose(_losses(trial.losses), _losses(alone.losses), rtol=1e-6)
+        assert trial.eval_metrics["loss"] == pytest.approx(alone.eval_metrics["loss"], rel=1e-6)
+    assert sorted(p.name for p in (tmp_path / "v3" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+
+
 @pytest.mark.parametrize("staging", ["host", "device"])
 def test_a_failed_save_stops_the_group(make_config, tmp_path, monkeypatch, staging):
     """A save that fails stops the group with one clear error. With checkpoint.staging=device
