@@ -1,9 +1,9 @@
 """Checkpoint cost: how long an asynchronous save blocks training, against a synchronous save
 and a plain numpy.save of the same bytes.
 
-Builds the transformer of configs/gpt_small.yaml, made moderately large (by default
-d_model=256, 6 layers, mlp_dim=1024: about 5M parameters, ~60 MB of train state with Adam's
-two moments), initialises its state (`run.init_state()`), trains --train-steps steps so
+Builds the transformer of configs/gpt_small.yaml (or --config's model), made moderately
+large (by default d_model=256, 6 layers, mlp_dim=1024: about 5M parameters, ~60 MB of train
+state with Adam's two moments), initialises its state (`run.init_state()`), trains --train-steps steps so
 that Adam's moments are no longer all zeros, and saves it with
 engine.checkpoint.Checkpointer, the class the trainer uses, with the trainer's metadata
 (config and data position):
@@ -36,6 +36,7 @@ every write look fast.
 
     python benchmarks/checkpoint_io.py
     python benchmarks/checkpoint_io.py --d-model 512 --num-layers 8 --mlp-dim 2048 --dir /data/scratch
+    python benchmarks/checkpoint_io.py --config llama_tiny.yaml model.num_heads=8 model.num_kv_heads=4
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def numpy_save(path: Path, state, fsync: bool) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="gpt_small.yaml",
+                        help="a config under configs/ (llama_tiny.yaml: scanned layers, a few arrays per weight kind)")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=6)
     parser.add_argument("--mlp-dim", type=int, default=1024)
@@ -117,7 +120,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=args.dir))
     overrides = QUIET + [f"model.d_model={args.d_model}", f"model.num_layers={args.num_layers}",
                          f"model.mlp_dim={args.mlp_dim}", f"data.max_bytes={args.max_bytes}", *args.overrides]
-    cfg = load_config(ROOT / "configs" / "gpt_small.yaml", overrides, str(base / "run"))
+    cfg = load_config(ROOT / "configs" / args.config, overrides, str(base / "run"))
     run = build_run(cfg)
     state = run.compiled.to_step_layout(run.init_state())
     for step in range(args.train_steps):
@@ -157,7 +160,7 @@ def main() -> None:
         runs = " ".join(f"{v * 1e3:.1f}" for v in values)
         print(f"{label:<44}{median(values) * 1e3:>10.1f} ms   [{runs}]{extra}")
 
-    print(f"transformer d_model={args.d_model} num_layers={args.num_layers} mlp_dim={args.mlp_dim}: "
+    print(f"{cfg.model.name} d_model={args.d_model} num_layers={args.num_layers} mlp_dim={args.mlp_dim}: "
           f"{params / 1e6:.2f}M parameters; train state {state_bytes / 1e6:.1f} MB in "
           f"{len(jax.tree.leaves(state))} arrays after {args.train_steps} training steps; "
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
