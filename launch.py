@@ -231,7 +231,8 @@ def main(argv: list[str]) -> int:
 
             return run_evaluator(cfg, watch=True)
         initialize(cfg.distributed)
-        if cfg.checkpoint.staging == "device" and jax.process_count() > 1:
+        # saves from a background thread need them (without them host staging lets orbax copy first)
+        if jax.process_count() > 1 and (cfg.checkpoint.staging == "device" or process.has_distributed_client_barriers()):
             process.use_distributed_client_barriers()
         if args.dry_run:
             from engine.dryrun import dry_run

@@ -9,10 +9,17 @@ engine.checkpoint.Checkpointer, the class the trainer uses, with the trainer's m
 (config and data position):
 
   (a) blocked      async save (the default, `checkpoint.staging=host`): time until `save()`
-                   returns, i.e. what the training loop waits for. Orbax copies the arrays
-                   off the devices before returning and writes them in a background thread.
+                   returns, i.e. what the training loop waits for. The state's copy into
+                   pinned host memory is dispatched and orbax saves it from a background
+                   thread.
   (a') blocked     async save with `checkpoint.staging=device`: the state is copied on the
                    devices and orbax saves the copy from a background thread.
+  (a'') blocked    the Checkpointer's `host_sync` staging (host staging before pinned copies:
+                   still used without pinned host memory, for several processes on an orbax
+                   without distributed-client barriers, and by a vectorised group): orbax
+                   copies the arrays off the devices before save() returns.
+  (g) host copy    the pinned host copy of (a) itself, dispatched and waited for: the
+                   devices' time before the next step may donate the state.
   (c) async total  the staging=host save, until `wait()` returns: everything on disk.
   (b) synchronous  `Checkpointer(..., async_save=False)`: save + wait.
   (d) bytes on disk of that synchronous checkpoint (all files under its step directory)
@@ -55,7 +62,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint import Checkpointer  # noqa: E402
+from engine.checkpoint import Checkpointer, _pinned_host_copy  # noqa: E402
 from engine.config import load_config, to_yaml  # noqa: E402
 from engine.rundir import write_sums  # noqa: E402
 from engine.setup import build_run  # noqa: E402
@@ -134,18 +141,24 @@ def main() -> None:
 
     host = Checkpointer(base / "async_host", keep=args.reps + 1, staging="host")
     device = Checkpointer(base / "async_device", keep=args.reps + 1, staging="device")
+    host_sync = Checkpointer(base / "async_host_sync", keep=args.reps + 1, staging="host_sync")
     async_save(host, 1, state, meta(1))
     async_save(device, 1, state, meta(1))
+    async_save(host_sync, 1, state, meta(1))
     sync_save(base / "warmup_sync", 2, state, meta(2))
     numpy_save(base / "warmup.npy", state, args.fsync)
 
-    blocked, blocked_device, async_total, synchronous, on_disk, plain = [], [], [], [], [], []
+    blocked, blocked_device, blocked_sync, host_copy, async_total, synchronous, on_disk, plain = ([] for _ in range(8))
     for rep in range(args.reps):
         step = 100 * (rep + 1)
         returned, finished = async_save(host, step, state, meta(step))
         blocked.append(returned)
         async_total.append(finished)
         blocked_device.append(async_save(device, step, state, meta(step))[0])
+        blocked_sync.append(async_save(host_sync, step, state, meta(step))[0])
+        began = time.perf_counter()
+        jax.block_until_ready(_pinned_host_copy(state))
+        host_copy.append(time.perf_counter() - began)
         seconds, size = sync_save(base / f"sync_{rep}", step + 1, state, meta(step + 1))
         synchronous.append(seconds)
         on_disk.append(size)
@@ -158,7 +171,7 @@ def main() -> None:
 
     def row(label: str, values: list[float], extra: str = "") -> None:
         runs = " ".join(f"{v * 1e3:.1f}" for v in values)
-        print(f"{label:<44}{median(values) * 1e3:>10.1f} ms   [{runs}]{extra}")
+        print(f"{label:<50}{median(values) * 1e3:>10.1f} ms   [{runs}]{extra}")
 
     print(f"{cfg.model.name} d_model={args.d_model} num_layers={args.num_layers} mlp_dim={args.mlp_dim}: "
           f"{params / 1e6:.2f}M parameters; train state {state_bytes / 1e6:.1f} MB in "
@@ -167,21 +180,25 @@ def main() -> None:
     print(f"writing under {base}; medians of {args.reps} (runs in brackets)")
     row("(a) async save, loop blocked (save returns)", blocked)
     row("(a') the same, checkpoint.staging=device", blocked_device)
+    row("(a'') the same, orbax copying first (host_sync)", blocked_sync)
+    row("(g) the pinned host copy of (a), to completion", host_copy)
     row("(c) async save, total (until wait returns)", async_total)
     row("(b) synchronous save (save + wait)", synchronous)
-    print(f"{'(d) synchronous: bytes on disk, throughput':<44}{disk / 1e6:>10.1f} MB   "
+    print(f"{'(d) synchronous: bytes on disk, throughput':<50}{disk / 1e6:>10.1f} MB   "
           f"{disk / 1e6 / sync_seconds:.0f} MB/s on disk, {state_bytes / 1e6 / sync_seconds:.0f} MB/s of state")
     fsync = "+ fsync" if args.fsync else "no fsync"
     row(f"(e) numpy.save of the same bytes ({fsync})", [s for s, _ in plain],
         f"   {numpy_bytes / 1e6:.1f} MB, {numpy_bytes / 1e6 / numpy_seconds:.0f} MB/s")
     began = time.perf_counter()
     write_sums(base / "sync_0" / str(101))
-    print(f"{'(f) SHA256SUMS of one step (a background thread)':<44}{(time.perf_counter() - began) * 1e3:>10.1f} ms"
+    print(f"{'(f) SHA256SUMS of one step (a background thread)':<50}{(time.perf_counter() - began) * 1e3:>10.1f} ms"
           "   (checkpoint.verify: in (a) only when a save comes before the last one is hashed, and in (c))")
     host.close()
     device.close()
+    host_sync.close()
     print(f"blocked / synchronous = {median(blocked) / sync_seconds:.1%} with staging=host, "
-          f"{median(blocked_device) / sync_seconds:.1%} with staging=device (target <= 10%); "
+          f"{median(blocked_device) / sync_seconds:.1%} with staging=device, "
+          f"{median(blocked_sync) / sync_seconds:.1%} with orbax copying first (target <= 10%); "
           f"synchronous / numpy.save = {sync_seconds / numpy_seconds:.2f}x")
     if not args.keep:
         shutil.rmtree(base)

@@ -35,6 +35,23 @@ from engine.sharding import path_name
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
+def _pinned_host_copy(state):
+    """A copy of every array in its devices' pinned host memory, each sharded as before: the
+    transfers are dispatched and this returns at once (a later use of the arrays, such as
+    the next step donating them, runs after the copies have read them)."""
+    leaves, tree = jax.tree.flatten(state)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    copies = jax.device_put([leaves[i] for i in arrays],
+                            [leaves[i].sharding.with_memory_kind("pinned_host") for i in arrays])
+    for i, copy in zip(arrays, copies):
+        leaves[i] = copy
+    return jax.tree.unflatten(tree, leaves)
+
+
+def _has_pinned_host() -> bool:
+    return any(memory.kind == "pinned_host" for memory in jax.local_devices()[0].addressable_memories())
+
+
 class InBackground:
     """Work on one background thread, one piece at a time and in order: `start` first waits
     for the previous piece; what a piece raised is raised again by `join`, on the caller's
@@ -93,12 +110,17 @@ class Checkpointer:
         self._hashing = ThreadPoolExecutor(1, "checkpoint-sums") if verify and not read_only else None
         self._sums: list[Future] = []
         self._closed = threading.Event()
-        self.staging = staging
-        if staging == "device" and jax.process_count() > 1 and not distributed_client_barriers_on():
+        # staging="host" saves from the background thread too where the devices have pinned host
+        # memory and (several processes) orbax's barriers cannot interleave with the step's
+        # collectives; else ("host_sync" always) orbax copies to the host before save() returns
+        background_ok = jax.process_count() == 1 or distributed_client_barriers_on()
+        self.staging = "host" if staging == "host" and background_ok and _has_pinned_host() else (
+            "host_sync" if staging in ("host", "host_sync") else staging)
+        if staging == "device" and not background_ok:
             raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
                                "barriers: call engine.process.use_distributed_client_barriers() at start-up "
                                "(launch.py does)")
-        self._saving = InBackground("checkpoint-save")  # staging="device": the save in progress
+        self._saving = InBackground("checkpoint-save")  # staging host or device: the save in progress
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
         options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
@@ -118,18 +140,20 @@ class Checkpointer:
     def save(self, step: int, state, meta: dict) -> None:
         """Starts an asynchronous save; training may change (or donate) `state` once it returns.
 
-        staging="host": orbax copies the arrays off the devices before this returns.
-        staging="device": this returns once a copy of the state on the devices is dispatched
-        (one more state's worth of device memory until it is written); orbax saves that copy
-        from a background thread, so its host copy and bookkeeping overlap training."""
+        staging="host": this returns once a copy of the state into pinned host memory is
+        dispatched; orbax saves that copy from a background thread, so its bookkeeping
+        overlaps training. staging="device": the same with the copy on the devices (faster to
+        make; one more state's worth of device memory until it is written).
+        staging="host_sync": orbax copies the arrays off the devices before this returns."""
         self._saving.join()  # one save at a time, in step order; raises a background save's error
         if self._sums:  # the previous step's checksums are written before this save's clean-up may delete it
             self.manager.wait_until_finished()  # (orbax's save would wait here too); raises a failed save's error
             self._join_sums()
-        if self.staging == "host":
+        if self.staging == "host_sync":
             self._save(step, state, meta)
             return
-        self._saving.start(self._save, step, _device_copy(state), meta)
+        copy = _pinned_host_copy(state) if self.staging == "host" else _device_copy(state)
+        self._saving.start(self._save, step, copy, meta)
 
     def _save(self, step: int, state, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),

@@ -49,21 +49,27 @@ def install(reader: bool = False) -> None:
                             category=RuntimeWarning)
 
 
-def use_distributed_client_barriers() -> None:
-    """Orbax's barriers between processes are device collectives by default. Issued from a
-    background save thread (checkpoint.staging=device) they could interleave with the
-    training step's collectives in a different order on each process; the JAX distributed
-    client's barriers cannot. Orbax's own switch is an absl flag (this program parses no
-    other absl flags). UsageError where this orbax has no such switch."""
+def has_distributed_client_barriers() -> bool:
+    """Whether this orbax has the switch use_distributed_client_barriers turns on."""
     import importlib
 
     from absl import flags
 
     importlib.import_module("orbax.checkpoint")  # defines orbax's absl flags
+    return "experimental_orbax_use_distributed_barrier" in flags.FLAGS
+
+
+def use_distributed_client_barriers() -> None:
+    """Orbax's barriers between processes are device collectives by default. Issued from a
+    background save thread (either checkpoint.staging) they could interleave with the
+    training step's collectives in a different order on each process; the JAX distributed
+    client's barriers cannot. Orbax's own switch is an absl flag (this program parses no
+    other absl flags). UsageError where this orbax has no such switch."""
+    from absl import flags
 
     from engine.errors import UsageError
 
-    if "experimental_orbax_use_distributed_barrier" not in flags.FLAGS:
+    if not has_distributed_client_barriers():
         raise UsageError("checkpoint.staging=device with several processes needs an orbax-checkpoint with "
                          "distributed-client barriers (0.12.8 has them); upgrade it or use checkpoint.staging=host")
     if not flags.FLAGS.is_parsed():

@@ -343,7 +343,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_sto
         tensorboard=cfg.log.tensorboard, name=workdir.name)))
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
         workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
-        staging="host", verify=cfg.checkpoint.verify)))  # the slice saved is a copy already (_Saves)
+        staging="host_sync", verify=cfg.checkpoint.verify)))  # the slice saved is a copy already (_Saves)
     return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
 
 

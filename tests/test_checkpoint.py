@@ -257,6 +257,37 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
     assert check_sums(out) == f"{data.relative_to(out)} does not match its checksum in SHA256SUMS (the file changed on disk)"
 
 
+def test_host_staging_saves_a_pinned_host_copy_in_the_background(tmp_path):
+    """checkpoint.staging=host: save() returns once a copy into pinned host memory is
+    dispatched, orbax runs on the background thread, and the checkpoint holds the state as
+    it was at save() although the caller's next step donates (overwrites) those buffers."""
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    mesh = jax.make_mesh((8,), ("data",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    state = {"w": jax.device_put(np.arange(64, dtype=np.float32), sharded), "b": jax.numpy.ones((3, 4))}
+    expected = jax.device_get(state)
+    checkpointer = Checkpointer(tmp_path / "ckpt", keep=3)  # the default staging
+    assert checkpointer.staging == "host"
+    threads, orbax_save = [], checkpointer.manager.save
+    checkpointer.manager.save = lambda *a, **k: threads.append(threading.current_thread().name) or orbax_save(*a, **k)
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
+    step(jax.tree.map(jax.numpy.copy, state))  # compiled before the save: it runs at once after it
+    checkpointer.save(1, state, {"step": 1})
+    saved_w = state["w"]
+    state = step(state)  # the next "step", while orbax is still starting on its thread
+    assert saved_w.is_deleted()  # its buffers now hold the next state
+    checkpointer.wait()
+    checkpointer.close()
+    assert threads == ["checkpoint-save"]
+    restored = ocp.PyTreeCheckpointer().restore(tmp_path / "ckpt" / "1" / "state")
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(restored[name]), expected[name])
+    assert (jax.device_get(state["w"]) == -1).all()  # (the donated buffers were overwritten)
+
+
 def test_device_staged_save_errors_reach_the_training_thread(tmp_path):
     """With checkpoint.staging=device orbax runs on a background thread; what fails there is
     raised by the next save or wait, not lost."""
