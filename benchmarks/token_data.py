@@ -12,6 +12,13 @@ the corpus size.
       directly in the tokenize command's format, checksums included) of each size, then trains
       llama_tiny on each (packing on, 30 steps) in a fresh process and reports its peak
       resident memory (VmHWM) and the data wait of the run summary.
+
+  python benchmarks/token_data.py batches [--rounds 3] [--steps 200] [key=value ...]
+      The host's time per training step to build llama_tiny's packed batches (the
+      tokenized standard library, the config's batch and seq_len; overrides apply) through
+      TrainBatches, as the prefetch thread does: Grain's batched read (one `_getitems` call
+      per batch, what training uses) against reading the same examples one by one through
+      the dataset's `__getitem__` (what it did before), rounds interleaved.
 """
 from __future__ import annotations
 
@@ -149,6 +156,38 @@ def bench_memory(args) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def bench_batches(args) -> None:
+    from engine.config import load_config
+    from engine.data.tokens import Examples
+    from engine.setup import plan_run, train_batches
+
+    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["log.progress=false", *args.overrides],
+                      tempfile.mkdtemp(prefix="token_batches_"))
+    batches = train_batches(cfg, plan_run(cfg), np.arange(cfg.train.global_batch_size))
+    examples = batches.examples
+
+    def one_by_one(indices):
+        rows = [examples.dataset[int(i)] for i in indices]
+        return {name: np.stack([row[name] for row in rows]) for name in examples.spec}
+
+    ways = {"batched (_getitems)": Examples.take.__get__(examples), "one by one (__getitem__)": one_by_one}
+    seconds = {name: [] for name in ways}
+    for round_ in range(args.rounds):
+        for name, read in ways.items():
+            examples.take = read
+            first = round_ * len(ways) * args.steps + list(ways).index(name) * args.steps  # new steps each time
+            began = time.perf_counter()
+            for step in range(first, first + args.steps):
+                batches(step)
+            seconds[name].append((time.perf_counter() - began) / args.steps)
+    print(f"llama_tiny batches: global batch {cfg.train.global_batch_size} x seq_len {cfg.data.seq_len} "
+          f"(packed), {args.steps} steps per round")
+    for name, values in seconds.items():
+        print(f"{name:<28}{np.median(values) * 1e6:>8.0f} us/step   [{' '.join(f'{v * 1e6:.0f}' for v in values)}]")
+    old, new = (np.median(seconds[name]) for name in ("one by one (__getitem__)", "batched (_getitems)"))
+    print(f"one by one / batched = {old / new:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -158,8 +197,12 @@ def main() -> None:
     m = sub.add_parser("memory")
     m.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 2000])
     m.add_argument("--steps", type=int, default=30)
+    b = sub.add_parser("batches")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
-    bench_tokenize(args) if args.what == "tokenize" else bench_memory(args)
+    {"tokenize": bench_tokenize, "memory": bench_memory, "batches": bench_batches}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,10 @@ class Windows:
         positions[:stop - start] = np.arange(start, stop) - np.maximum(doc_start, start)
         return self._tagged({"tokens": tokens, "segments": segments, "positions": positions})
 
+    def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """Several examples (Grain's batched read: one call and one metrics record per batch)."""
+        return [self[i] for i in indices]
+
     def _tagged(self, example: dict) -> dict:
         if self.source is not None:
             example["source"] = np.int32(self.source)
@@ -221,7 +225,8 @@ class Examples:
         return self.length
 
     def take(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
-        rows = [self.dataset[int(i)] for i in indices]
+        read = getattr(self.dataset, "_getitems", None)  # Grain's batched read: one call per batch
+        rows = read([int(i) for i in indices]) if read is not None else [self.dataset[int(i)] for i in indices]
         return {name: np.stack([row[name] for row in rows]) for name in self.spec}
 
 
