@@ -207,7 +207,8 @@ def test_a_mixture_follows_its_weights_and_the_seed(two_corpora):
     drawn = examples.take(range(4000))
     share = (drawn["source"] == 0).mean()
     assert abs(share - 0.75) < 3 * np.sqrt(0.75 * 0.25 / 4000)
-    picked = [5, 3999, 17, 17, 0, 2048]  # Grain's batched read (training's) gives each index's own example
+    picked = [5, 3999, 17, 17, 0, *range(1, 4000, 13)]  # Grain's batched read (training's) gives each index's own
+    # example: windows of one and of several documents, padded ones, from both sources
     batched, alone = examples.take(picked), [examples.dataset[i] for i in picked]
     for name in ("tokens", "segments", "positions", "source"):
         np.testing.assert_array_equal(batched[name], np.stack([row[name] for row in alone]))

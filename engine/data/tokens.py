@@ -200,8 +200,25 @@ class Windows:
         return self._tagged({"tokens": tokens, "segments": segments, "positions": positions})
 
     def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-        """Several examples (Grain's batched read: one call and one metrics record per batch)."""
-        return [self[i] for i in indices]
+        """Several examples (Grain's batched read: one call and one metrics record per batch);
+        packed windows get their segments and positions computed for the batch at once."""
+        if not self.packing or not len(indices):
+            return [self[i] for i in indices]
+        index = np.asarray(indices, np.int64)
+        starts, stops = self.cuts[index], self.cuts[index + 1]
+        tokens = np.zeros((len(index), self.window), self.stream.shards[0].dtype)
+        for row, (start, stop) in enumerate(zip(starts.tolist(), stops.tolist())):
+            tokens[row, :stop - start] = self.stream.read(start, stop)
+        offset = np.arange(self.window)
+        position = starts[:, None] + offset  # each slot's place in the stream
+        inside = offset < (stops - starts)[:, None]
+        ends = self.stream.doc_ends
+        doc = np.searchsorted(ends, position, side="right")  # each token's document
+        doc_start = np.where(doc > 0, ends[np.maximum(doc - 1, 0)], 0)
+        segments = np.where(inside, doc - doc[:, :1] + 1, 0).astype(np.int32)
+        positions = np.where(inside, position - np.maximum(doc_start, starts[:, None]), 0).astype(np.int32)
+        return [self._tagged({"tokens": tokens[row], "segments": segments[row], "positions": positions[row]})
+                for row in range(len(index))]
 
     def _tagged(self, example: dict) -> dict:
         if self.source is not None:
