@@ -89,7 +89,7 @@ def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
             with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
                 meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": config_text,
                         "window": window.carried()}
-                checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once off the devices
+                checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once its copy is dispatched
 
         trace = closing.enter_context(contextlib.closing(StepTrace(cfg.log.profile_steps, start, workdir)))
         for step in range(start, total, per_call):

@@ -197,23 +197,36 @@ class _TooBig(Exception):
         self.fits = fits
 
 
+def _program_bytes(program) -> int:
+    """A compiled program's memory per device: arguments, outputs and temporaries, less what
+    donation reuses (0 where the backend does not say)."""
+    m = program.memory_analysis()
+    return 0 if m is None else (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                                - m.alias_size_in_bytes)
+
+
+def _per_device(arrays) -> int:
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(arrays))
+
+
 def check_fits(group: Group) -> None:
-    """_TooBig unless the compiled step's memory per device (arguments, outputs and
-    temporaries, less what donation reuses) fits in MEMORY_FRACTION of a device's memory.
-    Its `fits` is the largest smaller group that would, from that figure: each trial's state
-    and activations take their share of a device (trials over the `trial` mesh axis: a device
-    holds trials / its size of them), the train split on the devices (data.placement) is
-    the same for any number of trials."""
-    memory, trials = group.train_step.memory_analysis(), len(group.cfgs)
-    if memory is None or trials == 1:  # one run is trained as it would be alone
+    """_TooBig unless the group's compiled steps (train, and eval on the same states), plus a
+    copy of the states for checkpoint.staging=device saves, fit in MEMORY_FRACTION of a
+    device's memory. Its `fits` is the largest smaller group that would, from that figure:
+    each trial's state and activations take their share of a device (trials over the `trial`
+    mesh axis: a device holds trials / its size of them), the train split on the devices
+    (data.placement) is the same for any number of trials."""
+    trials = len(group.cfgs)
+    if trials == 1:  # one run is trained as it would be alone
         return
-    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-            - memory.alias_size_in_bytes)
+    need = max(_program_bytes(group.train_step), _program_bytes(group.eval_step))
+    if group.cfgs[0].checkpoint.staging == "device":  # _Saves takes every trial's slice at once
+        need += _per_device(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
+                                         group.plan.state.abstract, group.trial_shardings))
     room = MEMORY_FRACTION * device_memory_bytes(group.mesh)
     if need <= room:
         return
-    shared = 0 if group.resident is None else sum(
-        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(group.resident))
+    shared = 0 if group.resident is None else _per_device(group.resident)
     per_trial = max(need - shared, 1) * group.mesh.shape[TRIAL] / trials  # one trial's bytes on a device
     fits = next((k for k in range(trials - 1, 1, -1)
                  if shared + per_trial * k / group_mesh(group.cfgs[0], k).shape[TRIAL] <= room), 1)
@@ -295,11 +308,7 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
     try:
         return _fit_group(cfgs, started, on_stop)
     except _TooBig as big:  # (nothing was written: the check comes before the trials' files)
-        parts = [cfgs[i:i + big.fits] for i in range(0, len(cfgs), big.fits)]
-        print(f"vectorize: {big}; training its runs as {len(parts)} groups of up to {big.fits}", flush=True)
-        # each later group's goodput counts from its own start, not from the groups before it
-        return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None,
-                                                                                on_stop)]
+        fits, why = big.fits, str(big)  # (the group itself is freed with the exception, before the parts train)
     except Exception as e:
         workdirs = [Path(cfg.workdir) for cfg in cfgs]
         number = next((n for n in (storage_errno(e, w) for w in workdirs) if n is not None), None)
@@ -310,6 +319,10 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
                 shutil.rmtree(partial, ignore_errors=True)
         doing = "saving a checkpoint" if "checkpoint" in str(e) else "writing the runs' files"
         raise storage_error(workdirs[0].parent, number, doing) from None
+    parts = [cfgs[i:i + fits] for i in range(0, len(cfgs), fits)]
+    print(f"vectorize: {why}; training its runs as {len(parts)} groups of up to {fits}", flush=True)
+    # each later group's goodput counts from its own start, not from the groups before it
+    return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None, on_stop)]
 
 
 def _fit_group(cfgs: list[Config], started: Optional[float], on_stop: Optional[Callable]) -> list[Trial]:

@@ -24,6 +24,7 @@ from engine.config import load_config  # noqa: E402
 process.install()  # as launch.py does: compile-cache counting, orbax noise filters
 
 
+@pytest.hookimpl(optionalhook=True)  # (a pytest without pytest-xdist has no such hook)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml's addopts): two test processes, which take a 2-core machine's
     suite from ~21 to ~14 minutes (compiles are single-threaded and subprocess tests wait);

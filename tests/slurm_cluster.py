@@ -98,6 +98,13 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
     def __enter__(self) -> "SlurmCluster":
         self._lock = open(LOCK, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # waits for another worker's cluster to stop
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # stops what started and releases the lock, then raises
+            raise
+
+    def _start(self) -> "SlurmCluster":
         self._write_config()
         self._start_munge()
         subprocess.run([_binary("slurmctld"), "-f", str(self.conf)], check=True, env=self.env)
@@ -109,7 +116,6 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
                 self._pids += [int(pid_file.read_text().strip()) for pid_file in self.pid_files]
                 return self
             time.sleep(0.5)
-        self.__exit__(None, None, None)
         raise RuntimeError(f"the SLURM node did not become idle within 60 s; logs in {self.dir}/log")
 
     def __exit__(self, *exc) -> None:
