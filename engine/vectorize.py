@@ -51,7 +51,7 @@ from engine.watchdog import Watchdog
 from models import constrained_activations
 
 TRIAL = "trial"  # the mesh axis over trials
-MEMORY_FRACTION = 0.9  # of one device's memory that a group's compiled train step may plan to use
+MEMORY_FRACTION = 0.9  # of one device's memory that a group's compiled steps may plan to use
 
 
 def group_mesh(cfg: Config, trials: int) -> Mesh:
