@@ -39,13 +39,7 @@ def _pinned_host_copy(state):
     """A copy of every array in its devices' pinned host memory, each sharded as before: the
     transfers are dispatched and this returns at once (a later use of the arrays, such as
     the next step donating them, runs after the copies have read them)."""
-    leaves, tree = jax.tree.flatten(state)
-    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    copies = jax.device_put([leaves[i] for i in arrays],
-                            [leaves[i].sharding.with_memory_kind("pinned_host") for i in arrays])
-    for i, copy in zip(arrays, copies):
-        leaves[i] = copy
-    return jax.tree.unflatten(tree, leaves)
+    return jax.device_put(state, jax.tree.map(lambda array: array.sharding.with_memory_kind("pinned_host"), state))
 
 
 def _has_pinned_host() -> bool:

@@ -9,15 +9,7 @@ from engine import hlo
 from engine.config import Config
 from engine.hlo import human_bytes
 from engine.setup import Run, build_run
-
-
-def per_device_bytes(abstract_tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
-    total = 0
-    for leaf in jax.tree.leaves(abstract_tree):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * leaf.dtype.itemsize
-    return total
+from engine.sharding import per_device_bytes
 
 
 def dry_run_report(run: Run) -> str:

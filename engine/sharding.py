@@ -8,6 +8,7 @@ rules must divide: silently replicating it would change the memory plan the user
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -142,3 +143,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_shards(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))

@@ -205,10 +205,6 @@ def _program_bytes(program) -> int:
                                 - m.alias_size_in_bytes)
 
 
-def _per_device(arrays) -> int:
-    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(arrays))
-
-
 def check_fits(group: Group) -> None:
     """_TooBig unless the group's compiled steps (train, and eval on the same states), plus a
     copy of the states for checkpoint.staging=device saves, fit in MEMORY_FRACTION of a
@@ -221,12 +217,13 @@ def check_fits(group: Group) -> None:
         return
     need = max(_program_bytes(group.train_step), _program_bytes(group.eval_step))
     if group.cfgs[0].checkpoint.staging == "device":  # _Saves takes every trial's slice at once
-        need += _per_device(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
-                                         group.plan.state.abstract, group.trial_shardings))
+        need += sharding.per_device_bytes(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
+            group.plan.state.abstract, group.trial_shardings))
     room = MEMORY_FRACTION * device_memory_bytes(group.mesh)
     if need <= room:
         return
-    shared = 0 if group.resident is None else _per_device(group.resident)
+    shared = 0 if group.resident is None else sharding.per_device_bytes(group.resident)
     per_trial = max(need - shared, 1) * group.mesh.shape[TRIAL] / trials  # one trial's bytes on a device
     fits = next((k for k in range(trials - 1, 1, -1)
                  if shared + per_trial * k / group_mesh(group.cfgs[0], k).shape[TRIAL] <= room), 1)
