@@ -4,6 +4,7 @@ and `pmap` (replicated data parallel, one copy of the state per device). Each re
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -13,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from contract.activations import StagePlan, constrained_activations
 from engine import sharding
 from engine.data import process_rows
-from models import constrained_activations
 
 PMAP_AXIS = "batch"
 
@@ -49,6 +50,10 @@ class Shapes:
     steps_per_block: int
     eval_batch: int
     resident: bool = False  # data.placement=device: train_arrays live on every device; blocks carry indices
+    # leading dimensions of a block before [steps, batch], and their mesh axes: a vectorised
+    # group's trials (each its own data order), DiLoCo's replicas (each its own share of a batch)
+    block_lead: tuple[int, ...] = ()
+    block_lead_axes: tuple[str, ...] = ()
 
 
 def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedSharding,
@@ -60,7 +65,7 @@ def _global_arrays(host_batch: dict[str, np.ndarray], array_sharding: NamedShard
         len(global_rows):])) for name, value in host_batch.items()}
 
 
-def _replicated_arrays(arrays: dict[str, np.ndarray], replicated: NamedSharding) -> dict[str, jax.Array]:
+def replicated_arrays(arrays: dict[str, np.ndarray], replicated: NamedSharding) -> dict[str, jax.Array]:
     """Host arrays → one copy on every device (each process supplies its own devices')."""
     if jax.process_count() == 1:
         return jax.device_put({k: np.ascontiguousarray(v) for k, v in arrays.items()}, replicated)
@@ -72,7 +77,7 @@ def _identity(state):
     return state
 
 
-def _abstract(arrays: dict, leading: tuple[int, ...], array_sharding) -> dict:
+def abstract_arrays(arrays: dict, leading: tuple[int, ...], array_sharding) -> dict:
     return {name: jax.ShapeDtypeStruct((*leading, *a.shape[1:]), a.dtype, sharding=array_sharding)
             for name, a in arrays.items()}
 
@@ -85,38 +90,28 @@ def _eager(fn):
 
 
 def compile_jit(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval_step: Callable,
-                eager: bool = False) -> Compiled:
+                eager: bool = False, stages: StagePlan = StagePlan()) -> Compiled:
     batch_sharding = sharding.batch_sharding(mesh)
     # Training batches travel in blocks of K steps ([K, batch, ...]): one transfer per block,
     # and the step picks its own batch, so the host's per-step work is a dispatch alone.
-    steps, global_batch = shapes.steps_per_block, shapes.global_batch
-    block_sharding = NamedSharding(mesh, PartitionSpec(None, sharding.BATCH_AXES))
-
-    def put_batch(host_batch, batch_size):
-        return _global_arrays(host_batch, batch_sharding, (batch_size,))
-
-    def put_host_block(host_block):
-        return _global_arrays(host_block, block_sharding, (steps, global_batch))
-
-    put_block = put_host_block
-    block_abstract = _abstract(shapes.train_arrays, (steps, global_batch), block_sharding)
-    in_block_sharding = block_sharding
+    lead = (*shapes.block_lead, shapes.steps_per_block, shapes.global_batch)
+    block_sharding = NamedSharding(mesh, PartitionSpec(*shapes.block_lead_axes, None, sharding.BATCH_AXES))
+    put_block = functools.partial(_put_host_block, block_sharding, lead)
+    block_abstract: Any = abstract_arrays(shapes.train_arrays, lead, block_sharding)
+    in_block_sharding: Any = block_sharding
     if shapes.resident and train_step is not None:
         # The whole train split, replicated: each device gathers its own rows of each batch
         # (the indices are sharded like a batch), so the gather needs no communication.
         data_sharding = sharding.replicated(mesh)
-        resident = _replicated_arrays(shapes.train_arrays, data_sharding)
-        indices = {"index": jax.ShapeDtypeStruct((steps, global_batch), jnp.int32, sharding=block_sharding)}
-        block_abstract = (_abstract(shapes.train_arrays, (len(next(iter(shapes.train_arrays.values()))),),
-                                    data_sharding), indices)
+        resident = replicated_arrays(shapes.train_arrays, data_sharding)
+        examples = len(next(iter(shapes.train_arrays.values())))
+        block_abstract = (abstract_arrays(shapes.train_arrays, (examples,), data_sharding),
+                          {"index": jax.ShapeDtypeStruct(lead, jnp.int32, sharding=block_sharding)})
         in_block_sharding = (data_sharding, block_sharding)
+        put_block = functools.partial(_with_resident, resident, put_block)
 
-        def put_resident_block(host_block):  # {"index": [steps, rows]} → (the resident split, global indices)
-            return resident, put_host_block(host_block)
-
-        put_block = put_resident_block
-
-    common = dict(put_batch=put_batch, put_block=put_block, to_step_layout=_identity, from_step_layout=_identity,
+    common = dict(put_batch=functools.partial(_put_batch, batch_sharding), put_block=put_block,
+                  to_step_layout=_identity, from_step_layout=_identity,
                   rows=lambda batch_size: process_rows(batch_sharding, batch_size))
     if eager:
         return Compiled(train_step=train_step and _eager(train_step), eval_step=_eager(eval_step),
@@ -127,10 +122,10 @@ def compile_jit(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval
                                     donate_argnums=0)
     start = time.perf_counter()
     # Traced here: the models' activation constraints pin activations to this mesh.
-    with constrained_activations(sharding.activation_constrainer(mesh)):
-        program = jitted.lower(shapes.state, block_abstract).compile() if train_step else None
+    with constrained_activations(sharding.ActivationLayout(mesh), stages):
+        program = jitted.lower(shapes.state, block_abstract).compile() if jitted else None
         compile_seconds = time.perf_counter() - start
-        eval_batch = {**_abstract(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
+        eval_batch = {**abstract_arrays(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
                       "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding)}
         evaluate = jax.jit(eval_step, in_shardings=(shapes.state_shardings, batch_sharding),
                            out_shardings=sharding.replicated(mesh)).lower(shapes.state, eval_batch).compile()
@@ -138,8 +133,22 @@ def compile_jit(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval
                     **common)
 
 
+def _put_batch(batch_sharding: NamedSharding, host_batch, batch_size: int):
+    return _global_arrays(host_batch, batch_sharding, (batch_size,))
+
+
+def _put_host_block(block_sharding: NamedSharding, lead: tuple[int, ...], host_block):
+    return _global_arrays(host_block, block_sharding, lead)
+
+
+def _with_resident(resident, put_block: Callable, host_block):
+    """{"index": [steps, rows]} → (the resident split, global indices)."""
+    return resident, put_block(host_block)
+
+
 def compile_pmap(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval_step: Callable,
-                 eager: bool = False) -> Compiled:
+                 eager: bool = False, stages: StagePlan = StagePlan()) -> Compiled:
+    """(`eager` and `stages` are the jit backend's: pmap runs neither eagerly nor pipelined.)"""
     devices = mesh.devices.reshape(-1)
     count = len(devices)
     pmap_mesh = Mesh(devices, (PMAP_AXIS,))
@@ -163,7 +172,7 @@ def compile_pmap(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eva
     pmapped = train_step and jax.pmap(train_step, axis_name=PMAP_AXIS, devices=list(devices), donate_argnums=0)
     pmapped_eval = jax.pmap(eval_step, axis_name=PMAP_AXIS, devices=list(devices))
     start = time.perf_counter()
-    block = _abstract(shapes.train_arrays, (count, steps, global_batch // count), stacked)
+    block = abstract_arrays(shapes.train_arrays, (count, steps, global_batch // count), stacked)
     program = pmapped.lower(state, block).compile() if train_step else None
     compile_seconds = time.perf_counter() - start
 

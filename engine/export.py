@@ -10,12 +10,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from engine.checkpoint import restore_newest
-from engine.config import MESH_AXES, Config, load_config
+from engine.axes import CONFIG_AXES
+from engine.config import Config, load_config
 from engine.errors import UsageError
 from engine.rundir import write_sums
 from engine.setup import build_run
 
-SINGLE_DEVICE = [*(f"mesh.{axis}=1" for axis in MESH_AXES), *(f"mesh.dcn_{axis}=1" for axis in MESH_AXES),
+SINGLE_DEVICE = [*(f"mesh.{axis}=1" for axis in CONFIG_AXES), *(f"mesh.dcn_{axis}=1" for axis in CONFIG_AXES),
                  "mesh.num_devices=1", "mesh.backend=jit", "log.progress=false"]
 
 

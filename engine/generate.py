@@ -22,7 +22,8 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
     cfg = run_config(work)
     run = build_run(cfg, compile_train=False)
     family, info = run.model.family, run.dataset.info
-    if family.generate is None:
+    generate = family.generator()
+    if generate is None:
         raise UsageError(f"model.name={cfg.model.name} does not generate text; train a language model such as "
                          f"model.name=llama")
     if info.text_codec not in ("bytes", "tokenizer"):
@@ -42,6 +43,6 @@ def sample(workdir: str, prompt: str, max_tokens: int = 200, temperature: float 
         encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
         decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")  # noqa: E731
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
-    tokens = family.generate(cfg.model, info, restored.state.params, encode(prompt), max_tokens,
+    tokens = generate(cfg.model, info, restored.state.params, encode(prompt), max_tokens,
                              temperature, top_p, seed, jnp.dtype(cfg.train.compute_dtype))
     return decode(tokens)

@@ -37,9 +37,10 @@ SHARD_BYTES = 2 * 1024**3  # largest safetensors file written by export
 
 def _family_for(architecture: str):
     for name, family in REGISTRY.items():
-        if family.hf is not None and architecture in family.hf.ARCHITECTURES:
+        layout = family.hf_layout()
+        if layout is not None and architecture in layout.ARCHITECTURES:
             return name, family
-    supported = sorted(a for f in REGISTRY.values() if f.hf is not None for a in f.hf.ARCHITECTURES)
+    supported = sorted(a for f in REGISTRY.values() for a in getattr(f.hf_layout(), "ARCHITECTURES", ()))
     raise UsageError(f"config.json architectures={architecture!r} is not supported; supported: {', '.join(supported)}")
 
 
@@ -87,8 +88,9 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
         raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
     hf_config = json.loads((hf_path / "config.json").read_text())
     name, family = _family_for((hf_config.get("architectures") or ["?"])[0])
+    layout = family.hf_layout()
     try:
-        model = family.hf.config_from_hf(hf_config)
+        model = layout.config_from_hf(hf_config)
     except ValueError as e:
         raise UsageError(str(e)) from None
     from engine.config import CONFIG_DIR
@@ -100,7 +102,7 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
     run = build_run(cfg, compile_train=False)
     read = _Reader(_tensor_files(hf_path))
     params = run.abstract_state.params
-    for tensor in family.hf.tensors(cfg.model):
+    for tensor in layout.tensors(cfg.model):
         target = _get(params, tensor.path)
         params = _set(params, tensor.path, _place(tensor, target, read))
     missing = [sharding.path_name(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
@@ -156,16 +158,17 @@ def export_hf(workdir: str, out: str) -> Path:
     work, out_path = Path(workdir), new_output_dir(out)
     cfg = run_config(work)
     family = REGISTRY[cfg.model.name]
-    if family.hf is None:
+    layout = family.hf_layout()
+    if layout is None:
         raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
     run = build_run(cfg, compile_train=False)
     try:  # first: a model without a Hugging Face layout (a mixture of experts) writes nothing
-        hf_config = family.hf.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
+        hf_config = layout.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
     restored = restore_newest(work, run.abstract_state, cfg, "export")
     tensors = {}
-    for tensor in family.hf.tensors(cfg.model):
+    for tensor in layout.tensors(cfg.model):
         value = np.asarray(jax.device_get(_get(restored.state.params, tensor.path)))
         layers = value if tensor.stacked else [value]
         tensors.update({name: tensor.to_hf(np.asarray(layer)) for name, layer in zip(tensor.names, layers)})

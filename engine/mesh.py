@@ -1,19 +1,21 @@
-"""Mesh config → jax.sharding.Mesh with named axes (data, fsdp, expert, context, tensor)."""
+"""Mesh config → jax.sharding.Mesh with the named axes of engine/axes.py (every mesh has them
+all; an axis the run does not use has size 1)."""
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from engine.config import MESH_AXES, MeshConfig
+from engine.axes import CONFIG_AXES, MESH_AXES
 from engine.errors import UsageError
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
-    """Axis sizes with the one -1 filled in; UsageError if they cannot cover num_devices."""
-    sizes = {axis: getattr(cfg, axis) for axis in MESH_AXES}
+def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
+    """The configured axes' sizes with the one -1 filled in; UsageError if they cannot cover num_devices."""
+    sizes = {axis: getattr(cfg, axis) for axis in CONFIG_AXES}
     fixed = math.prod(size for size in sizes.values() if size != -1)
     layout = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
     for axis, size in sizes.items():
@@ -23,12 +25,15 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
                                  f"{num_devices} devices; choose sizes whose product divides {num_devices}")
             sizes[axis] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
+        hint = ("; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before starting gives N devices"
+                if jax.default_backend() == "cpu" and math.prod(sizes.values()) > num_devices else "")
         raise UsageError(f"mesh {layout} uses {math.prod(sizes.values())} devices but {num_devices} are in use; "
-                         f"make {' * '.join('mesh.' + a for a in MESH_AXES)} = {num_devices} (or set one of them to -1)")
+                         f"make {' * '.join('mesh.' + a for a in CONFIG_AXES)} = {num_devices} (or set one of them "
+                         f"to -1){hint}")
     return sizes
 
 
-def num_devices(cfg: MeshConfig) -> int:
+def num_devices(cfg) -> int:
     available = jax.device_count()
     if cfg.num_devices == -1:
         return available
@@ -40,19 +45,30 @@ def num_devices(cfg: MeshConfig) -> int:
     return cfg.num_devices
 
 
-def make_mesh(cfg: MeshConfig) -> Mesh:
-    """A mesh over the devices in use; the data-center-network (dcn_*) factors are the outer ones."""
-    count = num_devices(cfg)
-    sizes = mesh_shape(cfg, count)
-    shape = tuple(sizes[axis] for axis in MESH_AXES)
-    dcn = tuple(getattr(cfg, f"dcn_{axis}") for axis in MESH_AXES)
-    if math.prod(dcn) > 1:
-        for axis, size, outer in zip(MESH_AXES, shape, dcn):
-            if size % outer:
-                raise UsageError(f"mesh.dcn_{axis}={outer} does not divide mesh.{axis}={size}")
-        ici = tuple(size // outer for size, outer in zip(shape, dcn))
-        devices = mesh_utils.create_hybrid_device_mesh(ici, dcn, jax.devices()[:count],
-                                                       process_is_granule=not hasattr(jax.devices()[0], "slice_index"))
-        return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    devices = jax.devices()[:count]
-    return jax.make_mesh(shape, MESH_AXES, (AxisType.Auto,) * len(MESH_AXES), devices=devices)
+def full_shape(sizes: dict[str, int]) -> tuple[int, ...]:
+    """Sizes of every mesh axis (1 where `sizes` does not name it), in MESH_AXES order."""
+    return tuple(sizes.get(axis, 1) for axis in MESH_AXES)
+
+
+def build_mesh(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence) -> Mesh:
+    """A mesh of `devices` with these axis sizes; the dcn_* factors of each axis are its outer part
+    (they cross slices, or hosts where devices know no slice)."""
+    shape = full_shape(sizes)
+    outer = tuple(dcn.get(axis, 1) for axis in MESH_AXES)
+    types = (AxisType.Auto,) * len(MESH_AXES)
+    if math.prod(outer) == 1:
+        return jax.make_mesh(shape, MESH_AXES, types, devices=list(devices))
+    for axis, size, part in zip(MESH_AXES, shape, outer):
+        if size % part:
+            raise UsageError(f"mesh.dcn_{axis}={part} does not divide mesh.{axis}={size}")
+    inner = tuple(size // part for size, part in zip(shape, outer))
+    granule = not hasattr(devices[0], "slice_index")
+    grid = mesh_utils.create_hybrid_device_mesh(inner, outer, list(devices), process_is_granule=granule)
+    return Mesh(grid, MESH_AXES, axis_types=types)
+
+
+def make_mesh(cfg, devices: Optional[Sequence] = None) -> Mesh:
+    """The config's mesh over the devices in use (or over `devices`: a TPU topology's chips)."""
+    devices = list(devices) if devices is not None else jax.devices()[:num_devices(cfg)]
+    sizes = mesh_shape(cfg, len(devices))
+    return build_mesh(sizes, {axis: getattr(cfg, f"dcn_{axis}") for axis in CONFIG_AXES}, devices)

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule, built by name from the config.
+"""Optimizer and learning-rate schedule, built by name from the config (engine/optimizers.py's tables).
 
 Hyperparameters that do not change shapes (learning rate, warm-up, decay length, weight
 decay, Adam's betas and epsilon, the gradient-clipping norm) are arrays in the train state, not constants in the compiled program,
@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from engine.optimizers import OPTIMIZERS, SCHEDULES, OptimizerKind
+
 if TYPE_CHECKING:
     from engine.config import OptimizerConfig
 
@@ -25,43 +27,30 @@ def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.nda
 
 
 def learning_rate_at(kind: str, step, hp: dict):
-    """The learning rate at `step` for schedule `kind` (constant, warmup_cosine, warmup_linear)."""
-    step = jnp.asarray(step, jnp.float32)
-    peak, warmup = hp["peak_learning_rate"], hp["warmup_steps"]
-    warming = peak * step / jnp.maximum(warmup, 1.0)
-    if kind == "constant":
-        return jnp.where(step < warmup, warming, peak)
-    end = peak * hp["end_factor"]
-    progress = jnp.clip((step - warmup) / jnp.maximum(hp["decay_steps"] - warmup, 1.0), 0.0, 1.0)
-    if kind == "warmup_cosine":
-        decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-    else:  # warmup_linear
-        decayed = peak + (end - peak) * progress
-    return jnp.where(step < warmup, warming, decayed)
+    """The learning rate at `step` for schedule `kind` (engine/optimizers.py SCHEDULES)."""
+    return SCHEDULES[kind](jnp.asarray(step, jnp.float32), hp, jnp)
 
 
 def optimizer_hparams(cfg: OptimizerConfig) -> dict[str, float]:
     """Numeric optimizer settings injected into the optimizer state (learning_rate set per step)."""
-    hp = {"learning_rate": 0.0}
-    if cfg.name == "momentum":
-        hp["momentum"] = cfg.momentum
-    if cfg.name in ("adam", "adamw"):
-        hp.update(b1=cfg.momentum, b2=cfg.b2, eps=cfg.eps)
-    if cfg.name == "adamw":
-        hp["weight_decay"] = cfg.weight_decay
+    hp = {"learning_rate": 0.0, **{arg: getattr(cfg, name) for arg, name in OPTIMIZERS[cfg.name].hparams.items()}}
     if cfg.grad_clip_norm:  # the norm is a number in the state too; whether to clip is the program's
         hp["grad_clip_norm"] = cfg.grad_clip_norm
     return hp
 
 
-# inject_hyperparams reads each builder's parameter names: those become state arrays
-BUILDERS = {
-    "sgd": lambda learning_rate: optax.sgd(learning_rate),
-    "momentum": lambda learning_rate, momentum: optax.sgd(learning_rate, momentum=momentum),
-    "adam": lambda learning_rate, b1, b2, eps: optax.adam(learning_rate, b1=b1, b2=b2, eps=eps),
-    "adamw": lambda learning_rate, b1, b2, eps, weight_decay: optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
-                                                                         weight_decay=weight_decay),
-}
+def _builder(kind: OptimizerKind):
+    """optax's function with the state's numbers as named parameters (inject_hyperparams reads
+    the names: those become state arrays)."""
+    build = getattr(optax, kind.optax_name)
+
+    def make(learning_rate, **hparams):
+        return build(learning_rate, **hparams, **kind.fixed)
+
+    names = ["learning_rate", *kind.hparams]
+    make.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                            for n in names])
+    return make
 
 
 def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
@@ -79,7 +68,7 @@ def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """The optimizer (with optional global-norm clipping), its numbers held in its state."""
-    build = BUILDERS[cfg.name]
+    build = _builder(OPTIMIZERS[cfg.name])
 
     def clipped(grad_clip_norm=None, **hparams):
         tx = build(**hparams)

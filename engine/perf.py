@@ -100,7 +100,7 @@ def lowered_flops(lowered) -> Optional[float]:
     return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
-def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, compiled) -> StepCost:
+def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, compiled, copies: int = 1) -> StepCost:
     """The model FLOPs of one train step per device.
 
     XLA's cost analysis of the compiled step counts them, except where the run's settings
@@ -108,22 +108,24 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     recomputes, a chunked loss is a loop XLA counts once, fused attention a custom call it
     cannot count) and gradient accumulation or several steps per call (loops). Then the
     same step is lowered (a trace, no compile) without them and counted; where the backend
-    cannot analyse a lowered program (GPU and TPU plugins may not), the family's formula."""
+    cannot analyse a lowered program (GPU and TPU plugins may not), the family's formula.
+    `copies`: runs the compiled program steps at once (a vectorised group's trials; XLA's count
+    of the program already holds them all)."""
     info = dataset.info
     num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
-    analytic = 0.0
-    if family.flops_per_example is not None:
-        analytic = family.flops_per_example(cfg.model, info, num_params) * cfg.train.global_batch_size / devices
+    per_example = family.flops_per_example(cfg.model, info, num_params)
+    analytic = (per_example or 0.0) * cfg.train.global_batch_size * copies / devices
     formula = family.flops_formula if analytic else ""
     flops = compiled_flops(compiled) if compiled is not None else 0.0
     if not flops:
         return StepCost(0.0, "none (the step was not compiled)", analytic, formula)
-    reason = family.formula_only(cfg.model) if family.formula_only else ""
+    reason = family.formula_only(cfg.model)
     if reason and analytic:
         return StepCost(analytic, f"analytic formula ({formula}): {reason}", analytic, formula)
     # as the module resolved them (an `auto` setting names what it chose)
-    resolved = {key: getattr(module, key, getattr(cfg.model, key)) for key in family.work_settings}
-    differs = [f"{key}={resolved[key]}" for key, value in family.work_settings.items() if resolved[key] != value]
+    plain = family.work_settings()
+    resolved = {key: getattr(module, key, getattr(cfg.model, key)) for key in plain}
+    differs = [f"{key}={resolved[key]}" for key, value in plain.items() if resolved[key] != value]
     differs += [f"{key}={getattr(cfg.train, key)}" for key in ("grad_accum_steps", "steps_per_call")
                 if getattr(cfg.train, key) > 1]
     if not differs:
@@ -131,7 +133,7 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     settings = ", ".join(differs)
     reference = _reference_flops(cfg, family, dataset, tx, abstract_state)
     if reference is not None:
-        return StepCost(reference / devices, f"XLA cost analysis of the same step without {settings}",
+        return StepCost(reference * copies / devices, f"XLA cost analysis of the same step without {settings}",
                         analytic, formula)
     compiled_source = f"XLA cost analysis of the compiled step, with {settings}"
     if analytic:
@@ -145,7 +147,7 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     gradient accumulation, from the lowered (not compiled) program; None if not analysable.
     The reference model's parameters may be laid out differently (unscanned layers): its
     state's shapes come from its own init."""
-    model_cfg = dataclasses.replace(cfg.model, **family.work_settings)
+    model_cfg = dataclasses.replace(cfg.model, **family.work_settings())
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
     step = make_train_step(make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources)), tx,
                            cfg.optimizer.schedule)

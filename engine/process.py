@@ -11,10 +11,14 @@ code (the Checkpointer, the trainer, a notebook importing the engine) changes no
   the trainer reports it in one line, so those logs are dropped.
 - Orbax logs "directory is read only" at every read of an evaluator's or export's
   checkpoints: silenced for the commands that only read.
+- The TPU compiler (libtpu, installed for `launch.py plan`) is not started on a host without
+  TPU chips: JAX would try it first and print libtpu's start-up errors. `plan` loads it
+  through the topology API, which does not need the TPU backend.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -36,6 +40,7 @@ def install(reader: bool = False) -> None:
     _installed = True
     import jax
 
+    _skip_absent_tpu()
     jax.monitoring.register_event_listener(_count_cache_event)
     logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
     logging.getLogger("absl").addFilter(_DropStorageFaultLogs())
@@ -47,6 +52,17 @@ def install(reader: bool = False) -> None:
     # and the writes of a save cut short by a full disk, never started
     warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host.*' was never awaited",
                             category=RuntimeWarning)
+
+
+def _skip_absent_tpu() -> None:
+    """No TPU backend where the host has no TPU chips and JAX_PLATFORMS leaves the choice to JAX
+    (called before JAX starts its backends; jax's own chip count reads sysfs, not libtpu)."""
+    if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_FORCE_TPU_INIT"):
+        return
+    from jax._src import hardware_utils, xla_bridge
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        xla_bridge._backend_factories.pop("tpu", None)
 
 
 def has_distributed_client_barriers() -> bool:

@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 
 from engine import sharding
 from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
-from engine.config import MESH_AXES, Config
+from engine.axes import CONFIG_AXES, AxisContext, check_axes
+from engine.config import Config
 from engine.data import Dataset, TrainBatches, example_spec, load_dataset
 from engine.errors import UsageError
 from engine.mesh import make_mesh
@@ -29,6 +30,7 @@ from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.perf import StepCost, enable_compilation_cache, step_cost
 from engine.process import compile_cache_events
 from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step, split_variables
+from contract.activations import StagePlan
 from models import REGISTRY, ModelFamily
 
 @dataclass(frozen=True)
@@ -121,10 +123,10 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
     if dataset.info.kind != want:
         raise UsageError(f"model.name={cfg.model.name} needs {want} data but data.name={cfg.data.name} gives "
                          f"{dataset.info.kind}; pick a matching data.name")
-    if "segments" in example_spec(dataset.train) and not family.packing:
+    if "segments" in example_spec(dataset.train) and not family.takes_packed_documents():
         raise UsageError(f"data.packing=true gives packed documents, which model.name={cfg.model.name} cannot mask; "
                          "set data.packing=false, or use a model that takes segment ids (llama, transformer)")
-    _check_context_and_experts(cfg, mesh, dataset, family)
+    check_axes(AxisContext(cfg, dict(mesh.shape), dataset.info, family))
     shards = sharding.batch_shards(mesh)
     layout = (f"{'*'.join(sharding.BATCH_AXES)}={'*'.join(str(mesh.shape[a]) for a in sharding.BATCH_AXES)}"
               f"={shards}")
@@ -135,31 +137,14 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
     if (batch // accum) % shards:
         raise UsageError(f"the microbatch train.global_batch_size / train.grad_accum_steps = {batch // accum} is not "
                          f"divisible by {layout}; use a global batch that is a multiple of {shards * accum}")
-    if cfg.mesh.backend == "pmap" and any(mesh.shape[a] > 1 for a in MESH_AXES if a != "data"):
-        raise UsageError("mesh.backend=pmap is replicated data parallel only; set mesh.fsdp, mesh.expert, "
-                         "mesh.context and mesh.tensor to 1, or use mesh.backend=jit")
+    others = [a for a in CONFIG_AXES if a != "data"]
+    if cfg.mesh.backend == "pmap" and any(mesh.shape[a] > 1 for a in others):
+        raise UsageError(f"mesh.backend=pmap is replicated data parallel only; set "
+                         f"{', '.join('mesh.' + a for a in others)} to 1, or use mesh.backend=jit")
     eval_batch = cfg.eval.batch_size or batch
     if eval_batch % shards:
         raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
     return eval_batch
-
-
-def _check_context_and_experts(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily) -> None:
-    """mesh.context needs a model that splits its sequence, and a sequence it divides;
-    mesh.expert must divide the experts."""
-    context, experts = mesh.shape["context"], getattr(cfg.model, "num_experts", 0)
-    if context > 1 and not family.context_parallel:
-        raise UsageError(f"mesh.context={context}: model.name={cfg.model.name} does not split its sequence over "
-                         f"devices; set mesh.context=1, or use model.name=llama")
-    if context > 1 and dataset.info.seq_len % context:
-        raise UsageError(f"data.seq_len={dataset.info.seq_len} is not divisible by mesh.context={context}; "
-                         f"choose a sequence length that is a multiple of {context}, or another mesh.context")
-    if mesh.shape["expert"] > 1 and not experts:
-        raise UsageError(f"mesh.expert={mesh.shape['expert']} splits experts, and model.name={cfg.model.name} has "
-                         f"none (model.num_experts=0); set mesh.expert=1 (mesh.data splits the batch)")
-    if mesh.shape["expert"] > 1 and experts % mesh.shape["expert"]:
-        raise UsageError(f"model.num_experts={experts} is not divisible by mesh.expert={mesh.shape['expert']}; "
-                         f"choose a mesh.expert that divides {experts}")
 
 
 def run_hparams(cfg: Config) -> dict:
@@ -197,7 +182,7 @@ def build_model(cfg: Config, info, pmap_axis: Optional[str] = None):
 
 def _fit_cpu_step_loop(cfg: Config, family) -> None:
     """One step per call for the families whose steps XLA:CPU runs slowly in a device loop."""
-    if cfg.train.steps_per_call > 1 and not family.cpu_step_loop and jax.default_backend() == "cpu":
+    if cfg.train.steps_per_call > 1 and not family.loops_fast_on_cpu() and jax.default_backend() == "cpu":
         print(f"note: train.steps_per_call={cfg.train.steps_per_call} runs 1 step per call: on CPU, XLA runs "
               f"model.name={cfg.model.name}'s convolutions several times slower inside a multi-step call",
               file=sys.stderr)
@@ -218,6 +203,7 @@ class Plan:
     eval_step: Callable  # (state, batch) → metric sums, not compiled
     shapes: Shapes
     resident_bytes: int  # >0: the train split lives on the devices (data.placement)
+    stages: StagePlan = StagePlan()  # how the model's layer stack runs as a pipeline (one stage: not)
 
 
 def plan_run(cfg: Config, mesh: Optional[Mesh] = None) -> Plan:
@@ -258,7 +244,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     mesh, shapes = plan.mesh, plan.shapes
     compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
     compiled = compile_fn(mesh, shapes, plan.train_step if compile_train else None, plan.eval_step,
-                          eager=cfg.train.eager)
+                          eager=cfg.train.eager, stages=plan.stages)
     inputs = Inputs(train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),
                     eval_rows=compiled.rows(shapes.eval_batch), eval_batch_size=shapes.eval_batch,
                     steps_per_block=shapes.steps_per_block, steps_per_call=cfg.train.steps_per_call,

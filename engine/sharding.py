@@ -17,13 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from engine.axes import ACTIVATION_AXES, BATCH_AXES, LENIENT_LOGICAL, STRICT_AXES, expert_batch_axes
 from engine.errors import UsageError
-
-BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over these (expert: outside MoE layers)
-STRICT_AXES = ("tensor",)  # axes that must divide the dimensions they are asked to shard
-# ... except for these logical axes: fewer grouped-query K/V heads than tensor devices are
-# replicated, as Megatron does, while the query heads stay split
-LENIENT_LOGICAL = ("kv_heads",)
 
 
 @dataclass(frozen=True)
@@ -98,19 +93,15 @@ def tree_shardings(abstract_boxed, param_layouts: list[ParamLayout], mesh: Mesh)
     return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), abstract_boxed, is_leaf=_is_box)
 
 
-# Megatron: split where weights are; the sequence over context; experts over expert
-ACTIVATION_AXES = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "seq": "context",
-                   "expert": "expert"}
-
-
 def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], mesh: Mesh) -> PartitionSpec:
-    """Activations: the batch over data, fsdp and expert; heads, mlp and vocab over tensor; the
-    sequence over context; experts over expert; the rest whole. `expert_batch`: the batch
-    axes without expert (a mixture-of-experts layer's tokens, once at their experts)."""
-    spec = []
+    """Activations: "batch" over the batch axes, each logical axis an axis declares
+    (engine/axes.py: heads, mlp and vocab over tensor, the sequence over context, experts over
+    expert) over it, the rest whole. "expert_batch": the batch axes a mixture-of-experts
+    layer keeps its tokens over once they reach their experts."""
+    spec: list = []
     for dim, name in zip(shape, logical):
         if name in ("batch", "expert_batch"):
-            axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and (name == "batch" or a != "expert"))
+            axes = tuple(a for a in (BATCH_AXES if name == "batch" else expert_batch_axes()) if mesh.shape[a] > 1)
             size = int(np.prod([mesh.shape[a] for a in axes]))
             spec.append(axes if axes and dim % size == 0 else None)
         elif name in ACTIVATION_AXES and mesh.shape[ACTIVATION_AXES[name]] > 1 and \
@@ -121,15 +112,17 @@ def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], 
     return PartitionSpec(*spec)
 
 
-def activation_constrainer(mesh: Mesh):
+class ActivationLayout:
     """(activation, logical axes) → the activation pinned to its layout on `mesh`; the engine
-    hands this to the models (models.constrained_activations) while it traces a step."""
+    hands one to the models (contract.activations.constrained_activations) while it traces a step."""
 
-    def apply(x, logical):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x.shape, logical, mesh)))
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}
 
-    apply.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}  # models.activation_splits
-    return apply
+    def __call__(self, x, logical):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, activation_spec(x.shape, logical,
+                                                                                             self.mesh)))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

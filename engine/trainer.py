@@ -1,194 +1,154 @@
-"""The training loop: wires the built Run to batches, metrics, evaluation and checkpoints."""
+"""A run alone: claims its workdir, builds (compiles) the run, restores, and lets the loop
+(engine/loop.py) train it as a `Job` whose logs, evaluations and saves are its workdir's."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 import jax
 
 from engine.checkpoint import Checkpointer
 from engine.config import Config, save_config, to_yaml
-from engine.data import Prefetcher
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
+from engine.loop import (NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses,
+                         train_record)
 from engine.metrics import MetricWriter
-from engine.perf import Goodput, StepTrace, Throughput, Window, summary_text
-from engine.preemption import Preempted, PreemptionWatch, end_startup, starting
+from engine.perf import Goodput, Throughput, Window, summary_text
+from engine.preemption import Preempted, starting
 from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
 from engine.step import TRAIN_METRICS
 from engine.watchdog import Watchdog
 
-__all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or Inf (train.nan_policy=stop)."""
+__all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state", "claim", "write_run_files"]
 
 
 @dataclass
 class FitResult:
-    state: object  # the final TrainState
+    state: Any  # the final TrainState
     losses: dict[int, float] = field(default_factory=dict)  # step → train loss of that step
     eval_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
     summary: dict = field(default_factory=dict)  # time, goodput and MFU of this run
 
 
-def fit(cfg: Config, run: Run | None = None, started: float | None = None) -> FitResult:
-    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating.
-    A full, read-only or unwritable workdir is one StorageError (exit 2): the unfinished save is
-    removed, the newest complete checkpoint kept, and a re-run resumes from it."""
-    try:
-        return _fit(cfg, run, started)
-    except Exception as e:
-        number = storage_errno(e, Path(cfg.workdir))
-        if number is None or isinstance(e, UsageError):
-            raise
-        if jax.process_index() == 0:  # the lock holder: the unfinished save is its own
-            for partial in Path(cfg.workdir, "checkpoints").glob("*.orbax-checkpoint-tmp*"):
-                shutil.rmtree(partial, ignore_errors=True)
-        doing = "saving a checkpoint" if "checkpoint" in str(e) else "writing the run's files"
-        raise storage_error(Path(cfg.workdir), number, doing) from None
+def fit(cfg: Config, run: Optional[Run] = None, started: Optional[float] = None) -> FitResult:
+    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
+    result = FitResult(None)
 
+    def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
+        return _open(cfg, run, started, result, closing, watchdog, goodput)
 
-def _fit(cfg: Config, run: Run | None, started: float | None) -> FitResult:
-    goodput = Goodput(started or time.time())
-    workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
-    with contextlib.ExitStack() as closing:  # closed in reverse order, on success or failure
-        watchdog = closing.enter_context(contextlib.closing(Watchdog(
-            dataclasses.asdict(cfg.watchdog), workdir, jax.process_index())))
-        run, checkpointer, state, start, meta = _start(cfg, run, started, goodput, closing, watchdog)
-        watchdog.enter("step")
-        end_startup()  # from here a signal is noted, and the loop saves and exits
-        total, per_call, per_block = cfg.train.steps, run.inputs.steps_per_call, run.inputs.steps_per_block
-        writer = closing.enter_context(contextlib.closing(MetricWriter(
-            workdir, enabled=is_chief, total_steps=total, start_step=start, progress=cfg.log.progress,
-            tensorboard=cfg.log.tensorboard)))
-        batches = closing.enter_context(contextlib.closing(Prefetcher(run.train_block, start // per_block,
-                                                                      cfg.data.prefetch)))  # blocks of batches
-        preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
-        rates = Throughput(run.cost, cfg.train.global_batch_size,
-                           cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info),
-                           run.mesh.devices.flat[0], cfg.train.compute_dtype, run.compile_cache)
-        result, block, last_saved = FitResult(state), None, start or None
-        window = Window.resumed(start, meta.get("window"),  # the log window a checkpoint cut in two
-                                len(TRAIN_METRICS) + len(run.dataset.info.sources))
-        watchdog.watch(window.metrics)
-        if run.inputs.resident_bytes and start < total:
-            writer.message(_resident_message(run))
-
-        config_text = to_yaml(cfg)  # once: it takes ~0.1 s
-
-        def save(step):
-            with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
-                meta = {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": config_text,
-                        "window": window.carried()}
-                checkpointer.save(step, run.compiled.from_step_layout(state), meta)  # returns once its copy is dispatched
-
-        trace = closing.enter_context(contextlib.closing(StepTrace(cfg.log.profile_steps, start, workdir)))
-        for step in range(start, total, per_call):
-            if block is None or step % per_block == 0:
-                block = next(batches)
-            trace.before(step)
-            watchdog.beat()
-            state, metrics = _dispatch(run, state, block, goodput)  # steps [step, step + per_call)
-            window.add(metrics, per_call)
-            writer.advance(per_call)
-            done = step + per_call
-            if trace.after(done, metrics):
-                writer.message(trace.message())
-            if _due(cfg.log.every_steps, done, total):
-                losses = _log_train(window, done, cfg.train.nan_policy, writer, rates, goodput,
-                                    run.dataset.info.sources)
-                result.losses.update({s: loss for s, loss in losses.items() if s > start})  # this call's steps
-                window = Window(done)
-                watchdog.watch(window.metrics)
-            if _due(cfg.eval.every_steps, done, total):
-                with _paused(window, goodput, "eval_seconds"), watchdog.phase("eval"):  # not training throughput
-                    result.eval_metrics = _evaluate(run, state, done, writer, cfg.train.nan_policy)
-            if _due(cfg.checkpoint.every_steps, done, total):
-                save(done)
-                last_saved = done
-            if preemption.should_stop(step + 1, done):
-                if last_saved != done:
-                    save(done)
-                checkpointer.wait()
-                raise Preempted(done, preemption.signum)
-        if start >= total:
-            writer.message(f"already finished: the newest checkpoint is at step {start} of {total}; to train again "
-                           f"from scratch give another --workdir, to train longer raise train.steps")
-        with _paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
-            checkpointer.wait()  # the last save is complete before the run reports success
-        barrier("finished", timeout)
-        goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
-        if total > start:
-            timing = goodput.summary(time.time())
-            result.summary = {**timing, **rates.summary(timing["mean_step_seconds"]),
-                              **({"profile_dir": str(trace.directory)} if trace.traced else {})}
-            writer.write(total, "summary", result.summary)
-            writer.message(summary_text(result.summary))
-        if preemption.requested and total > start:  # a signal during the final save: it completed, and so did the run
-            raise Preempted(total, preemption.signum)
-    result.state = state
+    result.state = fit_job(open_job, cfg, started, [Path(cfg.workdir)]).state
     return result
 
 
-def _start(cfg: Config, run: Run | None, started: float | None, goodput: Goodput, closing: contextlib.ExitStack,
-           watchdog: Watchdog):
-    """Claims the workdir, builds (compiles) the run, restores: (run, checkpointer, state, start
-    step, checkpoint meta). A SIGTERM or SIGINT meanwhile ends the process at once (launched from
-    the command line: engine.preemption.note_signals); there is nothing new to save."""
-    workdir, is_chief, timeout = Path(cfg.workdir), jax.process_index() == 0, cfg.distributed.barrier_timeout
+class RunJob:
+    """The loop's Job for a run alone; process 0 writes the records, every process saves."""
+
+    def __init__(self, cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWriter, result: FitResult,
+                 start: int):
+        self.cfg, self.run, self.checkpointer, self.writer, self.result, self.start = (
+            cfg, run, checkpointer, writer, result, start)
+        self.workdir = Path(cfg.workdir)
+        self.steps_per_block, self.steps_per_call = run.inputs.steps_per_block, run.inputs.steps_per_call
+        self.sync_each_step = run.sync_each_step
+        tokens = cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info)
+        self.rates = Throughput(run.cost, cfg.train.global_batch_size, tokens, run.mesh.devices.flat[0],
+                                cfg.train.compute_dtype, run.compile_cache)
+        self.config_text = to_yaml(cfg)  # once: it takes ~0.1 s
+
+    def block(self, index: int):
+        return self.run.train_block(index)
+
+    def step(self, state, block):
+        return self.run.compiled.train_step(state, block)
+
+    def log(self, host, window: Window, done: int) -> None:
+        losses = step_losses(host, window.start)
+        self._nonfinite(nonfinite_loss(losses))
+        self.writer.write(done, "train", train_record(host, window, self.run.dataset.info.sources, self.rates))
+        self.result.losses.update({s: loss for s, loss in losses.items() if s > self.start})  # this process's steps
+
+    def evaluate(self, state, done: int) -> None:
+        metrics = evaluate(self.run, state)
+        self.writer.write(done, "eval", metrics)
+        self.result.eval_metrics = metrics
+        self._nonfinite(nonfinite_eval(metrics, done))
+
+    def _nonfinite(self, problem: Optional[str]) -> None:
+        if problem and self.cfg.train.nan_policy == "stop":
+            raise NonFiniteLoss(problem)
+        if problem:
+            self.writer.message(f"warning: {problem}")
+
+    def save(self, step: int, state, window: Window) -> None:
+        meta = {"step": step, "data": {"next_step": step, "seed": self.cfg.seed}, "config": self.config_text,
+                "window": window.carried()}
+        self.checkpointer.save(step, self.run.compiled.from_step_layout(state), meta)
+
+    def wait(self) -> None:
+        self.checkpointer.wait()
+
+    def summary(self, summary: dict) -> None:
+        self.result.summary = summary
+        self.writer.write(self.cfg.train.steps, "summary", summary)
+        self.writer.message(summary_text(summary))
+
+    def message(self, text: str) -> None:
+        self.writer.message(text)
+
+    def advance(self, steps: int) -> None:
+        self.writer.advance(steps)
+
+    def stopped(self) -> bool:
+        return False
+
+
+def _open(cfg: Config, run: Optional[Run], started: Optional[float], result: FitResult,
+          closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
+    """Claims the workdir, builds (compiles) the run, restores. A SIGTERM or SIGINT meanwhile ends
+    the process at once (launched from the command line: engine.preemption.note_signals);
+    there is nothing new to save."""
+    workdir, is_chief = Path(cfg.workdir), jax.process_index() == 0
     if is_chief:  # one job per workdir: claimed before compiling and before anything is written
-        _claim(workdir, closing)
+        claim(workdir, closing)
     starting("loading data and compiling")
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
     if is_chief:
-        _write_run_files(cfg, run, workdir)
+        write_run_files(cfg, run.dataset.info, workdir)
     checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
-        workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=timeout, staging=cfg.checkpoint.staging,
-        verify=cfg.checkpoint.verify)))
+        workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
+        staging=cfg.checkpoint.staging, verify=cfg.checkpoint.verify)))
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, checkpointer)
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
-    barrier(f"restored_step_{start}", timeout)  # every process starts from the same checkpoint
+    barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # every process starts from one checkpoint
     if is_chief:
         goodput.redone_steps = drop_records_after(workdir / METRICS, start)
-    return run, checkpointer, state, start, meta
+    writer = closing.enter_context(contextlib.closing(MetricWriter(
+        workdir, enabled=is_chief, total_steps=cfg.train.steps, start_step=start, progress=cfg.log.progress,
+        tensorboard=cfg.log.tensorboard)))
+    window = Window.resumed(start, meta.get("window"),  # the log window a checkpoint cut in two
+                            len(TRAIN_METRICS) + len(run.dataset.info.sources))
+    if run.inputs.resident_bytes and start < cfg.train.steps:
+        writer.message(f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
+                       f"(data.placement={cfg.data.placement}); each step gathers its rows on the device")
+    return Started(RunJob(cfg, run, checkpointer, writer, result, start), state, start, window)
 
 
-def _write_run_files(cfg: Config, run: Run, workdir: Path) -> None:
+def write_run_files(cfg: Config, info, workdir: Path) -> None:
     """config.yaml, and the tokenizer the run's text is read back with (sample, export)."""
     save_config(cfg, workdir / "config.yaml")
-    if run.dataset.info.tokenizer:
-        shutil.copyfile(run.dataset.info.tokenizer, workdir / "tokenizer.json")
-
-
-def _resident_message(run: Run) -> str:
-    return (f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
-            f"(data.placement={run.cfg.data.placement}); each step gathers its rows on the device")
-
-
-def _dispatch(run: Run, state, block, goodput: Goodput):
-    """One call of the train step, its host time sampled: dispatch, and any wait for the device."""
-    began = time.perf_counter()
-    state, metrics = run.compiled.train_step(state, block)
-    dispatched = time.perf_counter()
-    goodput.dispatch_seconds += dispatched - began
-    if run.sync_each_step or goodput.first_step_at is None:
-        jax.block_until_ready(metrics)
-        goodput.device_wait_seconds += time.perf_counter() - dispatched
-        goodput.first_step_at = goodput.first_step_at or time.time()
-    return state, metrics
+    if info.tokenizer:
+        shutil.copyfile(info.tokenizer, workdir / "tokenizer.json")
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):
@@ -213,7 +173,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     return state, start, meta
 
 
-def _claim(workdir: Path, closing: contextlib.ExitStack) -> None:
+def claim(workdir: Path, closing: contextlib.ExitStack) -> None:
     """Takes the workdir's lock for the life of `closing`; a workdir created here is removed
     again if the run stops before writing anything into it (a bad config or bad data)."""
     created = not workdir.exists()
@@ -221,85 +181,14 @@ def _claim(workdir: Path, closing: contextlib.ExitStack) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         closing.enter_context(WorkdirLock(workdir))
     except OSError as e:  # a read-only or unwritable place: said before anything is compiled
-        if storage_errno(e, workdir) is None:
+        number = storage_errno(e, workdir)
+        if number is None:
             raise
-        raise storage_error(workdir, storage_errno(e, workdir), "claiming the workdir") from None
+        raise storage_error(workdir, number, "claiming the workdir") from None
     if created:
-        unused = lambda: [p.name for p in workdir.iterdir()] == [".lock"] and shutil.rmtree(workdir)  # noqa: E731
+        def unused() -> None:
+            if [p.name for p in workdir.iterdir()] == [".lock"]:
+                shutil.rmtree(workdir)
+
         closing.callback(unused)
         starting("starting", cleanup=unused)  # also when a signal ends start-up
-
-
-def _due(every: int, done: int, total: int) -> bool:
-    """Is an every-N-steps action due after step `done`? (0 = only at the end)"""
-    return (every and done % every == 0) or done == total
-
-
-@contextlib.contextmanager
-def _paused(window: Window, goodput: Goodput, account: str):
-    """Time spent inside is taken out of the window's step time and charged to goodput's `account`."""
-    began = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds = time.perf_counter() - began
-        window.pause(seconds)
-        setattr(goodput, account, getattr(goodput, account) + seconds)
-
-
-def _log_train(window: Window, done: int, nan_policy: str, writer: MetricWriter, rates: Throughput,
-               goodput: Goodput, sources: tuple[str, ...] = ()) -> dict[int, float]:
-    """Writes the window's train record (the loop's only regular host sync); its step losses.
-    A mixture adds `share_<source>`: each source's share of the window's trained tokens."""
-    waited = time.perf_counter()
-    host = window.to_host()
-    goodput.device_wait_seconds += time.perf_counter() - waited
-    _check_finite(host, window.start, nan_policy, writer)
-    goodput.loop_seconds += window.seconds()
-    count = sum(m["count"] for m in host)
-    shares = {}
-    if sources and "source_tokens" in host[0]:
-        per_source = [sum(m["source_tokens"][k] for m in host) for k in range(len(sources))]
-        shares = {f"share_{name}": tokens / max(sum(per_source), 1.0) for name, tokens in zip(sources, per_source)}
-    writer.write(done, "train", {
-        "loss": sum(m["loss_sum"] for m in host) / count, "accuracy": sum(m["correct"] for m in host) / count,
-        "grad_norm": sum(m["grad_norm"] for m in host) / len(host), "learning_rate": host[-1]["learning_rate"],
-        **_routing(host, count), **shares, **rates.per_step(window.seconds() / max(window.timed_steps, 1))})
-    return {window.start + offset + 1: m["loss_sum"] / m["count"] for offset, m in enumerate(host)}
-
-
-def _routing(host: list[dict], count: float) -> dict[str, float]:
-    """A mixture of experts' window: its load-balancing loss (the objective's term beside the
-    loss) and the token-to-expert assignments dropped for want of expert capacity."""
-    routed = sum(m["routed"] for m in host)
-    if not routed:  # no expert layers
-        return {}
-    dropped = sum(m["dropped"] for m in host)
-    return {"moe_aux_loss": sum(m["aux_loss"] for m in host) / count, "moe_dropped_tokens": dropped,
-            "moe_dropped_fraction": dropped / routed}
-
-
-def _evaluate(run: Run, state, step: int, writer: MetricWriter, nan_policy: str) -> dict[str, float]:
-    """Evaluates and logs; a non-finite eval loss is handled as a non-finite train loss is."""
-    metrics = evaluate(run, state)
-    writer.write(step, "eval", metrics)
-    if not math.isfinite(metrics["loss"]):
-        text = (f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or infinite values, "
-                f"or lower optimizer.learning_rate")
-        if nan_policy == "stop":
-            raise NonFiniteLoss(text)
-        writer.message(f"warning: {text}")
-    return metrics
-
-
-def _check_finite(host_window: list[dict], first_step: int, policy: str, writer: MetricWriter) -> None:
-    for offset, metrics in enumerate(host_window):
-        loss = metrics["loss_sum"] / max(metrics["count"], 1.0)
-        if not math.isfinite(loss):
-            step = first_step + offset + 1
-            text = (f"loss is {loss} at step {step}; lower optimizer.learning_rate, set "
-                    f"optimizer.grad_clip_norm, or check the data")
-            if policy == "stop":
-                raise NonFiniteLoss(text)
-            writer.message(f"warning: {text}")
-            return

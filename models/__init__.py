@@ -15,7 +15,7 @@ import importlib
 from models.configs import CONFIGS, ModelError
 
 _LAZY = {"REGISTRY": "models.registry", "ModelFamily": "models.family", "Classification": "models.family",
-         "NextToken": "models.family", "constrained_activations": "models.layers"}
+         "NextToken": "models.family", "Family": "models.family"}
 
 
 def __getattr__(name: str):
@@ -24,5 +24,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'models' has no attribute {name!r}")
 
 
-__all__ = ["CONFIGS", "REGISTRY", "ModelFamily", "ModelError", "Classification", "NextToken",
-           "constrained_activations"]
+__all__ = ["CONFIGS", "REGISTRY", "ModelFamily", "ModelError", "Classification", "NextToken", "Family"]

@@ -4,15 +4,19 @@ This module imports neither jax nor flax, so the config can be read and checked 
 process, which only plans and watches runs) without loading them; the families' modules
 (`models/mlp.py`, …) hold the flax modules and their `ModelFamily` declarations.
 
-A config dataclass's first field is `name`; every field has a default and a short comment.
+A config dataclass's first field is `name`; every field is declared with `option(default,
+meaning, choices=..., at_least=...)` (the engine checks choices and bounds, and generates
+docs/configuration.md from the meanings); `validate()` checks what relates fields.
 `hparams` (a ClassVar) names the shape-independent fields the compiled step takes as float32
 inputs and passes to the module call by name, so runs that differ only in them share one
 compiled program.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
+
+from contract.fields import option
 
 
 class ModelError(ValueError):
@@ -20,14 +24,15 @@ class ModelError(ValueError):
 
 
 REMAT_NAMES = ("none", "full", "dots")  # models.transformer.REMAT_POLICIES maps them to jax policies
+ATTENTION_NAMES = ("auto", "xla", "cudnn")  # jax.nn.dot_product_attention's implementations (auto: by device)
 
 
 @dataclass
 class MLPConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
-    name: str = "mlp"
-    hidden_sizes: list[int] = field(default_factory=lambda: [128])  # width of each hidden layer
-    dropout_rate: float = 0.2  # dropout after each hidden layer
+    name: str = option("mlp", "the model family")
+    hidden_sizes: list[int] = option([128], "width of each hidden layer")
+    dropout_rate: float = option(0.2, "dropout after each hidden layer")
 
     def validate(self):
         if not self.hidden_sizes or min(self.hidden_sizes) <= 0:
@@ -39,10 +44,10 @@ class MLPConfig:
 @dataclass
 class CNNConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
-    name: str = "cnn"
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # conv widths, one 2x2 pool after each
-    dense_size: int = 128  # width of the hidden dense layer
-    dropout_rate: float = 0.0
+    name: str = option("cnn", "the model family")
+    channels: list[int] = option([32, 64], "conv widths, one 2x2 pool after each")
+    dense_size: int = option(128, "width of the hidden dense layer")
+    dropout_rate: float = option(0.0, "dropout rate")
 
     def validate(self):
         if not self.channels or min(self.channels) <= 0 or self.dense_size <= 0:
@@ -57,50 +62,39 @@ STAGES = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottle
 @dataclass
 class ResNetConfig:
     hparams: ClassVar[tuple[str, ...]] = ()
-    name: str = "resnet"
-    depth: int = 18  # 18 | 34 | 50
-    width: int = 64  # channels of the first stage (doubles each stage)
-    stem: str = "auto"  # cifar (3x3 conv, no pool) | imagenet (7x7/2 conv + pool) | auto (by image size)
-    bn_momentum: float = 0.9  # decay of the running batch statistics
+    name: str = option("resnet", "the model family")
+    depth: int = option(18, "layers: 18 and 34 (basic blocks) or 50 (bottlenecks)", choices=(18, 34, 50))
+    width: int = option(64, "channels of the first stage (doubles each stage)")
+    stem: str = option("auto", "cifar (3x3 conv, no pool), imagenet (7x7/2 conv + pool), or auto (by image size)",
+                       choices=("auto", "cifar", "imagenet"))
+    bn_momentum: float = option(0.9, "decay of the running batch statistics")
 
     def validate(self):
-        if self.depth not in STAGES:
-            raise ModelError(f"model.depth={self.depth} is not one of {', '.join(map(str, STAGES))}")
-        if self.stem not in ("auto", "cifar", "imagenet"):
-            raise ModelError(f"model.stem={self.stem!r} is not one of auto, cifar, imagenet")
         if self.width <= 0:
             raise ModelError(f"model.width={self.width} must be positive")
-
-
-def validate_work_settings(cfg) -> None:
-    """model.attention, remat and loss_chunk, as the decoder families share them."""
-    if cfg.attention not in ("auto", "xla", "cudnn"):
-        raise ModelError(f"model.attention={cfg.attention!r} is not one of auto, xla, cudnn")
-    if cfg.remat not in REMAT_NAMES:
-        raise ModelError(f"model.remat={cfg.remat!r} is not one of {', '.join(REMAT_NAMES)}")
-    if cfg.loss_chunk < 0:
-        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} must be 0 (whole sequence) or positive")
 
 
 @dataclass
 class TransformerConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
-    name: str = "transformer"
-    num_layers: int = 4
-    d_model: int = 256  # width of the residual stream
-    num_heads: int = 4
-    mlp_dim: int = 1024  # hidden width of each block's MLP
-    dropout_rate: float = 0.1
-    remat: str = "none"  # none | full | dots: activation rematerialisation per block
-    attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
-    loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
+    name: str = option("transformer", "the model family")
+    num_layers: int = option(4, "layers")
+    d_model: int = option(256, "width of the residual stream")
+    num_heads: int = option(4, "attention heads")
+    mlp_dim: int = option(1024, "hidden width of each block's MLP")
+    dropout_rate: float = option(0.1, "dropout rate")
+    remat: str = option("none", "activation rematerialisation per block: none, full or dots (keep matmul outputs)",
+                        choices=REMAT_NAMES)
+    attention: str = option("auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn",
+                            choices=ATTENTION_NAMES)
+    loss_chunk: int = option(0, ">0: the loss makes float32 logits for this many positions at a time (divides "
+                                "data.seq_len); 0: the whole sequence at once", at_least=0)
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
             raise ModelError("model.num_layers, d_model, num_heads and mlp_dim must be positive")
         if self.d_model % self.num_heads:
             raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}")
-        validate_work_settings(self)
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
@@ -108,39 +102,43 @@ class TransformerConfig:
 @dataclass
 class LlamaConfig:
     hparams: ClassVar[tuple[str, ...]] = ()
-    name: str = "llama"
-    num_layers: int = 4
-    d_model: int = 256  # width of the residual stream (hidden_size)
-    num_heads: int = 4  # query heads
-    num_kv_heads: int = 0  # key/value heads (grouped-query attention; 0 = num_heads); divides num_heads
-    head_dim: int = 0  # width of one head (0 = d_model / num_heads)
-    mlp_dim: int = 688  # hidden width of the SwiGLU MLP (intermediate_size)
-    vocab_size: int = 0  # output classes (0 = the data's vocabulary); >= every token id
-    rope_theta: float = 500000.0  # base of the rotary frequencies
-    rope_scaling_factor: float = 0.0  # Llama-3 long-context scaling of the frequencies (0 = off; 8 for 3.1)
-    rope_low_freq_factor: float = 1.0  # Llama-3 scaling: wavelengths above original_len / this are divided
-    rope_high_freq_factor: float = 4.0  # Llama-3 scaling: wavelengths below original_len / this are kept
-    rope_original_max_len: int = 8192  # Llama-3 scaling: the context length the model was trained at
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    tie_embeddings: bool = False  # the output projection is the input embedding, transposed
-    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, OLMo-2)
-    scan_layers: bool = True  # layers under nn.scan: one compiled layer, parameters stacked on `layers`
-    remat: str = "none"  # none | full | dots: activation rematerialisation per layer
-    attention: str = "auto"  # auto (cuDNN flash attention on GPU in bf16/fp16, else XLA) | xla | cudnn
-    loss_chunk: int = 0  # >0: the loss makes float32 logits for this many positions at a time (divides seq_len)
-    # mixture of experts (0 experts = a dense SwiGLU MLP in every layer)
-    num_experts: int = 0  # routed experts per MoE layer
-    experts_per_token: int = 2  # top-k: experts each token is sent to
-    moe_interval: int = 1  # every k-th layer is MoE (layers k-1, 2k-1, ...); > 1 needs scan_layers=false
-    moe_mlp_dim: int = 0  # hidden width of each expert (0 = mlp_dim)
-    router: str = "softmax"  # softmax (Mixtral, Qwen-MoE) | sigmoid (DeepSeek-V3): the gate of each expert
-    shared_expert: bool = False  # a dense SwiGLU expert every token also goes through (DeepSeek, Qwen-MoE)
-    # tokens each expert takes per sequence = factor * seq_len * experts_per_token / num_experts;
-    # the tokens beyond it skip the expert (counted in metrics.jsonl); 0 = dropless (room for
-    # every token: the one-hot dispatch then grows with seq_len^2 * num_experts). Generation
-    # (sample) never drops.
-    expert_capacity_factor: float = 1.25
-    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch Transformer's) in the objective
+    name: str = option("llama", "the model family")
+    num_layers: int = option(4, "layers")
+    d_model: int = option(256, "width of the residual stream (hidden_size)")
+    num_heads: int = option(4, "query heads")
+    num_kv_heads: int = option(0, "key/value heads (grouped-query attention; 0 = num_heads); divides num_heads")
+    head_dim: int = option(0, "width of one head (0 = d_model / num_heads)")
+    mlp_dim: int = option(688, "hidden width of the SwiGLU MLP (intermediate_size)")
+    vocab_size: int = option(0, "output classes (0 = the data's vocabulary); >= every token id")
+    rope_theta: float = option(500000.0, "base of the rotary frequencies")
+    rope_scaling_factor: float = option(0.0, "Llama-3 long-context scaling of the frequencies (0 = off; 8 for 3.1)")
+    rope_low_freq_factor: float = option(1.0, "Llama-3 scaling: wavelengths above original_len / this are divided")
+    rope_high_freq_factor: float = option(4.0, "Llama-3 scaling: wavelengths below original_len / this are kept")
+    rope_original_max_len: int = option(8192, "Llama-3 scaling: the context length the model was trained at")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = option(False, "the output projection is the input embedding, transposed")
+    qk_norm: bool = option(False, "RMSNorm of each query and key head before RoPE (Qwen3, OLMo-2)")
+    scan_layers: bool = option(True, "layers under nn.scan: one compiled layer, parameters stacked on `layers`")
+    remat: str = option("none", "activation rematerialisation per layer: none, full or dots (keep matmul outputs)",
+                        choices=REMAT_NAMES)
+    attention: str = option("auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn",
+                            choices=ATTENTION_NAMES)
+    loss_chunk: int = option(0, ">0: the loss makes float32 logits for this many positions at a time (divides "
+                                "data.seq_len); 0: the whole sequence at once", at_least=0)
+    num_experts: int = option(0, "routed experts per mixture-of-experts layer (0 = a dense SwiGLU MLP in every "
+                                 "layer)", at_least=0)
+    experts_per_token: int = option(2, "top-k: experts each token is sent to")
+    moe_interval: int = option(1, "every k-th layer is MoE (layers k-1, 2k-1, ...); > 1 needs scan_layers=false")
+    moe_mlp_dim: int = option(0, "hidden width of each expert (0 = mlp_dim)")
+    router: str = option("softmax", "the gate of each expert: softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)",
+                         choices=("softmax", "sigmoid"))
+    shared_expert: bool = option(False, "a dense SwiGLU expert every token also goes through (DeepSeek, Qwen-MoE)")
+    expert_capacity_factor: float = option(1.25, "tokens each expert takes per sequence = factor * seq_len * "
+                                                 "experts_per_token / num_experts; the tokens beyond it skip the "
+                                                 "expert (counted in metrics.jsonl); 0 = dropless. Generation "
+                                                 "never drops", at_least=0)
+    router_aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (Switch Transformer's) in the "
+                                               "objective", at_least=0)
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -160,26 +158,19 @@ class LlamaConfig:
             raise ModelError("model.rope_theta and model.norm_eps must be positive, rope_scaling_factor >= 0")
         if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ModelError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor")
-        validate_work_settings(self)
         self._validate_moe()
 
     def _validate_moe(self):
-        if self.num_experts < 0:
-            raise ModelError(f"model.num_experts={self.num_experts} must be 0 (a dense MLP) or positive")
         if not self.num_experts:
             return
         if not 0 < self.experts_per_token <= self.num_experts:
             raise ModelError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
                              f"model.num_experts={self.num_experts}")
-        if self.router not in ("softmax", "sigmoid"):
-            raise ModelError(f"model.router={self.router!r} is not one of softmax, sigmoid")
         if self.moe_interval < 1 or self.moe_mlp_dim < 0:
             raise ModelError("model.moe_interval must be 1 or more and model.moe_mlp_dim 0 or more")
         if self.moe_interval > 1 and self.scan_layers:
             raise ModelError(f"model.moe_interval={self.moe_interval} mixes dense and MoE layers, which one scanned "
                              f"layer cannot; set model.scan_layers=false")
-        if self.expert_capacity_factor < 0 or self.router_aux_loss_coef < 0:
-            raise ModelError("model.expert_capacity_factor and model.router_aux_loss_coef must be 0 or more")
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_interval == 0

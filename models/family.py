@@ -1,27 +1,24 @@
 """What a model family tells the engine, so that the engine never asks which model it runs.
 
-A family is one entry of `models.REGISTRY`: its config dataclass (the `model` section's
-keys, with a `validate()` that raises ValueError), a `build` function that makes the flax
-module, its task (what a batch holds and how the loss is made from it), its model FLOPs,
-the settings that change the compiled work but not the model FLOPs, and the
-shape-independent hyperparameters the compiled step takes as inputs.
+A family is one entry of `models.REGISTRY`: an object satisfying the `ModelFamily` protocol
+below. `Family` gives every capability its "not supported" default; a family subclasses it
+and overrides what it can do. Its config dataclass (the `model` section's keys, with a
+`validate()` that raises ValueError) lives in models/configs.py.
 
 Nothing here imports the engine; the engine reads these declarations and nothing else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import optax
 
 
-@dataclass(frozen=True)
 class Classification:
     """Images → one label each. A batch holds `image` [batch, ...] and `label` [batch]."""
 
-    data_kind: str = "image"  # the DataInfo.kind this task trains on
+    data_kind = "image"  # the DataInfo.kind this task trains on
 
     def sample_input(self, info):
         """A one-example input for shape inference (init)."""
@@ -48,7 +45,6 @@ class Classification:
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets), jnp.argmax(logits, -1) == targets
 
 
-@dataclass(frozen=True)
 class NextToken:
     """Language modelling: predict each next token. A batch holds `tokens` [batch, seq + 1];
     packed data also `segments` (1, 2, … per document, 0 = padding) and `positions` (the
@@ -57,7 +53,7 @@ class NextToken:
     The module takes `targets=` and returns (per-token float32 cross-entropy, argmax ==
     target) itself, so it can fuse its output projection with the loss."""
 
-    data_kind: str = "tokens"
+    data_kind = "tokens"
 
     def sample_input(self, info):
         return jnp.zeros((1, info.seq_len), jnp.int32)
@@ -88,39 +84,110 @@ class NextToken:
         return out  # (losses, hits) from the module's fused loss
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    config_cls: type  # the `model` section's dataclass; first field `name`; validate() raises ValueError
-    build: Callable  # (cfg, DataInfo, dtype, param_dtype, batch_axis_name) → flax module
-    task: Any  # Classification() or NextToken(): batch keys, loss, sample and export inputs
-    # (cfg, DataInfo, number of parameters) → training FLOPs (forward + backward) of one
-    # example, from the architecture; used where XLA cannot count the model's work
-    flops_per_example: Optional[Callable] = None
-    flops_formula: str = ""  # flops_per_example in words, for the run summary
-    # config fields that change the compiled work (recomputation, loops XLA counts once,
-    # custom calls it cannot count) but not the model FLOPs → their plain reference value
-    work_settings: Mapping[str, Any] = field(default_factory=dict)
-    # (cfg, DataInfo, params, prompt token ids, max_tokens, temperature, top_p, seed, dtype) →
-    # generated token ids, with a key/value cache (None: the family does not generate)
-    generate: Optional[Callable] = None
-    # Hugging Face interop: a module with ARCHITECTURES, config_from_hf, config_to_hf and
-    # tensors (see models/llama_hf.py); None: no Hugging Face layout
-    hf: Any = None
-    # the module takes `segment_ids=` and `positions=` (packed token data: attention within
-    # each document, positions restarting)
-    packing: bool = False
-    # XLA:CPU runs this family's convolutions several times slower inside a device-side loop
-    # (train.steps_per_call > 1) than called a step at a time: on CPU it runs one step per call
-    cpu_step_loop: bool = True
-    # the module splits its sequence over mesh.context (activations constrained on "seq",
-    # attention gathering keys and values)
-    context_parallel: bool = False
-    # (model cfg) → why the model FLOPs come from flops_per_example alone ("" = XLA counts them)
-    formula_only: Optional[Callable] = None
+class Task(Protocol):
+    """What a batch holds and how the loss is made from it (Classification, NextToken)."""
+    data_kind: str  # the DataInfo.kind it trains on
+
+    def sample_input(self, info) -> Any: ...
+    def export_input(self, info) -> tuple[tuple[int, ...], str]: ...
+    def tokens_per_example(self, info) -> int: ...
+    def model_inputs(self, batch) -> tuple[Any, Any, dict]: ...
+    def target_weights(self, batch) -> Any: ...
+    def losses(self, out, targets) -> tuple[Any, Any]: ...
+
+
+class Generate(Protocol):
+    """New token ids after a prompt, with a key/value cache."""
+
+    def __call__(self, cfg, info, params, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
+                 seed: int, dtype) -> list[int]: ...
+
+
+class HFLayout(Protocol):
+    """The family in Hugging Face's layout (see models/llama_hf.py)."""
+    ARCHITECTURES: tuple[str, ...]
+
+    def config_from_hf(self, hf: dict) -> dict: ...
+    def config_to_hf(self, cfg, info, param_dtype: str) -> dict: ...
+    def tensors(self, cfg) -> list: ...
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """What the engine may ask of a model family."""
+    config_cls: type  # the `model` section's dataclass (models/configs.py)
+    task: Task
+    flops_formula: str  # flops_per_example in words, for the run summary ("" = none)
+
+    def build(self, cfg, info, dtype, param_dtype, batch_axis: Optional[str] = None) -> Any:
+        """The flax module, called as module(inputs, train=..., example_ids=..., **hparams)."""
+        ...
+
+    @property
+    def hparams(self) -> tuple[str, ...]: ...
+    def flops_per_example(self, cfg, info, num_params: int) -> Optional[float]: ...
+    def work_settings(self) -> Mapping[str, Any]: ...
+    def formula_only(self, cfg) -> str: ...
+    def generator(self) -> Optional[Generate]: ...
+    def hf_layout(self) -> Optional[HFLayout]: ...
+    def takes_packed_documents(self) -> bool: ...
+    def splits_sequence(self) -> bool: ...
+    def num_experts(self, cfg) -> int: ...
+    def layer_stack(self, cfg) -> int: ...
+    def loops_fast_on_cpu(self) -> bool: ...
+
+
+class Family:
+    """A ModelFamily whose capabilities all default to "not supported"; subclass and override."""
+    config_cls: ClassVar[type]
+    task: ClassVar[Task]
+    flops_formula: ClassVar[str] = ""
+    build: Callable[..., Any]  # (cfg, DataInfo, dtype, param_dtype, batch_axis) → flax module
 
     @property
     def hparams(self) -> tuple[str, ...]:
-        """Shape-independent config fields the compiled step takes as float32 inputs and passes
-        to the module call by name (runs that differ only in them share one compiled program);
+        """Shape-independent config fields the compiled step takes as float32 inputs and passes to
+        the module call by name (runs that differ only in them share one compiled program);
         declared on the config dataclass (models/configs.py), which a sweep reads without jax."""
-        return self.config_cls.hparams
+        return self.config_cls.hparams  # type: ignore[attr-defined]
+
+    def flops_per_example(self, cfg, info, num_params: int) -> Optional[float]:
+        """Training FLOPs (forward + backward) of one example, from the architecture (None: no formula)."""
+        return None
+
+    def work_settings(self) -> Mapping[str, Any]:
+        """Config fields that change the compiled work (recomputation, loops XLA counts once, custom
+        calls it cannot count) but not the model FLOPs → their plain reference value."""
+        return {}
+
+    def formula_only(self, cfg) -> str:
+        """Why the model FLOPs come from flops_per_example alone ("" = XLA counts them)."""
+        return ""
+
+    def generator(self) -> Optional[Generate]:
+        """Text generation with a key/value cache (None: the family does not generate)."""
+        return None
+
+    def hf_layout(self) -> Optional[HFLayout]:
+        """Hugging Face interop (None: no Hugging Face layout)."""
+        return None
+
+    def takes_packed_documents(self) -> bool:
+        """The module takes `segment_ids=` and `positions=` (attention within each document)."""
+        return False
+
+    def splits_sequence(self) -> bool:
+        """The module splits its sequence over the context axis (activations on "seq")."""
+        return False
+
+    def num_experts(self, cfg) -> int:
+        """Routed experts per mixture-of-experts layer (0: none)."""
+        return 0
+
+    def layer_stack(self, cfg) -> int:
+        """Layers in the scanned stack the pipeline axis splits into stages (0: no stack)."""
+        return 0
+
+    def loops_fast_on_cpu(self) -> bool:
+        """XLA:CPU runs its steps as fast inside a device-side loop (train.steps_per_call > 1)."""
+        return True

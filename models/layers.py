@@ -1,47 +1,15 @@
-"""Layers shared by the models: parameter initialisers that carry logical axis names, and
+"""Layers shared by the models (activation layout hints are contract.activations's): parameter initialisers that carry logical axis names, and
 a dropout whose mask depends on each example's position in the global batch, not on how
 the batch is split over devices, microbatches or a pmap axis."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-# Set while a step is traced: logical activation axes → a sharding constraint. Models only
-# name the axes; unset (eager, pmap, tests of a bare module) it does nothing.
-_activation_constraint: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
-    "activation_constraint", default=None)
-
-
-@contextlib.contextmanager
-def constrained_activations(apply: Callable):
-    """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)` (the engine
-    passes one that pins activations to its mesh by their logical axes)."""
-    token = _activation_constraint.set(apply)
-    try:
-        yield
-    finally:
-        _activation_constraint.reset(token)
-
-
-def constrain(x, axes: tuple[Optional[str], ...]):
-    """Asks that activation `x` be laid out by its logical axes, e.g. ("batch", "seq", "embed")."""
-    apply = _activation_constraint.get()
-    return x if apply is None else apply(x, axes)
-
-
-def activation_splits(logical: str) -> int:
-    """Devices the step being traced splits this logical activation axis over ("seq": the
-    context axis); 1 outside a traced step."""
-    apply = _activation_constraint.get()
-    return getattr(apply, "splits", {}).get(logical, 1) if apply is not None else 1
 
 
 def param_init(init, axes: tuple[Optional[str], ...]):

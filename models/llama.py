@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
-from models.family import ModelFamily, NextToken
-from models.layers import LMHead, activation_splits, constrain, fused_cross_entropy, param_init
+from models.family import Family, NextToken
+from contract.activations import activation_splits, constrain
+from models.layers import LMHead, fused_cross_entropy, param_init
 from models.transformer import REMAT_POLICIES
 
 
@@ -357,13 +358,41 @@ def generate(cfg: LlamaConfig, info, params, prompt: list[int], max_tokens: int,
                              temperature, top_p, seed)
 
 
-FAMILY = ModelFamily(
-    LlamaConfig, build, NextToken(), flops_per_example=flops_per_example,
-    flops_formula="6*N_matmul*tokens + 6*layers*heads*head_dim*seq_len*tokens (causal)",
-    # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
-    # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
-    work_settings={"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"},
-    generate=generate, hf=llama_hf, packing=True, context_parallel=True,
-    # XLA would count every expert's capacity slots and the dispatch einsums; MFU counts active experts
-    formula_only=lambda cfg: "a mixture of experts counts its active experts only" if cfg.num_experts else "",
-)
+class LlamaFamily(Family):
+    config_cls = LlamaConfig
+    task = NextToken()
+    flops_formula = "6*N_matmul*tokens + 6*layers*heads*head_dim*seq_len*tokens (causal)"
+    build = staticmethod(build)
+
+    def flops_per_example(self, cfg, info, num_params: int) -> float:
+        return flops_per_example(cfg, info, num_params)
+
+    def work_settings(self) -> dict:
+        # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
+        # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
+        return {"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"}
+
+    def formula_only(self, cfg) -> str:
+        # XLA would count every expert's capacity slots and the dispatch einsums
+        return "a mixture of experts counts its active experts only" if cfg.num_experts else ""
+
+    def generator(self):
+        return generate
+
+    def hf_layout(self):
+        return llama_hf
+
+    def takes_packed_documents(self) -> bool:
+        return True
+
+    def splits_sequence(self) -> bool:
+        return True
+
+    def num_experts(self, cfg) -> int:
+        return cfg.num_experts
+
+    def layer_stack(self, cfg) -> int:
+        return cfg.num_layers if cfg.scan_layers else 0
+
+
+FAMILY = LlamaFamily()

@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.configs import MLPConfig
-from models.family import Classification, ModelFamily
+from models.family import Classification, Family
 from models.layers import Dropout, dense
 
 
@@ -32,4 +32,10 @@ def build(cfg: MLPConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.
     return MLP(tuple(cfg.hidden_sizes), info.num_classes, cfg.dropout_rate, dtype, param_dtype)
 
 
-FAMILY = ModelFamily(MLPConfig, build, Classification())
+class MLPFamily(Family):
+    config_cls = MLPConfig
+    task = Classification()
+    build = staticmethod(build)
+
+
+FAMILY = MLPFamily()

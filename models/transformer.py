@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from models.configs import ModelError, TransformerConfig
-from models.family import ModelFamily, NextToken
-from models.layers import Dropout, LMHead, constrain, dense, param_init
+from models.family import Family, NextToken
+from contract.activations import constrain
+from models.layers import Dropout, LMHead, dense, param_init
 
 REMAT_POLICIES = {
     "none": None,
@@ -121,11 +122,22 @@ def flops_per_example(cfg: TransformerConfig, info, num_params: int) -> float:
     return 6.0 * num_params * tokens + 12.0 * cfg.num_layers * cfg.d_model * info.seq_len * tokens
 
 
-FAMILY = ModelFamily(
-    TransformerConfig, build, NextToken(), flops_per_example=flops_per_example,
-    flops_formula="6*N*tokens + 12*layers*d_model*seq_len*tokens",
-    # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
-    # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
-    work_settings={"remat": "none", "loss_chunk": 0, "attention": "xla"},
-    packing=True,
-)
+class TransformerFamily(Family):
+    config_cls = TransformerConfig
+    task = NextToken()
+    flops_formula = "6*N*tokens + 12*layers*d_model*seq_len*tokens"
+    build = staticmethod(build)
+
+    def flops_per_example(self, cfg, info, num_params: int) -> float:
+        return flops_per_example(cfg, info, num_params)
+
+    def work_settings(self) -> dict:
+        # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
+        # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
+        return {"remat": "none", "loss_chunk": 0, "attention": "xla"}
+
+    def takes_packed_documents(self) -> bool:
+        return True
+
+
+FAMILY = TransformerFamily()

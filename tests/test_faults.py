@@ -288,7 +288,8 @@ def test_random_config_and_sweep_files_load_or_exit_2_never_a_traceback(tmp_path
     UsageError (exit 2 at the command line); no other exception escapes. Seeded, so a failure
     reproduces. Before this issue's fixes: TypeError, AttributeError, ValueError and OmegaConf
     errors escaped (a scalar `model:`, `grid: 5`, `directory: 5`, `int_uniform: [5, 1]`, ...)."""
-    from engine.config import _all_keys, _schema, load_config
+    from engine.config import load_config
+    from engine.config.load import _all_keys, _schema
     from engine.sweep.spec import SWEEP_KEYS
 
     keys = sorted(set(_all_keys(_schema("mlp")) + _all_keys(_schema("llama")))) + ["bogus.key", "mesh.rules.embed"]
@@ -414,7 +415,7 @@ RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
 
 def test_a_full_disk_stops_a_vectorised_group_with_one_error(make_config, small_disk):
     from engine.rundir import StorageError
-    from engine.vectorize import fit_group
+    from engine.group import fit_group
 
     args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
 
@@ -461,13 +462,13 @@ def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(
     per-step metrics now travel in the checkpoint's meta and the resumed run logs them."""
     import signal
 
-    from engine import trainer
+    from engine import loop, trainer
     from engine.preemption import Preempted
     from engine.rundir import read_records
 
     args = ["mesh.num_devices=1", "train.steps=100", "log.every_steps=25", "eval.every_steps=50",
             "checkpoint.every_steps=0"]
-    real, calls = trainer._dispatch, []
+    real, calls = loop._dispatch, []
 
     def dispatch(*a):
         calls.append(1)
@@ -475,11 +476,11 @@ def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(
             signal.raise_signal(signal.SIGTERM)
         return real(*a)
 
-    monkeypatch.setattr(trainer, "_dispatch", dispatch)
+    monkeypatch.setattr(loop, "_dispatch", dispatch)
     with pytest.raises(Preempted, match="saved a checkpoint at step 37") as stopped:
         trainer.fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "run"))
     assert stopped.value.exit_code == 143
-    monkeypatch.setattr(trainer, "_dispatch", real)
+    monkeypatch.setattr(loop, "_dispatch", real)
     resumed = trainer.fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "run"))
     reference = trainer.fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "reference"))
     assert resumed.losses == {step: loss for step, loss in reference.losses.items() if step > 37}

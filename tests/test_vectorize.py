@@ -23,7 +23,9 @@ from engine.rundir import StorageError, read_records
 from engine.sweep import load_sweep
 from engine.sweep.local import units
 from engine.trainer import fit
-from engine.vectorize import fit_group, group_mesh
+import engine.group
+from engine.group import fit_group
+from engine.vectorize import group_mesh
 
 # four configs differing in learning rate, weight decay, dropout rate, seed and clipping norm
 VARIANTS = [["optimizer.learning_rate=0.001"],
@@ -98,7 +100,7 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
 
     def need(cfgs):  # as check_fits counts it: the larger of the train and eval steps
         group = vectorize.build_group(cfgs)
-        return max(vectorize._program_bytes(group.train_step), vectorize._program_bytes(group.eval_step))
+        return max(vectorize.program_bytes(group.compiled.program), vectorize.program_bytes(group.compiled.eval_step))
 
     whole = fit_group(group("whole", VARIANTS))
     cfgs = group("v", VARIANTS)
@@ -115,7 +117,7 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
         groups.append(weakref.ref(group))
         return group
 
-    monkeypatch.setattr(vectorize, "build_group", recorded)
+    monkeypatch.setattr(engine.group, "build_group", recorded)
     capsys.readouterr()
     trials = fit_group(cfgs)
     assert built == [4, 2, 2]  # the group of 4 was compiled, found too big, and not trained

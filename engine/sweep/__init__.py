@@ -20,7 +20,7 @@ __all__ = ["RunSpec", "Sweep", "format_value", "load_sweep", "validate_runs", "m
 def run_group_task(sweep: Sweep, names_file: str) -> int:
     """Inside a sweep's child process: trains the runs named in `names_file` (a JSON list) as
     one vectorised group; a run whose loss diverged is marked failed here, alone."""
-    from engine.vectorize import fit_group
+    from engine.group import fit_group
 
     started = time.time()
     try:

@@ -1,0 +1,61 @@
+"""Activation layout hints: models name the logical axes of an activation; while the engine
+traces a step it installs a function that pins them to its mesh. Models stay mesh-free."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional, Protocol
+
+
+class Constrainer(Protocol):
+    """(activation, logical axes) → the activation pinned to its layout; `splits` says how many
+    devices each logical activation axis is split over ("seq": the context axis)."""
+    splits: dict[str, int]
+
+    def __call__(self, x, logical: tuple[Optional[str], ...]): ...
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How a layer stack runs as a pipeline (the engine's `pipeline` axis): `stages` groups of
+    devices, each holding `repeats` groups of layers (circular schedule when > 1), fed
+    `microbatches` pieces of the batch. Layers are stored stage-major when repeats > 1:
+    stage s's groups are consecutive (see models/pipeline.py)."""
+    stages: int = 1
+    repeats: int = 1
+    microbatches: int = 1
+
+
+_constrainer: contextvars.ContextVar[Optional[Constrainer]] = contextvars.ContextVar("constrainer", default=None)
+_stages: contextvars.ContextVar[StagePlan] = contextvars.ContextVar("stages", default=StagePlan())
+
+
+@contextlib.contextmanager
+def constrained_activations(apply: Constrainer, stages: StagePlan = StagePlan()) -> Iterator[None]:
+    """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)`, and a layer stack
+    runs as the pipeline `stages` describes."""
+    token, stage_token = _constrainer.set(apply), _stages.set(stages)
+    try:
+        yield
+    finally:
+        _constrainer.reset(token)
+        _stages.reset(stage_token)
+
+
+def constrain(x, axes: tuple[Optional[str], ...]):
+    """Asks that activation `x` be laid out by its logical axes, e.g. ("batch", "seq", "embed")."""
+    apply = _constrainer.get()
+    return x if apply is None else apply(x, axes)
+
+
+def activation_splits(logical: str) -> int:
+    """Devices the step being traced splits this logical activation axis over; 1 outside one."""
+    apply = _constrainer.get()
+    return apply.splits.get(logical, 1) if apply is not None else 1
+
+
+def stage_plan() -> StagePlan:
+    """The pipeline the step being traced runs its layer stack as (one stage outside one)."""
+    return _stages.get()
+

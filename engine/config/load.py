@@ -1,0 +1,290 @@
+"""Loading a run's configuration: YAML files (with `extends:`) + dotted overrides, merged over
+the schema by OmegaConf (types checked there), then validated (validate.py).
+
+A config file may name another with `extends: other.yaml` (a path relative to the file);
+the base is loaded first and the file's keys are merged over it. The `model` section's
+schema is the chosen model's own dataclass (see models/), so each model has typed keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, Node, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from engine.config.schema import Config
+from engine.config.validate import choice_message, validate
+from engine.errors import UsageError
+from engine.rundir import write_atomic
+from models.configs import CONFIGS  # the model.* dataclasses, without jax or flax
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+MAX_YAML_VALUES = 100_000  # a config or sweep file expanding to more is refused (YAML alias bombs)
+
+
+def _too_many_values(data, limit: int = MAX_YAML_VALUES) -> bool:
+    """Whether `data`, with YAML aliases expanded, holds more than `limit` values (stops counting there)."""
+    count, todo = 0, [data]
+    while todo:
+        item = todo.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return False
+
+
+# PyYAML's safe loader in C (libyaml) where PyYAML was built with it: ~10x faster, the same
+# documents, tags refused alike; a sweep's processes each read every config and its bases
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict:
+    """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping
+    of at most MAX_YAML_VALUES values once its aliases are expanded."""
+    try:
+        data = yaml.load(path.read_text(), Loader=SAFE_LOADER)
+    except yaml.YAMLError as e:
+        raise UsageError(f"{what} {path}{_yaml_place(e)} is not valid YAML: {_yaml_problem(e)}") from None
+    if _too_many_values(data):
+        raise UsageError(f"{what} {path} expands to more than {MAX_YAML_VALUES:,} values (through YAML aliases "
+                         "&name / *name?); write the values out")
+    if data is None:
+        raise UsageError(f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and README.md)")
+    if not isinstance(data, dict):
+        raise UsageError(f"{what} {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _yaml_place(error: yaml.YAMLError) -> str:
+    """':line:column' of a YAML error, where PyYAML knows it."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    return getattr(error, "problem", None) or str(error).splitlines()[0]
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Reads a config file, following `extends:` to its base first."""
+    if "\x00" in str(path):
+        raise UsageError(f"config file {str(path)!r}: a path cannot hold a NUL character")
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist; shipped configs: {', '.join(shipped_configs())}")
+    if path in seen:
+        raise UsageError(f"config {path} extends itself through {' -> '.join(map(str, seen))}")
+    data = read_yaml_mapping(path, "config file")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise UsageError(f"config file {path}: extends: {base!r} must be the path of one config file, e.g. "
+                         "extends: base.yaml")
+    merged = _read_yaml((path.parent / base).resolve(), seen + (path,))
+    return _deep_merge(merged, data)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name != "base.yaml")
+
+
+def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        keys.append(full)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and child._is_missing() is False and child._get_flag("struct"):
+            keys.extend(_all_keys(child, full + "."))
+    return keys
+
+
+def _schema(model_name: str) -> DictConfig:
+    """The config schema with model.name's model section; read-only (merges copy it)."""
+    if model_name not in CONFIGS:
+        raise UsageError(choice_message("model.name", model_name, sorted(CONFIGS)))
+    return _built_schema(model_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _built_schema(model_name: str) -> DictConfig:
+    schema = OmegaConf.structured(Config)
+    schema.model = OmegaConf.structured(CONFIGS[model_name])
+    OmegaConf.set_struct(schema, True)
+    OmegaConf.set_struct(schema.mesh.rules, False)  # users may add logical axis names
+    return schema
+
+
+def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError) or "not in struct" in str(err):
+        close = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"
+        return f"unknown config key '{key}' (from {source}){hint}"
+    if isinstance(err, ValidationError):
+        expected = _expected_type(schema, key)
+        value = getattr(err, "value", None)
+        if isinstance(value, Node):  # OmegaConf's wrapper of a value: say the value itself
+            value = value._value()
+        return (f"config key '{key}' got {value!r} ({type(value).__name__}) from {source}, "
+                f"but it must be {expected}; e.g. {key}={_example(expected)}")
+    return f"bad config ({source}): {str(err).splitlines()[0]}"
+
+
+def _expected_type(schema: DictConfig, key: str) -> str:
+    node = schema
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        if node is None:
+            return "a valid value"
+    leaf = node._get_node(parts[-1]) if isinstance(node, DictConfig) and parts[-1] in node else None
+    if leaf is None:
+        return "a valid value"
+    ref = leaf._metadata.ref_type
+    name = getattr(ref, "__name__", None) or str(ref).replace("typing.", "")
+    if name == "Optional":  # Optional[X]
+        name = str(ref).replace("typing.", "")
+    names = {"int": "an int", "float": "a float", "bool": "a bool (true/false)", "str": "a string",
+             "List": "a list", "list": "a list", "Dict": "a mapping", "dict": "a mapping"}
+    return names.get(name.split("[")[0], name)
+
+
+def _example(expected: str) -> str:
+    return {"an int": "8", "a float": "0.001", "a bool (true/false)": "true", "a string": "name",
+            "a mapping": "{a: 1}"}.get(expected, "[1,2]")
+
+
+def _check_shapes(tree: dict, schema: DictConfig, source: str, prefix: str = "") -> None:
+    """Sections the schema holds as mappings (or lists) get mappings (or lists): OmegaConf would
+    fail on them with a message naming no key (or with a TypeError)."""
+    for key, value in tree.items():
+        if not isinstance(key, str) or key not in schema or value is None:
+            continue  # unknown keys get OmegaConf's own message (with the closest valid key)
+        node = schema._get_node(key)
+        full = f"{prefix}{key}"
+        if isinstance(node, DictConfig) and not isinstance(value, dict):
+            raise UsageError(f"config key '{full}' is a section of keys, but {source} gives it {value!r}; "
+                             f"set its keys instead, e.g. {full}.<key>=value")
+        if isinstance(node, ListConfig) and isinstance(value, dict):
+            raise UsageError(f"config key '{full}' must be a list, but {source} gives it a mapping ({value!r}); "
+                             f"e.g. {full}=[1,2]")
+        if isinstance(node, DictConfig) and not node._is_missing():
+            _check_shapes(value, node, source, full + ".")
+
+
+def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None,
+                override_source: str = "the command line") -> Config:
+    """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
+    path = Path(config_path)
+    for shipped in (CONFIG_DIR / path, CONFIG_DIR / f"{path}.yaml"):  # a name of configs/, with or without .yaml
+        if not path.is_file() and shipped.is_file():
+            path = shipped
+    raw = _read_yaml(path.resolve())
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise UsageError(f"override '{item}' is not of the form dotted.key=value, e.g. train.steps=100")
+        key, value = item.split("=", 1)
+        if not all(part.strip() and part.isprintable() for part in key.split(".")):
+            raise UsageError(f"override '{item}': the key '{key}' is not a dotted key such as train.steps")
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise UsageError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)}); close its "
+                             f"brackets and quotes, e.g. {key}=[256,128]") from None
+    try:
+        override_cfg = OmegaConf.from_dotlist(list(overrides))
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:  # e.g. a=[1] then a.b=2
+        raise UsageError(f"could not parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
+    overrides_tree = OmegaConf.to_container(override_cfg)
+    file_model, model_name = _model_names(raw, overrides_tree, str(path))
+    if model_name != file_model:  # the file's model keys belong to another model: start from defaults
+        raw["model"] = {"name": model_name}
+    schema = _schema(str(model_name))
+    cfg = _file_layer(schema, raw, str(model_name), str(path))
+    _check_shapes(overrides_tree, schema, override_source)
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides_tree))
+    except OmegaConfBaseException as e:
+        raise UsageError(_explain(e, schema, override_source)) from None
+    if workdir is not None:
+        cfg.workdir = workdir
+    if not cfg.workdir:
+        cfg.workdir = str(Path("runs") / path.stem)
+    try:
+        config: Config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # e.g. an interpolation ${...} that names no key
+        raise UsageError(f"bad config: {str(e).splitlines()[0]} (at {getattr(e, 'full_key', '?')}); "
+                         "write the value itself, or ${section.key} of a key that exists") from None
+    validate(config)
+    return config
+
+
+_FILE_LAYERS: dict[str, DictConfig] = {}  # a sweep loads one file with many overrides
+
+
+def _file_layer(schema: DictConfig, raw: dict, model_name: str, source: str) -> DictConfig:
+    """The schema merged with a config file's contents (never changed: merges copy it). Kept by
+    content, so the runs of a sweep pay OmegaConf's schema merge once, not once each."""
+    key = repr((model_name, raw))  # keys of any type (YAML's `on:` is True), 1 and "1" apart
+    if key not in _FILE_LAYERS:
+        _check_shapes(raw, schema, source)
+        try:
+            layer = OmegaConf.merge(schema, OmegaConf.create(raw))
+        except OmegaConfBaseException as e:
+            raise UsageError(_explain(e, schema, source)) from None
+        _FILE_LAYERS.clear()  # one file at a time is what sweeps and runs load
+        _FILE_LAYERS[key] = layer
+    return _FILE_LAYERS[key]
+
+
+def _model_names(raw: dict, overrides: dict, source: str) -> tuple[str, str]:
+    """The model the file names and the one the run uses (an override may switch it)."""
+    for where, tree in ((source, raw), ("the command line", overrides)):
+        if "model" in tree and tree["model"] is not None and not isinstance(tree["model"], dict):
+            raise UsageError(f"config key 'model' is a section of keys, but {where} gives it {tree['model']!r}; "
+                             "set model.name=<model> and its keys instead")
+    file_model = (raw.get("model") or {}).get("name") or "mlp"
+    model_name = (overrides.get("model") or {}).get("name") or file_model
+    if not isinstance(model_name, str):
+        model_name = repr(model_name)  # refused by _schema with the list of models
+    return file_model, model_name
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML, keys in the schema's order (plain PyYAML: OmegaConf takes ~0.1 s)."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Writes the resolved config; `launch.py --config <this file>` reproduces the run.
+
+    How processes found each other belongs to one launch, not to the experiment: only the
+    distributed timeouts are kept."""
+    launch_free = dataclasses.replace(cfg.distributed, coordinator_address="", coordinator_bind_address="",
+                                      num_processes=0, process_id=-1)
+    write_atomic(path, to_yaml(dataclasses.replace(cfg, distributed=launch_free)))
+
+

@@ -1,0 +1,153 @@
+"""Value checks that types alone do not catch. The schema's declarations (choices, bounds) are
+checked for every field of every section, the model's too; then the checks that relate keys.
+Each message names the key, its value and a fix."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+from typing import Any, Iterator
+
+from contract.fields import choices_of
+from engine.axes import CONFIG_AXES, MESH_AXES
+from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES, source_name
+from engine.errors import UsageError
+
+INT32_MAX = 2**31 - 1
+
+
+def choice_message(key: str, value: Any, choices) -> str:
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"did you mean {key}={close[0]}? " if close else ""
+    return f"{key}={value!r} is not one of {', '.join(map(str, choices))}; {hint}".rstrip("; ")
+
+
+def validate(cfg) -> None:
+    """UsageError for the first value the schema or the keys' relations refuse; may adjust
+    train.steps_per_call and optimizer.warmup_steps, with a note on stderr."""
+    _check_ranges(cfg)
+    for key, f, value in _declared(cfg):
+        _check_declared(key, f, value)
+    _fit_steps_per_call(cfg)
+    if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
+        raise UsageError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; use a multiple of {cfg.train.grad_accum_steps}")
+    if cfg.optimizer.warmup_steps > cfg.train.steps:  # a shortened run (a smoke test) still runs
+        print(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}; "
+              f"warming up over all {cfg.train.steps} steps", file=sys.stderr)
+        cfg.optimizer.warmup_steps = cfg.train.steps
+    _check_mesh(cfg.mesh)
+    if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
+        raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
+    _check_sources(cfg.data)
+    try:
+        cfg.model.validate()
+    except ValueError as e:  # the model family's message names the key and the fix
+        raise UsageError(str(e)) from None
+
+
+def _declared(node, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every field of the config's dataclasses, the model's too."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _declared(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, value
+
+
+def _check_declared(key: str, f: dataclasses.Field, value: Any) -> None:
+    choices = choices_of(f)
+    if choices is not None and value not in choices:
+        raise UsageError(choice_message(key, value, choices))
+    at_least, above = f.metadata.get("at_least"), f.metadata.get("above")
+    if at_least is not None and value < at_least:
+        raise UsageError(f"{key}={value} must be {'positive' if at_least == 1 else f'{at_least} or more'}")
+    if above is not None and not value > above:
+        example = f.default if f.default is not dataclasses.MISSING else 1
+        raise UsageError(f"{key}={value} must be more than {above}, e.g. {key}={example}")
+
+
+def _numbers(node, prefix: str = ""):
+    """(dotted key, value) of every number in a config (dataclasses, dicts and lists)."""
+    if dataclasses.is_dataclass(node):
+        node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+        else:
+            yield from _numbers(value, f"{prefix}{key}.")
+
+
+def _check_ranges(cfg) -> None:
+    for key, value in _numbers(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{key}={value} must be a finite number")
+        if isinstance(value, int) and abs(value) > 2**62:
+            raise UsageError(f"{key}={value} is out of range; give a value below 2**62")
+    for key, value in (("seed", cfg.seed), ("train.steps", cfg.train.steps)):
+        if value > INT32_MAX:
+            raise UsageError(f"{key}={value} is more than {INT32_MAX} (it is held as a 32-bit integer)")
+    window = list(cfg.log.profile_steps)
+    if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
+        raise UsageError(f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "
+                         "e.g. log.profile_steps=[5,15]")
+    if not cfg.data.device_memory_fraction <= 1.0:
+        raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
+    if not cfg.data.eval_fraction < 1.0:
+        raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction} must be between 0 and 1, e.g. 0.2")
+
+
+def _check_mesh(mesh) -> None:
+    for axis in CONFIG_AXES:
+        size = getattr(mesh, axis)
+        if size == 0 or size < -1:
+            raise UsageError(f"mesh.{axis}={size} must be a positive device count or -1 (the remaining devices)")
+    if [getattr(mesh, a) for a in CONFIG_AXES].count(-1) > 1:
+        raise UsageError(f"only one of {', '.join('mesh.' + a for a in CONFIG_AXES)} may be -1")
+    for logical, axes in mesh.rules.items():
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise UsageError(choice_message(f"mesh.rules.{logical}", axis, CONFIG_AXES))
+
+
+def _fit_steps_per_call(cfg) -> None:
+    """train.steps_per_call is the most per call: calls end at every log, eval and checkpoint,
+    so it is lowered to the largest divisor of their intervals (and train.steps), with a note."""
+    per_call = cfg.train.steps_per_call
+    intervals = {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
+                 "eval.every_steps": cfg.eval.every_steps, "checkpoint.every_steps": cfg.checkpoint.every_steps}
+    common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
+    if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits
+        fits = max(d for d in range(1, per_call + 1) if common % d == 0)
+        blocking = ", ".join(f"{k}={v}" for k, v in intervals.items() if v % per_call)
+        print(f"note: train.steps_per_call={per_call} runs {fits} step(s) per call here, so that calls end at "
+              f"{blocking} (logs, evals and checkpoints happen between calls)", file=sys.stderr)
+        cfg.train.steps_per_call = fits
+
+
+def _check_sources(data) -> None:
+    """data.sources: a list of {path, weight[, name]} mappings, only with data.name=tokens."""
+    if not data.sources:
+        if data.tokenizer != "bytes" and not (data.tokenizer.startswith("bpe:") and data.tokenizer[4:].isdigit()):
+            raise UsageError(f"data.tokenizer={data.tokenizer!r}: use bytes or bpe:N (N ≥ 257), e.g. bpe:2048")
+        return
+    if data.name not in MIXTURE_SOURCES:
+        raise UsageError(f"data.sources is a mixture of tokenized corpora: it needs data.name="
+                         f"{'|'.join(MIXTURE_SOURCES)}, not {data.name}")
+    if data.path:
+        raise UsageError("set data.path (one corpus) or data.sources (a mixture), not both")
+    example = "data.sources=[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]"
+    for i, source in enumerate(data.sources):
+        if not isinstance(source, dict) or not source.get("path") or set(source) - {"path", "weight", "name"}:
+            raise UsageError(f"data.sources[{i}]={source!r}: each source is a mapping with path, weight and "
+                             f"optionally name, e.g. {example}")
+        weight = source.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise UsageError(f"data.sources[{i}].weight={weight!r} must be a positive number, e.g. {example}")
+    names = [source_name(s, i) for i, s in enumerate(data.sources)]
+    if len(set(names)) != len(names):
+        raise UsageError(f"data.sources have repeated names {names}; give each a distinct name: key")
