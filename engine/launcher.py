@@ -13,7 +13,11 @@ import threading
 import time
 from pathlib import Path
 
-LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
+ROOT = Path(__file__).resolve().parent.parent
+# this program, for the processes it starts (local processes, a sweep's runs): the checkout's
+# launch.py where there is one, else the installed package
+SELF = [sys.executable, str(ROOT / "launch.py")] if (ROOT / "launch.py").is_file() else [sys.executable, "-m",
+                                                                                          "engine.cli"]
 GRACE_SECONDS = 10  # after SIGTERM, how long a process may take to exit before SIGKILL
 
 
@@ -53,7 +57,7 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
     children, relays = [], []
     for index in range(processes):
-        command = [sys.executable, str(LAUNCH), *args, f"distributed.coordinator_address=127.0.0.1:{port}",
+        command = [*SELF, *args, f"distributed.coordinator_address=127.0.0.1:{port}",
                    f"distributed.coordinator_bind_address=127.0.0.1:{port}",
                    f"distributed.num_processes={processes}", f"distributed.process_id={index}"]
         child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

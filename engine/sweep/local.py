@@ -15,7 +15,8 @@ from pathlib import Path
 from engine.config import check_vectorizable, program_settings, shape_differences
 from engine.report import preload
 from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
-from engine.sweep.spec import LAUNCH, RunSpec, Sweep
+from engine.launcher import SELF
+from engine.sweep.spec import RunSpec, Sweep
 
 
 def write_index(sweep: Sweep) -> None:
@@ -37,7 +38,7 @@ def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid()})
     start = time.time()
-    code = _child([sys.executable, str(LAUNCH), *sweep.argv(run)], workdir / "run.log", env)
+    code = _child([*SELF, *sweep.argv(run)], workdir / "run.log", env)
     write_json(workdir / STATUS, _ended(code, workdir / "run.log", start))
     return code
 
@@ -63,7 +64,7 @@ def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int
         sweep.workdir(run).mkdir(parents=True, exist_ok=True)
         write_json(sweep.workdir(run) / STATUS, {"status": "running", "pid": os.getpid(), "group": ident})
     start, log = time.time(), groups / f"{ident}.log"
-    code = _child([sys.executable, str(LAUNCH), "sweep", str(sweep.path), "--run-group", str(groups / f"{ident}.json")],
+    code = _child([*SELF, "sweep", str(sweep.path), "--run-group", str(groups / f"{ident}.json")],
                   log, env)
     for run in runs:
         if read_status(sweep.workdir(run)).get("status") == "running":

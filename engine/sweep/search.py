@@ -28,7 +28,8 @@ from pathlib import Path
 
 from engine.rundir import STATUS, final_metrics, lock_holder, read_records, read_status, write_json
 from engine.sweep.local import preload_report, write_index
-from engine.sweep.spec import LAUNCH, RunSpec, Sweep
+from engine.launcher import SELF
+from engine.sweep.spec import RunSpec, Sweep
 
 STUDY = "study.db"
 CLAIM_SECONDS = 60.0  # a trial asked for this recently, with no run status yet, belongs to whoever asked
@@ -103,7 +104,7 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     split, name = sweep.metric.split("/")
     seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
     with open(workdir / "run.log", "a") as log:
-        child = subprocess.Popen([sys.executable, str(LAUNCH), *sweep.argv(run)], stdout=log,
+        child = subprocess.Popen([*SELF, *sweep.argv(run)], stdout=log,
                                  stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
         preload_report()
         while child.poll() is None:

@@ -13,7 +13,8 @@ from pathlib import Path
 from engine.errors import UsageError
 from engine.rundir import STATUS, write_atomic, write_json
 from engine.sweep.local import pending_runs, run_unit, units, write_index
-from engine.sweep.spec import LAUNCH, Sweep, check_slurm_values
+from engine.launcher import SELF
+from engine.sweep.spec import Sweep, check_slurm_values
 
 
 def sbatch_script(sweep: Sweep, tasks: list, tasks_file: Path) -> str:
@@ -33,7 +34,7 @@ def sbatch_script(sweep: Sweep, tasks: list, tasks_file: Path) -> str:
         if value is not None:
             lines.append(f"#SBATCH --{key.replace('_', '-')}={quote(str(value))}")
     lines += [f"cd {quote(str(Path.cwd()))}",
-              f"exec {quote(sys.executable)} {quote(str(LAUNCH))} sweep {quote(str(sweep.path))} "
+              f"exec {' '.join(map(quote, SELF))} sweep {quote(str(sweep.path))} "
               f"--run-task \"$SLURM_ARRAY_TASK_ID\" --task-runs {quote(str(tasks_file))}"]
     return "\n".join(lines) + "\n"
 

@@ -37,7 +37,6 @@ import yaml
 from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
 
-LAUNCH = Path(__file__).resolve().parent.parent.parent / "launch.py"
 SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm", "search", "pruner",
               "vectorize"}
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")

@@ -1,0 +1,58 @@
+"""The command line: `python launch.py COMMAND ...` or the installed `jax-engine COMMAND ...`.
+One module per command (train, eval, export, import-hf, sample, tokenize, sweep, report, plan);
+each gives its parser and its `run`. This module picks the command, installs the process-wide
+settings of the commands that run jax, and turns errors into exit codes:
+
+0 done; 2 bad config or usage (one line, no traceback); 143/130 stopped by SIGTERM/SIGINT
+after saving (re-run to resume); 1 a failed run (said plainly).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+STARTED = time.time()  # goodput and time to first step count from here
+
+# command → module; `train` is also what a command line without one runs
+COMMANDS = {"train": "train", "eval": "evaluate", "export": "export", "import-hf": "import_hf", "sample": "sample",
+            "tokenize": "tokenize", "sweep": "sweep", "report": "report"}
+
+
+def command_module(name: str):
+    return importlib.import_module(f"engine.cli.{COMMANDS[name]}")
+
+
+def main(argv: list[str]) -> int:
+    """Runs one command line; returns its exit code."""
+    named = bool(argv) and argv[0] in COMMANDS
+    command, rest = (argv[0], argv[1:]) if named else ("train", argv)
+    module = command_module(command)
+    if module.trains(rest):
+        from engine.preemption import note_signals
+
+        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (engine/preemption.py)
+    args = module.parser().parse_intermixed_args(rest)
+    from engine.errors import DistributedError, UsageError
+    from engine.preemption import Preempted
+
+    if module.runs_jax(args):
+        from engine import process
+
+        process.install(reader=command in ("eval", "export", "sample"))  # once (see engine/process.py)
+    try:
+        return module.run(args, rest)
+    except Preempted as e:  # SIGTERM/SIGINT: saved (or nothing new to save during start-up)
+        sys.stderr.write(f"{e}\n")
+        return e.exit_code
+    except UsageError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except DistributedError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+
+
+def entry() -> None:
+    """The `jax-engine` console script."""
+    sys.exit(main(sys.argv[1:]))

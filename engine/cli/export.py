@@ -1,0 +1,34 @@
+"""`launch.py export --workdir DIR --out PATH [--format hf]`: a trained run for inference."""
+from __future__ import annotations
+
+import argparse
+
+from engine.cli.common import Parser
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="launch.py export", description="Export a trained run's variables and forward function "
+                                                    "(jax.export StableHLO) for inference.")
+    p.add_argument("--workdir", required=True, help="the training run's directory")
+    p.add_argument("--out", required=True, help="a new directory to write the export into")
+    p.add_argument("--format", choices=("jax", "hf"), default="jax",
+                   help="jax: variables + jax.export StableHLO (default); hf: a Hugging Face model directory "
+                        "(config.json + safetensors) for model families that have one")
+    return p
+
+
+def trains(argv: list[str]) -> bool:
+    return False
+
+
+def runs_jax(args) -> bool:
+    return True
+
+
+def run(args, argv: list[str]) -> int:
+    if args.format == "hf":
+        from engine.hf import export_hf as export_run
+    else:
+        from engine.export import export_run
+    print(f"exported to {export_run(args.workdir, args.out)}")
+    return 0

@@ -1,0 +1,33 @@
+"""`launch.py sample --workdir DIR --prompt TEXT`: text from a run's newest checkpoint."""
+from __future__ import annotations
+
+import argparse
+
+from engine.cli.common import Parser
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="launch.py sample", description="Generate text from a run's newest checkpoint (key/value "
+                                                    "cache; greedy at temperature 0).")
+    p.add_argument("--workdir", required=True, help="the training run's directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
+    return p
+
+
+def trains(argv: list[str]) -> bool:
+    return False
+
+
+def runs_jax(args) -> bool:
+    return True
+
+
+def run(args, argv: list[str]) -> int:
+    from engine.generate import sample
+
+    print(sample(args.workdir, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed))
+    return 0

@@ -1,0 +1,121 @@
+"""`launch.py [train] --config FILE [--workdir DIR] [--dry-run] [--profile] [key=value ...]`:
+train a run, or resume it from its workdir's newest checkpoint."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from engine.cli.common import Parser, overrides_argument
+
+LOCAL_FLAGS = ("--local-processes", "--devices-per-process")
+
+
+def parser() -> argparse.ArgumentParser:
+    from engine.cli import COMMANDS
+    from engine.config import shipped_configs
+
+    others = ", ".join(name for name in COMMANDS if name != "train")
+    p = Parser(prog="launch.py [train]",
+               description=f"Train a model from a config file (other commands: {others}; `launch.py COMMAND "
+                           "--help` for each). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
+                           "optimizer.learning_rate=3e-4 mesh.fsdp=8 model.hidden_sizes=[256,128]; values are "
+                           "parsed as YAML. Re-running on a workdir with checkpoints resumes from the newest one.",
+               epilog="shipped configs (in configs/, by path or bare name): " + ", ".join(shipped_configs()))
+    p.add_argument("--config", required=True, help="a YAML config file (or the name of one in configs/)")
+    p.add_argument("--workdir", help="output directory (default: the config's workdir, or runs/<config name>)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the mesh, parameter layout, memory and FLOPs per step; do not train")
+    p.add_argument("--profile", action="store_true",
+                   help="trace steps 5..15 of this run with jax.profiler into WORKDIR/profile "
+                        "(= log.profile_steps=[5,15]; view with TensorBoard's profile plugin or XProf)")
+    group = p.add_argument_group("multi-process (see docs/multihost.md)")
+    group.add_argument("--local-processes", type=int, metavar="N",
+                       help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
+    group.add_argument("--devices-per-process", type=int, default=1, metavar="M",
+                       help="simulated CPU devices per local process (default 1)")
+    group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
+    group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
+    group.add_argument("--process-id", type=int, help="= distributed.process_id")
+    overrides_argument(p)
+    return p
+
+
+def trains(argv: list[str]) -> bool:
+    """The launcher of local processes trains nothing itself: its children note signals."""
+    return not any(arg.split("=")[0] == "--local-processes" for arg in argv)
+
+
+def runs_jax(args) -> bool:
+    return not args.local_processes
+
+
+def run(args, argv: list[str]) -> int:
+    if args.local_processes:
+        return _local_job(args, argv)
+    import jax
+
+    from engine import process
+    from engine.cli import STARTED
+    from engine.config import load_config
+    from engine.distributed import initialize, parse_tf_config
+
+    profile = ["log.profile_steps=[5,15]"] if args.profile else []
+    cfg = load_config(args.config, profile + args.overrides + _distributed_overrides(args), args.workdir)
+    tf_config = os.environ.get("TF_CONFIG")
+    if tf_config and parse_tf_config(tf_config).kind == "evaluator":
+        from engine.evaluator import run_evaluator
+        from engine.preemption import release_signals
+
+        release_signals()  # the evaluator ends on SIGTERM as a reader does
+        return run_evaluator(cfg, watch=True)
+    initialize(cfg.distributed)
+    # saves from a background thread need them (without them host staging lets orbax copy first)
+    if jax.process_count() > 1 and (cfg.checkpoint.staging == "device" or process.has_distributed_client_barriers()):
+        process.use_distributed_client_barriers()
+    if args.dry_run:
+        from engine.dryrun import dry_run
+
+        dry_run(cfg)
+        return 0
+    from engine.trainer import NonFiniteLoss, fit
+
+    try:
+        result = fit(cfg, started=STARTED)
+    except NonFiniteLoss as e:
+        sys.stderr.write(f"error: training stopped: {e}\n")
+        return 1
+    if result.eval_metrics:
+        summary = " ".join(f"{k}={v:.4f}" for k, v in result.eval_metrics.items())
+        print(f"done: {cfg.train.steps} steps; eval {summary}; outputs in {cfg.workdir}")
+    return 0
+
+
+def _local_job(args, argv: list[str]) -> int:
+    if args.local_processes < 1 or args.devices_per_process < 1:
+        sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
+        return 2
+    from engine.launcher import run_local_job
+
+    return run_local_job(without_local_flags(argv), args.local_processes, args.devices_per_process)
+
+
+def _distributed_overrides(args) -> list[str]:
+    flags = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
+             "process_id": args.process_id}
+    return [f"distributed.{key}={value}" for key, value in flags.items() if value is not None]
+
+
+def without_local_flags(argv: list[str]) -> list[str]:
+    """argv less --local-processes/--devices-per-process (and their values)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in LOCAL_FLAGS:
+            skip = "=" not in item
+            continue
+        out.append(item)
+    return out
