@@ -2,6 +2,7 @@
 training run as it appears, appending `split: "eval"` records to the run's metrics."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -52,56 +53,60 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
             raise UsageError(f"no checkpoints appeared in {directory} within {idle_timeout:.0f}s")
         time.sleep(poll_seconds)
         waited += poll_seconds
-    watchdog = Watchdog(dataclasses.asdict(cfg.watchdog), workdir, who="evaluator")  # no silent hang either
-    checkpointer = Checkpointer(directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)
-    run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
-    watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
-    writer = MetricWriter(workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
-                          tensorboard=False)
-    summary = None
-    if cfg.log.tensorboard:  # a subdirectory of its own: two writers must not share an event file
-        from tensorboardX import SummaryWriter
+    with contextlib.ExitStack() as closing:
+        watchdog = closing.enter_context(contextlib.closing(Watchdog(  # no silent hang either
+            dataclasses.asdict(cfg.watchdog), workdir, who="evaluator")))
+        checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
+            directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)))
+        run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
+        watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
+        writer = closing.enter_context(contextlib.closing(MetricWriter(
+            workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False, tensorboard=False)))
+        summary = None
+        if cfg.log.tensorboard:  # a subdirectory of its own: two writers must not share an event file
+            from tensorboardX import SummaryWriter
 
-        summary = SummaryWriter(str(workdir / "evaluator"))
+            summary = closing.enter_context(contextlib.closing(SummaryWriter(str(workdir / "evaluator"))))
+        return _watch(cfg, run, checkpointer, writer, summary, watchdog, watch, poll_seconds, idle_timeout,
+                      dead_after)
+
+
+def _watch(cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWriter, summary, watchdog: Watchdog,
+           watch: bool, poll_seconds: float, idle_timeout: float, dead_after: float) -> int:
+    """Evaluates each checkpoint not yet evaluated, as they come; the exit code."""
+    workdir = Path(cfg.workdir)
     done = evaluated_steps(workdir / METRICS)
     idle_since = alive_at = time.monotonic()
     said = None
-    try:
-        while True:
-            steps = checkpointer.steps()
-            pending = [s for s in steps if s not in done] if watch else steps[-1:]
-            if not watch and not pending:
-                raise UsageError(f"no complete checkpoint in {directory} to evaluate")
-            for step in pending:
-                with watchdog.phase("eval"):  # restore and evaluate
-                    _evaluate_step(run, checkpointer, step, writer, summary)
-                done.add(step)
-                idle_since = alive_at = time.monotonic()
-            newest = max(steps, default=0)
-            if not watch or (newest >= cfg.train.steps and not pending):
-                return 0
-            if lock_holder(workdir) is not None:
-                alive_at = time.monotonic()
-            elif time.monotonic() - alive_at > dead_after:
-                print(f"error: the training run in {workdir} is not running (no trainer holds its workdir, and no "
-                      f"checkpoint came for {dead_after:.0f}s); its newest checkpoint is step {newest} of "
-                      f"{cfg.train.steps}. Restart training, then the evaluator", file=sys.stderr)
-                return 1
-            if not pending and time.monotonic() - idle_since > idle_timeout:
-                print(f"error: no new checkpoint in {directory} for {idle_timeout:.0f}s; is training running?",
-                      file=sys.stderr)
-                return 1
-            if said != newest:
-                print(f"waiting for a checkpoint after step {newest} (training runs to step {cfg.train.steps})",
-                      flush=True)
-                said = newest
-            time.sleep(poll_seconds)
-    finally:
-        watchdog.close()
-        writer.close()
-        if summary is not None:
-            summary.close()
-        checkpointer.close()
+    while True:
+        steps = checkpointer.steps()
+        pending = [s for s in steps if s not in done] if watch else steps[-1:]
+        if not watch and not pending:
+            raise UsageError(f"no complete checkpoint in {checkpointer.directory} to evaluate")
+        for step in pending:
+            with watchdog.phase("eval"):  # restore and evaluate
+                _evaluate_step(run, checkpointer, step, writer, summary)
+            done.add(step)
+            idle_since = alive_at = time.monotonic()
+        newest = max(steps, default=0)
+        if not watch or (newest >= cfg.train.steps and not pending):
+            return 0
+        if lock_holder(workdir) is not None:
+            alive_at = time.monotonic()
+        elif time.monotonic() - alive_at > dead_after:
+            print(f"error: the training run in {workdir} is not running (no trainer holds its workdir, and no "
+                  f"checkpoint came for {dead_after:.0f}s); its newest checkpoint is step {newest} of "
+                  f"{cfg.train.steps}. Restart training, then the evaluator", file=sys.stderr)
+            return 1
+        if not pending and time.monotonic() - idle_since > idle_timeout:
+            print(f"error: no new checkpoint in {checkpointer.directory} for {idle_timeout:.0f}s; is training "
+                  f"running?", file=sys.stderr)
+            return 1
+        if said != newest:
+            print(f"waiting for a checkpoint after step {newest} (training runs to step {cfg.train.steps})",
+                  flush=True)
+            said = newest
+        time.sleep(poll_seconds)
 
 
 def _evaluate_step(run: Run, checkpointer: Checkpointer, step: int, writer: MetricWriter, summary) -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from engine.judge import Judged
 from engine.rundir import METRICS, append_line, read_records
 
 
@@ -16,9 +17,10 @@ class MetricWriter:
     """Writes each metrics record to every sink; on other processes it does nothing."""
 
     def __init__(self, workdir: str | Path, *, enabled: bool, total_steps: int, start_step: int,
-                 progress: bool, tensorboard: bool, name: str = ""):
-        """name: printed before each line (the runs of a vectorised group share one output)."""
-        self.enabled = enabled
+                 progress: bool, tensorboard: bool, name: str = "", judged: Optional[Judged] = None):
+        """name: printed before each line (the runs of a vectorised group share one output);
+        judged: a search trial's pipe to its sweep, asked after each train and eval record."""
+        self.enabled, self.judged = enabled, judged
         self.prefix = f"{name}: " if name else ""
         self.bar: Optional[tqdm] = None
         self.summary = None
@@ -51,6 +53,8 @@ class MetricWriter:
         if self.summary is not None:
             _add_scalars(self.summary, step, split, values)
             self.summary.flush()
+        if self.judged is not None and split in ("train", "eval"):
+            self.judged.ask(record)
         if split == "summary":  # the trainer prints its own one-paragraph summary
             return
         if self.bar is not None:
@@ -72,6 +76,8 @@ class MetricWriter:
             print(self.prefix + text, flush=True)
 
     def close(self) -> None:
+        if self.judged is not None:
+            self.judged.close()
         if self.bar is not None:
             self.bar.close()
         if self.summary is not None:

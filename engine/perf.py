@@ -124,7 +124,7 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
         return StepCost(analytic, f"analytic formula ({formula}): {reason}", analytic, formula)
     # as the module resolved them (an `auto` setting names what it chose)
     plain = family.work_settings()
-    resolved = {key: getattr(module, key, getattr(cfg.model, key)) for key in plain}
+    resolved = family.work_settings_used(cfg.model, module)
     differs = [f"{key}={resolved[key]}" for key, value in plain.items() if resolved[key] != value]
     differs += [f"{key}={getattr(cfg.train, key)}" for key in ("grad_accum_steps", "steps_per_call")
                 if getattr(cfg.train, key) > 1]

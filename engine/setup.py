@@ -151,7 +151,7 @@ def run_hparams(cfg: Config) -> dict:
     """The shape-independent numbers of a run, as float32 scalars the compiled programs take:
     the schedule's and the model family's (in the state's `hparams`), the optimizer's."""
     schedule = schedule_hparams(cfg.optimizer, cfg.train.steps)
-    schedule.update({name: np.float32(getattr(cfg.model, name)) for name in REGISTRY[cfg.model.name].hparams})
+    schedule.update({name: np.float32(value) for name, value in REGISTRY[cfg.model.name].hparam_values(cfg.model).items()})
     return {"schedule": schedule,
             "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
 

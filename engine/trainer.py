@@ -15,6 +15,7 @@ from engine.config import Config, save_config, to_yaml
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
+from engine.judge import Judged
 from engine.loop import (NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses,
                          train_record)
 from engine.metrics import MetricWriter
@@ -135,7 +136,7 @@ def _open(cfg: Config, run: Optional[Run], started: Optional[float], result: Fit
         goodput.redone_steps = drop_records_after(workdir / METRICS, start)
     writer = closing.enter_context(contextlib.closing(MetricWriter(
         workdir, enabled=is_chief, total_steps=cfg.train.steps, start_step=start, progress=cfg.log.progress,
-        tensorboard=cfg.log.tensorboard)))
+        tensorboard=cfg.log.tensorboard, judged=Judged.from_env() if is_chief else None)))
     window = Window.resumed(start, meta.get("window"),  # the log window a checkpoint cut in two
                             len(TRAIN_METRICS) + len(run.dataset.info.sources))
     if run.inputs.resident_bytes and start < cfg.train.steps:

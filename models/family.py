@@ -125,8 +125,10 @@ class ModelFamily(Protocol):
 
     @property
     def hparams(self) -> tuple[str, ...]: ...
+    def hparam_values(self, cfg) -> dict[str, float]: ...
     def flops_per_example(self, cfg, info, num_params: int) -> Optional[float]: ...
     def work_settings(self) -> Mapping[str, Any]: ...
+    def work_settings_used(self, cfg, module) -> dict[str, Any]: ...
     def formula_only(self, cfg) -> str: ...
     def generator(self) -> Optional[Generate]: ...
     def hf_layout(self) -> Optional[HFLayout]: ...
@@ -151,6 +153,10 @@ class Family:
         declared on the config dataclass (models/configs.py), which a sweep reads without jax."""
         return self.config_cls.hparams  # type: ignore[attr-defined]
 
+    def hparam_values(self, cfg) -> dict[str, float]:
+        """The hparams' values in this model config."""
+        return {name: float(getattr(cfg, name)) for name in self.hparams}
+
     def flops_per_example(self, cfg, info, num_params: int) -> Optional[float]:
         """Training FLOPs (forward + backward) of one example, from the architecture (None: no formula)."""
         return None
@@ -159,6 +165,10 @@ class Family:
         """Config fields that change the compiled work (recomputation, loops XLA counts once, custom
         calls it cannot count) but not the model FLOPs → their plain reference value."""
         return {}
+
+    def work_settings_used(self, cfg, module) -> dict[str, Any]:
+        """The work settings as the built module resolved them (an `auto` setting names what it chose)."""
+        return {key: getattr(module, key, getattr(cfg, key)) for key in self.work_settings()}
 
     def formula_only(self, cfg) -> str:
         """Why the model FLOPs come from flops_per_example alone ("" = XLA counts them)."""

@@ -10,7 +10,6 @@ from engine.data import DataInfo
 from engine.sharding import path_name, unbox
 from engine.step import make_loss_fn
 from models import REGISTRY
-from models.resnet import ResNetConfig
 from models.transformer import TransformerConfig
 
 IMAGE = DataInfo("image", 8, 8, input_shape=(16, 16, 3), num_classes=5)
@@ -95,9 +94,9 @@ def test_dropout_is_on_in_training_only_and_depends_on_example_id():
     np.testing.assert_allclose(evals[0], evals[1])
 
 
-def test_model_config_validation():
-    with pytest.raises(ValueError, match="model.depth=20"):
-        ResNetConfig(depth=20).validate()
+def test_model_config_validation(make_config):
+    with pytest.raises(ValueError, match="model.depth=20 is not one of 18, 34, 50"):  # a declared choice
+        make_config("mnist_mlp.yaml", "model.name=resnet", "model.depth=20")
     with pytest.raises(ValueError, match="not divisible by model.num_heads=3"):
         TransformerConfig(d_model=16, num_heads=3).validate()
 

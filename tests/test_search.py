@@ -53,15 +53,17 @@ def test_tpe_with_the_median_pruner_stops_bad_trials_early_and_reports_importanc
     assert sorted(runs) == [f"trial-{i:04d}" for i in range(5)]
     statuses = [r["status"] for r in runs.values()]
     assert statuses.count("pruned") >= 1 and statuses.count("finished") >= 2, statuses
-    for name, run in runs.items():
-        steps = train_steps(tmp_path / "sweep" / name)
-        if run["status"] == "pruned":  # stopped at the eval the pruner judged, long before the end
-            assert steps and steps[-1] < 40, (name, steps)
-        else:
-            assert steps[-1] == 40
     import optuna
 
     study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{tmp_path / 'sweep' / 'study.db'}")
+    judged = {f"trial-{t.number:04d}": max(t.intermediate_values) for t in study.trials}
+    for name, run in runs.items():
+        steps = train_steps(tmp_path / "sweep" / name)
+        if run["status"] == "pruned":  # stopped at exactly the eval the pruner judged, never later
+            assert steps and steps[-1] == judged[name], (name, steps, judged[name])
+        else:
+            assert steps[-1] == 40
+    assert min(judged[name] for name, run in runs.items() if run["status"] == "pruned") < 40
     assert [t.state.name for t in study.trials].count("PRUNED") == statuses.count("pruned")
     importances = json.loads((tmp_path / "sweep" / "importances.json").read_text())
     assert set(importances) == set(PARAMS)

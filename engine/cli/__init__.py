@@ -19,15 +19,16 @@ COMMANDS = {"train": "train", "eval": "evaluate", "export": "export", "import-hf
             "tokenize": "tokenize", "sweep": "sweep", "report": "report"}
 
 
-def command_module(name: str):
-    return importlib.import_module(f"engine.cli.{COMMANDS[name]}")
+def command(name: str):
+    """The Command of `name` (engine/cli/common.py), its module imported only now."""
+    return importlib.import_module(f"engine.cli.{COMMANDS[name]}").COMMAND
 
 
 def main(argv: list[str]) -> int:
     """Runs one command line; returns its exit code."""
     named = bool(argv) and argv[0] in COMMANDS
-    command, rest = (argv[0], argv[1:]) if named else ("train", argv)
-    module = command_module(command)
+    name, rest = (argv[0], argv[1:]) if named else ("train", argv)
+    module = command(name)
     if module.trains(rest):
         from engine.preemption import note_signals
 
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
     if module.runs_jax(args):
         from engine import process
 
-        process.install(reader=command in ("eval", "export", "sample"))  # once (see engine/process.py)
+        process.install(reader=name in ("eval", "export", "sample"))  # once (see engine/process.py)
     try:
         return module.run(args, rest)
     except Preempted as e:  # SIGTERM/SIGINT: saved (or nothing new to save during start-up)

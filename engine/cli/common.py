@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 
 class Parser(argparse.ArgumentParser):
@@ -16,3 +18,20 @@ class Parser(argparse.ArgumentParser):
 
 def overrides_argument(parser: argparse.ArgumentParser, what: str = "config overrides") -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help=what)
+
+
+def _never(argv: list[str]) -> bool:
+    return False
+
+
+def _always(args: argparse.Namespace) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command: its parser and what it runs, and two things engine.cli.main asks first."""
+    parser: Callable[[], argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace, list[str]], int]  # (parsed args, the command's argv) → exit code
+    trains: Callable[[list[str]], bool] = _never  # trains in this process: signals are noted from start-up
+    runs_jax: Callable[[argparse.Namespace], bool] = _always  # needs the process-wide jax settings

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.cli.common import Parser, overrides_argument
+from engine.cli.common import Command, Parser, overrides_argument
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,14 +22,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trains(argv: list[str]) -> bool:
-    return False
-
-
-def runs_jax(args) -> bool:
-    return True
-
-
 def run(args, argv: list[str]) -> int:
     from engine.config import load_config
     from engine.errors import UsageError
@@ -40,3 +32,6 @@ def run(args, argv: list[str]) -> int:
         raise UsageError(f"{args.workdir} has no config.yaml yet; give --config (the training run's config file)")
     cfg = load_config(written if written.is_file() else args.config, args.overrides, args.workdir)
     return run_evaluator(cfg, watch=args.watch, dead_after=args.dead_after)
+
+
+COMMAND = Command(parser, run)

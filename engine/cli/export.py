@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import Parser
+from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,14 +17,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trains(argv: list[str]) -> bool:
-    return False
-
-
-def runs_jax(args) -> bool:
-    return True
-
-
 def run(args, argv: list[str]) -> int:
     if args.format == "hf":
         from engine.hf import export_hf as export_run
@@ -32,3 +24,6 @@ def run(args, argv: list[str]) -> int:
         from engine.export import export_run
     print(f"exported to {export_run(args.workdir, args.out)}")
     return 0
+
+
+COMMAND = Command(parser, run)

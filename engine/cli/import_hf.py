@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import Parser, overrides_argument
+from engine.cli.common import Command, Parser, overrides_argument
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,16 +18,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trains(argv: list[str]) -> bool:
-    return False
-
-
-def runs_jax(args) -> bool:
-    return True
-
-
 def run(args, argv: list[str]) -> int:
     from engine.hf import import_hf
 
     print(f"imported {args.hf_dir} into {import_hf(args.hf_dir, args.workdir, args.config, args.overrides)}")
     return 0
+
+
+COMMAND = Command(parser, run)

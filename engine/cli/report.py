@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import Parser
+from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,11 +17,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trains(argv: list[str]) -> bool:
-    return False
-
-
-def runs_jax(args) -> bool:
+def _no_jax(args) -> bool:
     return False
 
 
@@ -30,3 +26,6 @@ def run(args, argv: list[str]) -> int:
 
     report(args.paths, args.metric, args.mode, args.out)
     return 0
+
+
+COMMAND = Command(parser, run, runs_jax=_no_jax)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import Parser
+from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,16 +18,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trains(argv: list[str]) -> bool:
-    return False
-
-
-def runs_jax(args) -> bool:
-    return True
-
-
 def run(args, argv: list[str]) -> int:
     from engine.generate import sample
 
     print(sample(args.workdir, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed))
     return 0
+
+
+COMMAND = Command(parser, run)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import Parser
+from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,3 +37,6 @@ def run(args, argv: list[str]) -> int:
         raise UsageError(f"--parallel {args.parallel} must be at least 1")
     return sweep_main(args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task,
                       args.task_runs, args.run_group)
+
+
+COMMAND = Command(parser, run, trains=trains, runs_jax=runs_jax)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.cli.common import Parser
+from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,15 +34,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def trains(argv: list[str]) -> bool:
-    return False
-
-
-def runs_jax(args) -> bool:
-    return True
-
-
 def run(args, argv: list[str]) -> int:
     from engine.data.tokenize import main as tokenize_main
 
     return tokenize_main(args)
+
+
+COMMAND = Command(parser, run)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from engine.cli.common import Parser, overrides_argument
+from engine.cli.common import Command, Parser, overrides_argument
 
 LOCAL_FLAGS = ("--local-processes", "--devices-per-process")
 
@@ -119,3 +119,6 @@ def without_local_flags(argv: list[str]) -> list[str]:
             continue
         out.append(item)
     return out
+
+
+COMMAND = Command(parser, run, trains=trains, runs_jax=runs_jax)

@@ -29,13 +29,13 @@ from typing import Iterator
 
 import numpy as np
 
+from engine.data.documents import documents, input_files
 from engine.data.tokens import FORMAT
 from engine.errors import UsageError
 from engine.rundir import sha256_file, write_json
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
 EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
 SPLITS = ("train", "eval")
 _MASK64 = (1 << 64) - 1
 
@@ -53,89 +53,6 @@ class Settings:
     shard_tokens: int
     bpe_train_bytes: int = 0
     eod_token: str = ""
-
-
-def _binary(path: Path) -> bool:
-    """A file that is neither Parquet nor text (a NUL byte in its first 8 KiB: .pyc, images, …)."""
-    if path.suffix.lower() == ".parquet":
-        return False
-    with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
-
-
-def input_files(paths: list[str]) -> list[Path]:
-    """Files to read, in a fixed order: each path as given; a directory's files (recursive,
-    sorted, hidden and binary ones left out)."""
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts) and not _binary(p))
-            if not found:
-                raise UsageError(f"--input {raw} is an empty directory; give files of text, JSON Lines or Parquet")
-            files += found
-        else:
-            raise UsageError(f"--input {raw} does not exist; give text, JSON Lines or Parquet files or directories")
-    return files
-
-
-def documents(files: list[Path], text_field: str = "text", text_unit: str = "file") -> Iterator[str]:
-    """Every non-empty document of the files, in order, streamed."""
-    for file in files:
-        suffix = file.suffix.lower()
-        if suffix in JSONL_SUFFIXES:
-            yield from _jsonl(file, text_field)
-        elif suffix == ".parquet":
-            yield from _parquet(file, text_field)
-        elif text_unit == "line":
-            with open(file, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if line.strip():
-                        yield line.rstrip("\n")
-        else:
-            text = file.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                yield text
-
-
-def _jsonl(file: Path, text_field: str) -> Iterator[str]:
-    with open(file, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{file}:{number}: not a JSON record ({e.msg}); JSON Lines hold one object per "
-                                 "line") from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise UsageError(f"{file}:{number}: no {text_field!r} field (the record has {keys}); pass "
-                                 "--text-field NAME for the field that holds the text")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise UsageError(f"{file}:{number}: field {text_field!r} is {type(text).__name__}, not text")
-            if text.strip():
-                yield text
-
-
-def _parquet(file: Path, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(file)
-    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
-        raise UsageError(f"{file} is not a readable Parquet file: {e}") from None
-    if text_field not in table.schema_arrow.names:
-        raise UsageError(f"{file}: no column {text_field!r} (columns: {table.schema_arrow.names}); pass "
-                         "--text-field NAME")
-    for batch in table.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            if isinstance(text, str) and text.strip():
-                yield text
 
 
 def held_out(indices: np.ndarray, fraction: float) -> np.ndarray:
@@ -319,22 +236,10 @@ def tokenize(paths: list[str], out: str, tokenizer_spec: str, vocab_size: int = 
 
 def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict, bpe_size: int, batch_bytes: int,
               progress: bool, stop_after_batches: int) -> dict:
-    manifest_path, progress_path = out_dir / "manifest.json", out_dir / "progress.json"
-    text_field, text_unit = settings.text_field, settings.text_unit
-    tokenizer_path = out_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():  # trained (or copied) once; a resumed run reuses it
-        if bpe_size:
-            tokenizer = train_bpe(_first_bytes(documents(files, text_field, text_unit), settings.bpe_train_bytes),
-                                  bpe_size)
-        else:
-            tokenizer = load_tokenizer(settings.tokenizer)
-        tmp = tokenizer_path.with_suffix(".json.tmp")
-        tokenizer.save(str(tmp))
-        os.replace(tmp, tokenizer_path)
-        write_json(progress_path, state)
+    _make_tokenizer(files, out_dir, settings, state, bpe_size)
     if stop["signal"]:
         raise Interrupted(stop["signal"])
-    tokenizer = load_tokenizer(str(tokenizer_path))
+    tokenizer = load_tokenizer(str(out_dir / "tokenizer.json"))
     eod_name, eod = eod_id(tokenizer, settings.eod_token)
     declared = settings.vocab_size if not bpe_size and settings.vocab_size else tokenizer.get_vocab_size()
     if declared < tokenizer.get_vocab_size():
@@ -345,18 +250,68 @@ def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict,
                for split in SPLITS}
     for writer in writers.values():
         writer.open()
+    started = time.perf_counter()
+    try:
+        _write_documents(files, out_dir, settings, state, tokenizer, eod, writers,
+                         _Stopping(stop, stop_after_batches), batch_bytes, progress)
+    except Interrupted:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    for writer in writers.values():
+        writer.close()
+    counts = {split: {"tokens": sum(s["tokens"] for s in w.done), "documents": sum(s["documents"] for s in w.done),
+                      "shards": w.done} for split, w in writers.items()}
+    if counts["train"]["documents"] == 0:
+        raise UsageError("every document went to the held-out split; lower --eval-fraction")
+    manifest = {"format": FORMAT, "settings": asdict(settings), "tokenizer": "tokenizer.json",
+                "vocab_size": declared, "eod_token": eod_name, "eod_id": eod, "dtype": dtype, "splits": counts,
+                "seconds": round(time.perf_counter() - started, 3)}
+    write_json(out_dir / "manifest.json", manifest)  # the commit of the whole corpus
+    (out_dir / "progress.json").unlink()
+    return manifest
 
-    total_bytes = sum(settings.input_sizes)
-    stream = documents(files, text_field, text_unit)
-    done_bytes = 0
-    for _ in range(state["documents"]):  # what the interrupted run already wrote
-        done_bytes += len(next(stream).encode("utf-8"))
-    bar = _progress_bar(total_bytes, progress)
+
+def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_size: int) -> None:
+    """out_dir/tokenizer.json: trained (or copied) once; a resumed run reuses it."""
+    tokenizer_path = out_dir / "tokenizer.json"
+    if tokenizer_path.is_file():
+        return
+    if bpe_size:
+        tokenizer = train_bpe(_first_bytes(documents(files, settings.text_field, settings.text_unit),
+                                           settings.bpe_train_bytes), bpe_size)
+    else:
+        tokenizer = load_tokenizer(settings.tokenizer)
+    tmp = tokenizer_path.with_suffix(".json.tmp")
+    tokenizer.save(str(tmp))
+    os.replace(tmp, tokenizer_path)
+    write_json(out_dir / "progress.json", state)
+
+
+@dataclass
+class _Stopping:
+    """When the writing stops early: a signal noted in `stop`, or (tests) after N batches."""
+    stop: dict
+    after_batches: int
+    batches: int = 0
+
+    def check(self) -> None:
+        self.batches += 1
+        if self.stop["signal"] or (self.after_batches and self.batches >= self.after_batches):
+            raise Interrupted(self.stop["signal"] or signal.SIGINT)
+
+
+def _write_documents(files, out_dir: Path, settings: Settings, state: dict, tokenizer, eod: int, writers: dict,
+                     stopping: _Stopping, batch_bytes: int, progress: bool) -> None:
+    """Encodes the documents not yet written, a batch at a time; after each batch the shards are
+    flushed and progress.json records how far they count (the commit point of the batch)."""
+    stream = documents(files, settings.text_field, settings.text_unit)
+    done_bytes = sum(len(next(stream).encode("utf-8")) for _ in range(state["documents"]))  # already written
+    bar = _progress_bar(sum(settings.input_sizes), progress)
     if bar is not None:
         bar.update(done_bytes)
-    started, new_tokens, batches = time.perf_counter(), 0, 0
+    started, new_tokens, index = time.perf_counter(), 0, state["documents"]
     try:
-        index = state["documents"]
         for batch in _batches(stream, batch_bytes):
             encoded = tokenizer.encode_batch_fast(batch, add_special_tokens=False) if hasattr(
                 tokenizer, "encode_batch_fast") else tokenizer.encode_batch(batch, add_special_tokens=False)
@@ -370,33 +325,14 @@ def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict,
             for writer in writers.values():
                 writer.flush()
             state.update(documents=index, splits={split: w.state() for split, w in writers.items()})
-            write_json(progress_path, state)  # the commit point of this batch
-            batches += 1
+            write_json(out_dir / "progress.json", state)  # the commit point of this batch
             if bar is not None:
                 bar.update(sum(len(text.encode("utf-8")) for text in batch))
-                elapsed = max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix_str(f"{new_tokens / elapsed:,.0f} tokens/s")
-            if stop["signal"] or (stop_after_batches and batches >= stop_after_batches):
-                raise Interrupted(stop["signal"] or signal.SIGINT)
-    except Interrupted:
-        for writer in writers.values():
-            writer.abandon()
-        raise
+                bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s")
+            stopping.check()
     finally:
         if bar is not None:
             bar.close()
-    for writer in writers.values():
-        writer.close()
-    counts = {split: {"tokens": sum(s["tokens"] for s in w.done), "documents": sum(s["documents"] for s in w.done),
-                      "shards": w.done} for split, w in writers.items()}
-    if counts["train"]["documents"] == 0:
-        raise UsageError("every document went to the held-out split; lower --eval-fraction")
-    manifest = {"format": FORMAT, "settings": asdict(settings), "tokenizer": "tokenizer.json",
-                "vocab_size": declared, "eod_token": eod_name, "eod_id": eod, "dtype": dtype, "splits": counts,
-                "seconds": round(time.perf_counter() - started, 3)}
-    write_json(manifest_path, manifest)  # the commit of the whole corpus
-    progress_path.unlink()
-    return manifest
 
 
 def _first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:

@@ -26,8 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-from engine.rundir import STATUS, final_metrics, lock_holder, read_records, read_status, write_json
+from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_json
 from engine.sweep.local import preload_report, write_index
+from engine.judge import Judge
 from engine.launcher import SELF
 from engine.sweep.spec import RunSpec, Sweep
 
@@ -103,22 +104,32 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
     split, name = sweep.metric.split("/")
     seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
+    judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/judge.py)
     with open(workdir / "run.log", "a") as log:
-        child = subprocess.Popen([*SELF, *sweep.argv(run)], stdout=log,
-                                 stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True)
+        child = subprocess.Popen([*SELF, *sweep.argv(run)], stdout=log, stderr=subprocess.STDOUT,
+                                 env=judge.child_env(env or dict(os.environ)), pass_fds=judge.child_fds,
+                                 start_new_session=True)
+        judge.started()
         preload_report()
-        while child.poll() is None:
+        while True:
             if STOP.is_set() and not pruned and not stopped:
                 stopped = True  # it saves and exits 143: resumed by the next sweep process
                 child.send_signal(signal.SIGTERM)
-            for record in read_records(workdir / "metrics.jsonl"):
-                if record["split"] == split and name in record and record["step"] not in seen:
-                    seen.add(record["step"])
-                    trial.report(float(record[name]), record["step"])
-                    if not pruned and trial.should_prune():
-                        pruned = True  # it saves and exits 143; a re-run of the sweep does not train it again
-                        child.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            try:
+                record = judge.next_record(timeout=0.2)
+            except EOFError:  # the run exited
+                break
+            if record is None:
+                continue
+            go = True
+            if record["split"] == split and name in record and record["step"] not in seen:
+                seen.add(record["step"])
+                trial.report(float(record[name]), record["step"])
+                if not pruned and trial.should_prune():
+                    pruned, go = True, False  # it saves and exits 143; a re-run of the sweep does not train it again
+            judge.answer(go)
+        child.wait()
+        judge.close()
     code = child.returncode
     value = final_metrics(workdir).get(sweep.metric)
     if pruned:

@@ -1,0 +1,94 @@
+"""The documents of a corpus to tokenize: plain text files (one document per file or per line),
+JSON Lines records and Parquet rows, from files or directories read recursively in sorted order."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from engine.errors import UsageError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+def _binary(path: Path) -> bool:
+    """A file that is neither Parquet nor text (a NUL byte in its first 8 KiB: .pyc, images, …)."""
+    if path.suffix.lower() == ".parquet":
+        return False
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def input_files(paths: list[str]) -> list[Path]:
+    """Files to read, in a fixed order: each path as given; a directory's files (recursive,
+    sorted, hidden and binary ones left out)."""
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file()
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts) and not _binary(p))
+            if not found:
+                raise UsageError(f"--input {raw} is an empty directory; give files of text, JSON Lines or Parquet")
+            files += found
+        else:
+            raise UsageError(f"--input {raw} does not exist; give text, JSON Lines or Parquet files or directories")
+    return files
+
+
+def documents(files: list[Path], text_field: str = "text", text_unit: str = "file") -> Iterator[str]:
+    """Every non-empty document of the files, in order, streamed."""
+    for file in files:
+        suffix = file.suffix.lower()
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl(file, text_field)
+        elif suffix == ".parquet":
+            yield from _parquet(file, text_field)
+        elif text_unit == "line":
+            with open(file, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.strip():
+                        yield line.rstrip("\n")
+        else:
+            text = file.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield text
+
+
+def _jsonl(file: Path, text_field: str) -> Iterator[str]:
+    with open(file, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{file}:{number}: not a JSON record ({e.msg}); JSON Lines hold one object per "
+                                 "line") from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise UsageError(f"{file}:{number}: no {text_field!r} field (the record has {keys}); pass "
+                                 "--text-field NAME for the field that holds the text")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise UsageError(f"{file}:{number}: field {text_field!r} is {type(text).__name__}, not text")
+            if text.strip():
+                yield text
+
+
+def _parquet(file: Path, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(file)
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise UsageError(f"{file} is not a readable Parquet file: {e}") from None
+    if text_field not in table.schema_arrow.names:
+        raise UsageError(f"{file}: no column {text_field!r} (columns: {table.schema_arrow.names}); pass "
+                         "--text-field NAME")
+    for batch in table.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
