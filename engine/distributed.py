@@ -1,6 +1,6 @@
 """jax.distributed initialisation, from (in order): explicit settings, a cluster environment
 JAX detects (SLURM, Open MPI, TPU pods), a tf.distribute TF_CONFIG, or none (one process).
-On Kubernetes pass the explicit settings (see README). Also the timed barriers that say
+On Kubernetes pass the explicit settings (see docs/multihost.md). Also the timed barriers that say
 which process did not arrive."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A model is a flax module called as `module(inputs, train=..., example_ids=..., **hparams)`
 whose parameters carry logical axis names. Each family declares what the engine needs to
-know of it (task, FLOPs, settings, hyperparameters); see README "Adding a model".
+know of it (task, FLOPs, settings, hyperparameters); see docs/extending.md.
 
 `CONFIGS` (each family's `model.*` dataclass, models/configs.py) loads without jax or flax,
 so a config can be read and checked by a process that never builds a model (a sweep's);

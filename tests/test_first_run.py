@@ -69,14 +69,14 @@ def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_pa
 
 
 def test_the_readme_serving_snippet_runs_as_written(tmp_path):
-    """The README's export + serving commands, in a fresh directory, as a user would paste them."""
+    """The export + serving commands of docs/checkpoints.md, in a fresh directory, as a user would paste them."""
     import re
     import subprocess
     import sys
 
     from conftest import ROOT, run_cli
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "checkpoints.md").read_text()
     snippet = readme.split("<!-- serving snippet: tests/test_first_run.py runs it as written -->", 1)[1]
     code = re.search(r"```python\n(.*?)```", snippet, re.S).group(1)
     code = "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())  # list indent

@@ -61,7 +61,7 @@ def read_yaml_mapping(path: Path, what: str) -> dict:
         raise UsageError(f"{what} {path} expands to more than {MAX_YAML_VALUES:,} values (through YAML aliases "
                          "&name / *name?); write the values out")
     if data is None:
-        raise UsageError(f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and README.md)")
+        raise UsageError(f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and docs/configuration.md)")
     if not isinstance(data, dict):
         raise UsageError(f"{what} {path} must hold a mapping of keys, not {type(data).__name__}")
     return data
@@ -141,7 +141,7 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> st
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError) or "not in struct" in str(err):
         close = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.5)
-        hint = f"; did you mean '{close[0]}'?" if close else "; see the config reference in README.md"
+        hint = f"; did you mean '{close[0]}'?" if close else "; see docs/configuration.md"
         return f"unknown config key '{key}' (from {source}){hint}"
     if isinstance(err, ValidationError):
         expected = _expected_type(schema, key)
