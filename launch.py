@@ -1,5 +1,6 @@
 """Command line of the engine (engine/cli/): `python launch.py [COMMAND] ...`; the installed
 `jax-engine` console script runs the same. `python launch.py --help` lists the commands."""
+
 import sys
 
 from engine.cli import main

@@ -45,6 +45,7 @@ every write look fast.
     python benchmarks/checkpoint_io.py --d-model 512 --num-layers 8 --mlp-dim 2048 --dir /data/scratch
     python benchmarks/checkpoint_io.py --config llama_tiny.yaml model.num_heads=8 model.num_kv_heads=4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,8 +111,11 @@ def numpy_save(path: Path, state, fsync: bool) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="gpt_small.yaml",
-                        help="a config under configs/ (llama_tiny.yaml: scanned layers, a few arrays per weight kind)")
+    parser.add_argument(
+        "--config",
+        default="gpt_small.yaml",
+        help="a config under configs/ (llama_tiny.yaml: scanned layers, a few arrays per weight kind)",
+    )
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=6)
     parser.add_argument("--mlp-dim", type=int, default=1024)
@@ -125,8 +129,13 @@ def main() -> None:
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="checkpoint_io_", dir=args.dir))
-    overrides = QUIET + [f"model.d_model={args.d_model}", f"model.num_layers={args.num_layers}",
-                         f"model.mlp_dim={args.mlp_dim}", f"data.max_bytes={args.max_bytes}", *args.overrides]
+    overrides = QUIET + [
+        f"model.d_model={args.d_model}",
+        f"model.num_layers={args.num_layers}",
+        f"model.mlp_dim={args.mlp_dim}",
+        f"data.max_bytes={args.max_bytes}",
+        *args.overrides,
+    ]
     cfg = load_config(ROOT / "configs" / args.config, overrides, str(base / "run"))
     run = build_run(cfg)
     state = run.compiled.to_step_layout(run.init_state())
@@ -173,10 +182,12 @@ def main() -> None:
         runs = " ".join(f"{v * 1e3:.1f}" for v in values)
         print(f"{label:<50}{median(values) * 1e3:>10.1f} ms   [{runs}]{extra}")
 
-    print(f"{cfg.model.name} d_model={args.d_model} num_layers={args.num_layers} mlp_dim={args.mlp_dim}: "
-          f"{params / 1e6:.2f}M parameters; train state {state_bytes / 1e6:.1f} MB in "
-          f"{len(jax.tree.leaves(state))} arrays after {args.train_steps} training steps; "
-          f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    print(
+        f"{cfg.model.name} d_model={args.d_model} num_layers={args.num_layers} mlp_dim={args.mlp_dim}: "
+        f"{params / 1e6:.2f}M parameters; train state {state_bytes / 1e6:.1f} MB in "
+        f"{len(jax.tree.leaves(state))} arrays after {args.train_steps} training steps; "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
+    )
     print(f"writing under {base}; medians of {args.reps} (runs in brackets)")
     row("(a) async save, loop blocked (save returns)", blocked)
     row("(a') the same, checkpoint.staging=device", blocked_device)
@@ -184,22 +195,31 @@ def main() -> None:
     row("(g) the pinned host copy of (a), to completion", host_copy)
     row("(c) async save, total (until wait returns)", async_total)
     row("(b) synchronous save (save + wait)", synchronous)
-    print(f"{'(d) synchronous: bytes on disk, throughput':<50}{disk / 1e6:>10.1f} MB   "
-          f"{disk / 1e6 / sync_seconds:.0f} MB/s on disk, {state_bytes / 1e6 / sync_seconds:.0f} MB/s of state")
+    print(
+        f"{'(d) synchronous: bytes on disk, throughput':<50}{disk / 1e6:>10.1f} MB   "
+        f"{disk / 1e6 / sync_seconds:.0f} MB/s on disk, {state_bytes / 1e6 / sync_seconds:.0f} MB/s of state"
+    )
     fsync = "+ fsync" if args.fsync else "no fsync"
-    row(f"(e) numpy.save of the same bytes ({fsync})", [s for s, _ in plain],
-        f"   {numpy_bytes / 1e6:.1f} MB, {numpy_bytes / 1e6 / numpy_seconds:.0f} MB/s")
+    row(
+        f"(e) numpy.save of the same bytes ({fsync})",
+        [s for s, _ in plain],
+        f"   {numpy_bytes / 1e6:.1f} MB, {numpy_bytes / 1e6 / numpy_seconds:.0f} MB/s",
+    )
     began = time.perf_counter()
     write_sums(base / "sync_0" / str(101))
-    print(f"{'(f) SHA256SUMS of one step (a background thread)':<50}{(time.perf_counter() - began) * 1e3:>10.1f} ms"
-          "   (checkpoint.verify: in (a) only when a save comes before the last one is hashed, and in (c))")
+    print(
+        f"{'(f) SHA256SUMS of one step (a background thread)':<50}{(time.perf_counter() - began) * 1e3:>10.1f} ms"
+        "   (checkpoint.verify: in (a) only when a save comes before the last one is hashed, and in (c))"
+    )
     host.close()
     device.close()
     host_sync.close()
-    print(f"blocked / synchronous = {median(blocked) / sync_seconds:.1%} with staging=host, "
-          f"{median(blocked_device) / sync_seconds:.1%} with staging=device, "
-          f"{median(blocked_sync) / sync_seconds:.1%} with orbax copying first (target <= 10%); "
-          f"synchronous / numpy.save = {sync_seconds / numpy_seconds:.2f}x")
+    print(
+        f"blocked / synchronous = {median(blocked) / sync_seconds:.1%} with staging=host, "
+        f"{median(blocked_device) / sync_seconds:.1%} with staging=device, "
+        f"{median(blocked_sync) / sync_seconds:.1%} with orbax copying first (target <= 10%); "
+        f"synchronous / numpy.save = {sync_seconds / numpy_seconds:.2f}x"
+    )
     if not args.keep:
         shutil.rmtree(base)
 

@@ -55,6 +55,7 @@ no guide to accelerator speed.
     python benchmarks/collectives.py
     python benchmarks/collectives.py --models transformer --layouts fsdp=8 "fsdp=4,tensor=2"
 """
+
 from __future__ import annotations
 
 import os
@@ -83,9 +84,19 @@ QUIET = ["log.progress=false", "log.tensorboard=false"]
 MODELS = {
     "mlp": [],  # configs/mnist_mlp.yaml as shipped
     # the small GPT of tests/test_parallel.py
-    "transformer": ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
-                    "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4",
-                    "model.mlp_dim=64", "model.dropout_rate=0.1", "train.global_batch_size=16"],
+    "transformer": [
+        "model.name=transformer",
+        "data.name=synthetic_text",
+        "data.seq_len=16",
+        "data.num_examples=512",
+        "data.vocab_size=64",
+        "model.num_layers=2",
+        "model.d_model=32",
+        "model.num_heads=4",
+        "model.mlp_dim=64",
+        "model.dropout_rate=0.1",
+        "train.global_batch_size=16",
+    ],
 }
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
@@ -94,6 +105,7 @@ LAYOUTS = {
     "fsdp=4,tensor=2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
 }
 # --- the theoretical minimum ---------------------------------------------------------------
+
 
 def entry_axes(entry) -> set[str]:
     """Mesh axes one PartitionSpec entry splits a dimension over (None, 'fsdp' or ('data', 'fsdp'))."""
@@ -153,9 +165,9 @@ def activation_minimum(run) -> list[Collective]:
 
 # --- driver --------------------------------------------------------------------------------
 
+
 def median_step_seconds(run, steps: int, warmup: int) -> float:
     state = run.compiled.to_step_layout(run.init_state())
-    batch_size = run.cfg.train.global_batch_size
     times = []
     for step in range(warmup + steps):
         batch = run.train_input(step)
@@ -171,22 +183,28 @@ def totals(collectives: list[Collective], op: str | None = None) -> tuple[int, i
     return len(chosen), sum(c.bytes for c in chosen), sum(c.ring_bytes for c in chosen)
 
 
-def report(model: str, layout: str, run, seconds: float, measured: list[Collective],
-           minimum: list[Collective]) -> None:
+def report(model: str, layout: str, run, seconds: float, measured: list[Collective], minimum: list[Collective]) -> None:
     mesh = run.mesh.shape
     params = sum(layout.nbytes for layout in run.model.param_layouts)
-    print(f"\n{model} | {layout}  (mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
-          f"global batch {run.cfg.train.global_batch_size})")
+    print(
+        f"\n{model} | {layout}  (mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}, "
+        f"global batch {run.cfg.train.global_batch_size})"
+    )
     print(f"step {seconds * 1e3:.2f} ms (median)   parameters {human_bytes(params)}")
     print(f"  {'op':<20}{'count':>6}{'bytes':>12}{'ring bytes':>12}   |{'minimum bytes':>15}{'ring bytes':>12}")
     for op in OPS:
         count, size, ring = totals(measured, op)
         _, low, low_ring = totals(minimum, op)
         if count or low:
-            print(f"  {op:<20}{count:>6}{human_bytes(size):>12}{human_bytes(ring):>12}   |{human_bytes(low):>15}{human_bytes(low_ring):>12}")
+            print(_row(op, count, size, ring, low, low_ring))
     count, size, ring = totals(measured)
     _, low, low_ring = totals(minimum)
-    print(f"  {'total':<20}{count:>6}{human_bytes(size):>12}{human_bytes(ring):>12}   |{human_bytes(low):>15}{human_bytes(low_ring):>12}")
+    print(_row("total", count, size, ring, low, low_ring))
+
+
+def _row(name: str, count: int, size: float, ring: float, low: float, low_ring: float) -> str:
+    measured = f"{count:>6}{human_bytes(size):>12}{human_bytes(ring):>12}"
+    return f"  {name:<20}{measured}   |{human_bytes(low):>15}{human_bytes(low_ring):>12}"
 
 
 def main() -> None:
@@ -198,16 +216,24 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, help="train.global_batch_size (default: the model's)")
     args = parser.parse_args()
 
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices. Bytes per device per step, from the "
-          f"compiled HLO result shapes (reduce-scatter: its full input).")
-    print("minimum: data parallel 1 x P (all-reduce grads); fsdp 2 x P all-gather params (fwd + bwd) + 1 x P "
-          "reduce-scatter grads = 3 x P; tensor: Megatron activation all-reduces (see the docstring).")
+    print(
+        f"{jax.device_count()} {jax.devices()[0].platform} devices. Bytes per device per step, from the "
+        f"compiled HLO result shapes (reduce-scatter: its full input)."
+    )
+    print(
+        "minimum: data parallel 1 x P (all-reduce grads); fsdp 2 x P all-gather params (fwd + bwd) + 1 x P "
+        "reduce-scatter grads = 3 x P; tensor: Megatron activation all-reduces (see the docstring)."
+    )
     print("ring bytes: what each device sends, all-reduce 2(n-1)/n x bytes, gather/scatter/all-to-all (n-1)/n x.")
-    print("ratio = bytes / minimum; below 1 under fsdp when XLA gathers each parameter once and keeps it for the "
-          "backward pass.")
+    print(
+        "ratio = bytes / minimum; below 1 under fsdp when XLA gathers each parameter once and keeps it for the "
+        "backward pass."
+    )
     if jax.default_backend() == "cpu":
-        print("note: XLA:CPU has no reduce-scatter pass: the fsdp gradient reduce-scatter shows as an all-reduce "
-              "(same bytes here, 2x the ring bytes of a reduce-scatter).")
+        print(
+            "note: XLA:CPU has no reduce-scatter pass: the fsdp gradient reduce-scatter shows as an all-reduce "
+            "(same bytes here, 2x the ring bytes of a reduce-scatter)."
+        )
     summary = []
     for model in args.models:
         for layout in args.layouts:
@@ -223,11 +249,15 @@ def main() -> None:
             report(model, layout, run, seconds, measured, minimum)
             summary.append((model, layout, seconds, totals(measured), totals(minimum)))
 
-    print(f"\n{'model':<12}{'layout':<17}{'step ms':>8}{'ops':>5}{'bytes':>12}{'minimum':>12}{'ratio':>7}"
-          f"{'ring bytes':>12}{'ring min':>11}")
+    print(
+        f"\n{'model':<12}{'layout':<17}{'step ms':>8}{'ops':>5}{'bytes':>12}{'minimum':>12}{'ratio':>7}"
+        f"{'ring bytes':>12}{'ring min':>11}"
+    )
     for model, layout, seconds, (count, size, ring), (_, low, low_ring) in summary:
-        print(f"{model:<12}{layout:<17}{seconds * 1e3:>8.2f}{count:>5}{human_bytes(size):>12}{human_bytes(low):>12}"
-              f"{size / low:>7.2f}{human_bytes(ring):>12}{human_bytes(low_ring):>11}")
+        print(
+            f"{model:<12}{layout:<17}{seconds * 1e3:>8.2f}{count:>5}{human_bytes(size):>12}{human_bytes(low):>12}"
+            f"{size / low:>7.2f}{human_bytes(ring):>12}{human_bytes(low_ring):>11}"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ interleaved: every (model, depth) once per round, so drift on this noisy machine
     python benchmarks/compile_depth.py                 # 4, 16, 32 layers, 2 rounds
     python benchmarks/compile_depth.py --layers 4 32 --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = ["data.name=python_source", "data.seq_len=128", "train.global_batch_size=16", "mesh.num_devices=1",
-          "model.d_model=128", "model.num_heads=4", "model.mlp_dim=512", "train.compilation_cache_dir=''",
-          "log.progress=false"]
+COMMON = [
+    "data.name=python_source",
+    "data.seq_len=128",
+    "train.global_batch_size=16",
+    "mesh.num_devices=1",
+    "model.d_model=128",
+    "model.num_heads=4",
+    "model.mlp_dim=512",
+    "train.compilation_cache_dir=''",
+    "log.progress=false",
+]
 MODELS = {
     "llama, scanned": ["model.name=llama", "model.num_kv_heads=2", "model.scan_layers=true"],
     "llama, loop": ["model.name=llama", "model.num_kv_heads=2", "model.scan_layers=false"],

@@ -11,6 +11,7 @@
 
     python benchmarks/context_experts.py [--lengths 1024 2048 4096 8192] [--contexts 1 2 4 8]
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,20 @@ from engine.errors import UsageError  # noqa: E402
 from engine.hlo import hlo_collectives, human_bytes  # noqa: E402
 from engine.setup import build_run  # noqa: E402
 
-MODEL = ["model.name=llama", "data.name=synthetic_text", "data.vocab_size=512", "model.num_layers=4",
-         "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=2", "model.mlp_dim=512",
-         "log.progress=false", "log.tensorboard=false", "train.steps_per_call=1", "data.eval_fraction=0.25"]
+MODEL = [
+    "model.name=llama",
+    "data.name=synthetic_text",
+    "data.vocab_size=512",
+    "model.num_layers=4",
+    "model.d_model=256",
+    "model.num_heads=8",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=512",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "train.steps_per_call=1",
+    "data.eval_fraction=0.25",
+]
 
 
 def build(overrides: list[str]):
@@ -48,8 +60,16 @@ def memory_table(lengths: list[int], contexts: list[int]) -> None:
         cells = []
         for context in contexts:
             try:
-                run = build([f"data.seq_len={length}", "data.num_examples=4", "train.global_batch_size=1",
-                             f"mesh.num_devices={context}", "mesh.data=1", f"mesh.context={context}"])
+                run = build(
+                    [
+                        f"data.seq_len={length}",
+                        "data.num_examples=4",
+                        "train.global_batch_size=1",
+                        f"mesh.num_devices={context}",
+                        "mesh.data=1",
+                        f"mesh.context={context}",
+                    ]
+                )
             except UsageError as error:
                 cells.append(None)
                 print(f"  ({error})")
@@ -63,8 +83,9 @@ def memory_table(lengths: list[int], contexts: list[int]) -> None:
 def gradient_bytes(run, keep=lambda layout: True) -> float:
     """Bytes of the gradients all-reduced over the batch split, as the program text counts
     them: a scanned layer's once (its share of the stacked parameters), the rest whole."""
-    return sum(p.nbytes / (p.shape[0] if p.logical[:1] == ("layers",) else 1)
-               for p in run.model.param_layouts if keep(p))
+    return sum(
+        p.nbytes / (p.shape[0] if p.logical[:1] == ("layers",) else 1) for p in run.model.param_layouts if keep(p)
+    )
 
 
 def minimum_context(run) -> float:
@@ -91,12 +112,22 @@ def minimum_expert(run) -> float:
 def collectives_table() -> None:
     print("\ncollective bytes per step (one scanned layer + the rest), against the layout's minimum")
     layouts = {
-        "context=8 (seq 2048, batch 1)": (["data.seq_len=2048", "data.num_examples=4", "train.global_batch_size=1",
-                                           "mesh.data=1", "mesh.context=8"], minimum_context),
-        "expert=8 (top-2 of 8, seq 256, batch 8)": (["data.seq_len=256", "data.num_examples=32",
-                                                     "train.global_batch_size=8", "mesh.data=1", "mesh.expert=8",
-                                                     "model.num_experts=8", "model.experts_per_token=2"],
-                                                    minimum_expert),
+        "context=8 (seq 2048, batch 1)": (
+            ["data.seq_len=2048", "data.num_examples=4", "train.global_batch_size=1", "mesh.data=1", "mesh.context=8"],
+            minimum_context,
+        ),
+        "expert=8 (top-2 of 8, seq 256, batch 8)": (
+            [
+                "data.seq_len=256",
+                "data.num_examples=32",
+                "train.global_batch_size=8",
+                "mesh.data=1",
+                "mesh.expert=8",
+                "model.num_experts=8",
+                "model.experts_per_token=2",
+            ],
+            minimum_expert,
+        ),
     }
     for name, (overrides, minimum) in layouts.items():
         run = build(overrides)

@@ -19,6 +19,7 @@ for reference, and the median time of a gradient evaluation on this machine.
     python benchmarks/cross_entropy.py                                    # vocab 8192, seq 256
     python benchmarks/cross_entropy.py --vocab 32768 --dtype bfloat16 --chunk 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,14 +57,25 @@ def main() -> None:
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq + 1)), jnp.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits_bytes = args.batch * args.seq * args.vocab * 4
-    print(f"transformer d_model={args.d_model} num_layers={args.num_layers}, vocab {args.vocab}, batch {args.batch} "
-          f"x {args.seq} tokens, compute {args.dtype}, 1 {jax.devices()[0].platform} device; one float32 logits "
-          f"array is {logits_bytes / 2**20:.1f} MiB")
+    print(
+        f"transformer d_model={args.d_model} num_layers={args.num_layers}, vocab {args.vocab}, batch {args.batch} "
+        f"x {args.seq} tokens, compute {args.dtype}, 1 {jax.devices()[0].platform} device; one float32 logits "
+        f"array is {logits_bytes / 2**20:.1f} MiB"
+    )
     print(f"{'loss':<28}{'temporaries (MiB)':>18}{'grad time (ms)':>16}")
-    for name, chunk, fused in (("optax on float32 logits", 0, False), ("fused (loss_chunk=0)", 0, True),
-                               (f"chunked (loss_chunk={args.chunk})", args.chunk, True)):
-        cfg = TransformerConfig(num_layers=args.num_layers, d_model=args.d_model, num_heads=4,
-                                mlp_dim=4 * args.d_model, dropout_rate=0.0, loss_chunk=chunk)
+    for name, chunk, fused in (
+        ("optax on float32 logits", 0, False),
+        ("fused (loss_chunk=0)", 0, True),
+        (f"chunked (loss_chunk={args.chunk})", args.chunk, True),
+    ):
+        cfg = TransformerConfig(
+            num_layers=args.num_layers,
+            d_model=args.d_model,
+            num_heads=4,
+            mlp_dim=4 * args.d_model,
+            dropout_rate=0.0,
+            loss_chunk=chunk,
+        )
         module = build(cfg, info, jnp.dtype(args.dtype), jnp.float32)
         variables = unbox(module.init(jax.random.key(0), inputs, train=False))
 

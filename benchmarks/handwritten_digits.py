@@ -4,6 +4,7 @@ a reshuffle every epoch, an evaluation every 500 steps; flax.linen + optax, one
 `jax.jit` step with the state donated. No checkpoints, metrics files or TensorBoard: the
 engine's default job does all of those too, so this is the floor it is measured against
 (benchmarks/process_wall.py runs both as whole processes)."""
+
 import time
 
 START = time.time()
@@ -57,12 +58,14 @@ def main():
         epoch, i = divmod(s, per_epoch)
         if i == 0:
             perm = np.random.default_rng([0, epoch]).permutation(len(x_train))
-        rows = perm[i * BATCH:(i + 1) * BATCH]
+        rows = perm[i * BATCH : (i + 1) * BATCH]
         params, opt_state, loss = step(params, opt_state, x_train[rows], y_train[rows], jax.random.fold_in(key, s))
         if (s + 1) % EVAL_EVERY == 0:
             eval_loss, accuracy = evaluate(params, x_eval, y_eval)
-            print(f"step {s + 1}: loss {float(loss):.4f} eval loss {float(eval_loss):.4f} "
-                  f"accuracy {float(accuracy):.4f}", flush=True)
+            print(
+                f"step {s + 1}: loss {float(loss):.4f} eval loss {float(eval_loss):.4f} accuracy {float(accuracy):.4f}",
+                flush=True,
+            )
     print(f"done in {time.time() - START:.1f} s")
 
 

@@ -10,6 +10,7 @@ sets Keras's own knob); the engine is `fit` with the default job's config on tha
     pip install -r benchmarks/requirements-keras.txt   # Keras is not a dependency of the engine
     python benchmarks/keras_mlp.py [--rounds 3] [--epochs 4] [--steps-per-execution 1]
 """
+
 from __future__ import annotations
 
 import os
@@ -34,11 +35,19 @@ from loop_overhead import MODELS, QUIET, ROOT, EngineLoop, build_run, load_confi
 def keras_model(steps_per_execution: int):
     import keras
 
-    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(128, activation="relu"),
-                              keras.layers.Dropout(0.2), keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=steps_per_execution)
+    model = keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
     return model
 
 
@@ -55,8 +64,11 @@ def main() -> None:
         with np.load(path) as data:
             x, y = data["x_train"], data["y_train"]
         config, extra = MODELS["seed_mlp"]
-        cfg = load_config(ROOT / "configs" / config, QUIET + extra + [f"data.path={path}",
-                                                                      f"train.compilation_cache_dir={work}/xla"], work)
+        cfg = load_config(
+            ROOT / "configs" / config,
+            QUIET + extra + [f"data.path={path}", f"train.compilation_cache_dir={work}/xla"],
+            work,
+        )
         engine = EngineLoop(build_run(cfg))
         model = keras_model(args.steps_per_execution)
         steps = args.epochs * (len(x) // 128)
@@ -69,12 +81,18 @@ def main() -> None:
             keras_rates.append(steps / (time.perf_counter() - start))
             engine_rates.append(engine.run_steps(steps))
         keras_median, engine_median = statistics.median(keras_rates), statistics.median(engine_rates)
-        print(f"seed workload, {steps} steps x {args.rounds} interleaved rounds, 1 CPU device, Keras {keras.__version__}"
-              f" (steps_per_execution={args.steps_per_execution}), engine {engine.name}")
-        print(f"  Keras 3 on JAX, model.fit: {keras_median:.1f} steps/s (rounds: "
-              f"{', '.join(f'{r:.0f}' for r in keras_rates)})")
-        print(f"  engine, default job config:  {engine_median:.1f} steps/s (rounds: "
-              f"{', '.join(f'{r:.0f}' for r in engine_rates)})")
+        print(
+            f"seed workload, {steps} steps x {args.rounds} interleaved rounds, 1 CPU device, Keras {keras.__version__}"
+            f" (steps_per_execution={args.steps_per_execution}), engine {engine.name}"
+        )
+        print(
+            f"  Keras 3 on JAX, model.fit: {keras_median:.1f} steps/s (rounds: "
+            f"{', '.join(f'{r:.0f}' for r in keras_rates)})"
+        )
+        print(
+            f"  engine, default job config:  {engine_median:.1f} steps/s (rounds: "
+            f"{', '.join(f'{r:.0f}' for r in engine_rates)})"
+        )
         print(f"  engine / Keras: {engine_median / keras_median:.2f}")
 
 

@@ -42,6 +42,7 @@ data-wait fraction (time the loop waited for input ÷ loop time, from fit's summ
     python benchmarks/loop_overhead.py                          # mlp, transformer, gpt_small
     python benchmarks/loop_overhead.py --models gpt_small --steps 200 --steps-per-call 1
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX_PLATFORMS=cuda for a GPU
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import io  # noqa: E402
 import dataclasses  # noqa: E402
+import io  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -82,22 +83,43 @@ QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.num_devices=1"]
 # model → (config file, overrides). "transformer" is the small GPT of tests/test_parallel.py
 # on the default job's config: a worst case, its step is a couple of milliseconds of tiny
 # kernels. "gpt_small" is configs/gpt_small.yaml (4 layers, d_model 128, 128 tokens) as is.
-GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
-       "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
-       "model.dropout_rate=0.1", "train.global_batch_size=16"]
+GPT = [
+    "model.name=transformer",
+    "data.name=synthetic_text",
+    "data.seq_len=16",
+    "data.num_examples=512",
+    "data.vocab_size=64",
+    "model.num_layers=2",
+    "model.d_model=32",
+    "model.num_heads=4",
+    "model.mlp_dim=64",
+    "model.dropout_rate=0.1",
+    "train.global_batch_size=16",
+]
 # "seed_mlp" is the workload of the performance issue: the default job's MLP (784 → Dense
 # 128 relu → Dropout 0.2 → Dense 10, Adam 1e-3) on 64,000 × 784 float32 examples in an .npz
 # (written by this script; learnable random data), global batch 128.
 SEED_MLP = ["data.name=npz", "train.global_batch_size=128"]
 # "resnet18" is ResNet-18 (CIFAR stem) on 32x32x3 Gaussian images labelled by a random linear
 # map (data.name=synthetic), batch 128, batch norm statistics as model state.
-RESNET18 = ["model.name=resnet", "model.depth=18", "data.name=synthetic", "data.image_shape=[32,32,3]",
-            "data.num_examples=12800", "train.global_batch_size=128", "optimizer.name=adam"]
-MODELS = {"mlp": ("mnist_mlp.yaml", []), "seed_mlp": ("mnist_mlp.yaml", SEED_MLP),
-          "transformer": ("mnist_mlp.yaml", GPT), "gpt_small": ("gpt_small.yaml", []),
-          "llama_tiny": ("llama_tiny.yaml", []), "resnet18": ("mnist_mlp.yaml", RESNET18)}
-DEFAULT_STEPS = {"mlp": 2000, "seed_mlp": 2050, "transformer": 2000, "gpt_small": 100, "llama_tiny": 40,
-                 "resnet18": 20}
+RESNET18 = [
+    "model.name=resnet",
+    "model.depth=18",
+    "data.name=synthetic",
+    "data.image_shape=[32,32,3]",
+    "data.num_examples=12800",
+    "train.global_batch_size=128",
+    "optimizer.name=adam",
+]
+MODELS = {
+    "mlp": ("mnist_mlp.yaml", []),
+    "seed_mlp": ("mnist_mlp.yaml", SEED_MLP),
+    "transformer": ("mnist_mlp.yaml", GPT),
+    "gpt_small": ("gpt_small.yaml", []),
+    "llama_tiny": ("llama_tiny.yaml", []),
+    "resnet18": ("mnist_mlp.yaml", RESNET18),
+}
+DEFAULT_STEPS = {"mlp": 2000, "seed_mlp": 2050, "transformer": 2000, "gpt_small": 100, "llama_tiny": 40, "resnet18": 20}
 
 
 def seed_npz(directory: str) -> str:
@@ -112,6 +134,7 @@ def seed_npz(directory: str) -> str:
 
 # --- the engine's loop ---------------------------------------------------------------------
 
+
 class EngineLoop:
     """The real `engine.trainer.fit` on a built run; its steps/s is fit's own mean step time
     (the loop between log lines, waits for data included, eval and checkpoint saves excluded)."""
@@ -125,8 +148,12 @@ class EngineLoop:
 
     def run_steps(self, steps: int) -> float:
         workdir = tempfile.mkdtemp(dir=self.workdirs.name)
-        cfg = dataclasses.replace(self.run.cfg, workdir=workdir, train=dataclasses.replace(
-            self.run.cfg.train, steps=steps), checkpoint=dataclasses.replace(self.run.cfg.checkpoint, every_steps=0))
+        cfg = dataclasses.replace(
+            self.run.cfg,
+            workdir=workdir,
+            train=dataclasses.replace(self.run.cfg.train, steps=steps),
+            checkpoint=dataclasses.replace(self.run.cfg.checkpoint, every_steps=0),
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # fit's eval lines and summary
             summary = fit(cfg, self.run).summary
         self.data_wait.append(summary["data_wait_seconds"] / (summary["mean_step_seconds"] * steps))
@@ -142,6 +169,7 @@ class EngineLoop:
 
 
 # --- the hand-written loop -----------------------------------------------------------------
+
 
 class PlainMLP(nn.Module):
     """The tutorial MLP as one would write it directly in flax."""
@@ -167,8 +195,9 @@ def plain_mlp_loss(run):
         logits = model.apply({"params": params}, batch["image"], train=True, rngs={"dropout": key})
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), model_state
 
-    params = model.init(jax.random.key(run.cfg.seed), np.zeros((1, *info.input_shape), np.float32),
-                        train=False)["params"]
+    params = model.init(jax.random.key(run.cfg.seed), np.zeros((1, *info.input_shape), np.float32), train=False)[
+        "params"
+    ]
     return loss, params, {}
 
 
@@ -186,6 +215,7 @@ def engine_model_loss(run):
 
 def handwritten_step(loss, tx):
     """train_step(state, batch) → (state, loss), not yet jitted."""
+
     def train_step(state, batch):
         params, model_state, opt_state, key = state
         key, dropout_key = jax.random.split(key)
@@ -239,11 +269,14 @@ def slice_batches(train, batch_size: int) -> list[dict[str, np.ndarray]]:
         count = min(len(examples) // batch_size, 64)
         return [examples.take(range(i * batch_size, (i + 1) * batch_size)) for i in range(count)]
     count = len(next(iter(train.values()))) // batch_size
-    return [{name: np.ascontiguousarray(array[i * batch_size:(i + 1) * batch_size]) for name, array in train.items()}
-            for i in range(count)]
+    return [
+        {name: np.ascontiguousarray(array[i * batch_size : (i + 1) * batch_size]) for name, array in train.items()}
+        for i in range(count)
+    ]
 
 
 # --- driver --------------------------------------------------------------------------------
+
 
 class Loop:
     """One loop under test: its state, the next step number and its timings."""
@@ -270,8 +303,9 @@ def handwritten_optimizer(cfg) -> optax.GradientTransformation:
     opt = cfg.optimizer
     learning_rate = opt.learning_rate
     if opt.schedule == "warmup_cosine":
-        learning_rate = optax.warmup_cosine_decay_schedule(0.0, opt.learning_rate, opt.warmup_steps, cfg.train.steps,
-                                                           opt.learning_rate * opt.end_learning_rate_factor)
+        learning_rate = optax.warmup_cosine_decay_schedule(
+            0.0, opt.learning_rate, opt.warmup_steps, cfg.train.steps, opt.learning_rate * opt.end_learning_rate_factor
+        )
     elif opt.schedule != "constant":
         raise SystemExit(f"the hand-written loop has no optimizer.schedule={opt.schedule}")
     if opt.name == "adam":
@@ -334,23 +368,32 @@ def benchmark(model: str, args, cache_dir: str) -> None:
     engine = engines[0]
     peak, peak_source = peak_flops(jax.devices()[0], cfg.train.compute_dtype)
     flops = run.cost.flops_per_device_step
-    print(f"model {model}: data.name={cfg.data.name}, global batch {cfg.train.global_batch_size}, "
-          f"{steps} steps x {args.rounds} rounds, 1 {jax.devices()[0].platform} device, "
-          f"log.every_steps={cfg.log.every_steps}, data.steps_per_transfer={cfg.data.steps_per_transfer}")
+    print(
+        f"model {model}: data.name={cfg.data.name}, global batch {cfg.train.global_batch_size}, "
+        f"{steps} steps x {args.rounds} rounds, 1 {jax.devices()[0].platform} device, "
+        f"log.every_steps={cfg.log.every_steps}, data.steps_per_transfer={cfg.data.steps_per_transfer}"
+    )
     print(f"{'loop':<40}{'steps/s (median)':>18}{'us/step':>10}{'MFU':>8}   steps/s per round")
     for loop in loops:
         rounds = " ".join(f"{s:.0f}" for s in loop.steps_per_sec)
-        print(f"{loop.name:<40}{loop.median:>18.1f}{1e6 / loop.median:>10.1f}{flops * loop.median / peak:>8.1%}   "
-              f"{rounds}")
+        print(
+            f"{loop.name:<40}{loop.median:>18.1f}{1e6 / loop.median:>10.1f}{flops * loop.median / peak:>8.1%}   "
+            f"{rounds}"
+        )
     for ours in engines:
-        for other in loops[len(engines):]:
+        for other in loops[len(engines) :]:
             overhead = 1e6 / ours.median - 1e6 / other.median
-            print(f"{ours.name} / {other.name}: {ours.median / other.median:.2f}  "
-                  f"(engine overhead {overhead:+.1f} us/step)")
+            print(
+                f"{ours.name} / {other.name}: {ours.median / other.median:.2f}  "
+                f"(engine overhead {overhead:+.1f} us/step)"
+            )
     print(f"MFU: {flops:.4g} model FLOPs per step ({run.cost.source}) against {peak:.4g} FLOP/s ({peak_source})")
     print(f"engine data wait: {engine.data_wait_fraction:.2%} of loop time (median over rounds)")
-    print(f"train step compile: cold {cold.compiled.compile_seconds:.2f} s ({cold.compile_cache.get('misses', 0)} cache misses), "
-          f"cached {run.compiled.compile_seconds:.2f} s ({run.compile_cache.get('hits', 0)} cache hits)\n")
+    print(
+        f"train step compile: cold {cold.compiled.compile_seconds:.2f} s "
+        f"({cold.compile_cache.get('misses', 0)} cache misses), "
+        f"cached {run.compiled.compile_seconds:.2f} s ({run.compile_cache.get('hits', 0)} cache hits)\n"
+    )
 
 
 def main() -> None:
@@ -360,12 +403,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every loop")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps per loop after compiling (and caching)")
     parser.add_argument("--batch-size", type=int, help="train.global_batch_size (default: the config's)")
-    parser.add_argument("--steps-per-call", type=int, default=10,
-                        help="also time the engine with train.steps_per_call=N (1: skip); divides --steps, --warmup "
-                             "and log.every_steps")
-    parser.add_argument("--device-loop", type=int, default=10,
-                        help="steps per lax.scan of the hand-written device-data loop (MLPs; 1: skip it); divides "
-                             "--steps and --warmup")
+    parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=10,
+        help="also time the engine with train.steps_per_call=N (1: skip); divides --steps, --warmup "
+        "and log.every_steps",
+    )
+    parser.add_argument(
+        "--device-loop",
+        type=int,
+        default=10,
+        help="steps per lax.scan of the hand-written device-data loop (MLPs; 1: skip it); divides --steps and --warmup",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="extra engine config overrides")
     args = parser.parse_args()
     if args.device_loop > 1 and ((args.steps or 0) % args.device_loop or args.warmup % args.device_loop):

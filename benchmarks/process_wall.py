@@ -7,6 +7,7 @@ The engine side is the README's command, `python launch.py --config configs/mnis
 in a fresh workdir each round: it also writes checkpoints, metrics.jsonl, TensorBoard
 events and the progress bar, which the hand-written script does not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,11 @@ def main() -> None:
         for r in range(args.rounds):
             sides = list(times) if r % 2 == 0 else list(reversed(times))
             for side in sides:
-                argv = (["launch.py", "--config", "configs/mnist_mlp.yaml", "--workdir", f"{tmp}/run{r}"]
-                        if side.startswith("engine") else ["benchmarks/handwritten_digits.py"])
+                argv = (
+                    ["launch.py", "--config", "configs/mnist_mlp.yaml", "--workdir", f"{tmp}/run{r}"]
+                    if side.startswith("engine")
+                    else ["benchmarks/handwritten_digits.py"]
+                )
                 times[side].append(seconds(argv))
                 print(f"round {r + 1} {side}: {times[side][-1]:.2f} s", flush=True)
     engine, hand = (statistics.median(v) for v in times.values())

@@ -17,6 +17,7 @@ with the engine's by running the two scripts in turn:
       python benchmarks/loop_overhead.py --models seed_mlp --rounds 1 --steps 2000
     done
 """
+
 from __future__ import annotations
 
 import os
@@ -50,10 +51,18 @@ def main() -> None:
     x, y = seed_data()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((784,)), tf.keras.layers.Dense(128, activation="relu"),
-                                     tf.keras.layers.Dropout(0.2), tf.keras.layers.Dense(10)])
-        model.compile(optimizer=tf.keras.optimizers.Adam(1e-3),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((784,)),
+                tf.keras.layers.Dense(128, activation="relu"),
+                tf.keras.layers.Dropout(0.2),
+                tf.keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=tf.keras.optimizers.Adam(1e-3),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     steps = args.epochs * (len(x) // 128)
     model.fit(x, y, batch_size=128, epochs=1, verbose=0, shuffle=True)  # trace, compile, warm up
     rates = []
@@ -61,8 +70,10 @@ def main() -> None:
         start = time.perf_counter()
         model.fit(x, y, batch_size=128, epochs=args.epochs, verbose=0, shuffle=True)
         rates.append(steps / (time.perf_counter() - start))
-    print(f"TensorFlow {tf.__version__} MirroredStrategy (1 CPU device) + model.fit, {steps} steps x {args.rounds}: "
-          f"{statistics.median(rates):.1f} steps/s (rounds: {', '.join(f'{r:.0f}' for r in rates)})")
+    print(
+        f"TensorFlow {tf.__version__} MirroredStrategy (1 CPU device) + model.fit, {steps} steps x {args.rounds}: "
+        f"{statistics.median(rates):.1f} steps/s (rounds: {', '.join(f'{r:.0f}' for r in rates)})"
+    )
 
 
 if __name__ == "__main__":

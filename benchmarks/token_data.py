@@ -20,6 +20,7 @@ the corpus size.
       per batch, what training uses) against reading the same examples one by one through
       the dataset's `__getitem__` (what it did before), rounds interleaved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ def _text_corpus(directory: Path, megabytes: int) -> Path:
     """Plain-text documents made of the standard library's modules, repeated to the size."""
     import sysconfig
 
-    modules = [p.read_text(encoding="utf-8", errors="replace")
-               for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))]
+    modules = [
+        p.read_text(encoding="utf-8", errors="replace")
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    ]
     directory.mkdir(parents=True, exist_ok=True)
     size, i = 0, 0
     while size < megabytes * 1e6:
@@ -84,12 +87,18 @@ def bench_tokenize(args) -> None:
             for batch in _batches(iter(documents), 1 << 22):  # the command's batches, texts already in memory
                 tokenizer.encode_batch_fast(batch, add_special_tokens=False)
             library.append(time.perf_counter() - start)
-        print(f"corpus {megabytes:.1f} MB in {len(documents)} documents, bpe:8192, {os.cpu_count()} cores, "
-              f"{args.rounds} interleaved rounds")
-        print(f"  launch.py tokenize (read, encode, write shards, checksums): {megabytes / np.median(ours):.1f} MB/s "
-              f"(rounds: {', '.join(f'{megabytes / t:.1f}' for t in ours)})")
-        print(f"  tokenizers encode_batch_fast alone (same batches):       {megabytes / np.median(library):.1f} MB/s "
-              f"(rounds: {', '.join(f'{megabytes / t:.1f}' for t in library)})")
+        print(
+            f"corpus {megabytes:.1f} MB in {len(documents)} documents, bpe:8192, {os.cpu_count()} cores, "
+            f"{args.rounds} interleaved rounds"
+        )
+        print(
+            f"  launch.py tokenize (read, encode, write shards, checksums): {megabytes / np.median(ours):.1f} MB/s "
+            f"(rounds: {', '.join(f'{megabytes / t:.1f}' for t in ours)})"
+        )
+        print(
+            f"  tokenizers encode_batch_fast alone (same batches):       {megabytes / np.median(library):.1f} MB/s "
+            f"(rounds: {', '.join(f'{megabytes / t:.1f}' for t in library)})"
+        )
         print(f"  ratio: {np.median(library) / np.median(ours):.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -117,17 +126,37 @@ def write_random_corpus(out: Path, megabytes: int, vocab: int = 2048, seed: int 
                 for start in range(0, count, 1 << 24):
                     f.write(rng.integers(1, vocab, min(1 << 24, count - start), dtype=np.uint16).tobytes())
             ends.astype(np.int64).tofile(docs_file)
-            shards.append({"tokens_file": tokens_file.name, "docs_file": docs_file.name, "tokens": count,
-                           "documents": len(ends), "tokens_sha256": sha256_file(tokens_file),
-                           "docs_sha256": sha256_file(docs_file)})
+            shards.append(
+                {
+                    "tokens_file": tokens_file.name,
+                    "docs_file": docs_file.name,
+                    "tokens": count,
+                    "documents": len(ends),
+                    "tokens_sha256": sha256_file(tokens_file),
+                    "docs_sha256": sha256_file(docs_file),
+                }
+            )
             remaining -= count
             index += 1
-        splits[split] = {"tokens": sum(s["tokens"] for s in shards),
-                         "documents": sum(s["documents"] for s in shards), "shards": shards}
-    (out / "manifest.json").write_text(json.dumps({"format": FORMAT, "settings": {"random": True},
-                                                   "tokenizer": "tokenizer.json", "vocab_size": vocab,
-                                                   "eod_token": "<|endoftext|>", "eod_id": 0, "dtype": "uint16",
-                                                   "splits": splits}))
+        splits[split] = {
+            "tokens": sum(s["tokens"] for s in shards),
+            "documents": sum(s["documents"] for s in shards),
+            "shards": shards,
+        }
+    (out / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "settings": {"random": True},
+                "tokenizer": "tokenizer.json",
+                "vocab_size": vocab,
+                "eod_token": "<|endoftext|>",
+                "eod_id": 0,
+                "dtype": "uint16",
+                "splits": splits,
+            }
+        )
+    )
 
 
 def bench_memory(args) -> None:
@@ -139,18 +168,37 @@ def bench_memory(args) -> None:
             start = time.perf_counter()
             write_random_corpus(corpus, megabytes)
             made = time.perf_counter() - start
-            script = (f"import resource, runpy, sys; sys.argv = {['launch.py', '--config', 'llama_tiny', '--workdir', str(work / f'run{megabytes}'), 'data.name=tokens', f'data.path={corpus}', f'train.steps={args.steps}', 'eval.every_steps=0', 'log.progress=false', 'log.tensorboard=false', 'checkpoint.every_steps=0', 'optimizer.warmup_steps=2']!r}\n"
-                      "try:\n    runpy.run_path('launch.py', run_name='__main__')\n"
-                      "finally:\n    print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+            argv = [
+                "launch.py",
+                "--config",
+                "llama_tiny",
+                "--workdir",
+                str(work / f"run{megabytes}"),
+                "data.name=tokens",
+                f"data.path={corpus}",
+                f"train.steps={args.steps}",
+                "eval.every_steps=0",
+                "log.progress=false",
+                "log.tensorboard=false",
+                "checkpoint.every_steps=0",
+                "optimizer.warmup_steps=2",
+            ]
+            script = (
+                f"import resource, runpy, sys; sys.argv = {argv!r}\n"
+                "try:\n    runpy.run_path('launch.py', run_name='__main__')\n"
+                "finally:\n    print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+            )
             result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
             peak = re.search(r"VmHWM (\d+)", result.stdout)
             wait = re.search(r"data wait ([\d.]+)s", result.stdout + result.stderr)
             mean = re.search(r"mean step ([\d.]+) ms", result.stdout + result.stderr)
             if not peak or result.returncode not in (0, None):
                 print(result.stdout[-2000:], result.stderr[-2000:])
-            print(f"  {megabytes:>6} MB corpus (made in {made:.0f}s): peak RSS {int(peak.group(1)) / 1024:.0f} MiB, "
-                  f"data wait {wait.group(1) if wait else '?'} s over {args.steps} steps of "
-                  f"{mean.group(1) if mean else '?'} ms")
+            print(
+                f"  {megabytes:>6} MB corpus (made in {made:.0f}s): peak RSS {int(peak.group(1)) / 1024:.0f} MiB, "
+                f"data wait {wait.group(1) if wait else '?'} s over {args.steps} steps of "
+                f"{mean.group(1) if mean else '?'} ms"
+            )
             shutil.rmtree(corpus)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -161,8 +209,11 @@ def bench_batches(args) -> None:
     from engine.data.tokens import Examples
     from engine.setup import plan_run, train_batches
 
-    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["log.progress=false", *args.overrides],
-                      tempfile.mkdtemp(prefix="token_batches_"))
+    cfg = load_config(
+        ROOT / "configs" / "llama_tiny.yaml",
+        ["log.progress=false", *args.overrides],
+        tempfile.mkdtemp(prefix="token_batches_"),
+    )
     batches = train_batches(cfg, plan_run(cfg), np.arange(cfg.train.global_batch_size))
     examples = batches.examples
 
@@ -180,8 +231,10 @@ def bench_batches(args) -> None:
             for step in range(first, first + args.steps):
                 batches(step)
             seconds[name].append((time.perf_counter() - began) / args.steps)
-    print(f"llama_tiny batches: global batch {cfg.train.global_batch_size} x seq_len {cfg.data.seq_len} "
-          f"(packed), {args.steps} steps per round")
+    print(
+        f"llama_tiny batches: global batch {cfg.train.global_batch_size} x seq_len {cfg.data.seq_len} "
+        f"(packed), {args.steps} steps per round"
+    )
     for name, values in seconds.items():
         print(f"{name:<28}{np.median(values) * 1e6:>8.0f} us/step   [{' '.join(f'{v * 1e6:.0f}' for v in values)}]")
     old, new = (np.median(seconds[name]) for name in ("one by one (__getitem__)", "batched (_getitems)"))

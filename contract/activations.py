@@ -1,5 +1,6 @@
 """Activation layout hints: models name the logical axes of an activation; while the engine
 traces a step it installs a function that pins them to its mesh. Models stay mesh-free."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,7 @@ from typing import Iterator, Optional, Protocol
 class Constrainer(Protocol):
     """(activation, logical axes) → the activation pinned to its layout; `splits` says how many
     devices each logical activation axis is split over ("seq": the context axis)."""
+
     splits: dict[str, int]
 
     def __call__(self, x, logical: tuple[Optional[str], ...]): ...
@@ -22,17 +24,19 @@ class StagePlan:
     devices, each holding `repeats` groups of layers (circular schedule when > 1), fed
     `microbatches` pieces of the batch. Layers are stored stage-major when repeats > 1:
     stage s's groups are consecutive (see models/pipeline.py)."""
+
     stages: int = 1
     repeats: int = 1
     microbatches: int = 1
 
 
 _constrainer: contextvars.ContextVar[Optional[Constrainer]] = contextvars.ContextVar("constrainer", default=None)
-_stages: contextvars.ContextVar[StagePlan] = contextvars.ContextVar("stages", default=StagePlan())
+ONE_STAGE = StagePlan()  # no pipeline
+_stages: contextvars.ContextVar[StagePlan] = contextvars.ContextVar("stages", default=ONE_STAGE)
 
 
 @contextlib.contextmanager
-def constrained_activations(apply: Constrainer, stages: StagePlan = StagePlan()) -> Iterator[None]:
+def constrained_activations(apply: Constrainer, stages: StagePlan = ONE_STAGE) -> Iterator[None]:
     """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)`, and a layer stack
     runs as the pipeline `stages` describes."""
     token, stage_token = _constrainer.set(apply), _stages.set(stages)
@@ -58,4 +62,3 @@ def activation_splits(logical: str) -> int:
 def stage_plan() -> StagePlan:
     """The pipeline the step being traced runs its layer stack as (one stage outside one)."""
     return _stages.get()
-

@@ -3,6 +3,7 @@
 The schema's dataclasses (engine/config/schema.py, models/configs.py) declare every key this
 way; validation reads the choices and bounds, and docs/configuration.md is generated from the
 docs (python -m engine.config.reference)."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 Choices = Union[Sequence[Any], Callable[[], Sequence[Any]]]
 
 
-def option(default: Any, doc: str, *, choices: Optional[Choices] = None, at_least: Optional[float] = None,
-           above: Optional[float] = None) -> Any:
+def option(
+    default: Any,
+    doc: str,
+    *,
+    choices: Optional[Choices] = None,
+    at_least: Optional[float] = None,
+    above: Optional[float] = None,
+) -> Any:
     """A dataclass field: `doc` says what it means (unit, meaning); `choices` the allowed values (or
     a function giving them: a registry's names); `at_least` / `above` its lower bound."""
     metadata = {"doc": doc, "choices": choices, "at_least": at_least, "above": above}

@@ -4,6 +4,7 @@ activation layouts, batch splitting, setup checks, `--dry-run` and `plan`) reads
 
 This module imports no jax: a sweep's process reads configs with it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from engine.errors import UsageError
 @dataclass(frozen=True)
 class AxisContext:
     """What an axis check sees: the config, the axis sizes, the data's shapes, the model family."""
+
     cfg: Any  # engine.config.Config
     sizes: dict[str, int]  # mesh axis → devices
     info: Any  # engine.data.DataInfo
@@ -44,31 +46,59 @@ class MeshAxis:
 
 def _check_context(ctx: AxisContext, size: int) -> None:
     if ctx.info.seq_len % size:
-        raise UsageError(f"data.seq_len={ctx.info.seq_len} is not divisible by mesh.context={size}; choose a "
-                         f"sequence length that is a multiple of {size}, or another mesh.context")
+        raise UsageError(
+            f"data.seq_len={ctx.info.seq_len} is not divisible by mesh.context={size}; choose a "
+            f"sequence length that is a multiple of {size}, or another mesh.context"
+        )
 
 
 def _check_expert(ctx: AxisContext, size: int) -> None:
     experts = ctx.family.num_experts(ctx.model)
     if experts % size:
-        raise UsageError(f"model.num_experts={experts} is not divisible by mesh.expert={size}; choose a mesh.expert "
-                         f"that divides {experts}")
+        raise UsageError(
+            f"model.num_experts={experts} is not divisible by mesh.expert={size}; choose a mesh.expert "
+            f"that divides {experts}"
+        )
 
 
 AXES: tuple[MeshAxis, ...] = (  # outer to inner: the innermost axes get the closest devices
     MeshAxis("trial", "vectorised runs side by side (a sweep's `vectorize:`)", configured=False),
     MeshAxis("data", "data-parallel replicas (-1 = all remaining devices)", default=-1, batch=True),
-    MeshAxis("fsdp", "devices parameters and optimizer state are sharded over (ZeRO-3); the batch splits too",
-             batch=True, params=("embed", "mlp", "heads", "vocab", "conv_in"), priority=2),
-    MeshAxis("expert", "a mixture of experts' experts split over these devices (tokens reach them by "
-                       "all-to-all); the batch splits over it too", batch=True, params=("expert",), priority=1,
-             activations=("expert",), needs="a mixture of experts (model.num_experts > 0)",
-             supported=lambda ctx: ctx.family.num_experts(ctx.model) > 0, check=_check_expert),
-    MeshAxis("context", "each sequence split over these devices (attention gathers keys and values)",
-             activations=("seq",), needs="a model that splits its sequence (llama)",
-             supported=lambda ctx: ctx.family.splits_sequence(), check=_check_context),
-    MeshAxis("tensor", "tensor-parallel (Megatron) devices", params=("mlp", "heads", "kv_heads", "vocab", "conv_out"),
-             priority=0, strict=True, activations=("heads", "kv_heads", "mlp", "vocab")),
+    MeshAxis(
+        "fsdp",
+        "devices parameters and optimizer state are sharded over (ZeRO-3); the batch splits too",
+        batch=True,
+        params=("embed", "mlp", "heads", "vocab", "conv_in"),
+        priority=2,
+    ),
+    MeshAxis(
+        "expert",
+        "a mixture of experts' experts split over these devices (tokens reach them by "
+        "all-to-all); the batch splits over it too",
+        batch=True,
+        params=("expert",),
+        priority=1,
+        activations=("expert",),
+        needs="a mixture of experts (model.num_experts > 0)",
+        supported=lambda ctx: ctx.family.num_experts(ctx.model) > 0,
+        check=_check_expert,
+    ),
+    MeshAxis(
+        "context",
+        "each sequence split over these devices (attention gathers keys and values)",
+        activations=("seq",),
+        needs="a model that splits its sequence (llama)",
+        supported=lambda ctx: ctx.family.splits_sequence(),
+        check=_check_context,
+    ),
+    MeshAxis(
+        "tensor",
+        "tensor-parallel (Megatron) devices",
+        params=("mlp", "heads", "kv_heads", "vocab", "conv_out"),
+        priority=0,
+        strict=True,
+        activations=("heads", "kv_heads", "mlp", "vocab"),
+    ),
 )
 BY_NAME = {axis.name: axis for axis in AXES}
 MESH_AXES = tuple(axis.name for axis in AXES)  # every mesh has every axis (size 1 where unused)
@@ -100,8 +130,10 @@ def check_axes(ctx: AxisContext) -> None:
         if size == 1:
             continue
         if not axis.supported(ctx):
-            raise UsageError(f"mesh.{axis.name}={size} needs {axis.needs}, which model.name={ctx.cfg.model.name} "
-                             f"with these settings does not have; set mesh.{axis.name}=1")
+            raise UsageError(
+                f"mesh.{axis.name}={size} needs {axis.needs}, which model.name={ctx.cfg.model.name} "
+                f"with these settings does not have; set mesh.{axis.name}=1"
+            )
         axis.check(ctx, size)
 
 
@@ -113,6 +145,9 @@ def expert_batch_axes() -> tuple[str, ...]:
 def describe(sizes: dict[str, int], dcn: Optional[dict[str, int]] = None) -> str:
     """'data=2 x fsdp=4 (dcn 2)': the axes larger than 1, and how much of each crosses slices."""
     dcn = dcn or {}
-    parts = [f"{name}={size}" + (f" (dcn {dcn[name]})" if dcn.get(name, 1) > 1 else "")
-             for name, size in sizes.items() if size > 1]
+    parts = [
+        f"{name}={size}" + (f" (dcn {dcn[name]})" if dcn.get(name, 1) > 1 else "")
+        for name, size in sizes.items()
+        if size > 1
+    ]
     return " x ".join(parts) or "one device"

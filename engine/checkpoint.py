@@ -10,6 +10,7 @@ checks them and every process gets its verdict.
 A finished checkpoint that fails to read or to match its checksums (a truncated file, a
 flipped bit) is skipped with a warning and moved into `damaged/`, and the previous one is used.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,7 +30,6 @@ from engine.errors import UsageError
 from engine.process import distributed_client_barriers_on
 from engine.rundir import SUMS, check_sums, write_sums
 from engine.sharding import path_name
-
 
 # A copy of every array, made on the devices where it lives (the jit keeps each sharding).
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
@@ -84,6 +84,7 @@ class InBackground:
 
 class Restored(NamedTuple):
     """A restored checkpoint."""
+
     state: Any  # the TrainState, in the target shardings
     meta: dict  # {"step", "data": the iterator's position, "config": the resolved config as YAML}
     step: int
@@ -96,8 +97,17 @@ class _Damaged(Exception):
 class Checkpointer:
     """One run's checkpoints directory: save (async), list, restore (into target shardings)."""
 
-    def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False, async_save: bool = True,
-                 timeout_seconds: int = 600, staging: str = "host", verify: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int,
+        *,
+        read_only: bool = False,
+        async_save: bool = True,
+        timeout_seconds: int = 600,
+        staging: str = "host",
+        verify: bool = True,
+    ):
         self.directory = Path(directory).absolute()
         self.read_only, self.timeout_seconds, self.verify = read_only, timeout_seconds, verify
         # process 0 hashes each completed step's files (SHA256SUMS) while training goes on
@@ -108,23 +118,34 @@ class Checkpointer:
         # memory and (several processes) orbax's barriers cannot interleave with the step's
         # collectives; else ("host_sync" always) orbax copies to the host before save() returns
         background_ok = jax.process_count() == 1 or distributed_client_barriers_on()
-        self.staging = "host" if staging == "host" and background_ok and _has_pinned_host() else (
-            "host_sync" if staging in ("host", "host_sync") else staging)
+        self.staging = (
+            "host"
+            if staging == "host" and background_ok and _has_pinned_host()
+            else ("host_sync" if staging in ("host", "host_sync") else staging)
+        )
         if staging == "device" and not background_ok:
-            raise RuntimeError("checkpoint.staging=device with several processes needs orbax's distributed-client "
-                               "barriers: call engine.process.use_distributed_client_barriers() at start-up "
-                               "(launch.py does)")
+            raise RuntimeError(
+                "checkpoint.staging=device with several processes needs orbax's distributed-client "
+                "barriers: call engine.process.use_distributed_client_barriers() at start-up "
+                "(launch.py does)"
+            )
         self._saving = InBackground("checkpoint-save")  # staging host or device: the save in progress
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
-        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
-                                               read_only=read_only, save_interval_steps=0 if read_only else 1,
-                                               enable_async_checkpointing=async_save,
-                                               # how long processes wait for each other to commit a save
-                                               async_options=ocp.AsyncOptions(timeout_secs=timeout_seconds))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
+            read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save,
+            # how long processes wait for each other to commit a save
+            async_options=ocp.AsyncOptions(timeout_secs=timeout_seconds),
+        )
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
 
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first (re-read from disk: another process may be writing)."""
@@ -150,8 +171,9 @@ class Checkpointer:
         self._saving.start(self._save, step, copy, meta)
 
     def _save(self, step: int, state, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True
+        )
         if self._hashing is not None and jax.process_index() == 0:
             self._sums.append(self._hashing.submit(self._write_sums, step))
 
@@ -208,14 +230,20 @@ class Checkpointer:
         saved = self.manager.item_metadata(step)["state"]["params"]
         saved_shapes = {path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
         want = {path_name(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
-        return [f"{name}: saved {saved_shapes.get(name, 'absent')}, expected {want.get(name, 'absent')}"
-                for name in sorted(saved_shapes.keys() | want.keys()) if saved_shapes.get(name) != want.get(name)]
+        return [
+            f"{name}: saved {saved_shapes.get(name, 'absent')}, expected {want.get(name, 'absent')}"
+            for name in sorted(saved_shapes.keys() | want.keys())
+            if saved_shapes.get(name) != want.get(name)
+        ]
 
     def _check_compatible(self, step: int, abstract_state) -> None:
         problems = self._param_mismatches(step, abstract_state.params)
         if problems:
-            raise UsageError(f"checkpoint {self.directory}/{step} does not fit this model's config: "
-                             + "; ".join(problems) + ". Use the model settings it was saved with, or a new workdir")
+            raise UsageError(
+                f"checkpoint {self.directory}/{step} does not fit this model's config: "
+                + "; ".join(problems)
+                + ". Use the model settings it was saved with, or a new workdir"
+            )
 
     def restore(self, abstract_state, step: Optional[int] = None) -> Optional[Restored]:
         """The checkpoint at `step`, or the newest readable one; None if there is none.
@@ -242,13 +270,17 @@ class Checkpointer:
                         f"config makes: the optimizer (or a setting that changes its state) differs from the one it "
                         f"was saved with. Resume with the settings it was saved with ({self.directory.parent}/"
                         f"config.yaml), or start a new workdir from its parameters with checkpoint.restore_from="
-                        f"{self.directory} checkpoint.restore_mode=params") from None
+                        f"{self.directory} checkpoint.restore_mode=params"
+                    ) from None
                 reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
                 failures.append(f"step {candidate}: {reason}")
                 damaged[candidate] = reason
                 if step is None:
-                    print(f"warning: checkpoint {self.directory}/{candidate} is unreadable ({reason}); "
-                          f"trying an earlier one", file=sys.stderr)
+                    print(
+                        f"warning: checkpoint {self.directory}/{candidate} is unreadable ({reason}); "
+                        f"trying an earlier one",
+                        file=sys.stderr,
+                    )
                 continue
             check_shardings(restored["state"], abstract_state)
             if step is None and damaged and not self.read_only:
@@ -256,15 +288,18 @@ class Checkpointer:
             return Restored(restored["state"], restored["meta"], candidate)
         if step is not None:
             raise UsageError(f"checkpoint {self.directory}/{step} is unreadable: {failures[0]}")
-        raise UsageError(f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "
-                         f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
-                         f"good checkpoint")
+        raise UsageError(
+            f"every checkpoint in {self.directory} is unreadable ({'; '.join(failures)}); nothing was "
+            f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
+            f"good checkpoint"
+        )
 
     def _read(self, step: int, abstract_state) -> dict:
         """The step's state (into `abstract_state`) and meta. A checkpoint saved before the
         gradient-clipping norm became a state number (engine/optim.py) lacks it: it is read
         without it, and the norm is put back as 0 for the caller to set from its config (the
         trainer does: setup.with_config_hparams)."""
+
         def args(target):
             return ocp.args.Composite(state=_restore_args(target), meta=ocp.args.JsonRestore())
 
@@ -274,13 +309,17 @@ class Checkpointer:
         except Exception as e:
             if "tree structures do not match" not in str(e) or "grad_clip_norm" not in (hyperparams or {}):
                 raise
+        assert hyperparams is not None  # (the error above is re-raised otherwise)
         older = {k: v for k, v in hyperparams.items() if k != "grad_clip_norm"}
-        restored = self.manager.restore(step, args=args(abstract_state.replace(
-            opt_state=abstract_state.opt_state._replace(hyperparams=older))))
+        restored = self.manager.restore(
+            step, args=args(abstract_state.replace(opt_state=abstract_state.opt_state._replace(hyperparams=older)))
+        )
         norm = hyperparams["grad_clip_norm"]
         state = restored["state"]
-        filled = {**state.opt_state.hyperparams,
-                  "grad_clip_norm": jax.device_put(np.zeros(norm.shape, norm.dtype), norm.sharding)}
+        filled = {
+            **state.opt_state.hyperparams,
+            "grad_clip_norm": jax.device_put(np.zeros(norm.shape, norm.dtype), norm.sharding),
+        }
         return {**restored, "state": state.replace(opt_state=state.opt_state._replace(hyperparams=filled))}
 
     def _set_aside(self, damaged: dict[int, str]) -> None:
@@ -294,8 +333,11 @@ class Checkpointer:
                 target = aside / f"{step}-{stamp}"
                 (self.directory / str(step)).rename(target)
                 (aside / f"{step}-{stamp}.reason.txt").write_text(reason + "\n")
-                print(f"warning: moved the unreadable checkpoint {self.directory}/{step} to {target}; "
-                      f"training will save step {step} again", file=sys.stderr)
+                print(
+                    f"warning: moved the unreadable checkpoint {self.directory}/{step} to {target}; "
+                    f"training will save step {step} again",
+                    file=sys.stderr,
+                )
         barrier(f"set_aside_{'_'.join(map(str, damaged))}", self.timeout_seconds)  # moved before anyone reloads
         self.manager.reload()
 
@@ -307,10 +349,13 @@ class Checkpointer:
         step = steps[-1]
         problems = self._param_mismatches(step, abstract_params)
         if problems:
-            raise UsageError(f"checkpoint.restore_from={self.directory} (step {step}) does not fit this model: "
-                             + "; ".join(problems))
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=_restore_args({"params": abstract_params}, partial=True)))
+            raise UsageError(
+                f"checkpoint.restore_from={self.directory} (step {step}) does not fit this model: "
+                + "; ".join(problems)
+            )
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=_restore_args({"params": abstract_params}, partial=True))
+        )
         params = restored["state"]["params"]
         check_shardings(params, abstract_params)
         return params, step
@@ -319,8 +364,9 @@ class Checkpointer:
 def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Restored:
     """The newest readable checkpoint of the run in `workdir` (its config `cfg`), opened
     read-only (the export, sample and evaluator commands); UsageError if it has none."""
-    checkpointer = Checkpointer(Path(workdir) / "checkpoints", cfg.checkpoint.keep, read_only=True,
-                                verify=cfg.checkpoint.verify)
+    checkpointer = Checkpointer(
+        Path(workdir) / "checkpoints", cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify
+    )
     try:
         restored = checkpointer.restore(abstract_state)
     finally:
@@ -332,8 +378,9 @@ def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Re
 
 def _restore_args(target, partial: bool = False) -> ocp.args.PyTreeRestore:
     """Restore into the shapes, dtypes and shardings of `target` (ShapeDtypeStructs)."""
-    return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=partial)
+    return ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=partial
+    )
 
 
 def check_shardings(state, abstract_state) -> None:
@@ -341,5 +388,6 @@ def check_shardings(state, abstract_state) -> None:
     kept the saved layout would silently change the memory plan)."""
     for (path, array), target in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(abstract_state)):
         if not array.sharding.is_equivalent_to(target.sharding, array.ndim):
-            raise RuntimeError(f"restored {path_name(path)} has sharding {array.sharding}, not the target "
-                               f"{target.sharding}")
+            raise RuntimeError(
+                f"restored {path_name(path)} has sharding {array.sharding}, not the target {target.sharding}"
+            )

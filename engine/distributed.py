@@ -2,6 +2,7 @@
 JAX detects (SLURM, Open MPI, TPU pods), a tf.distribute TF_CONFIG, or none (one process).
 On Kubernetes pass the explicit settings (see docs/multihost.md). Also the timed barriers that say
 which process did not arrive."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 
@@ -23,6 +24,7 @@ from engine.preemption import release_signals
 @dataclass(frozen=True)
 class TFConfigTask:
     """What a TF_CONFIG says this process is."""
+
     kind: str  # "trainer" or "evaluator"
     coordinator_address: Optional[str] = None
     num_processes: int = 1
@@ -44,8 +46,9 @@ def parse_tf_config(text: str) -> TFConfigTask:
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"TF_CONFIG is not valid: {e!s}; expected {example}") from None
     if not isinstance(cluster, dict) or not all(isinstance(v, list) for v in cluster.values()):
-        raise UsageError(f"TF_CONFIG's cluster must map task types to lists of addresses, got {cluster!r}; "
-                         f"expected {example}")
+        raise UsageError(
+            f"TF_CONFIG's cluster must map task types to lists of addresses, got {cluster!r}; expected {example}"
+        )
     if isinstance(index, str) and index.isdigit():
         index = int(index)
     if not isinstance(kind, str) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
@@ -54,9 +57,11 @@ def parse_tf_config(text: str) -> TFConfigTask:
         for address in addresses:
             check_address(address, f"TF_CONFIG cluster.{role}")
     if kind == "ps":
-        raise UsageError("TF_CONFIG task type 'ps': parameter servers are not used here; parameters and optimizer "
-                         "state are sharded over the mesh's fsdp axis instead (mesh.fsdp=N). Start only chief and "
-                         "worker tasks (and optionally an evaluator)")
+        raise UsageError(
+            "TF_CONFIG task type 'ps': parameter servers are not used here; parameters and optimizer "
+            "state are sharded over the mesh's fsdp axis instead (mesh.fsdp=N). Start only chief and "
+            "worker tasks (and optionally an evaluator)"
+        )
     if kind == "evaluator":
         return TFConfigTask("evaluator")
     trainers = [(role, i, address) for role in ("chief", "worker") for i, address in enumerate(cluster.get(role, []))]
@@ -85,17 +90,21 @@ def initialize(cfg: DistributedConfig) -> str:
     explicit = cfg.coordinator_address or cfg.num_processes > 1
     cluster = None if explicit else detected_cluster()
     tf_config = os.environ.get("TF_CONFIG") if not (explicit or cluster) else None
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if explicit:
         if not cfg.coordinator_address or cfg.num_processes < 1 or cfg.process_id < 0:
-            raise UsageError("set all of distributed.coordinator_address (host:port), distributed.num_processes "
-                             "and distributed.process_id (or --coordinator-address, --num-processes, --process-id)")
+            raise UsageError(
+                "set all of distributed.coordinator_address (host:port), distributed.num_processes "
+                "and distributed.process_id (or --coordinator-address, --num-processes, --process-id)"
+            )
         check_address(cfg.coordinator_address, "distributed.coordinator_address")
         if cfg.process_id >= cfg.num_processes:
-            raise UsageError(f"distributed.process_id={cfg.process_id} must be below "
-                             f"distributed.num_processes={cfg.num_processes}")
-        kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes,
-                      process_id=cfg.process_id)
+            raise UsageError(
+                f"distributed.process_id={cfg.process_id} must be below distributed.num_processes={cfg.num_processes}"
+            )
+        kwargs = dict(
+            coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id
+        )
         source = "explicit settings"
     elif cluster:
         source = cluster
@@ -103,8 +112,9 @@ def initialize(cfg: DistributedConfig) -> str:
         task = parse_tf_config(tf_config)
         if task.kind == "evaluator" or task.num_processes == 1:
             return "TF_CONFIG (single process)"
-        kwargs = dict(coordinator_address=task.coordinator_address, num_processes=task.num_processes,
-                      process_id=task.process_id)
+        kwargs = dict(
+            coordinator_address=task.coordinator_address, num_processes=task.num_processes, process_id=task.process_id
+        )
         source = "TF_CONFIG"
     else:
         return "single process"
@@ -115,27 +125,37 @@ def initialize(cfg: DistributedConfig) -> str:
     if "coordinator_address" in kwargs:
         # JAX aborts the whole process (no Python error) when the others do not join in time;
         # say first what is being waited for, and fail cleanly if the coordinator never answers.
-        print(f"process {kwargs['process_id']} of {kwargs['num_processes']}: joining the job at "
-              f"{kwargs['coordinator_address']} ({source}; timeout {cfg.initialization_timeout}s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"process {kwargs['process_id']} of {kwargs['num_processes']}: joining the job at "
+            f"{kwargs['coordinator_address']} ({source}; timeout {cfg.initialization_timeout}s)",
+            file=sys.stderr,
+            flush=True,
+        )
         if kwargs["process_id"] != 0:
             wait_for_coordinator(kwargs["coordinator_address"], cfg.initialization_timeout, kwargs["process_id"])
     release_signals()  # several processes: JAX's own SIGTERM notifier feeds the preemption sync point
-    deadline = _join_deadline(cfg.initialization_timeout, kwargs.get("process_id", "?"),
-                              kwargs.get("num_processes", "?"), source)
+    deadline = _join_deadline(
+        cfg.initialization_timeout, kwargs.get("process_id", "?"), kwargs.get("num_processes", "?"), source
+    )
     try:
-        jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout,
-                                   heartbeat_timeout_seconds=cfg.heartbeat_timeout, **kwargs)
+        jax.distributed.initialize(
+            initialization_timeout=cfg.initialization_timeout, heartbeat_timeout_seconds=cfg.heartbeat_timeout, **kwargs
+        )
     except (RuntimeError, ValueError) as e:  # jaxlib's errors derive from RuntimeError
         where = kwargs.get("coordinator_address", f"the {source} coordinator")
         raise DistributedError(
             f"process {kwargs.get('process_id', '?')} could not join the job at {where} within "
             f"{cfg.initialization_timeout}s ({source}): {first_line(e)}. Check that every process was started "
-            f"with the same coordinator and process count, and that the coordinator's port is reachable") from None
+            f"with the same coordinator and process count, and that the coordinator's port is reachable"
+        ) from None
     finally:
         deadline.cancel()
-    print(f"process {jax.process_index()} of {jax.process_count()}: joined the job ({source}); "
-          f"{jax.device_count()} devices in all, {jax.local_device_count()} here", file=sys.stderr, flush=True)
+    print(
+        f"process {jax.process_index()} of {jax.process_count()}: joined the job ({source}); "
+        f"{jax.device_count()} devices in all, {jax.local_device_count()} here",
+        file=sys.stderr,
+        flush=True,
+    )
     return source
 
 
@@ -146,9 +166,12 @@ def _join_deadline(timeout_seconds: int, process_id, num_processes, source: str)
 
     def give_up():
         who = f"process {process_id} of {num_processes}" if process_id != "?" else "this process"
-        exit_now(f"error: {who}: the job did not assemble within {timeout_seconds}s (distributed."
-                 f"initialization_timeout, {source}): a process was never started, failed at start, or was given "
-                 f"another coordinator or process count; see the other processes' output", 1)
+        exit_now(
+            f"error: {who}: the job did not assemble within {timeout_seconds}s (distributed."
+            f"initialization_timeout, {source}): a process was never started, failed at start, or was given "
+            f"another coordinator or process count; see the other processes' output",
+            1,
+        )
 
     timer = threading.Timer(max(timeout_seconds - 2, 1), give_up)
     timer.daemon = True
@@ -160,8 +183,9 @@ def check_address(address, where: str) -> None:
     """`host:port` with a port number: UsageError naming `where` otherwise."""
     host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"{where}: {address!r} is not an address host:port (a port from 1 to 65535), "
-                         "e.g. 10.0.0.1:12345")
+        raise UsageError(
+            f"{where}: {address!r} is not an address host:port (a port from 1 to 65535), e.g. 10.0.0.1:12345"
+        )
 
 
 def wait_for_coordinator(address: str, timeout_seconds: int, process_id: int) -> None:
@@ -174,9 +198,11 @@ def wait_for_coordinator(address: str, timeout_seconds: int, process_id: int) ->
                 return
         except OSError as e:
             if time.monotonic() > deadline:
-                raise DistributedError(f"process {process_id} could not reach the coordinator (process 0) at "
-                                       f"{address} within {timeout_seconds}s: {e}. Is process 0 running, and is "
-                                       f"that address reachable from here?") from None
+                raise DistributedError(
+                    f"process {process_id} could not reach the coordinator (process 0) at "
+                    f"{address} within {timeout_seconds}s: {e}. Is process 0 running, and is "
+                    f"that address reachable from here?"
+                ) from None
             time.sleep(0.5)
 
 
@@ -191,13 +217,15 @@ def barrier(name: str, timeout_seconds: int) -> None:
     from jax._src import distributed as jax_distributed  # the coordination-service client
 
     client = jax_distributed.global_state.client
+    assert client is not None, "jax.distributed is initialised when there are several processes"
     try:
         client.wait_at_barrier(name, timeout_seconds * 1000)
     except Exception as e:  # the client raises jaxlib's own error type, which names the missing tasks
         missing = missing_processes(first_line(e))
         who = f"process(es) {missing}" if missing else "some process"
-        raise DistributedError(f"{who} did not reach '{name}' within {timeout_seconds}s "
-                               f"(distributed.barrier_timeout): {first_line(e)}") from None
+        raise DistributedError(
+            f"{who} did not reach '{name}' within {timeout_seconds}s (distributed.barrier_timeout): {first_line(e)}"
+        ) from None
 
 
 def missing_processes(message: str) -> str:

@@ -1,5 +1,6 @@
 """The sidecar evaluator (tf.distribute's evaluator task): evaluates each checkpoint of a
 training run as it appears, appending `split: "eval"` records to the run's metrics."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,9 @@ def evaluate(run: Run, state) -> dict[str, float]:
     """Loss and accuracy over the eval split (padding masked out)."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
     inputs, compiled = run.inputs, run.compiled
-    for host_batch in eval_batches(run.dataset.eval, inputs.eval_batch_size, run.cfg.eval.max_batches,
-                                   inputs.eval_rows):
+    for host_batch in eval_batches(
+        run.dataset.eval, inputs.eval_batch_size, run.cfg.eval.max_batches, inputs.eval_rows
+    ):
         sums = jax.device_get(compiled.eval_step(state, compiled.put_batch(host_batch, inputs.eval_batch_size)))
         for name in totals:  # device_get above is a host sync per batch
             totals[name] += float(sums[name])
@@ -39,8 +41,9 @@ def evaluated_steps(metrics_path: Path) -> set[int]:
     return {r["step"] for r in read_records(metrics_path) if r.get("source") == SOURCE}
 
 
-def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_timeout: float = 3600.0,
-                  dead_after: float = 60.0) -> int:
+def run_evaluator(
+    cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_timeout: float = 3600.0, dead_after: float = 60.0
+) -> int:
     """Evaluates the newest checkpoint (or, with watch, every new one until training ends).
 
     Watching, it says which step it waits for, and stops when the run it watches is finished
@@ -54,25 +57,47 @@ def run_evaluator(cfg: Config, watch: bool, poll_seconds: float = 2.0, idle_time
         time.sleep(poll_seconds)
         waited += poll_seconds
     with contextlib.ExitStack() as closing:
-        watchdog = closing.enter_context(contextlib.closing(Watchdog(  # no silent hang either
-            dataclasses.asdict(cfg.watchdog), workdir, who="evaluator")))
-        checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
-            directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)))
+        watchdog = closing.enter_context(
+            contextlib.closing(
+                Watchdog(  # no silent hang either
+                    dataclasses.asdict(cfg.watchdog), workdir, who="evaluator"
+                )
+            )
+        )
+        checkpointer = closing.enter_context(
+            contextlib.closing(
+                Checkpointer(directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)
+            )
+        )
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
         watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
-        writer = closing.enter_context(contextlib.closing(MetricWriter(
-            workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False, tensorboard=False)))
+        writer = closing.enter_context(
+            contextlib.closing(
+                MetricWriter(
+                    workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False, tensorboard=False
+                )
+            )
+        )
         summary = None
         if cfg.log.tensorboard:  # a subdirectory of its own: two writers must not share an event file
             from tensorboardX import SummaryWriter
 
             summary = closing.enter_context(contextlib.closing(SummaryWriter(str(workdir / "evaluator"))))
-        return _watch(cfg, run, checkpointer, writer, summary, watchdog, watch, poll_seconds, idle_timeout,
-                      dead_after)
+        return _watch(cfg, run, checkpointer, writer, summary, watchdog, watch, poll_seconds, idle_timeout, dead_after)
 
 
-def _watch(cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWriter, summary, watchdog: Watchdog,
-           watch: bool, poll_seconds: float, idle_timeout: float, dead_after: float) -> int:
+def _watch(
+    cfg: Config,
+    run: Run,
+    checkpointer: Checkpointer,
+    writer: MetricWriter,
+    summary,
+    watchdog: Watchdog,
+    watch: bool,
+    poll_seconds: float,
+    idle_timeout: float,
+    dead_after: float,
+) -> int:
     """Evaluates each checkpoint not yet evaluated, as they come; the exit code."""
     workdir = Path(cfg.workdir)
     done = evaluated_steps(workdir / METRICS)
@@ -94,27 +119,35 @@ def _watch(cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWrit
         if lock_holder(workdir) is not None:
             alive_at = time.monotonic()
         elif time.monotonic() - alive_at > dead_after:
-            print(f"error: the training run in {workdir} is not running (no trainer holds its workdir, and no "
-                  f"checkpoint came for {dead_after:.0f}s); its newest checkpoint is step {newest} of "
-                  f"{cfg.train.steps}. Restart training, then the evaluator", file=sys.stderr)
+            print(
+                f"error: the training run in {workdir} is not running (no trainer holds its workdir, and no "
+                f"checkpoint came for {dead_after:.0f}s); its newest checkpoint is step {newest} of "
+                f"{cfg.train.steps}. Restart training, then the evaluator",
+                file=sys.stderr,
+            )
             return 1
         if not pending and time.monotonic() - idle_since > idle_timeout:
-            print(f"error: no new checkpoint in {checkpointer.directory} for {idle_timeout:.0f}s; is training "
-                  f"running?", file=sys.stderr)
+            print(
+                f"error: no new checkpoint in {checkpointer.directory} for {idle_timeout:.0f}s; is training running?",
+                file=sys.stderr,
+            )
             return 1
         if said != newest:
-            print(f"waiting for a checkpoint after step {newest} (training runs to step {cfg.train.steps})",
-                  flush=True)
+            print(f"waiting for a checkpoint after step {newest} (training runs to step {cfg.train.steps})", flush=True)
             said = newest
         time.sleep(poll_seconds)
 
 
 def _evaluate_step(run: Run, checkpointer: Checkpointer, step: int, writer: MetricWriter, summary) -> None:
     try:
-        state = checkpointer.restore(run.abstract_state, step=step).state
+        restored = checkpointer.restore(run.abstract_state, step=step)
     except UsageError as e:  # deleted by checkpoint.keep, or unreadable: note it, go on
         print(f"warning: skipping step {step}: {e}", file=sys.stderr)
         return
+    if restored is None:
+        print(f"warning: skipping step {step}: it is no longer in {checkpointer.directory}", file=sys.stderr)
+        return
+    state = restored.state
     metrics = evaluate(run, run.compiled.to_step_layout(state))
     writer.write(step, "eval", {**metrics, "source": SOURCE})
     if summary is not None:

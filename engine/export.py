@@ -1,5 +1,6 @@
 """`launch.py export`: a trained run's inference variables (orbax) and its forward function
 serialised with jax.export (StableHLO, batch size left symbolic), for serving without this code."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,20 @@ from typing import Optional
 import jax
 import orbax.checkpoint as ocp
 
-from engine.checkpoint import restore_newest
 from engine.axes import CONFIG_AXES
+from engine.checkpoint import restore_newest
 from engine.config import Config, load_config
 from engine.errors import UsageError
 from engine.rundir import write_sums
 from engine.setup import build_run
 
-SINGLE_DEVICE = [*(f"mesh.{axis}=1" for axis in CONFIG_AXES), *(f"mesh.dcn_{axis}=1" for axis in CONFIG_AXES),
-                 "mesh.num_devices=1", "mesh.backend=jit", "log.progress=false"]
+SINGLE_DEVICE = [
+    *(f"mesh.{axis}=1" for axis in CONFIG_AXES),
+    *(f"mesh.dcn_{axis}=1" for axis in CONFIG_AXES),
+    "mesh.num_devices=1",
+    "mesh.backend=jit",
+    "log.progress=false",
+]
 
 
 def run_config(workdir: Path) -> Config:
@@ -51,18 +57,29 @@ def export_run(workdir: str, out: str) -> Path:
     shape, dtype = task.export_input(run.dataset.info)  # one example, as the model family says
     (batch,) = jax.export.symbolic_shape("batch")
     inputs = jax.ShapeDtypeStruct((batch, *shape), dtype)
-    exported = jax.export.export(jax.jit(forward))(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                                                 variables), inputs)
+    exported = jax.export.export(jax.jit(forward))(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables), inputs
+    )
     serialized = exported.serialize()  # before anything is written: a failure leaves no partial export
     out_path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as saver:
         saver.save(out_path / "variables", variables)
     (out_path / "forward.stablehlo").write_bytes(serialized)
-    (out_path / "export.json").write_text(json.dumps({
-        "model": cfg.model.name, "step": restored.step, "input_shape": ["batch", *shape], "input_dtype": dtype,
-        "preprocessing": run.dataset.info.preprocessing or "none: the data source's values as stored",
-        "variables": "variables/", "forward": "forward.stablehlo",
-        "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits"}, indent=2))
+    (out_path / "export.json").write_text(
+        json.dumps(
+            {
+                "model": cfg.model.name,
+                "step": restored.step,
+                "input_shape": ["batch", *shape],
+                "input_dtype": dtype,
+                "preprocessing": run.dataset.info.preprocessing or "none: the data source's values as stored",
+                "variables": "variables/",
+                "forward": "forward.stablehlo",
+                "usage": "jax.export.deserialize(bytes).call(variables, inputs) → logits",
+            },
+            indent=2,
+        )
+    )
     write_sums(out_path)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
 

@@ -2,6 +2,7 @@
 each trial keeps what a run alone has (its workdir, config.yaml, metrics.jsonl, TensorBoard
 events and checkpoints, which `launch.py train` resumes alone too), and a trial whose loss
 becomes NaN stops alone while the others go on."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ from engine.watchdog import Watchdog
 @dataclass
 class Trial:
     """One run of a group: its files, and whether it still trains."""
+
     cfg: Config
     writer: MetricWriter
     checkpointer: Checkpointer
@@ -79,14 +81,20 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
         return trials
     except TooBig as big:  # (nothing was written: the check comes before the trials' files)
         fits, why = big.fits, str(big)  # (the group itself is freed with the exception, before the parts train)
-    parts = [cfgs[i:i + fits] for i in range(0, len(cfgs), fits)]
+    parts = [cfgs[i : i + fits] for i in range(0, len(cfgs), fits)]
     print(f"vectorize: {why}; training its runs as {len(parts)} groups of up to {fits}", flush=True)
     # each later group's goodput counts from its own start, not from the groups before it
     return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None, on_stop)]
 
 
-def _open(cfgs: list[Config], on_stop: Optional[Callable], trials: list[Trial], closing: contextlib.ExitStack,
-          watchdog: Watchdog, goodput: Goodput) -> Started:
+def _open(
+    cfgs: list[Config],
+    on_stop: Optional[Callable],
+    trials: list[Trial],
+    closing: contextlib.ExitStack,
+    watchdog: Watchdog,
+    goodput: Goodput,
+) -> Started:
     for cfg in cfgs:
         claim(Path(cfg.workdir), closing)
     starting("loading data and compiling")
@@ -108,12 +116,30 @@ def _open(cfgs: list[Config], on_stop: Optional[Callable], trials: list[Trial], 
 def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_stop: Optional[Callable]) -> Trial:
     workdir = Path(cfg.workdir)
     write_run_files(cfg, group.plan.dataset.info, workdir)
-    writer = closing.enter_context(contextlib.closing(MetricWriter(
-        workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False,
-        tensorboard=cfg.log.tensorboard, name=workdir.name)))
-    checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
-        workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
-        staging="host_sync", verify=cfg.checkpoint.verify)))  # the slice saved is a copy already (Saves)
+    writer = closing.enter_context(
+        contextlib.closing(
+            MetricWriter(
+                workdir,
+                enabled=True,
+                total_steps=cfg.train.steps,
+                start_step=0,
+                progress=False,
+                tensorboard=cfg.log.tensorboard,
+                name=workdir.name,
+            )
+        )
+    )
+    checkpointer = closing.enter_context(
+        contextlib.closing(
+            Checkpointer(
+                workdir / "checkpoints",
+                cfg.checkpoint.keep,
+                timeout_seconds=cfg.distributed.barrier_timeout,
+                staging="host_sync",
+                verify=cfg.checkpoint.verify,
+            )
+        )
+    )  # the slice saved is a copy already (Saves)
     return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
 
 
@@ -127,9 +153,14 @@ class GroupJob:
         self.steps_per_block, self.steps_per_call = group.steps_per_block, self.cfg.train.steps_per_call
         self.sync_each_step = jax.default_backend() == "cpu" and group.mesh.size > 1
         info = group.plan.dataset.info
-        self.rates = Throughput(group.cost, self.cfg.train.global_batch_size,
-                                self.cfg.train.global_batch_size * group.plan.family.task.tokens_per_example(info),
-                                group.mesh.devices.flat[0], self.cfg.train.compute_dtype, {})
+        self.rates = Throughput(
+            group.cost,
+            self.cfg.train.global_batch_size,
+            self.cfg.train.global_batch_size * group.plan.family.task.tokens_per_example(info),
+            group.mesh.devices.flat[0],
+            self.cfg.train.compute_dtype,
+            {},
+        )
         self.saves = Saves(group, trials)
 
     def _live(self):
@@ -146,8 +177,11 @@ class GroupJob:
         for index, trial in self._live():
             losses = step_losses(host[:, index], window.start)
             if trial.check(nonfinite_loss(losses)):
-                trial.writer.write(done, "train", train_record(host[:, index], window,
-                                                               self.group.plan.dataset.info.sources, self.rates))
+                trial.writer.write(
+                    done,
+                    "train",
+                    train_record(host[:, index], window, self.group.plan.dataset.info.sources, self.rates),
+                )
                 trial.losses.update({s: loss for s, loss in losses.items() if s > self.start})
 
     def evaluate(self, state, done: int) -> None:
@@ -192,15 +226,21 @@ def _restore(group: Group, trials: list[Trial]):
     steps = {r.step if r else 0 for r in restored}
     if len(steps) > 1:
         where = ", ".join(f"{t.cfg.workdir}: {r.step if r else 0}" for t, r in zip(trials, restored))
-        raise UsageError(f"the runs of a vectorised group resume from different steps ({where}: a checkpoint was "
-                         f"set aside as unreadable, or another process saved meanwhile); run the sweep again with "
-                         f"--retry-failed: it groups runs by the step they resume from")
+        raise UsageError(
+            f"the runs of a vectorised group resume from different steps ({where}: a checkpoint was "
+            f"set aside as unreadable, or another process saved meanwhile); run the sweep again with "
+            f"--retry-failed: it groups runs by the step they resume from"
+        )
     start = steps.pop()
     if start % group.cfgs[0].train.steps_per_call:
         raise UsageError(f"the runs resume at step {start}, which is not a multiple of train.steps_per_call")
     if all(restored):  # (a step-0 checkpoint too: `import-hf` writes one)
-        states = group.stack_states([with_config_hparams(r.state, t.cfg)  # type: ignore[union-attr]
-                                     for r, t in zip(restored, trials)])
+        states = group.stack_states(
+            [
+                with_config_hparams(r.state, t.cfg)  # type: ignore[union-attr]
+                for r, t in zip(restored, trials)
+            ]
+        )
     else:
         states = group.init_states()
     carried = [(r.meta.get("window") if r else None) or {} for r in restored]
@@ -235,8 +275,12 @@ class Saves:
         for index, trial in enumerate(self.trials):
             if trial.live:
                 carried = {"start": window.start, "metrics": host[:, index].tolist()} if host is not None else None
-                meta = {"step": step, "data": {"next_step": step, "seed": trial.cfg.seed},
-                        "config": trial.config_text, "window": carried}
+                meta = {
+                    "step": step,
+                    "data": {"next_step": step, "seed": trial.cfg.seed},
+                    "config": trial.config_text,
+                    "window": carried,
+                }
                 if self.background:
                     work.append((trial.checkpointer, self.group.take(states, index), meta))
                 else:

@@ -10,11 +10,13 @@ straight into its parameter's sharding, so a model larger than one device's memo
 under FSDP. `launch.py export --workdir DIR --format hf --out PATH` writes the layout that
 `transformers.AutoModelForCausalLM.from_pretrained(PATH)` loads.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +68,9 @@ class _Reader:
     """Reads one tensor at a time, keeping the file open between reads of the same file."""
 
     def __init__(self, files: dict[str, Path]):
-        self.files, self.path, self.handle = files, None, None
+        self.files = files
+        self.path: Optional[Path] = None
+        self.handle: Any = None
 
     def __call__(self, name: str) -> np.ndarray:
         from safetensors import safe_open
@@ -79,7 +83,7 @@ class _Reader:
         return self.handle.get_tensor(name)
 
 
-def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: list[str] = ()) -> Path:
+def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: Sequence[str] = ()) -> Path:
     """Writes workdir/config.yaml and a step-0 checkpoint of the Hugging Face model in hf_dir."""
     hf_path, work = Path(hf_dir), Path(workdir)
     if not (hf_path / "config.json").is_file():
@@ -105,8 +109,11 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
     for tensor in layout.tensors(cfg.model):
         target = _get(params, tensor.path)
         params = _set(params, tensor.path, _place(tensor, target, read))
-    missing = [sharding.path_name(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-               if isinstance(leaf, jax.ShapeDtypeStruct)]
+    missing = [
+        sharding.path_name(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
     if missing:
         raise RuntimeError(f"the Hugging Face mapping of model.name={name} leaves {missing} unset")
     state = run.init_state().replace(params=params)  # a fresh optimizer state beside the imported weights
@@ -115,8 +122,16 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: l
     write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
     checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
     try:
-        checkpointer.save(0, state, {"step": 0, "data": {"next_step": 0, "seed": cfg.seed}, "config": to_yaml(cfg),
-                                     "imported_from": str(hf_path.absolute())})
+        checkpointer.save(
+            0,
+            state,
+            {
+                "step": 0,
+                "data": {"next_step": 0, "seed": cfg.seed},
+                "config": to_yaml(cfg),
+                "imported_from": str(hf_path.absolute()),
+            },
+        )
         checkpointer.wait()
     finally:
         checkpointer.close()
@@ -133,8 +148,10 @@ def _place(tensor, target: jax.ShapeDtypeStruct, read) -> jax.Array:
     for name in tensor.names:
         value = tensor.to_ours(read(name))
         if tuple(value.shape) != tuple(layer_shape):
-            raise UsageError(f"tensor {name} has shape {tuple(value.shape)} in our layout, but the model built from "
-                             f"config.json expects {tuple(layer_shape)}")
+            raise UsageError(
+                f"tensor {name} has shape {tuple(value.shape)} in our layout, but the model built from "
+                f"config.json expects {tuple(layer_shape)}"
+            )
         layers.append(jax.device_put(value.astype(target.dtype), layer_sharding))  # one tensor on the host at a time
     if not stacked:
         return layers[0]
@@ -185,12 +202,13 @@ def export_hf(workdir: str, out: str) -> Path:
     return out_path
 
 
-
 def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:
     """One model.safetensors, or shards of at most SHARD_BYTES with an index (transformers' layout)."""
     from safetensors.numpy import save_file
 
-    shards, current, size = [], {}, 0
+    shards: list[dict[str, np.ndarray]] = []
+    current: dict[str, np.ndarray] = {}
+    size = 0
     for name, value in tensors.items():
         if current and size + value.nbytes > SHARD_BYTES:
             shards.append(current)
@@ -208,4 +226,3 @@ def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:
         weight_map.update({name: file for name in shard})
     total = sum(v.nbytes for v in tensors.values())
     write_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-

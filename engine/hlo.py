@@ -7,6 +7,7 @@ device sends with ring algorithms over a group of n: all-reduce 2(n-1)/n x bytes
 all-gather, reduce-scatter, all-to-all (n-1)/n x bytes; collective-permute 1 x bytes. An op
 inside a loop counts once; async pairs (-start/-done) count once, at -done.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,11 +15,29 @@ import re
 from dataclasses import dataclass
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(OPS)
-                         + r")(?P<suffix>-start|-done)?\(")
+INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(OPS) + r")(?P<suffix>-start|-done)?\("
+)
 ARRAY_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 
 
@@ -39,8 +58,10 @@ class Collective:
 
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape such as `f32[64,128]{1,0}` or a tuple `(f32[10]{0}, bf16[4,8]{1,0})`."""
-    return sum(DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in ARRAY_SHAPE.findall(shape))
+    return sum(
+        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims in ARRAY_SHAPE.findall(shape)
+    )
 
 
 def group_size(line: str, num_devices: int) -> int:
@@ -81,7 +102,8 @@ def summary(collectives: list[Collective]) -> str:
 def human_bytes(n: float) -> str:
     if n < 1024:
         return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-        if n < 1024 or unit == "TiB":
+        if n < 1024:
             return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"

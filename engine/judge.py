@@ -4,6 +4,7 @@ sweep process through a pipe and waits for the answer (go on, or stop: it then s
 run steps; the sweep never reads a metrics file that races ahead of it.
 
 Imports no jax: the sweep's process uses it too."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 testing multi-host code on CPU. Each process gets M simulated CPU devices; they meet at a
 coordinator bound to 127.0.0.1 only. Output lines are prefixed with the process id. If one
 process fails, the others are stopped and the launcher exits non-zero naming it."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # this program, for the processes it starts (local processes, a sweep's runs): the checkout's
 # launch.py where there is one, else the installed package
-SELF = [sys.executable, str(ROOT / "launch.py")] if (ROOT / "launch.py").is_file() else [sys.executable, "-m",
-                                                                                          "engine.cli"]
+SELF = (
+    [sys.executable, str(ROOT / "launch.py")]
+    if (ROOT / "launch.py").is_file()
+    else [sys.executable, "-m", "engine.cli"]
+)
 GRACE_SECONDS = 10  # after SIGTERM, how long a process may take to exit before SIGKILL
 
 
@@ -36,6 +40,7 @@ def _relay(index: int, stream, sink) -> None:
 def _stop_with(launcher: int):
     """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux's
     PR_SET_PDEATHSIG), so it saves and stops instead of training on unattended."""
+
     def arrange() -> None:
         if sys.platform.startswith("linux"):
             import ctypes
@@ -43,6 +48,7 @@ def _stop_with(launcher: int):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
             if os.getppid() != launcher:  # it died before the request took effect
                 os.kill(os.getpid(), signal.SIGTERM)
+
     return arrange
 
 
@@ -53,15 +59,31 @@ def _describe(code: int) -> str:
 def run_local_job(args: list[str], processes: int, devices_per_process: int) -> int:
     """Runs `launch.py args` as `processes` processes; returns the job's exit code."""
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+    )
     children, relays = [], []
     for index in range(processes):
-        command = [*SELF, *args, f"distributed.coordinator_address=127.0.0.1:{port}",
-                   f"distributed.coordinator_bind_address=127.0.0.1:{port}",
-                   f"distributed.num_processes={processes}", f"distributed.process_id={index}"]
-        child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 start_new_session=True, preexec_fn=_stop_with(os.getpid()))
+        command = [
+            *SELF,
+            *args,
+            f"distributed.coordinator_address=127.0.0.1:{port}",
+            f"distributed.coordinator_bind_address=127.0.0.1:{port}",
+            f"distributed.num_processes={processes}",
+            f"distributed.process_id={index}",
+        ]
+        child = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_stop_with(os.getpid()),
+        )
         relay = threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True)
         relay.start()
         children.append(child)
@@ -83,7 +105,7 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
                 codes = [child.wait() for child in children]
                 if all(code == 143 for code in codes):
                     return 128 + int(preempted[0])  # 143, or 130 for Ctrl-C
-                return _exit_status(max(codes, key=abs))
+                return _exit_status(max((code for code in codes if code is not None), key=abs))
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 index, code = failed[0]

@@ -3,6 +3,7 @@
 batches, steps, and to log, evaluate, save, wait and summarise; everything else (prefetch,
 the watchdog, preemption, profiling, the log/eval/save schedule, "already finished", the
 end-of-run barrier, goodput) happens here, for both alike."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ class NonFiniteLoss(RuntimeError):
 class Job(Protocol):
     """What the loop drives. `cfg` gives the loop's settings (train.steps, the *.every_steps,
     data.prefetch, log.profile_steps); a group's runs share them."""
+
     cfg: Any
     workdir: Path  # where a profile trace goes
     steps_per_block: int  # batches per host-to-device transfer
@@ -78,22 +80,28 @@ class Job(Protocol):
 @dataclasses.dataclass
 class Started:
     """A job ready to train: its state and where it resumes."""
+
     job: Job
     state: Any
     start: int
     window: Window  # the log window, with the steps a checkpoint carried
 
 
-def fit_job(open_job: Callable[[contextlib.ExitStack, Watchdog, Goodput], Started], cfg, started: Optional[float],
-            workdirs: list[Path]) -> Started:
+def fit_job(
+    open_job: Callable[[contextlib.ExitStack, Watchdog, Goodput], Started],
+    cfg,
+    started: Optional[float],
+    workdirs: list[Path],
+) -> Started:
     """Opens the job (claiming its workdirs, compiling, restoring) under the watchdog, then trains
     it to train.steps; the job's files are closed however it ends. A full, read-only or
     unwritable workdir is one StorageError (exit 2): unfinished saves are removed, the newest
     complete checkpoints kept, and a re-run resumes from them."""
     goodput = Goodput(started or time.time())
     with storage_failures(workdirs), contextlib.ExitStack() as closing:  # closed in reverse order
-        watchdog = closing.enter_context(contextlib.closing(Watchdog(
-            dataclasses.asdict(cfg.watchdog), workdirs[0], jax.process_index())))
+        watchdog = closing.enter_context(
+            contextlib.closing(Watchdog(dataclasses.asdict(cfg.watchdog), workdirs[0], jax.process_index()))
+        )
         ready = open_job(closing, watchdog, goodput)
         watchdog.enter("step")
         end_startup()  # from here a signal is noted, and the loop saves and exits
@@ -146,22 +154,30 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
     return state
 
 
-def _finish(job: Job, start: int, window: Window, goodput: Goodput, watchdog: Watchdog, batches: Prefetcher,
-            trace: StepTrace) -> None:
+def _finish(
+    job: Job, start: int, window: Window, goodput: Goodput, watchdog: Watchdog, batches: Prefetcher, trace: StepTrace
+) -> None:
     """After the last step: every save complete, the processes met, the run's summary written."""
     cfg = job.cfg
     total = cfg.train.steps
     if start >= total:
-        job.message(f"already finished: the newest checkpoint is at step {start} of {total}; to train again from "
-                    f"scratch give another --workdir, to train longer raise train.steps")
+        job.message(
+            f"already finished: the newest checkpoint is at step {start} of {total}; to train again from "
+            f"scratch give another --workdir, to train longer raise train.steps"
+        )
     with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
         job.wait()  # the last save is complete before the run reports success
     barrier("finished", cfg.distributed.barrier_timeout)
     goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
     if total > start:
         timing = goodput.summary(time.time())
-        job.summary({**timing, **job.rates.summary(timing["mean_step_seconds"]),
-                     **({"profile_dir": str(trace.directory)} if trace.traced else {})})
+        job.summary(
+            {
+                **timing,
+                **job.rates.summary(timing["mean_step_seconds"]),
+                **({"profile_dir": str(trace.directory)} if trace.traced else {}),
+            }
+        )
 
 
 def _dispatch(job: Job, state, block, goodput: Goodput):
@@ -226,17 +242,28 @@ def train_record(host: np.ndarray, window: Window, sources: tuple[str, ...], rat
     routing, each source's share of the trained tokens, and the rates."""
     steps = unpack_metrics(host)
     count = sum(m["count"] for m in steps)
-    record = {"loss": sum(m["loss_sum"] for m in steps) / count, "accuracy": sum(m["correct"] for m in steps) / count,
-              "grad_norm": sum(m["grad_norm"] for m in steps) / len(steps), "learning_rate": steps[-1]["learning_rate"]}
+    record = {
+        "loss": sum(m["loss_sum"] for m in steps) / count,
+        "accuracy": sum(m["correct"] for m in steps) / count,
+        "grad_norm": sum(m["grad_norm"] for m in steps) / len(steps),
+        "learning_rate": steps[-1]["learning_rate"],
+    }
     routed = sum(m["routed"] for m in steps)
     if routed:  # a mixture of experts: its load-balancing loss, and assignments over capacity
         dropped = sum(m["dropped"] for m in steps)
-        record.update(moe_aux_loss=sum(m["aux_loss"] for m in steps) / count, moe_dropped_tokens=dropped,
-                      moe_dropped_fraction=dropped / routed)
+        record.update(
+            moe_aux_loss=sum(m["aux_loss"] for m in steps) / count,
+            moe_dropped_tokens=dropped,
+            moe_dropped_fraction=dropped / routed,
+        )
     if sources and host.shape[-1] > len(TRAIN_METRICS):
-        per_source = host[:, len(TRAIN_METRICS):].sum(axis=0)
-        record.update({f"share_{name}": float(tokens) / max(float(per_source.sum()), 1.0)
-                       for name, tokens in zip(sources, per_source)})
+        per_source = host[:, len(TRAIN_METRICS) :].sum(axis=0)
+        record.update(
+            {
+                f"share_{name}": float(tokens) / max(float(per_source.sum()), 1.0)
+                for name, tokens in zip(sources, per_source)
+            }
+        )
     return {**record, **rates.per_step(window.seconds() / max(window.timed_steps, 1))}
 
 
@@ -249,13 +276,17 @@ def nonfinite_loss(losses: dict[int, float]) -> Optional[str]:
     """The message for the first non-finite train loss, or None."""
     for step, loss in losses.items():
         if not math.isfinite(loss):
-            return (f"loss is {loss} at step {step}; lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
-                    f"or check the data")
+            return (
+                f"loss is {loss} at step {step}; lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
+                f"or check the data"
+            )
     return None
 
 
 def nonfinite_eval(metrics: dict[str, float], step: int) -> Optional[str]:
     if math.isfinite(metrics["loss"]):
         return None
-    return (f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or infinite values, "
-            f"or lower optimizer.learning_rate")
+    return (
+        f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or infinite values, "
+        f"or lower optimizer.learning_rate"
+    )

@@ -1,5 +1,6 @@
 """Mesh config → jax.sharding.Mesh with the named axes of engine/axes.py (every mesh has them
 all; an axis the run does not use has size 1)."""
+
 from __future__ import annotations
 
 import math
@@ -21,15 +22,22 @@ def mesh_shape(cfg, num_devices: int) -> dict[str, int]:
     for axis, size in sizes.items():
         if size == -1:
             if num_devices % fixed:
-                raise UsageError(f"mesh {layout}: the other axes use {fixed} devices, which does not divide the "
-                                 f"{num_devices} devices; choose sizes whose product divides {num_devices}")
+                raise UsageError(
+                    f"mesh {layout}: the other axes use {fixed} devices, which does not divide the "
+                    f"{num_devices} devices; choose sizes whose product divides {num_devices}"
+                )
             sizes[axis] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
-        hint = ("; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before starting gives N devices"
-                if jax.default_backend() == "cpu" and math.prod(sizes.values()) > num_devices else "")
-        raise UsageError(f"mesh {layout} uses {math.prod(sizes.values())} devices but {num_devices} are in use; "
-                         f"make {' * '.join('mesh.' + a for a in CONFIG_AXES)} = {num_devices} (or set one of them "
-                         f"to -1){hint}")
+        hint = (
+            "; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before starting gives N devices"
+            if jax.default_backend() == "cpu" and math.prod(sizes.values()) > num_devices
+            else ""
+        )
+        raise UsageError(
+            f"mesh {layout} uses {math.prod(sizes.values())} devices but {num_devices} are in use; "
+            f"make {' * '.join('mesh.' + a for a in CONFIG_AXES)} = {num_devices} (or set one of them "
+            f"to -1){hint}"
+        )
     return sizes
 
 
@@ -38,8 +46,9 @@ def num_devices(cfg) -> int:
     if cfg.num_devices == -1:
         return available
     if not 0 < cfg.num_devices <= available:
-        raise UsageError(f"mesh.num_devices={cfg.num_devices} but {available} devices are visible; "
-                         f"use 1..{available} or -1 for all")
+        raise UsageError(
+            f"mesh.num_devices={cfg.num_devices} but {available} devices are visible; use 1..{available} or -1 for all"
+        )
     if cfg.num_devices != available and jax.process_count() > 1:
         raise UsageError("mesh.num_devices must be -1 (all devices) when running with several processes")
     return cfg.num_devices
@@ -69,6 +78,6 @@ def build_mesh(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence) ->
 
 def make_mesh(cfg, devices: Optional[Sequence] = None) -> Mesh:
     """The config's mesh over the devices in use (or over `devices`: a TPU topology's chips)."""
-    devices = list(devices) if devices is not None else jax.devices()[:num_devices(cfg)]
+    devices = list(devices) if devices is not None else jax.devices()[: num_devices(cfg)]
     sizes = mesh_shape(cfg, len(devices))
     return build_mesh(sizes, {axis: getattr(cfg, f"dcn_{axis}") for axis in CONFIG_AXES}, devices)

@@ -1,11 +1,12 @@
 """Metric output on process 0: a tqdm progress bar, metrics.jsonl and TensorBoard events."""
+
 from __future__ import annotations
 
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from tqdm import tqdm
 
@@ -16,8 +17,18 @@ from engine.rundir import METRICS, append_line, read_records
 class MetricWriter:
     """Writes each metrics record to every sink; on other processes it does nothing."""
 
-    def __init__(self, workdir: str | Path, *, enabled: bool, total_steps: int, start_step: int,
-                 progress: bool, tensorboard: bool, name: str = "", judged: Optional[Judged] = None):
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        progress: bool,
+        tensorboard: bool,
+        name: str = "",
+        judged: Optional[Judged] = None,
+    ):
         """name: printed before each line (the runs of a vectorised group share one output);
         judged: a search trial's pipe to its sweep, asked after each train and eval record."""
         self.enabled, self.judged = enabled, judged
@@ -32,8 +43,15 @@ class MetricWriter:
             self.summary = _fresh_event_file(workdir, read_records(self.jsonl_path))
         if progress:
             # smoothing=0: the rate is steps since the clock started / time since (see advance)
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0.5, smoothing=0)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=0.5,
+                smoothing=0,
+            )
         self._timed = False
 
     def advance(self, steps: int = 1) -> None:
@@ -43,7 +61,7 @@ class MetricWriter:
                 self._timed = True
                 self.bar.start_t, self.bar.initial = self.bar._time(), self.bar.n
 
-    def write(self, step: int, split: str, values: dict[str, float]) -> None:
+    def write(self, step: int, split: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"step": step, "split": split, **{k: _plain(v) for k, v in values.items()}}
@@ -64,8 +82,11 @@ class MetricWriter:
             else:
                 self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
         elif split != "train":
-            print(f"{self.prefix}step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()
-                                                      if isinstance(v, (int, float))), flush=True)
+            print(
+                f"{self.prefix}step {step} {split}: "
+                + " ".join(f"{k}={v:.4g}" for k, v in values.items() if isinstance(v, (int, float))),
+                flush=True,
+            )
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -104,8 +125,12 @@ def _fresh_event_file(workdir: Path, records: list[dict]):
     summary = SummaryWriter(str(workdir))
     for record in records:
         if record.get("source") != "evaluator":  # the evaluator writes its own directory
-            _add_scalars(summary, record["step"], record["split"],
-                         {k: v for k, v in record.items() if k not in ("step", "split")})
+            _add_scalars(
+                summary,
+                record["step"],
+                record["split"],
+                {k: v for k, v in record.items() if k not in ("step", "split")},
+            )
     summary.flush()
     return summary
 

@@ -1,9 +1,11 @@
 """Optimizer and learning-rate schedule, built by name from the config (engine/optimizers.py's tables).
 
 Hyperparameters that do not change shapes (learning rate, warm-up, decay length, weight
-decay, Adam's betas and epsilon, the gradient-clipping norm) are arrays in the train state, not constants in the compiled program,
-so runs that differ only in them share one compiled step (and its persistent cache entry).
+decay, Adam's betas and epsilon, the gradient-clipping norm) are arrays in the train state,
+not constants in the compiled program, so runs that differ only in them share one compiled
+step (and its persistent cache entry).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -20,10 +22,14 @@ if TYPE_CHECKING:
     from engine.config import OptimizerConfig
 
 
-def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.ndarray]:
+def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.float32]:
     """The learning-rate schedule's numbers, as float32 scalars carried in the train state."""
-    return {"peak_learning_rate": np.float32(cfg.learning_rate), "warmup_steps": np.float32(cfg.warmup_steps),
-            "decay_steps": np.float32(total_steps), "end_factor": np.float32(cfg.end_learning_rate_factor)}
+    return {
+        "peak_learning_rate": np.float32(cfg.learning_rate),
+        "warmup_steps": np.float32(cfg.warmup_steps),
+        "decay_steps": np.float32(total_steps),
+        "end_factor": np.float32(cfg.end_learning_rate_factor),
+    }
 
 
 def learning_rate_at(kind: str, step, hp: dict):
@@ -48,8 +54,9 @@ def _builder(kind: OptimizerKind):
         return build(learning_rate, **hparams, **kind.fixed)
 
     names = ["learning_rate", *kind.hparams]
-    make.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                                            for n in names])
+    make.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    )
     return make
 
 
@@ -60,8 +67,9 @@ def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
     def update(updates, state, params=None):
         norm = optax.tree.norm(updates)
         keep = norm < max_norm
-        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm.astype(t.dtype)),
-                            updates), state
+        return jax.tree.map(
+            lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm.astype(t.dtype)), updates
+        ), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -77,6 +85,6 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     parameters = list(inspect.signature(build).parameters.values())
     if cfg.grad_clip_norm:
         parameters.append(inspect.Parameter("grad_clip_norm", inspect.Parameter.KEYWORD_ONLY))
-    clipped.__signature__ = inspect.Signature(parameters)  # inject_hyperparams reads the parameter names
+    clipped.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # inject_hyperparams reads it
     # float32 whatever the parameters' dtype: in bfloat16, Adam's b2=0.999 would round to 1.0
     return optax.inject_hyperparams(clipped, hyperparam_dtype=jnp.float32)(**optimizer_hparams(cfg))

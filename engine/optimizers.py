@@ -7,6 +7,7 @@ numbers become arrays in the optimizer state (optax.inject_hyperparams), so runs
 only in them share one compiled program. A schedule is a formula over an array namespace
 (`xp`: jax.numpy in the step), of the step and the schedule's numbers in the train state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,6 +1,7 @@
 """How much of the hardware a run turns into training: the model FLOPs of a step (StepCost),
 throughput and MFU against a table of peak rates (Throughput), and goodput (productive step
 time ÷ wall time) with its badput broken down."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import flax.linen as nn
 
 from engine.data import example_spec
 from engine.step import make_loss_fn, make_train_step, split_variables, unpack_metrics
@@ -37,6 +38,7 @@ PEAK_FLOPS = {
 PEAK_TABLE_VERSION = "vendor dense peaks (engine/perf.py PEAK_FLOPS)"
 
 _cpu_peak: Optional[float] = None
+
 
 def enable_compilation_cache(directory: str) -> None:
     """JAX's persistent compilation cache in `directory` ("" = off): a relaunch of the same
@@ -71,13 +73,16 @@ def peak_flops(device, dtype: str) -> tuple[float, str]:
     for name, (bf16, fp32) in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
             low_precision = dtype in ("bfloat16", "float16")
-            return (bf16 if low_precision else fp32), f"{PEAK_TABLE_VERSION}: {name} {'bf16' if low_precision else 'fp32'}"
+            return (
+                bf16 if low_precision else fp32
+            ), f"{PEAK_TABLE_VERSION}: {name} {'bf16' if low_precision else 'fp32'}"
     return 0.0, f"no peak known for {kind}"
 
 
 @dataclass(frozen=True)
 class StepCost:
     """The model FLOPs of one train step, and where the count comes from."""
+
     flops_per_device_step: float  # model FLOPs per device per step (0 = unknown, e.g. eager)
     source: str  # which program or formula the count comes from
     analytic_per_device_step: float = 0.0  # the model family's formula (0 = it has none)
@@ -126,19 +131,24 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     plain = family.work_settings()
     resolved = family.work_settings_used(cfg.model, module)
     differs = [f"{key}={resolved[key]}" for key, value in plain.items() if resolved[key] != value]
-    differs += [f"{key}={getattr(cfg.train, key)}" for key in ("grad_accum_steps", "steps_per_call")
-                if getattr(cfg.train, key) > 1]
+    differs += [
+        f"{key}={getattr(cfg.train, key)}"
+        for key in ("grad_accum_steps", "steps_per_call")
+        if getattr(cfg.train, key) > 1
+    ]
     if not differs:
         return StepCost(flops, "XLA cost analysis of the compiled step", analytic, formula)
     settings = ", ".join(differs)
     reference = _reference_flops(cfg, family, dataset, tx, abstract_state)
     if reference is not None:
-        return StepCost(reference * copies / devices, f"XLA cost analysis of the same step without {settings}",
-                        analytic, formula)
+        return StepCost(
+            reference * copies / devices, f"XLA cost analysis of the same step without {settings}", analytic, formula
+        )
     compiled_source = f"XLA cost analysis of the compiled step, with {settings}"
     if analytic:
-        return StepCost(analytic, f"analytic formula ({formula}); {compiled_source} is not the model's",
-                        analytic, formula)
+        return StepCost(
+            analytic, f"analytic formula ({formula}); {compiled_source} is not the model's", analytic, formula
+        )
     return StepCost(flops, compiled_source, analytic, formula)
 
 
@@ -149,12 +159,16 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     state's shapes come from its own init."""
     model_cfg = dataclasses.replace(cfg.model, **family.work_settings())
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
-    step = make_train_step(make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources)), tx,
-                           cfg.optimizer.schedule)
-    batch = {name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
-             for name, a in example_spec(dataset.train).items()}
-    variables = jax.eval_shape(lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info),
-                                                         train=False)))
+    step = make_train_step(
+        make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources)), tx, cfg.optimizer.schedule
+    )
+    batch = {
+        name: jax.ShapeDtypeStruct((cfg.train.global_batch_size, *a.shape[1:]), a.dtype)
+        for name, a in example_spec(dataset.train).items()
+    }
+    variables = jax.eval_shape(
+        lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info), train=False))
+    )
     params, variables = split_variables(variables)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
     state = state.replace(params=params, model_state=variables, opt_state=jax.eval_shape(tx.init, params))
@@ -164,6 +178,7 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
 @dataclass
 class Goodput:
     """Wall-clock accounting of a run, from process start to the end of training."""
+
     started: float  # time.time() when the process started
     compile_seconds: float = 0.0
     first_step_at: Optional[float] = None
@@ -180,9 +195,13 @@ class Goodput:
         wall = ended - self.started
         mean_step = self.loop_seconds / self.steps_run if self.steps_run else 0.0
         redone = min(self.redone_steps * mean_step, self.loop_seconds - self.data_wait_seconds)
-        badput = {"compile": self.compile_seconds, "data_wait": self.data_wait_seconds,
-                  "checkpoint_blocking": self.checkpoint_seconds, "eval": self.eval_seconds,
-                  "redone_steps": redone}
+        badput = {
+            "compile": self.compile_seconds,
+            "data_wait": self.data_wait_seconds,
+            "checkpoint_blocking": self.checkpoint_seconds,
+            "eval": self.eval_seconds,
+            "redone_steps": redone,
+        }
         productive = max(self.loop_seconds - self.data_wait_seconds - redone, 0.0)
         other = max(wall - productive - sum(badput.values()), 0.0)
         return {
@@ -210,9 +229,11 @@ class StepTrace:
     plugin or XProf read it)."""
 
     def __init__(self, window, start: int, workdir: Path):
-        self.first, self.last = (start + window[0], start + window[1]) if window else (None, None)
+        self.first: Optional[int] = start + window[0] if window else None
+        self.last: int = start + window[1] if window else 0
         self.directory = Path(workdir) / "profile" / f"process_{jax.process_index()}"
-        self.active, self.traced = False, None
+        self.active = False
+        self.traced: Optional[tuple[int, int]] = None
 
     def before(self, step: int) -> None:
         """Called before the call that starts at `step`."""
@@ -231,8 +252,11 @@ class StepTrace:
         return None
 
     def message(self) -> str:
-        return (f"profile: steps {self.traced[0]}..{self.traced[1]} traced into {self.directory} (tensorboard "
-                f"--logdir {self.directory}, Profile tab; or xprof)")
+        first, last = self.traced or (0, 0)
+        return (
+            f"profile: steps {first}..{last} traced into {self.directory} (tensorboard "
+            f"--logdir {self.directory}, Profile tab; or xprof)"
+        )
 
     def close(self) -> None:
         if self.active:  # the loop ended early (preempted, failed): keep what was traced
@@ -244,7 +268,8 @@ class Window:
     """The steps between two log lines, and the time they took (less pauses for eval/saves)."""
 
     def __init__(self, start: int):
-        self.start, self.metrics, self.steps = start, [], 0
+        self.start, self.steps = start, 0
+        self.metrics: list = []  # one packed array per call, still on the device
         self.began, self.paused = time.perf_counter(), 0.0
         self.timed_steps = 0  # steps run in this process (a resumed window also holds earlier ones)
 
@@ -253,13 +278,14 @@ class Window:
         """The window a checkpoint saved part of (carried()), or a new one from `start`: the log
         record at its end then covers the same steps as in a run that never stopped. `width`:
         this run's packed metrics per step (a run resumed with other data sources starts anew)."""
-        rows = (carried or {}).get("metrics") or []
+        carried = carried or {}
+        rows = carried.get("metrics") or []
         fits = bool(rows) and carried.get("start", -1) + len(rows) == start and all(len(r) == width for r in rows)
         if not fits:
             return cls(start)
         window = cls(carried["start"])
-        window.metrics.append(np.asarray(carried["metrics"], np.float32))
-        window.steps = len(carried["metrics"])
+        window.metrics.append(np.asarray(rows, np.float32))
+        window.steps = len(rows)
         return window
 
     def carried(self) -> Optional[dict]:
@@ -289,8 +315,9 @@ class Window:
 class Throughput:
     """Rates of one step: steps/s, examples/s, tokens/s, TFLOP/s per device, MFU."""
 
-    def __init__(self, cost: StepCost, batch: int, tokens_per_step: int, device, compute_dtype: str,
-                 compile_cache: dict):
+    def __init__(
+        self, cost: StepCost, batch: int, tokens_per_step: int, device, compute_dtype: str, compile_cache: dict
+    ):
         self.cost, self.batch, self.tokens, self.cache = cost, batch, tokens_per_step, compile_cache
         self.peak, self.peak_source = peak_flops(device, compute_dtype)
 
@@ -307,11 +334,17 @@ class Throughput:
 
     def summary(self, mean_step_seconds: float) -> dict:
         cost = self.cost
-        return {**self.per_step(max(mean_step_seconds, 1e-9)), "flops_per_device_step": cost.flops_per_device_step,
-                "compile_cache_hits": self.cache.get("hits", 0), "compile_cache_misses": self.cache.get("misses", 0),
-                "flops_source": cost.source, "analytic_flops_per_device_step": cost.analytic_per_device_step or None,
-                "analytic_flops_formula": cost.analytic_formula or None,
-                "peak_flops_per_device": self.peak, "peak_source": self.peak_source}
+        return {
+            **self.per_step(max(mean_step_seconds, 1e-9)),
+            "flops_per_device_step": cost.flops_per_device_step,
+            "compile_cache_hits": self.cache.get("hits", 0),
+            "compile_cache_misses": self.cache.get("misses", 0),
+            "flops_source": cost.source,
+            "analytic_flops_per_device_step": cost.analytic_per_device_step or None,
+            "analytic_flops_formula": cost.analytic_formula or None,
+            "peak_flops_per_device": self.peak,
+            "peak_source": self.peak_source,
+        }
 
 
 def summary_text(summary: dict) -> str:
@@ -320,9 +353,11 @@ def summary_text(summary: dict) -> str:
     mfu = f", MFU {summary['mfu']:.1%} ({summary['peak_source']})" if summary.get("mfu") is not None else ""
     other = max(1.0 - summary["loop_dispatch"] - summary["loop_data_wait"] - summary["loop_device_wait"], 0.0)
     profile = f"; profile trace in {summary['profile_dir']}" if summary.get("profile_dir") else ""
-    return (f"summary: time to first step {summary['time_to_first_step']:.1f}s (compile "
-            f"{summary['compile_seconds']:.1f}s), mean step {summary['mean_step_seconds'] * 1e3:.2f} ms, data wait "
-            f"{summary['data_wait_seconds']:.2f}s, checkpoint blocking {summary['checkpoint_blocking_seconds']:.2f}s; "
-            f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}; loop: dispatch {summary['loop_dispatch']:.0%}, "
-            f"waiting for data {summary['loop_data_wait']:.0%}, for the device {summary['loop_device_wait']:.0%}, "
-            f"other {other:.0%}{profile}")
+    return (
+        f"summary: time to first step {summary['time_to_first_step']:.1f}s (compile "
+        f"{summary['compile_seconds']:.1f}s), mean step {summary['mean_step_seconds'] * 1e3:.2f} ms, data wait "
+        f"{summary['data_wait_seconds']:.2f}s, checkpoint blocking {summary['checkpoint_blocking_seconds']:.2f}s; "
+        f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}; loop: dispatch {summary['loop_dispatch']:.0%}, "
+        f"waiting for data {summary['loop_data_wait']:.0%}, for the device {summary['loop_device_wait']:.0%}, "
+        f"other {other:.0%}{profile}"
+    )

@@ -1,4 +1,5 @@
 """SIGTERM → save and stop: noticing the signal, and agreeing on the step across processes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,14 +16,16 @@ class Preempted(Exception):
 
     def __init__(self, step: int, signum: int = signal.SIGTERM):
         name = signal.Signals(signum).name
-        super().__init__(f"{'preempted' if signum == signal.SIGTERM else 'stopped'} by {name}: saved a checkpoint "
-                         f"at step {step}; re-run the same command to resume")
+        super().__init__(
+            f"{'preempted' if signum == signal.SIGTERM else 'stopped'} by {name}: saved a checkpoint "
+            f"at step {step}; re-run the same command to resume"
+        )
         self.step, self.exit_code = step, 128 + int(signum)
 
 
 _noted: list[int] = []  # signals that arrived before the training loop watched for them
 _startup_handlers: dict = {}
-_startup = {"phase": None, "cleanups": []}  # what start-up is doing; what to undo if it ends there
+_startup: dict = {"phase": None, "cleanups": []}  # what start-up is doing; what to undo if it ends there
 
 
 def note_signals() -> None:

@@ -15,6 +15,7 @@ code (the Checkpointer, the trainer, a notebook importing the engine) changes no
   TPU chips: JAX would try it first and print libtpu's start-up errors. `plan` loads it
   through the topology API, which does not need the TPU backend.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,9 @@ def install(reader: bool = False) -> None:
         sys.stderr = _WithoutClosedLoopTracebacks(sys.stderr)
     sys.unraisablehook = _drop_orphaned_reads(sys.unraisablehook)
     # and the writes of a save cut short by a full disk, never started
-    warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host.*' was never awaited",
-                            category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"coroutine 'async_serialize_from_host.*' was never awaited", category=RuntimeWarning
+    )
 
 
 def _skip_absent_tpu() -> None:
@@ -86,18 +88,23 @@ def use_distributed_client_barriers() -> None:
     from engine.errors import UsageError
 
     if not has_distributed_client_barriers():
-        raise UsageError("checkpoint.staging=device with several processes needs an orbax-checkpoint with "
-                         "distributed-client barriers (0.12.8 has them); upgrade it or use checkpoint.staging=host")
+        raise UsageError(
+            "checkpoint.staging=device with several processes needs an orbax-checkpoint with "
+            "distributed-client barriers (0.12.8 has them); upgrade it or use checkpoint.staging=host"
+        )
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True  # type: ignore[assignment]
 
 
 def distributed_client_barriers_on() -> bool:
     from absl import flags
 
-    return ("experimental_orbax_use_distributed_barrier" in flags.FLAGS and flags.FLAGS.is_parsed()
-            and bool(flags.FLAGS.experimental_orbax_use_distributed_barrier))
+    return (
+        "experimental_orbax_use_distributed_barrier" in flags.FLAGS
+        and flags.FLAGS.is_parsed()
+        and bool(flags.FLAGS.experimental_orbax_use_distributed_barrier)
+    )
 
 
 def _count_cache_event(event: str, **kwargs) -> None:
@@ -128,8 +135,10 @@ class _DropOrphanedTaskErrors(logging.Filter):
         if message.startswith("Task exception was never retrieved"):
             return False
         # a save that failed on a full disk leaves orbax's other writes holding the same error
-        return not ("exception was never retrieved" in message.split("\n", 1)[0]
-                    and ("orbax" in message or any(fault in message for fault in STORAGE_TEXTS)))
+        return not (
+            "exception was never retrieved" in message.split("\n", 1)[0]
+            and ("orbax" in message or any(fault in message for fault in STORAGE_TEXTS))
+        )
 
 
 class _DropStorageFaultLogs(logging.Filter):

@@ -1,9 +1,11 @@
 """`launch.py report SWEEP_DIR_OR_WORKDIRS...`: runs ranked by a metric, as a console table,
 CSV and Markdown, and one PNG of every run's train and eval loss curves."""
+
 from __future__ import annotations
 
 import csv
 import importlib
+import os
 import threading
 from pathlib import Path
 
@@ -15,6 +17,7 @@ def preload() -> threading.Thread:
     """Imports matplotlib's figure and PNG writer on a background thread (0.7 s on a 2-core
     machine), so that a sweep's report, drawn once its runs end, finds them loaded: the sweep
     process only waits for its runs meanwhile."""
+
     def load() -> None:
         for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):  # backend_agg: the PNG writer
             importlib.import_module(module)
@@ -59,46 +62,68 @@ def _curves(workdir: Path, metric: str) -> dict[str, tuple[list[int], list[float
     return curves
 
 
-def report(paths: list[Path | str], metric: str | None = None, mode: str | None = None,
-           out: Path | str | None = None) -> list[dict]:
-    """Writes report.csv, report.md and report.png into `out`; prints and returns the ranked rows."""
-    paths = [Path(p) for p in paths]
-    sweep_meta = next((read_json(p / "sweep.json") or {} for p in paths if (p / "sweep.json").exists()), {})
+def report(
+    paths: list[Path | str], metric: str | None = None, mode: str | None = None, out: Path | str | None = None
+) -> list[dict]:
+    """Writes report.csv, report.md and report.png into `out` (default: the sweep directory, or the
+    directory holding the workdirs); prints and returns the ranked rows."""
+    folders = [Path(p) for p in paths]
+    sweep_meta = next((read_json(p / "sweep.json") or {} for p in folders if (p / "sweep.json").exists()), {})
     metric = metric or sweep_meta.get("metric", "eval/loss")
     mode = mode or sweep_meta.get("mode", "min")
-    out = Path(out) if out else (paths[0] if len(paths) == 1 and (paths[0] / "sweep.json").exists() else Path("."))
-    out.mkdir(parents=True, exist_ok=True)
+    place = (
+        Path(out)
+        if out
+        else (
+            folders[0]
+            if len(folders) == 1 and (folders[0] / "sweep.json").exists()
+            else Path(os.path.commonpath([p.absolute().parent for p in folders]))
+        )
+    )
+    place.mkdir(parents=True, exist_ok=True)
     rows = []
-    runs = _runs(paths)
+    runs = _runs(folders)
     available = sorted({key for _, workdir, _ in runs for key in final_metrics(workdir)})
     if runs and metric not in available:
         raise UsageError(f"--metric {metric} is in no run's metrics.jsonl; available: {', '.join(available)}")
     for name, workdir, status in runs:
         final = final_metrics(workdir)
-        rows.append({"run": name, "status": status, metric: final.get(metric),
-                     **{k: v for k, v in sorted(final.items()) if k != metric and k in _shown(final)}})
+        rows.append(
+            {
+                "run": name,
+                "status": status,
+                metric: final.get(metric),
+                **{k: v for k, v in sorted(final.items()) if k != metric and k in _shown(final)},
+            }
+        )
     ranked = sorted(rows, key=lambda r: (r[metric] is None, (r[metric] or 0) * (-1 if mode == "max" else 1)))
     for rank, row in enumerate(ranked, 1):
         row["rank"] = rank if row[metric] is not None else None
-    columns = ["rank", "run", "status", metric] + sorted({k for r in ranked for k in r} -
-                                                         {"rank", "run", "status", metric})
-    with open(out / "report.csv", "w", newline="") as f:
+    columns = ["rank", "run", "status", metric] + sorted(
+        {k for r in ranked for k in r} - {"rank", "run", "status", metric}
+    )
+    with open(place / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(ranked)
     cells = [[_cell(row.get(c)) for c in columns] for row in ranked]
-    (out / "report.md").write_text(_markdown(columns, cells, f"Runs ranked by {metric} ({mode})"))
+    (place / "report.md").write_text(_markdown(columns, cells, f"Runs ranked by {metric} ({mode})"))
     print(_console(columns, cells, f"runs ranked by {metric} ({mode}); best first"))
-    best = ranked[0]["run"] if ranked and ranked[0]["rank"] else None
-    _plot([(name, _curves(workdir, metric)) for name, workdir, _ in runs], out / "report.png", metric, best)
-    print(f"wrote {out / 'report.csv'}, {out / 'report.md'}, {out / 'report.png'}")
+    best = str(ranked[0]["run"]) if ranked and ranked[0]["rank"] else None
+    _plot([(name, _curves(workdir, metric)) for name, workdir, _ in runs], place / "report.png", metric, best)
+    print(f"wrote {place / 'report.csv'}, {place / 'report.md'}, {place / 'report.png'}")
     return ranked
 
 
 def _shown(final: dict) -> set[str]:
     """Columns worth a glance: eval metrics, train loss/accuracy, time to first step, compile time."""
-    keep = {"train/loss", "train/accuracy", "summary/time_to_first_step", "summary/compile_seconds",
-            "summary/compile_cache_hits"}
+    keep = {
+        "train/loss",
+        "train/accuracy",
+        "summary/time_to_first_step",
+        "summary/compile_seconds",
+        "summary/compile_cache_hits",
+    }
     return {k for k in final if k.startswith("eval/") or k in keep}
 
 
@@ -138,8 +163,15 @@ def _plot(curves: list[tuple[str, dict]], path: Path, metric: str, best: str | N
         for name, by_panel in curves:
             if panel in by_panel:
                 steps, values = by_panel[panel]
-                ax.plot(steps, values, marker="o" if len(steps) < 15 else None, markersize=3, label=name,
-                        linewidth=3 if name == best else 1, zorder=3 if name == best else 2)
+                ax.plot(
+                    steps,
+                    values,
+                    marker="o" if len(steps) < 15 else None,
+                    markersize=3,
+                    label=name,
+                    linewidth=3 if name == best else 1,
+                    zorder=3 if name == best else 2,
+                )
         ax.set_title(f"{panel} loss" if panel in ("train", "eval") else panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -154,6 +186,11 @@ def _plot(curves: list[tuple[str, dict]], path: Path, metric: str, best: str | N
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
     # fixed margins (inches over the figure's height): matplotlib's tight_layout measured every
     # label, 0.5 s of a sweep's report
-    fig.subplots_adjust(left=0.07 / len(panels) * 2, right=0.98, top=1 - 0.75 / height, wspace=0.25,
-                        bottom=(0.55 + legend_inches) / height)
+    fig.subplots_adjust(
+        left=0.07 / len(panels) * 2,
+        right=0.98,
+        top=1 - 0.75 / height,
+        wspace=0.25,
+        bottom=(0.55 + legend_inches) / height,
+    )
     fig.savefig(path, dpi=110)

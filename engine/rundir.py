@@ -4,6 +4,7 @@ Shared by the trainer, the evaluator, sweeps and reports; of the engine it impor
 its error type and a byte formatter. Files that readers may open at any moment are replaced whole (a temporary file,
 then `os.replace`), so nobody ever reads half of one.
 """
+
 from __future__ import annotations
 
 import errno
@@ -13,7 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TextIO
 
 from engine.errors import UsageError
 from engine.hlo import human_bytes
@@ -51,13 +52,21 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
-                  errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
-STORAGE_TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
-                 "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES}
+STORAGE_ERRNOS = {
+    errno.ENOSPC: "no space left",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
+STORAGE_TEXTS = {
+    "No space left on device": errno.ENOSPC,
+    "Disk quota exceeded": errno.EDQUOT,
+    "Read-only file system": errno.EROFS,
+    "Permission denied": errno.EACCES,
+}
 
 
-def storage_errno(error: BaseException, directory: Path) -> Optional[int]:
+def storage_errno(error: Optional[BaseException], directory: Path) -> Optional[int]:
     """The storage fault (ENOSPC, EDQUOT, EROFS, EACCES) behind `error` or the errors it came
     from, as Python's OSError or as the text of orbax's and tensorstore's wrapped errors, when
     it concerns a file under `directory` (an unreadable data file is not the workdir's fault)."""
@@ -86,11 +95,13 @@ def storage_error(workdir: Path, number: int, doing: str) -> StorageError:
         space = f"; {human_bytes(usage.free)} free of {human_bytes(usage.total)}"
     except OSError:
         space = ""
-    fix = ("free some space (or raise the quota) and re-run the same command: it resumes from the newest complete "
-           "checkpoint" if number in (errno.ENOSPC, errno.EDQUOT) else
-           "give a --workdir you can write to (or fix its permissions)")
+    fix = (
+        "free some space (or raise the quota) and re-run the same command: it resumes from the newest complete "
+        "checkpoint"
+        if number in (errno.ENOSPC, errno.EDQUOT)
+        else "give a --workdir you can write to (or fix its permissions)"
+    )
     return StorageError(f"cannot write to {workdir} while {doing}: {STORAGE_ERRNOS[number]}{space}; {fix}")
-
 
 
 def write_json(path: str | os.PathLike, record: dict) -> None:
@@ -113,8 +124,9 @@ def read_json(path: str | os.PathLike) -> Optional[dict]:
     if isinstance(value, dict):
         return value
     keep_aside(path, text)
-    _warn_once(path, text, f"warning: {path} is damaged (not a JSON object); ignored, its text kept in "
-                           f"{path.name}.damaged")
+    _warn_once(
+        path, text, f"warning: {path} is damaged (not a JSON object); ignored, its text kept in {path.name}.damaged"
+    )
     return None
 
 
@@ -225,8 +237,7 @@ def write_sums(directory: Path) -> None:
     them (so `cd DIR && sha256sum -c SHA256SUMS` checks them without this code)."""
     directory = Path(directory)
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SUMS)
-    write_atomic(directory / SUMS, "".join(f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n"
-                                           for p in files))
+    write_atomic(directory / SUMS, "".join(f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n" for p in files))
 
 
 def check_sums(directory: Path) -> Optional[str]:
@@ -251,8 +262,10 @@ class WorkdirBusy(UsageError):
     """Another training job holds the workdir (a UsageError: exit 2); `holder` says who."""
 
     def __init__(self, workdir: Path, holder: str):
-        super().__init__(f"{workdir} is in use by another training job ({holder}); wait for it to finish or stop "
-                         f"it, or give this run another --workdir")
+        super().__init__(
+            f"{workdir} is in use by another training job ({holder}); wait for it to finish or stop "
+            f"it, or give this run another --workdir"
+        )
         self.holder = holder
 
 
@@ -264,7 +277,7 @@ class WorkdirLock:
     def __init__(self, workdir: Path, wait_seconds: float = 3.0):
         self.path = Path(workdir) / ".lock"
         self.wait_seconds = wait_seconds  # rides out a reader's momentary probe (lock_holder)
-        self.handle = None
+        self.handle: Optional[TextIO] = None
 
     def __enter__(self) -> "WorkdirLock":
         import fcntl
@@ -287,8 +300,10 @@ class WorkdirLock:
                 raise WorkdirBusy(self.path.parent, holder) from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+        handle.write(
+            f"host {socket.gethostname()}, pid {os.getpid()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n"
+        )
         handle.flush()
         self.handle = handle
         return self

@@ -5,6 +5,7 @@ model → shardings → train state created already sharded → compiled steps.
 known only through its family's declaration (models/family.py); the jit and pmap backends
 differ only inside engine/backends.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,9 +20,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from contract.activations import ONE_STAGE, StagePlan
 from engine import sharding
-from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
 from engine.axes import CONFIG_AXES, AxisContext, check_axes
+from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
 from engine.config import Config
 from engine.data import Dataset, TrainBatches, example_spec, load_dataset
 from engine.errors import UsageError
@@ -30,8 +32,8 @@ from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.perf import StepCost, enable_compilation_cache, step_cost
 from engine.process import compile_cache_events
 from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step, split_variables
-from contract.activations import StagePlan
 from models import REGISTRY, ModelFamily
+
 
 @dataclass(frozen=True)
 class Model:
@@ -43,6 +45,7 @@ class Model:
 @dataclass(frozen=True)
 class Inputs:
     """Where the steps' batches come from."""
+
     train: TrainBatches  # step → this process's host batch
     eval_rows: Any  # positions in each eval batch this process loads
     eval_batch_size: int
@@ -103,13 +106,21 @@ def _resident_bytes(cfg: Config, dataset: Dataset, mesh: Mesh) -> int:
     placement = cfg.data.placement
     if placement == "host":
         return 0
-    why_not = ("its source reads examples from disk by index" if not isinstance(dataset.train, dict) else
-               "mesh.backend=pmap takes host batches" if cfg.mesh.backend == "pmap" else
-               "train.eager=true runs without jit" if cfg.train.eager else "")
+    why_not = (
+        "its source reads examples from disk by index"
+        if not isinstance(dataset.train, dict)
+        else "mesh.backend=pmap takes host batches"
+        if cfg.mesh.backend == "pmap"
+        else "train.eager=true runs without jit"
+        if cfg.train.eager
+        else ""
+    )
     if why_not:
         if placement == "device":
-            raise UsageError(f"data.placement=device: data.name={cfg.data.name} cannot live on the devices here "
-                             f"({why_not}); use data.placement=auto or host")
+            raise UsageError(
+                f"data.placement=device: data.name={cfg.data.name} cannot live on the devices here "
+                f"({why_not}); use data.placement=auto or host"
+            )
         return 0
     size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in dataset.train.values())
     if placement == "auto" and size > cfg.data.device_memory_fraction * device_memory_bytes(mesh):
@@ -121,26 +132,32 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
     """Batch-size and backend checks that need the mesh; returns the eval batch size."""
     want = family.task.data_kind
     if dataset.info.kind != want:
-        raise UsageError(f"model.name={cfg.model.name} needs {want} data but data.name={cfg.data.name} gives "
-                         f"{dataset.info.kind}; pick a matching data.name")
+        raise UsageError(
+            f"model.name={cfg.model.name} needs {want} data but data.name={cfg.data.name} gives "
+            f"{dataset.info.kind}; pick a matching data.name"
+        )
     if "segments" in example_spec(dataset.train) and not family.takes_packed_documents():
-        raise UsageError(f"data.packing=true gives packed documents, which model.name={cfg.model.name} cannot mask; "
-                         "set data.packing=false, or use a model that takes segment ids (llama, transformer)")
+        raise UsageError(
+            f"data.packing=true gives packed documents, which model.name={cfg.model.name} cannot mask; "
+            "set data.packing=false, or use a model that takes segment ids (llama, transformer)"
+        )
     check_axes(AxisContext(cfg, dict(mesh.shape), dataset.info, family))
     shards = sharding.batch_shards(mesh)
-    layout = (f"{'*'.join(sharding.BATCH_AXES)}={'*'.join(str(mesh.shape[a]) for a in sharding.BATCH_AXES)}"
-              f"={shards}")
+    layout = f"{'*'.join(sharding.BATCH_AXES)}={'*'.join(str(mesh.shape[a]) for a in sharding.BATCH_AXES)}={shards}"
     batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
     if batch % shards:
-        raise UsageError(f"train.global_batch_size={batch} is not divisible by {layout}; "
-                         f"use a multiple of {shards}")
+        raise UsageError(f"train.global_batch_size={batch} is not divisible by {layout}; use a multiple of {shards}")
     if (batch // accum) % shards:
-        raise UsageError(f"the microbatch train.global_batch_size / train.grad_accum_steps = {batch // accum} is not "
-                         f"divisible by {layout}; use a global batch that is a multiple of {shards * accum}")
+        raise UsageError(
+            f"the microbatch train.global_batch_size / train.grad_accum_steps = {batch // accum} is not "
+            f"divisible by {layout}; use a global batch that is a multiple of {shards * accum}"
+        )
     others = [a for a in CONFIG_AXES if a != "data"]
     if cfg.mesh.backend == "pmap" and any(mesh.shape[a] > 1 for a in others):
-        raise UsageError(f"mesh.backend=pmap is replicated data parallel only; set "
-                         f"{', '.join('mesh.' + a for a in others)} to 1, or use mesh.backend=jit")
+        raise UsageError(
+            f"mesh.backend=pmap is replicated data parallel only; set "
+            f"{', '.join('mesh.' + a for a in others)} to 1, or use mesh.backend=jit"
+        )
     eval_batch = cfg.eval.batch_size or batch
     if eval_batch % shards:
         raise UsageError(f"eval.batch_size={eval_batch} is not divisible by {layout}; use a multiple of {shards}")
@@ -151,9 +168,10 @@ def run_hparams(cfg: Config) -> dict:
     """The shape-independent numbers of a run, as float32 scalars the compiled programs take:
     the schedule's and the model family's (in the state's `hparams`), the optimizer's."""
     schedule = schedule_hparams(cfg.optimizer, cfg.train.steps)
-    schedule.update({name: np.float32(value) for name, value in REGISTRY[cfg.model.name].hparam_values(cfg.model).items()})
-    return {"schedule": schedule,
-            "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
+    schedule.update(
+        {name: np.float32(value) for name, value in REGISTRY[cfg.model.name].hparam_values(cfg.model).items()}
+    )
+    return {"schedule": schedule, "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
 
 
 def with_config_hparams(state: TrainState, cfg: Config) -> TrainState:
@@ -164,8 +182,10 @@ def with_config_hparams(state: TrainState, cfg: Config) -> TrainState:
         return jax.device_put(jnp.asarray(value, like.dtype), like.sharding)
 
     schedule = {k: put(v, state.hparams[k]) for k, v in hparams["schedule"].items()}
-    optimizer = {k: put(hparams["optimizer"].get(k, v), v) if k != "learning_rate" else v
-                 for k, v in state.opt_state.hyperparams.items()}
+    optimizer = {
+        k: put(hparams["optimizer"].get(k, v), v) if k != "learning_rate" else v
+        for k, v in state.opt_state.hyperparams.items()
+    }
     return state.replace(hparams=schedule, opt_state=state.opt_state._replace(hyperparams=optimizer))
 
 
@@ -173,8 +193,9 @@ def build_model(cfg: Config, info, pmap_axis: Optional[str] = None):
     """(family, flax module) of cfg.model; a model's ValueError is the user's (exit 2)."""
     family = REGISTRY[cfg.model.name]
     try:
-        module = family.build(cfg.model, info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype),
-                              pmap_axis)
+        module = family.build(
+            cfg.model, info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype), pmap_axis
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     return family, module
@@ -183,9 +204,11 @@ def build_model(cfg: Config, info, pmap_axis: Optional[str] = None):
 def _fit_cpu_step_loop(cfg: Config, family) -> None:
     """One step per call for the families whose steps XLA:CPU runs slowly in a device loop."""
     if cfg.train.steps_per_call > 1 and not family.loops_fast_on_cpu() and jax.default_backend() == "cpu":
-        print(f"note: train.steps_per_call={cfg.train.steps_per_call} runs 1 step per call: on CPU, XLA runs "
-              f"model.name={cfg.model.name}'s convolutions several times slower inside a multi-step call",
-              file=sys.stderr)
+        print(
+            f"note: train.steps_per_call={cfg.train.steps_per_call} runs 1 step per call: on CPU, XLA runs "
+            f"model.name={cfg.model.name}'s convolutions several times slower inside a multi-step call",
+            file=sys.stderr,
+        )
         cfg.train.steps_per_call = 1
 
 
@@ -193,6 +216,7 @@ def _fit_cpu_step_loop(cfg: Config, family) -> None:
 class Plan:
     """A run up to its compiled programs: what build_run compiles, and what a vectorised group
     of runs (engine/vectorize.py) compiles with a trial axis."""
+
     mesh: Mesh
     dataset: Dataset
     family: ModelFamily
@@ -203,7 +227,7 @@ class Plan:
     eval_step: Callable  # (state, batch) → metric sums, not compiled
     shapes: Shapes
     resident_bytes: int  # >0: the train split lives on the devices (data.placement)
-    stages: StagePlan = StagePlan()  # how the model's layer stack runs as a pipeline (one stage: not)
+    stages: StagePlan = ONE_STAGE  # how the model's layer stack runs as a pipeline (one stage: not)
 
 
 def plan_run(cfg: Config, mesh: Optional[Mesh] = None) -> Plan:
@@ -221,18 +245,36 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None) -> Plan:
     loss_fn = make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources))
     resident_bytes = _resident_bytes(cfg, dataset, mesh)
     steps = block_steps(cfg, resident=resident_bytes > 0)
-    train_step = make_block_step(make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps,
-                                                 pmap_axis), steps, cfg.train.steps_per_call, resident_bytes > 0)
-    shapes = Shapes(state.abstract, state.shardings, example_spec(dataset.train), cfg.train.global_batch_size, steps,
-                    eval_batch_size, resident=resident_bytes > 0)
-    return Plan(mesh, dataset, family, module, tx, state, train_step, make_eval_step(loss_fn, pmap_axis), shapes,
-                resident_bytes)
+    train_step = make_block_step(
+        make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, pmap_axis),
+        steps,
+        cfg.train.steps_per_call,
+        resident_bytes > 0,
+    )
+    shapes = Shapes(
+        state.abstract,
+        state.shardings,
+        example_spec(dataset.train),
+        cfg.train.global_batch_size,
+        steps,
+        eval_batch_size,
+        resident=resident_bytes > 0,
+    )
+    return Plan(
+        mesh, dataset, family, module, tx, state, train_step, make_eval_step(loss_fn, pmap_axis), shapes, resident_bytes
+    )
 
 
 def train_batches(cfg: Config, plan: Plan, rows: np.ndarray) -> TrainBatches:
     """The run's host batches (this process's `rows` of each), in the run's data order."""
-    return TrainBatches(plan.dataset.train, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle, rows,
-                        indices_only=plan.resident_bytes > 0)
+    return TrainBatches(
+        plan.dataset.train,
+        cfg.train.global_batch_size,
+        cfg.seed,
+        cfg.data.shuffle,
+        rows,
+        indices_only=plan.resident_bytes > 0,
+    )
 
 
 def build_run(cfg: Config, compile_train: bool = True) -> Run:
@@ -243,21 +285,40 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     plan = plan_run(cfg)
     mesh, shapes = plan.mesh, plan.shapes
     compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
-    compiled = compile_fn(mesh, shapes, plan.train_step if compile_train else None, plan.eval_step,
-                          eager=cfg.train.eager, stages=plan.stages)
-    inputs = Inputs(train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),
-                    eval_rows=compiled.rows(shapes.eval_batch), eval_batch_size=shapes.eval_batch,
-                    steps_per_block=shapes.steps_per_block, steps_per_call=cfg.train.steps_per_call,
-                    resident_bytes=plan.resident_bytes)
-    cost = step_cost(cfg, plan.family, plan.module, plan.dataset, plan.tx, plan.state.abstract, mesh.size,
-                     compiled.program)
-    return Run(cfg=cfg, mesh=mesh, dataset=plan.dataset, model=Model(plan.family, plan.module,
-                                                                      plan.state.param_layouts),
-               abstract_state=plan.state.abstract, init_state=plan.state.create, compiled=compiled, inputs=inputs,
-               cost=cost, compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
-               # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
-               # before the first has finished; accelerators keep asynchronous dispatch.
-               sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1)
+    compiled = compile_fn(
+        mesh,
+        shapes,
+        plan.train_step if compile_train else None,
+        plan.eval_step,
+        eager=cfg.train.eager,
+        stages=plan.stages,
+    )
+    inputs = Inputs(
+        train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),
+        eval_rows=compiled.rows(shapes.eval_batch),
+        eval_batch_size=shapes.eval_batch,
+        steps_per_block=shapes.steps_per_block,
+        steps_per_call=cfg.train.steps_per_call,
+        resident_bytes=plan.resident_bytes,
+    )
+    cost = step_cost(
+        cfg, plan.family, plan.module, plan.dataset, plan.tx, plan.state.abstract, mesh.size, compiled.program
+    )
+    return Run(
+        cfg=cfg,
+        mesh=mesh,
+        dataset=plan.dataset,
+        model=Model(plan.family, plan.module, plan.state.param_layouts),
+        abstract_state=plan.state.abstract,
+        init_state=plan.state.create,
+        compiled=compiled,
+        inputs=inputs,
+        cost=cost,
+        compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
+        # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
+        # before the first has finished; accelerators keep asynchronous dispatch.
+        sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
+    )
 
 
 @dataclass(frozen=True)
@@ -280,29 +341,45 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
         variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
         params, variables = split_variables(sharding.unbox(variables))
         opt_state = tx.init(params)
-        opt_state = opt_state._replace(hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype)
-                                                    for k, v in opt_state.hyperparams.items()})
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=variables, opt_state=opt_state,
-                          rng=jax.random.key_data(train_key), hparams=hparams["schedule"])
+        opt_state = opt_state._replace(
+            hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype) for k, v in opt_state.hyperparams.items()}
+        )
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            model_state=variables,
+            opt_state=opt_state,
+            rng=jax.random.key_data(train_key),
+            hparams=hparams["schedule"],
+        )
 
     # Shapes first, no allocation: the logical axes on the abstract parameters give the layout.
-    abstract_vars = jax.eval_shape(lambda: module.init({"params": jax.random.key(0), "dropout": jax.random.key(0)},
-                                                       sample, train=False))
+    abstract_vars = jax.eval_shape(
+        lambda: module.init({"params": jax.random.key(0), "dropout": jax.random.key(0)}, sample, train=False)
+    )
     param_layouts = sharding.layouts(abstract_vars["params"], cfg.mesh.rules, mesh)
     replicated = sharding.replicated(mesh)
     param_shardings = sharding.tree_shardings(abstract_vars["params"], param_layouts, mesh)
     abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                                          transform_non_params=lambda _: replicated)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated
+    )
     model_state = split_variables(sharding.unbox(abstract_vars))[1]
     hparams = run_hparams(cfg)
-    shardings = TrainState(step=replicated, params=param_shardings,
-                           model_state=jax.tree.map(lambda _: replicated, model_state),
-                           opt_state=opt_shardings, rng=replicated,
-                           hparams=jax.tree.map(lambda _: replicated, hparams["schedule"]))
+    shardings = TrainState(
+        step=replicated,
+        params=param_shardings,
+        model_state=jax.tree.map(lambda _: replicated, model_state),
+        opt_state=opt_shardings,
+        rng=replicated,
+        hparams=jax.tree.map(lambda _: replicated, hparams["schedule"]),
+    )
     seed = np.int32(cfg.seed)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            jax.eval_shape(init_state, seed, hparams), shardings)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(init_state, seed, hparams),
+        shardings,
+    )
     # Created inside jit with output shardings: no device ever holds the whole state.
     create = jax.jit(init_state, out_shardings=shardings)
     return _StatePlan(abstract, shardings, param_layouts, lambda: create(seed, hparams), init_state)

@@ -6,6 +6,7 @@ by the parameter, has more than one device, and divides the dimension wins. A di
 that no rule can shard is replicated, except that a tensor-parallel axis named by the
 rules must divide: silently replicating it would change the memory plan the user asked for.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,9 @@ def path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def resolve_spec(name: str, shape: tuple[int, ...], logical: tuple[Optional[str], ...],
-                 rules: dict[str, list[str]], mesh: Mesh) -> PartitionSpec:
+def resolve_spec(
+    name: str, shape: tuple[int, ...], logical: tuple[Optional[str], ...], rules: dict[str, list[str]], mesh: Mesh
+) -> PartitionSpec:
     """The PartitionSpec of one parameter under the rules (see the module docstring)."""
     used: set[str] = set()
     spec = []
@@ -53,7 +55,9 @@ def resolve_spec(name: str, shape: tuple[int, ...], logical: tuple[Optional[str]
                 if mesh_axis in STRICT_AXES and axis_name not in LENIENT_LOGICAL:
                     raise UsageError(
                         f"parameter {name} {tuple(shape)}: its '{axis_name}' dimension of {dim} is not divisible by "
-                        f"mesh.{mesh_axis}={size}; choose a mesh.{mesh_axis} that divides {dim}, or change the model size")
+                        f"mesh.{mesh_axis}={size}; choose a mesh.{mesh_axis} that divides {dim}, "
+                        "or change the model size"
+                    )
                 continue
             chosen = mesh_axis
             break
@@ -104,8 +108,11 @@ def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], 
             axes = tuple(a for a in (BATCH_AXES if name == "batch" else expert_batch_axes()) if mesh.shape[a] > 1)
             size = int(np.prod([mesh.shape[a] for a in axes]))
             spec.append(axes if axes and dim % size == 0 else None)
-        elif name in ACTIVATION_AXES and mesh.shape[ACTIVATION_AXES[name]] > 1 and \
-                dim % mesh.shape[ACTIVATION_AXES[name]] == 0:
+        elif (
+            name in ACTIVATION_AXES
+            and mesh.shape[ACTIVATION_AXES[name]] > 1
+            and dim % mesh.shape[ACTIVATION_AXES[name]] == 0
+        ):
             spec.append(ACTIVATION_AXES[name])
         else:
             spec.append(None)
@@ -121,8 +128,9 @@ class ActivationLayout:
         self.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}
 
     def __call__(self, x, logical):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, activation_spec(x.shape, logical,
-                                                                                             self.mesh)))
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, activation_spec(x.shape, logical, self.mesh))
+        )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -140,5 +148,4 @@ def batch_shards(mesh: Mesh) -> int:
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard)."""
-    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(tree))
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))

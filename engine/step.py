@@ -1,7 +1,8 @@
 """The pure train and eval steps. Nothing here knows about files, logging or meshes."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import flax
 import flax.linen as nn
@@ -14,12 +15,18 @@ from engine.optim import learning_rate_at
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    """The whole train state, one pytree (its leaves: arrays, or their shapes or shardings)."""
+
+    step: Any  # int32 scalar: optimizer steps taken
     params: Any
     model_state: Any  # non-parameter collections, e.g. {"batch_stats": ...}
     opt_state: Any  # optax.inject_hyperparams state: optimizer numbers are arrays, not constants
-    rng: jax.Array  # uint32 key data; the step's key is fold_in(rng, step)
+    rng: Any  # uint32 key data; the step's key is fold_in(rng, step)
     hparams: Any  # schedule numbers (optim.schedule_hparams) and the model family's hparams: step inputs
+
+    if TYPE_CHECKING:
+
+        def replace(self, **changes) -> TrainState: ...  # (flax.struct.dataclass makes it)
 
 
 def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), num_sources: int = 0) -> Callable:
@@ -46,9 +53,16 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
         variables = {"params": params, **model_state}
         mutable = [*(model_state if train else ()), AUX_COLLECTION]
         model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
-        out, collections = module.apply(variables, inputs, train=train, example_ids=batch.get("example_id"),
-                                        rngs={"dropout": rng} if train else None, mutable=mutable,
-                                        **model_hparams, **extra)
+        out, collections = module.apply(
+            variables,
+            inputs,
+            train=train,
+            example_ids=batch.get("example_id"),
+            rngs={"dropout": rng} if train else None,
+            mutable=mutable,
+            **model_hparams,
+            **extra,
+        )
         new_model_state = split_variables(collections)[1] if train else model_state
         aux = _aux_totals(collections.get(AUX_COLLECTION, {}))
         losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
@@ -58,8 +72,14 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
         # aux_loss (weighted by count, as the loss is, so microbatches and devices add up): the
         # model's own terms of the objective (a mixture of experts' load balancing); routed and
         # dropped: its token-to-expert assignments and those over an expert's capacity
-        metrics = {"loss_sum": loss_sum, "correct": correct, "count": count, "aux_loss": aux["aux_loss"] * count,
-                   "routed": aux["routed"], "dropped": aux["dropped"]}
+        metrics = {
+            "loss_sum": loss_sum,
+            "correct": correct,
+            "count": count,
+            "aux_loss": aux["aux_loss"] * count,
+            "routed": aux["routed"],
+            "dropped": aux["dropped"],
+        }
         if num_sources and train and "source" in batch:
             per_row = jnp.sum(weights.reshape(weights.shape[0], -1), axis=1)
             metrics["source_tokens"] = jax.ops.segment_sum(per_row, batch["source"], num_segments=num_sources)
@@ -72,7 +92,7 @@ AUX_COLLECTION = "aux"  # what a model sows while it runs (models/llama.py's MoE
 AUX = ("aux_loss", "routed", "dropped")  # the values models may sow there
 
 
-def split_variables(variables: dict) -> tuple[Any, dict]:
+def split_variables(variables: Mapping) -> tuple[Any, dict]:
     """A module's variables → (params, model state): the other collections but the sown ones."""
     state = {k: v for k, v in variables.items() if k not in ("params", AUX_COLLECTION)}
     return variables.get("params"), state
@@ -96,8 +116,13 @@ def _example_ids(batch, axis_name: Optional[str]) -> jax.Array:
     return ids
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedule: str,
-                    grad_accum_steps: int = 1, axis_name: Optional[str] = None) -> Callable:
+def make_train_step(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    schedule: str,
+    grad_accum_steps: int = 1,
+    axis_name: Optional[str] = None,
+) -> Callable:
     """train_step(state, batch) → (state, metrics); pure, so jit, pmap and eager all run it."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -105,19 +130,22 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = dict(batch, example_id=_example_ids(batch, axis_name))
         if grad_accum_steps == 1:
-            (_, (metrics, model_state)), grads = grad_fn(state.params, state.model_state, batch, rng, True,
-                                                         state.hparams)
+            (_, (metrics, model_state)), grads = grad_fn(
+                state.params, state.model_state, batch, rng, True, state.hparams
+            )
         else:
             # Microbatch k takes rows k, k + n, k + 2n, … (n = grad_accum_steps): each device keeps
             # its own rows, so splitting a batch sharded on dim 0 needs no communication.
             micro = jax.tree.map(
                 lambda x: x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]).swapaxes(0, 1),
-                batch)
+                batch,
+            )
 
             def accumulate(carry, microbatch):
                 grad_sum, model_state = carry
-                (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, microbatch, rng, True,
-                                                             state.hparams)
+                (_, (metrics, model_state)), grads = grad_fn(
+                    state.params, model_state, microbatch, rng, True, state.hparams
+                )
                 # weighted by the microbatch's counted targets: the sum is the gradient of the
                 # whole batch's loss sum, also when microbatches count different numbers of
                 # targets (packed documents, padding)
@@ -133,7 +161,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, schedul
             metrics = jax.lax.psum(metrics, axis_name)
             model_state = jax.lax.pmean(model_state, axis_name)
         learning_rate = learning_rate_at(schedule, state.step, state.hparams)
-        opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate})
+        opt_state = state.opt_state._replace(
+            hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate}
+        )
         updates, new_opt_state = tx.update(grads, opt_state, state.params)
         # the state keeps its dtypes (float32 hyperparameters would promote bfloat16 moments)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
@@ -155,9 +185,9 @@ def unpack_metrics(packed) -> list[dict]:
     one dict per step."""
     steps = []
     for row in packed:
-        metrics = dict(zip(TRAIN_METRICS, map(float, row)))
+        metrics: dict[str, Any] = dict(zip(TRAIN_METRICS, map(float, row)))
         if len(row) > len(TRAIN_METRICS):
-            metrics["source_tokens"] = [float(v) for v in row[len(TRAIN_METRICS):]]
+            metrics["source_tokens"] = [float(v) for v in row[len(TRAIN_METRICS) :]]
         steps.append(metrics)
     return steps
 

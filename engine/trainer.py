@@ -1,5 +1,6 @@
 """A run alone: claims its workdir, builds (compiles) the run, restores, and lets the loop
 (engine/loop.py) train it as a `Job` whose logs, evaluations and saves are its workdir's."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,7 @@ from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
 from engine.judge import Judged
-from engine.loop import (NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses,
-                         train_record)
+from engine.loop import NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, summary_text
 from engine.preemption import Preempted, starting
@@ -51,16 +51,29 @@ def fit(cfg: Config, run: Optional[Run] = None, started: Optional[float] = None)
 class RunJob:
     """The loop's Job for a run alone; process 0 writes the records, every process saves."""
 
-    def __init__(self, cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWriter, result: FitResult,
-                 start: int):
+    def __init__(
+        self, cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWriter, result: FitResult, start: int
+    ):
         self.cfg, self.run, self.checkpointer, self.writer, self.result, self.start = (
-            cfg, run, checkpointer, writer, result, start)
+            cfg,
+            run,
+            checkpointer,
+            writer,
+            result,
+            start,
+        )
         self.workdir = Path(cfg.workdir)
         self.steps_per_block, self.steps_per_call = run.inputs.steps_per_block, run.inputs.steps_per_call
         self.sync_each_step = run.sync_each_step
         tokens = cfg.train.global_batch_size * run.model.family.task.tokens_per_example(run.dataset.info)
-        self.rates = Throughput(run.cost, cfg.train.global_batch_size, tokens, run.mesh.devices.flat[0],
-                                cfg.train.compute_dtype, run.compile_cache)
+        self.rates = Throughput(
+            run.cost,
+            cfg.train.global_batch_size,
+            tokens,
+            run.mesh.devices.flat[0],
+            cfg.train.compute_dtype,
+            run.compile_cache,
+        )
         self.config_text = to_yaml(cfg)  # once: it takes ~0.1 s
 
     def block(self, index: int):
@@ -88,8 +101,12 @@ class RunJob:
             self.writer.message(f"warning: {problem}")
 
     def save(self, step: int, state, window: Window) -> None:
-        meta = {"step": step, "data": {"next_step": step, "seed": self.cfg.seed}, "config": self.config_text,
-                "window": window.carried()}
+        meta = {
+            "step": step,
+            "data": {"next_step": step, "seed": self.cfg.seed},
+            "config": self.config_text,
+            "window": window.carried(),
+        }
         self.checkpointer.save(step, self.run.compiled.from_step_layout(state), meta)
 
     def wait(self) -> None:
@@ -110,8 +127,15 @@ class RunJob:
         return False
 
 
-def _open(cfg: Config, run: Optional[Run], started: Optional[float], result: FitResult,
-          closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
+def _open(
+    cfg: Config,
+    run: Optional[Run],
+    started: Optional[float],
+    result: FitResult,
+    closing: contextlib.ExitStack,
+    watchdog: Watchdog,
+    goodput: Goodput,
+) -> Started:
     """Claims the workdir, builds (compiles) the run, restores. A SIGTERM or SIGINT meanwhile ends
     the process at once (launched from the command line: engine.preemption.note_signals);
     there is nothing new to save."""
@@ -124,9 +148,17 @@ def _open(cfg: Config, run: Optional[Run], started: Optional[float], result: Fit
         goodput.compile_seconds = run.compiled.compile_seconds
     if is_chief:
         write_run_files(cfg, run.dataset.info, workdir)
-    checkpointer = closing.enter_context(contextlib.closing(Checkpointer(
-        workdir / "checkpoints", cfg.checkpoint.keep, timeout_seconds=cfg.distributed.barrier_timeout,
-        staging=cfg.checkpoint.staging, verify=cfg.checkpoint.verify)))
+    checkpointer = closing.enter_context(
+        contextlib.closing(
+            Checkpointer(
+                workdir / "checkpoints",
+                cfg.checkpoint.keep,
+                timeout_seconds=cfg.distributed.barrier_timeout,
+                staging=cfg.checkpoint.staging,
+                verify=cfg.checkpoint.verify,
+            )
+        )
+    )
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, checkpointer)
@@ -134,14 +166,29 @@ def _open(cfg: Config, run: Optional[Run], started: Optional[float], result: Fit
     barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # every process starts from one checkpoint
     if is_chief:
         goodput.redone_steps = drop_records_after(workdir / METRICS, start)
-    writer = closing.enter_context(contextlib.closing(MetricWriter(
-        workdir, enabled=is_chief, total_steps=cfg.train.steps, start_step=start, progress=cfg.log.progress,
-        tensorboard=cfg.log.tensorboard, judged=Judged.from_env() if is_chief else None)))
-    window = Window.resumed(start, meta.get("window"),  # the log window a checkpoint cut in two
-                            len(TRAIN_METRICS) + len(run.dataset.info.sources))
+    writer = closing.enter_context(
+        contextlib.closing(
+            MetricWriter(
+                workdir,
+                enabled=is_chief,
+                total_steps=cfg.train.steps,
+                start_step=start,
+                progress=cfg.log.progress,
+                tensorboard=cfg.log.tensorboard,
+                judged=Judged.from_env() if is_chief else None,
+            )
+        )
+    )
+    window = Window.resumed(
+        start,
+        meta.get("window"),  # the log window a checkpoint cut in two
+        len(TRAIN_METRICS) + len(run.dataset.info.sources),
+    )
     if run.inputs.resident_bytes and start < cfg.train.steps:
-        writer.message(f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
-                       f"(data.placement={cfg.data.placement}); each step gathers its rows on the device")
+        writer.message(
+            f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
+            f"(data.placement={cfg.data.placement}); each step gathers its rows on the device"
+        )
     return Started(RunJob(cfg, run, checkpointer, writer, result, start), state, start, window)
 
 
@@ -158,8 +205,9 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     cfg = run.cfg
     restored = checkpointer.restore(run.abstract_state)
     if restored is None and cfg.checkpoint.restore_from:
-        source = Checkpointer(cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True,
-                              verify=cfg.checkpoint.verify)
+        source = Checkpointer(
+            cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify
+        )
         if cfg.checkpoint.restore_mode == "params":
             params, _ = source.restore_params(run.abstract_state.params)
             return run.init_state().replace(params=params), 0, {}
@@ -169,8 +217,10 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
     if start % run.inputs.steps_per_call:
         per_call = run.inputs.steps_per_call
-        raise UsageError(f"the run resumes at step {start}, which is not a multiple of train.steps_per_call="
-                         f"{per_call}; set train.steps_per_call to a divisor of {start} (e.g. 1) for this run")
+        raise UsageError(
+            f"the run resumes at step {start}, which is not a multiple of train.steps_per_call="
+            f"{per_call}; set train.steps_per_call to a divisor of {start} (e.g. 1) for this run"
+        )
     return state, start, meta
 
 
@@ -187,6 +237,7 @@ def claim(workdir: Path, closing: contextlib.ExitStack) -> None:
             raise
         raise storage_error(workdir, number, "claiming the workdir") from None
     if created:
+
         def unused() -> None:
             if [p.name for p in workdir.iterdir()] == [".lock"]:
                 shutil.rmtree(workdir)

@@ -15,6 +15,7 @@ Each trial keeps what a run has: its own workdir, config.yaml, metrics.jsonl, Te
 events and checkpoints (ordinary checkpoints of one run: `launch.py train` resumes them
 alone too). A trial whose loss becomes NaN stops alone; the others go on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,9 @@ def group_mesh(cfg: Config, trials: int) -> Mesh:
     """The devices as a mesh with a trial axis: the most trials side by side that divide both
     the trials and the devices while each trial's share still takes the config's mesh."""
     count = num_devices(cfg.mesh)
-    for split in sorted((d for d in range(1, math.gcd(count, trials) + 1) if count % d == 0 == trials % d),
-                        reverse=True):
+    for split in sorted(
+        (d for d in range(1, math.gcd(count, trials) + 1) if count % d == 0 == trials % d), reverse=True
+    ):
         try:
             sizes = mesh_shape(cfg.mesh, count // split)
         except UsageError:
@@ -65,6 +67,7 @@ def stack(trees: list):
 @dataclass
 class Group:
     """K runs of one compiled program: the vmapped steps and their inputs."""
+
     cfgs: list[Config]
     plan: Plan  # the first run's plan, on the group's mesh
     mesh: Mesh
@@ -91,8 +94,9 @@ class Group:
 
     def stack_states(self, states: list):
         """Single-run states (a restore) → the group's stacked state."""
-        return jax.jit(lambda *s: jax.tree.map(lambda *x: jax.numpy.stack(x), *s),
-                       out_shardings=self.trial_shardings)(*states)
+        return jax.jit(lambda *s: jax.tree.map(lambda *x: jax.numpy.stack(x), *s), out_shardings=self.trial_shardings)(
+            *states
+        )
 
     def take(self, states, index: int):
         """Trial `index`'s state (for a save), laid out as a run alone would be on the devices
@@ -104,15 +108,18 @@ class Group:
 
     def _slot_shardings(self, slot: int):
         if slot not in self.slot_shardings:
-            devices = Mesh(self.mesh.devices[slot:slot + 1], MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-            self.slot_shardings[slot] = jax.tree.map(lambda s: NamedSharding(devices, s.spec),
-                                                     self.plan.state.shardings)
+            devices = Mesh(self.mesh.devices[slot : slot + 1], MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+            self.slot_shardings[slot] = jax.tree.map(
+                lambda s: NamedSharding(devices, s.spec), self.plan.state.shardings
+            )
         return self.slot_shardings[slot]
 
     @functools.cached_property
     def _take(self):  # one compiled program for every trial: the index is an argument
-        return jax.jit(lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
-                       out_shardings=self.plan.state.shardings)
+        return jax.jit(
+            lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
+            out_shardings=self.plan.state.shardings,
+        )
 
 
 def _check_group(cfgs: list[Config]) -> None:
@@ -122,8 +129,10 @@ def _check_group(cfgs: list[Config]) -> None:
         check_vectorizable(cfg, f"run {cfg.workdir}")
         differs = shape_differences(cfgs[0], cfg)
         if differs:
-            raise UsageError(f"runs {cfgs[0].workdir} and {cfg.workdir} differ in {', '.join(differs)}, which "
-                             "change the compiled program; they cannot be vectorised together")
+            raise UsageError(
+                f"runs {cfgs[0].workdir} and {cfg.workdir} differ in {', '.join(differs)}, which "
+                "change the compiled program; they cannot be vectorised together"
+            )
 
 
 def build_group(cfgs: list[Config]) -> Group:
@@ -132,22 +141,35 @@ def build_group(cfgs: list[Config]) -> Group:
     first, trials = cfgs[0], len(cfgs)
     mesh = group_mesh(first, trials)
     plan = plan_run(first, mesh)
-    trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)),
-                                   plan.state.shardings)
+    trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)), plan.state.shardings)
     shared = len({cfg.seed for cfg in cfgs}) == 1  # one data order
     rows = np.arange(first.train.global_batch_size)
     batches = [train_batches(cfg, plan, rows) for cfg in (cfgs[:1] if shared else cfgs)]
-    states = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
-                          plan.state.abstract, trial_shardings)
-    lead = {} if shared else {"block_lead": (trials,), "block_lead_axes": (TRIAL,)}
+    states = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s), plan.state.abstract, trial_shardings
+    )
+    lead: dict[str, Any] = {} if shared else {"block_lead": (trials,), "block_lead_axes": (TRIAL,)}
     shapes = dataclasses.replace(plan.shapes, state=states, state_shardings=trial_shardings, **lead)
     block_axes = None if shared else 0
-    step = jax.vmap(plan.train_step, in_axes=(0, (None, block_axes) if shapes.resident else block_axes),
-                    out_axes=(0, 1), spmd_axis_name=TRIAL)
+    step = jax.vmap(
+        plan.train_step,
+        in_axes=(0, (None, block_axes) if shapes.resident else block_axes),
+        out_axes=(0, 1),
+        spmd_axis_name=TRIAL,
+    )
     evaluate = jax.vmap(plan.eval_step, in_axes=(0, None), spmd_axis_name=TRIAL)
     compiled = compile_jit(mesh, shapes, step, evaluate, stages=plan.stages)
-    cost = step_cost(first, plan.family, plan.module, plan.dataset, plan.tx, plan.state.abstract, mesh.size,
-                     compiled.program, copies=trials)
+    cost = step_cost(
+        first,
+        plan.family,
+        plan.module,
+        plan.dataset,
+        plan.tx,
+        plan.state.abstract,
+        mesh.size,
+        compiled.program,
+        copies=trials,
+    )
     return Group(cfgs, plan, mesh, compiled, trial_shardings, batches, cost)
 
 
@@ -163,8 +185,11 @@ def program_bytes(program) -> int:
     """A compiled program's memory per device: arguments, outputs and temporaries, less what
     donation reuses (0 where the backend does not say)."""
     m = program.memory_analysis()
-    return 0 if m is None else (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                                - m.alias_size_in_bytes)
+    return (
+        0
+        if m is None
+        else (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    )
 
 
 def check_fits(group: Group) -> None:
@@ -179,15 +204,28 @@ def check_fits(group: Group) -> None:
         return
     need = max(program_bytes(group.compiled.program), program_bytes(group.compiled.eval_step))
     if group.cfgs[0].checkpoint.staging == "device":  # the saves take every trial's slice at once
-        need += per_device_bytes(jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
-            group.plan.state.abstract, group.trial_shardings))
+        need += per_device_bytes(
+            jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
+                group.plan.state.abstract,
+                group.trial_shardings,
+            )
+        )
     room = MEMORY_FRACTION * device_memory_bytes(group.mesh)
     if need <= room:
         return
     shared = group.plan.resident_bytes
     per_trial = max(need - shared, 1) * group.mesh.shape[TRIAL] / trials  # one trial's bytes on a device
-    fits = next((k for k in range(trials - 1, 1, -1)
-                 if shared + per_trial * k / group_mesh(group.cfgs[0], k).shape[TRIAL] <= room), 1)
-    raise TooBig(fits, f"the group of {trials} runs needs {human_bytes(need)} per device, more than "
-                       f"{MEMORY_FRACTION:.0%} of a device's {human_bytes(room / MEMORY_FRACTION)}")
+    fits = next(
+        (
+            k
+            for k in range(trials - 1, 1, -1)
+            if shared + per_trial * k / group_mesh(group.cfgs[0], k).shape[TRIAL] <= room
+        ),
+        1,
+    )
+    raise TooBig(
+        fits,
+        f"the group of {trials} runs needs {human_bytes(need)} per device, more than "
+        f"{MEMORY_FRACTION:.0%} of a device's {human_bytes(room / MEMORY_FRACTION)}",
+    )

@@ -9,6 +9,7 @@ data and compiling), `restore`, `step` (between two iterations of the training l
 arrive from the device count too (`watch`); phases nest (`with
 watchdog.phase("save"): ...`), and leaving one restarts the clock of the phase around it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,13 @@ from pathlib import Path
 
 from engine.errors import exit_now
 
-WHAT = {"compile": "loading data and compiling", "restore": "restoring a checkpoint", "step": "training (no step)",
-        "eval": "evaluating", "save": "saving a checkpoint"}
+WHAT = {
+    "compile": "loading data and compiling",
+    "restore": "restoring a checkpoint",
+    "step": "training (no step)",
+    "eval": "evaluating",
+    "save": "saving a checkpoint",
+}
 
 
 class Watchdog:
@@ -30,7 +36,8 @@ class Watchdog:
         self.limits, self.workdir, self.process_index = limits, Path(workdir), process_index
         self.who = who  # "evaluator": its stacks go to hang-evaluator-<time>.txt
         self.phases, self.since = ["compile"], time.monotonic()
-        self.in_flight, self.ready = [], 0
+        self.in_flight: list = []
+        self.ready = 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self.thread.start()
@@ -80,11 +87,16 @@ class Watchdog:
     def _hung(self, phase: str, waited: float, limit: int) -> None:
         """Every thread's stack to stderr and hang-<time>.txt, one line, exit 1."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = (f"hang-{self.who + '-' if self.who else ''}{stamp}"
-                + (f"-process{self.process_index}" if self.process_index else "") + ".txt")
-        headline = (f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
-                    f"process {self.process_index}, pid {os.getpid()}")
-        stderr = sys.__stderr__
+        name = (
+            f"hang-{self.who + '-' if self.who else ''}{stamp}"
+            + (f"-process{self.process_index}" if self.process_index else "")
+            + ".txt"
+        )
+        headline = (
+            f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
+            f"process {self.process_index}, pid {os.getpid()}"
+        )
+        stderr = sys.__stderr__ or sys.stderr
         stderr.write(f"{headline}\nevery thread's Python stack:\n")
         stderr.flush()
         faulthandler.dump_traceback(file=stderr, all_threads=True)
@@ -96,5 +108,8 @@ class Watchdog:
             where = str(self.workdir / name)
         except OSError as e:  # the stacks went to stderr above
             where = f"stderr only ({self.workdir / name}: {e.strerror})"
-        exit_now(f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), a stalled "
-                 f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow", 1)
+        exit_now(
+            f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), a stalled "
+            f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow",
+            1,
+        )

@@ -8,14 +8,20 @@ know of it (task, FLOPs, settings, hyperparameters); see docs/extending.md.
 so a config can be read and checked by a process that never builds a model (a sweep's);
 the families themselves (`REGISTRY` and the names below it) load on first use.
 """
+
 from __future__ import annotations
 
 import importlib
 
 from models.configs import CONFIGS, ModelError
 
-_LAZY = {"REGISTRY": "models.registry", "ModelFamily": "models.family", "Classification": "models.family",
-         "NextToken": "models.family", "Family": "models.family"}
+_LAZY = {
+    "REGISTRY": "models.registry",
+    "ModelFamily": "models.family",
+    "Classification": "models.family",
+    "NextToken": "models.family",
+    "Family": "models.family",
+}
 
 
 def __getattr__(name: str):

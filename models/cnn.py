@@ -1,4 +1,5 @@
 """A small CIFAR-10 style conv net: two conv/pool stages, then Dense → Dropout → Dense."""
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -12,8 +13,14 @@ from models.layers import Dropout, dense, param_init
 def conv(features: int, kernel: int, dtype, param_dtype, strides: int = 1, name=None, use_bias=True):
     """nn.Conv with logical names on kernel [h, w, in, out]."""
     return nn.Conv(
-        features, (kernel, kernel), strides=(strides, strides), padding="SAME", use_bias=use_bias,
-        dtype=dtype, param_dtype=param_dtype, name=name,
+        features,
+        (kernel, kernel),
+        strides=(strides, strides),
+        padding="SAME",
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        name=name,
         kernel_init=param_init(nn.initializers.he_normal(), (None, None, "conv_in", "conv_out")),
         bias_init=param_init(nn.initializers.zeros_init(), ("conv_out",)),
     )

@@ -11,6 +11,7 @@ docs/configuration.md from the meanings); `validate()` checks what relates field
 inputs and passes to the module call by name, so runs that differ only in them share one
 compiled program.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,11 @@ class ResNetConfig:
     name: str = option("resnet", "the model family")
     depth: int = option(18, "layers: 18 and 34 (basic blocks) or 50 (bottlenecks)", choices=(18, 34, 50))
     width: int = option(64, "channels of the first stage (doubles each stage)")
-    stem: str = option("auto", "cifar (3x3 conv, no pool), imagenet (7x7/2 conv + pool), or auto (by image size)",
-                       choices=("auto", "cifar", "imagenet"))
+    stem: str = option(
+        "auto",
+        "cifar (3x3 conv, no pool), imagenet (7x7/2 conv + pool), or auto (by image size)",
+        choices=("auto", "cifar", "imagenet"),
+    )
     bn_momentum: float = option(0.9, "decay of the running batch statistics")
 
     def validate(self):
@@ -83,12 +87,18 @@ class TransformerConfig:
     num_heads: int = option(4, "attention heads")
     mlp_dim: int = option(1024, "hidden width of each block's MLP")
     dropout_rate: float = option(0.1, "dropout rate")
-    remat: str = option("none", "activation rematerialisation per block: none, full or dots (keep matmul outputs)",
-                        choices=REMAT_NAMES)
-    attention: str = option("auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn",
-                            choices=ATTENTION_NAMES)
-    loss_chunk: int = option(0, ">0: the loss makes float32 logits for this many positions at a time (divides "
-                                "data.seq_len); 0: the whole sequence at once", at_least=0)
+    remat: str = option(
+        "none", "activation rematerialisation per block: none, full or dots (keep matmul outputs)", choices=REMAT_NAMES
+    )
+    attention: str = option(
+        "auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn", choices=ATTENTION_NAMES
+    )
+    loss_chunk: int = option(
+        0,
+        ">0: the loss makes float32 logits for this many positions at a time (divides "
+        "data.seq_len); 0: the whole sequence at once",
+        at_least=0,
+    )
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -119,26 +129,41 @@ class LlamaConfig:
     tie_embeddings: bool = option(False, "the output projection is the input embedding, transposed")
     qk_norm: bool = option(False, "RMSNorm of each query and key head before RoPE (Qwen3, OLMo-2)")
     scan_layers: bool = option(True, "layers under nn.scan: one compiled layer, parameters stacked on `layers`")
-    remat: str = option("none", "activation rematerialisation per layer: none, full or dots (keep matmul outputs)",
-                        choices=REMAT_NAMES)
-    attention: str = option("auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn",
-                            choices=ATTENTION_NAMES)
-    loss_chunk: int = option(0, ">0: the loss makes float32 logits for this many positions at a time (divides "
-                                "data.seq_len); 0: the whole sequence at once", at_least=0)
-    num_experts: int = option(0, "routed experts per mixture-of-experts layer (0 = a dense SwiGLU MLP in every "
-                                 "layer)", at_least=0)
+    remat: str = option(
+        "none", "activation rematerialisation per layer: none, full or dots (keep matmul outputs)", choices=REMAT_NAMES
+    )
+    attention: str = option(
+        "auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn", choices=ATTENTION_NAMES
+    )
+    loss_chunk: int = option(
+        0,
+        ">0: the loss makes float32 logits for this many positions at a time (divides "
+        "data.seq_len); 0: the whole sequence at once",
+        at_least=0,
+    )
+    num_experts: int = option(
+        0, "routed experts per mixture-of-experts layer (0 = a dense SwiGLU MLP in every layer)", at_least=0
+    )
     experts_per_token: int = option(2, "top-k: experts each token is sent to")
     moe_interval: int = option(1, "every k-th layer is MoE (layers k-1, 2k-1, ...); > 1 needs scan_layers=false")
     moe_mlp_dim: int = option(0, "hidden width of each expert (0 = mlp_dim)")
-    router: str = option("softmax", "the gate of each expert: softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)",
-                         choices=("softmax", "sigmoid"))
+    router: str = option(
+        "softmax",
+        "the gate of each expert: softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)",
+        choices=("softmax", "sigmoid"),
+    )
     shared_expert: bool = option(False, "a dense SwiGLU expert every token also goes through (DeepSeek, Qwen-MoE)")
-    expert_capacity_factor: float = option(1.25, "tokens each expert takes per sequence = factor * seq_len * "
-                                                 "experts_per_token / num_experts; the tokens beyond it skip the "
-                                                 "expert (counted in metrics.jsonl); 0 = dropless. Generation "
-                                                 "never drops", at_least=0)
-    router_aux_loss_coef: float = option(0.01, "weight of the load-balancing loss (Switch Transformer's) in the "
-                                               "objective", at_least=0)
+    expert_capacity_factor: float = option(
+        1.25,
+        "tokens each expert takes per sequence = factor * seq_len * "
+        "experts_per_token / num_experts; the tokens beyond it skip the "
+        "expert (counted in metrics.jsonl); 0 = dropless. Generation "
+        "never drops",
+        at_least=0,
+    )
+    router_aux_loss_coef: float = option(
+        0.01, "weight of the load-balancing loss (Switch Transformer's) in the objective", at_least=0
+    )
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -146,12 +171,16 @@ class LlamaConfig:
         if self.num_kv_heads < 0 or self.head_dim < 0 or self.vocab_size < 0:
             raise ModelError("model.num_kv_heads, head_dim and vocab_size must be 0 (automatic) or positive")
         if self.num_heads % self.kv_heads:
-            raise ModelError(f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
-                             f"{self.num_heads}; grouped-query attention shares each key/value head among an "
-                             f"equal number of query heads")
+            raise ModelError(
+                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
+                f"{self.num_heads}; grouped-query attention shares each key/value head among an "
+                f"equal number of query heads"
+            )
         if not self.head_dim and self.d_model % self.num_heads:
-            raise ModelError(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
-                             f"set model.head_dim or change one of them")
+            raise ModelError(
+                f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
+                f"set model.head_dim or change one of them"
+            )
         if self.head_width % 2:
             raise ModelError(f"the head width {self.head_width} must be even for rotary embeddings")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.rope_scaling_factor < 0:
@@ -164,13 +193,17 @@ class LlamaConfig:
         if not self.num_experts:
             return
         if not 0 < self.experts_per_token <= self.num_experts:
-            raise ModelError(f"model.experts_per_token={self.experts_per_token} must be between 1 and "
-                             f"model.num_experts={self.num_experts}")
+            raise ModelError(
+                f"model.experts_per_token={self.experts_per_token} must be between 1 and "
+                f"model.num_experts={self.num_experts}"
+            )
         if self.moe_interval < 1 or self.moe_mlp_dim < 0:
             raise ModelError("model.moe_interval must be 1 or more and model.moe_mlp_dim 0 or more")
         if self.moe_interval > 1 and self.scan_layers:
-            raise ModelError(f"model.moe_interval={self.moe_interval} mixes dense and MoE layers, which one scanned "
-                             f"layer cannot; set model.scan_layers=false")
+            raise ModelError(
+                f"model.moe_interval={self.moe_interval} mixes dense and MoE layers, which one scanned "
+                f"layer cannot; set model.scan_layers=false"
+            )
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (layer + 1) % self.moe_interval == 0

@@ -7,6 +7,7 @@ and overrides what it can do. Its config dataclass (the `model` section's keys, 
 
 Nothing here imports the engine; the engine reads these declarations and nothing else.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, runtime_checkable
@@ -69,8 +70,15 @@ class NextToken:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if "segments" not in batch:
             return inputs, targets, {"targets": targets}
-        return inputs, targets, {"targets": targets, "segment_ids": batch["segments"][:, :-1].astype(jnp.int32),
-                                 "positions": batch["positions"][:, :-1].astype(jnp.int32)}
+        return (
+            inputs,
+            targets,
+            {
+                "targets": targets,
+                "segment_ids": batch["segments"][:, :-1].astype(jnp.int32),
+                "positions": batch["positions"][:, :-1].astype(jnp.int32),
+            },
+        )
 
     def target_weights(self, batch):
         """Packed data: a target counts only within its input's document (not padding, not
@@ -86,6 +94,7 @@ class NextToken:
 
 class Task(Protocol):
     """What a batch holds and how the loss is made from it (Classification, NextToken)."""
+
     data_kind: str  # the DataInfo.kind it trains on
 
     def sample_input(self, info) -> Any: ...
@@ -99,12 +108,14 @@ class Task(Protocol):
 class Generate(Protocol):
     """New token ids after a prompt, with a key/value cache."""
 
-    def __call__(self, cfg, info, params, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
-                 seed: int, dtype) -> list[int]: ...
+    def __call__(
+        self, cfg, info, params, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int, dtype
+    ) -> list[int]: ...
 
 
 class HFLayout(Protocol):
     """The family in Hugging Face's layout (see models/llama_hf.py)."""
+
     ARCHITECTURES: tuple[str, ...]
 
     def config_from_hf(self, hf: dict) -> dict: ...
@@ -115,9 +126,19 @@ class HFLayout(Protocol):
 @runtime_checkable
 class ModelFamily(Protocol):
     """What the engine may ask of a model family."""
-    config_cls: type  # the `model` section's dataclass (models/configs.py)
-    task: Task
-    flops_formula: str  # flops_per_example in words, for the run summary ("" = none)
+
+    @property
+    def config_cls(self) -> type:
+        """The `model` section's dataclass (models/configs.py)."""
+        ...
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def flops_formula(self) -> str:
+        """flops_per_example in words, for the run summary ("" = none)."""
+        ...
 
     def build(self, cfg, info, dtype, param_dtype, batch_axis: Optional[str] = None) -> Any:
         """The flax module, called as module(inputs, train=..., example_ids=..., **hparams)."""
@@ -141,6 +162,7 @@ class ModelFamily(Protocol):
 
 class Family:
     """A ModelFamily whose capabilities all default to "not supported"; subclass and override."""
+
     config_cls: ClassVar[type]
     task: ClassVar[Task]
     flops_formula: ClassVar[str] = ""

@@ -1,6 +1,8 @@
-"""Layers shared by the models (activation layout hints are contract.activations's): parameter initialisers that carry logical axis names, and
-a dropout whose mask depends on each example's position in the global batch, not on how
-the batch is split over devices, microbatches or a pmap axis."""
+"""Layers shared by the models (activation layout hints are contract.activations's): parameter
+initialisers that carry logical axis names, and a dropout whose mask depends on each
+example's position in the global batch, not on how the batch is split over devices,
+microbatches or a pmap axis."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -53,8 +55,6 @@ class Dropout(nn.Module):
 
         mask = jax.vmap(row_mask)(example_ids)  # [batch, ...]
         return jnp.where(mask, x / keep, 0).astype(x.dtype)
-
-
 
 
 def _logits(x, kernel, dtype):
@@ -114,8 +114,9 @@ def _fused_forward(x, kernel, targets, dtype, chunk):
     if not chunk:
         losses, correct, lse, logits = _piece_forward(x, kernel, targets, dtype)
         return (losses, correct), (x, kernel, targets, lse, logits)
-    losses, correct, lse = jax.lax.map(lambda a: _piece_forward(a[0], kernel, a[1], dtype)[:3],
-                                       (_chunks(x, chunk), _chunks(targets, chunk)))
+    losses, correct, lse = jax.lax.map(
+        lambda a: _piece_forward(a[0], kernel, a[1], dtype)[:3], (_chunks(x, chunk), _chunks(targets, chunk))
+    )
     return (_unchunk(losses), _unchunk(correct)), (x, kernel, targets, _unchunk(lse), None)
 
 
@@ -132,8 +133,9 @@ def _fused_backward(dtype, chunk, residuals, cotangents):
         dx_c, dk_c = _piece_backward(x_c, kernel, t_c, dtype, lse_c, _logits(x_c, kernel, dtype), g_c)
         return dk + dk_c, dx_c
 
-    dk, dx = jax.lax.scan(piece, jnp.zeros(kernel.shape, jnp.float32),
-                          tuple(_chunks(a, chunk) for a in (x, targets, lse, g)))
+    dk, dx = jax.lax.scan(
+        piece, jnp.zeros(kernel.shape, jnp.float32), tuple(_chunks(a, chunk) for a in (x, targets, lse, g))
+    )
     return _unchunk(dx), dk.astype(kernel.dtype), no_grad
 
 
@@ -153,8 +155,12 @@ class LMHead(nn.Module):
     param_dtype: jnp.dtype
 
     def setup(self):
-        self.kernel = self.param("kernel", param_init(nn.initializers.lecun_normal(), ("embed", "vocab")),
-                                 (self.d_model, self.vocab_size), self.param_dtype)
+        self.kernel = self.param(
+            "kernel",
+            param_init(nn.initializers.lecun_normal(), ("embed", "vocab")),
+            (self.d_model, self.vocab_size),
+            self.param_dtype,
+        )
 
     def __call__(self, x):
         return jnp.einsum("...d,dv->...v", x.astype(self.dtype), self.kernel.astype(self.dtype))

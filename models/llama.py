@@ -18,6 +18,7 @@ the experts split over `mesh.expert` the dispatch and return are all-to-alls.
 `decode=True` runs with a key/value cache (the `cache` collection): a prompt fills it, then
 each call appends one position (see models/sampling.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,10 +27,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from contract.activations import activation_splits, constrain
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
 from models.family import Family, NextToken
-from contract.activations import activation_splits, constrain
 from models.layers import LMHead, fused_cross_entropy, param_init
 from models.transformer import REMAT_POLICIES
 
@@ -69,8 +70,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", param_init(nn.initializers.ones_init(), (self.axis_name,)), (x.shape[-1],),
-                           self.param_dtype)
+        scale = self.param(
+            "scale", param_init(nn.initializers.ones_init(), (self.axis_name,)), (x.shape[-1],), self.param_dtype
+        )
         x32 = x.astype(jnp.float32)  # the statistics in float32, as Hugging Face computes them
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return scale.astype(self.dtype) * normed.astype(self.dtype)
@@ -91,10 +93,15 @@ class Attention(nn.Module):
     def __call__(self, x, positions, segment_ids=None):
         cfg, width = self.cfg, self.cfg.head_width
         dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
-        q = nn.DenseGeneral((cfg.num_heads, width), kernel_init=_kernel(("embed", "heads", "kv")), name="query",
-                            **dense)(x)  # [batch, seq, heads, kv]
-        k, v = (nn.DenseGeneral((cfg.kv_heads, width), kernel_init=_kernel(("embed", "kv_heads", "kv")), name=name,
-                                **dense)(x) for name in ("key", "value"))  # [batch, seq, kv_heads, kv]
+        q = nn.DenseGeneral(
+            (cfg.num_heads, width), kernel_init=_kernel(("embed", "heads", "kv")), name="query", **dense
+        )(x)  # [batch, seq, heads, kv]
+        k, v = (
+            nn.DenseGeneral(
+                (cfg.kv_heads, width), kernel_init=_kernel(("embed", "kv_heads", "kv")), name=name, **dense
+            )(x)
+            for name in ("key", "value")
+        )  # [batch, seq, kv_heads, kv]
         if cfg.qk_norm:
             q = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="query_norm")(q)
             k = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="key_norm")(k)
@@ -115,11 +122,13 @@ class Attention(nn.Module):
             mask = constrain(mask, ("batch", "seq", None))
             y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
         else:  # cuDNN's kernel takes the whole sequence: XLA's under context parallelism
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                             implementation="xla" if context else self.implementation)
+            y = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="xla" if context else self.implementation
+            )
         y = constrain(y, ("batch", "seq", "heads", "kv"))
-        return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), kernel_init=_kernel(("heads", "kv", "embed")),
-                               name="out", **dense)(y)
+        return nn.DenseGeneral(
+            x.shape[-1], axis=(-2, -1), kernel_init=_kernel(("heads", "kv", "embed")), name="out", **dense
+        )(y)
 
     def _cached(self, k, v, positions):
         """Writes this call's keys and values into the cache at `positions` (contiguous from
@@ -138,6 +147,7 @@ class Attention(nn.Module):
 
 class SharedExpert(nn.Module):
     """A SwiGLU every token goes through beside its routed experts."""
+
     width: int
     dtype: jnp.dtype
     param_dtype: jnp.dtype
@@ -189,6 +199,7 @@ def route(cfg: LlamaConfig, logits, capacity: int):
 
 class MoE(nn.Module):
     """Routed SwiGLU experts (and an optional shared one) in place of the MLP."""
+
     cfg: LlamaConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
@@ -206,15 +217,20 @@ class MoE(nn.Module):
         self.sow("aux", "aux_loss", cfg.router_aux_loss_coef * balance)
         self.sow("aux", "routed", jnp.asarray(batch * seq * cfg.experts_per_token, jnp.float32))
         self.sow("aux", "dropped", dropped.astype(jnp.float32))
-        weight = {name: self.param(name, _kernel(axes), shape, self.param_dtype).astype(self.dtype)
-                  for name, axes, shape in (("gate", ("expert", "embed", "mlp"), (experts, width, hidden)),
-                                            ("up", ("expert", "embed", "mlp"), (experts, width, hidden)),
-                                            ("down", ("expert", "mlp", "embed"), (experts, hidden, width)))}
+        weight = {
+            name: self.param(name, _kernel(axes), shape, self.param_dtype).astype(self.dtype)
+            for name, axes, shape in (
+                ("gate", ("expert", "embed", "mlp"), (experts, width, hidden)),
+                ("up", ("expert", "embed", "mlp"), (experts, width, hidden)),
+                ("down", ("expert", "mlp", "embed"), (experts, hidden, width)),
+            )
+        }
         # tokens to their experts: with the experts split over mesh.expert, an all-to-all
         routed = jnp.einsum("bsec,bsd->becd", dispatch.astype(self.dtype), x.astype(self.dtype))
         routed = constrain(routed, ("expert_batch", "expert", None, None))
         h = nn.silu(jnp.einsum("becd,edf->becf", routed, weight["gate"])) * jnp.einsum(
-            "becd,edf->becf", routed, weight["up"])
+            "becd,edf->becf", routed, weight["up"]
+        )
         h = constrain(h, ("expert_batch", "expert", None, "mlp"))
         out = constrain(jnp.einsum("becf,efd->becd", h, weight["down"]), ("expert_batch", "expert", None, None))
         out = constrain(out, ("batch", None, None, None))  # and back (an all-to-all)
@@ -236,8 +252,13 @@ class Block(nn.Module):
     def __call__(self, x, positions, segment_ids=None):
         cfg = self.cfg
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
-        x = constrain(x + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode,
-                                    name="attn")(y, positions, segment_ids), ("batch", "seq", None))
+        x = constrain(
+            x
+            + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode, name="attn")(
+                y, positions, segment_ids
+            ),
+            ("batch", "seq", None),
+        )
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
         if self.moe:
             y = MoE(cfg, self.dtype, self.param_dtype, self.decode, name="moe")(y)
@@ -252,6 +273,7 @@ class Block(nn.Module):
 
 class ScannedBlock(nn.Module):
     """A Block in the (carry, input) → (carry, output) form nn.scan runs."""
+
     cfg: LlamaConfig
     dtype: jnp.dtype
     param_dtype: jnp.dtype
@@ -263,8 +285,9 @@ class ScannedBlock(nn.Module):
         block = Block
         if self.cfg.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.cfg.remat])
-        return block(self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode,
-                     self.cfg.is_moe(0), name="block")(x, positions, segment_ids), None
+        return block(
+            self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode, self.cfg.is_moe(0), name="block"
+        )(x, positions, segment_ids), None
 
 
 class Llama(nn.Module):
@@ -284,23 +307,36 @@ class Llama(nn.Module):
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        embed = nn.Embed(self.vocab_size, cfg.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
-                         embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
+        embed = nn.Embed(
+            self.vocab_size,
+            cfg.d_model,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="embed",
+            embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")),
+        )
         x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
         if cfg.scan_layers:
-            layers = nn.scan(ScannedBlock, variable_axes={"params": 0, "cache": 0, "aux": 0}, split_rngs={"params": True},
-                             in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
-                             metadata_params={nn.PARTITION_NAME: "layers"})
+            layers = nn.scan(
+                ScannedBlock,
+                variable_axes={"params": 0, "cache": 0, "aux": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
             x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name="layers")(
-                x, positions, segment_ids)
+                x, positions, segment_ids
+            )
         else:
             block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
             for i in range(cfg.num_layers):
-                x = block(cfg, self.dtype, self.param_dtype, self.attention, self.decode, cfg.is_moe(i),
-                          name=f"layer_{i}")(x, positions, segment_ids)
+                x = block(
+                    cfg, self.dtype, self.param_dtype, self.attention, self.decode, cfg.is_moe(i), name=f"layer_{i}"
+                )(x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
-            head = _TiedHead(embed, self.dtype)
+            head: _TiedHead | LMHead = _TiedHead(embed, self.dtype)
         else:
             head = LMHead(cfg.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         return head(x) if targets is None else head.loss(x, targets, cfg.loss_chunk)
@@ -326,12 +362,16 @@ def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, deco
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
-        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
-                         f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once")
+        raise ModelError(
+            f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
+            f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once"
+        )
     vocab = cfg.vocab_size or info.vocab_size
     if vocab < info.vocab_size:
-        raise ModelError(f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
-                         f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0")
+        raise ModelError(
+            f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
+            f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0"
+        )
     return Llama(cfg, vocab, dtype, param_dtype, attention, decode)
 
 
@@ -350,12 +390,22 @@ def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
     return (6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_width * tokens) * tokens
 
 
-def generate(cfg: LlamaConfig, info, params, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
-             seed: int, dtype) -> list[int]:
+def generate(
+    cfg: LlamaConfig,
+    info,
+    params,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    dtype,
+) -> list[int]:
     """New token ids after `prompt`, with a key/value cache (models/sampling.py)."""
     param_dtype = jax.tree.leaves(params)[0].dtype
-    return sampling.generate(build(cfg, info, dtype, param_dtype, decode=True), params, prompt, max_tokens,
-                             temperature, top_p, seed)
+    return sampling.generate(
+        build(cfg, info, dtype, param_dtype, decode=True), params, prompt, max_tokens, temperature, top_p, seed
+    )
 
 
 class LlamaFamily(Family):

@@ -1,4 +1,5 @@
 """The MNIST-style MLP of the TensorFlow tutorials: Flatten → Dense 128 relu → Dropout → Dense."""
+
 from __future__ import annotations
 
 import flax.linen as nn

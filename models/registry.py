@@ -1,4 +1,5 @@
 """`model.name` → ModelFamily: the families, which import flax and jax."""
+
 from __future__ import annotations
 
 from models import cnn, llama, mlp, resnet, transformer

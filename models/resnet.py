@@ -1,5 +1,6 @@
 """ResNet-18/34/50 with batch norm. Batch statistics live in the `batch_stats` collection,
 which the engine carries beside the parameters (updated in training, read in eval)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -12,6 +13,7 @@ from models.cnn import conv
 from models.configs import STAGES, ResNetConfig
 from models.family import Classification, Family
 from models.layers import dense, param_init
+
 
 class Block(nn.Module):
     width: int
@@ -28,13 +30,17 @@ class Block(nn.Module):
             y = nn.relu(self.norm()(self.conv(self.width, 1)(x), use_running_average=not train))
             y = nn.relu(self.norm()(self.conv(self.width, 3, strides=self.strides)(y), use_running_average=not train))
             y = self.norm(scale_init=param_init(nn.initializers.zeros_init(), ("conv_out",)))(
-                self.conv(out_width, 1)(y), use_running_average=not train)
+                self.conv(out_width, 1)(y), use_running_average=not train
+            )
         else:
             y = nn.relu(self.norm()(self.conv(self.width, 3, strides=self.strides)(x), use_running_average=not train))
             y = self.norm(scale_init=param_init(nn.initializers.zeros_init(), ("conv_out",)))(
-                self.conv(self.width, 3)(y), use_running_average=not train)
+                self.conv(self.width, 3)(y), use_running_average=not train
+            )
         if residual.shape != y.shape:
-            residual = self.norm()(self.conv(out_width, 1, strides=self.strides)(residual), use_running_average=not train)
+            residual = self.norm()(
+                self.conv(out_width, 1, strides=self.strides)(residual), use_running_average=not train
+            )
         return nn.relu(residual + y)
 
 
@@ -52,7 +58,11 @@ class ResNet(nn.Module):
     def __call__(self, x, *, train: bool, example_ids=None):  # no dropout layers
         kind, stages = STAGES[self.depth]
         norm = partial(
-            nn.BatchNorm, momentum=self.bn_momentum, epsilon=1e-5, dtype=self.dtype, param_dtype=self.param_dtype,
+            nn.BatchNorm,
+            momentum=self.bn_momentum,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
             axis_name=self.batch_axis_name if train else None,
             scale_init=param_init(nn.initializers.ones_init(), ("conv_out",)),
             bias_init=param_init(nn.initializers.zeros_init(), ("conv_out",)),
@@ -69,16 +79,23 @@ class ResNet(nn.Module):
         for stage, blocks in enumerate(stages):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = Block(self.width * 2**stage, strides, kind == "bottleneck", norm, conv_layer,
-                          name=f"stage{stage}_block{block}")(x, train)
+                x = Block(
+                    self.width * 2**stage,
+                    strides,
+                    kind == "bottleneck",
+                    norm,
+                    conv_layer,
+                    name=f"stage{stage}_block{block}",
+                )(x, train)
         x = jnp.mean(x, axis=(1, 2))  # global average pool: [batch, channels]
         return dense(self.num_classes, ("embed", "classes"), self.dtype, self.param_dtype, name="logits")(x)
 
 
 def build(cfg: ResNetConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
     cifar_stem = cfg.stem == "cifar" or (cfg.stem == "auto" and info.input_shape[0] <= 64)
-    return ResNet(cfg.depth, cfg.width, info.num_classes, cifar_stem, cfg.bn_momentum, dtype, param_dtype,
-                  batch_axis_name)
+    return ResNet(
+        cfg.depth, cfg.width, info.num_classes, cifar_stem, cfg.bn_momentum, dtype, param_dtype, batch_axis_name
+    )
 
 
 class ResNetFamily(Family):

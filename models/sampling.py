@@ -4,6 +4,7 @@ sampling, with the key of token i drawn from fold_in(key(seed), i): deterministi
 
 Works with any module that takes `decode=True`-style caching through the `cache`
 collection and `positions=` (models/llama.py)."""
+
 from __future__ import annotations
 
 import jax
@@ -26,8 +27,9 @@ def next_token(logits, key, temperature: float, top_p: float):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(module, params, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0) -> list[int]:
+def generate(
+    module, params, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+) -> list[int]:
     """`max_tokens` new token ids after `prompt`; `module` is built with its cache on (decode)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (a character of text)")
@@ -40,8 +42,9 @@ def generate(module, params, prompt: list[int], max_tokens: int, temperature: fl
     @jax.jit
     def step(params, cache, tokens, start, index):
         positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        logits, updated = module.apply({"params": params, "cache": cache}, tokens, train=False, positions=positions,
-                                       mutable=["cache"])
+        logits, updated = module.apply(
+            {"params": params, "cache": cache}, tokens, train=False, positions=positions, mutable=["cache"]
+        )
         token = next_token(logits[:, -1].astype(jnp.float32), jax.random.fold_in(base_key, index), temperature, top_p)
         return token, updated["cache"]
 
@@ -59,4 +62,4 @@ def greedy_without_cache(module, params, prompt: list[int], max_tokens: int) -> 
     for _ in range(max_tokens):
         logits = module.apply({"params": params}, jnp.asarray([sequence], jnp.int32), train=False)
         sequence.append(int(np.argmax(np.asarray(logits[0, -1], np.float32))))
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]

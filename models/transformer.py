@@ -1,15 +1,15 @@
 """A GPT-style decoder-only language model: token + learned position embeddings, pre-norm
 blocks of causal self-attention (jax.nn.dot_product_attention) and an MLP, optional remat."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from contract.activations import constrain
 from models.configs import ModelError, TransformerConfig
 from models.family import Family, NextToken
-from contract.activations import constrain
 from models.layers import Dropout, LMHead, dense, param_init
 
 REMAT_POLICIES = {
@@ -21,7 +21,9 @@ REMAT_POLICIES = {
 
 def layer_norm(dtype, param_dtype, name=None):
     return nn.LayerNorm(
-        dtype=dtype, param_dtype=param_dtype, name=name,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        name=name,
         scale_init=param_init(nn.initializers.ones_init(), ("embed",)),
         bias_init=param_init(nn.initializers.zeros_init(), ("embed",)),
     )
@@ -42,26 +44,50 @@ class Block(nn.Module):
         qkv_init = param_init(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
         y = layer_norm(self.dtype, self.param_dtype, "attn_norm")(x)
         q, k, v = (
-            nn.DenseGeneral((self.num_heads, head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
-                            kernel_init=qkv_init, use_bias=False, name=name)(y)  # [batch, seq, heads, kv]
+            nn.DenseGeneral(
+                (self.num_heads, head_dim),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=qkv_init,
+                use_bias=False,
+                name=name,
+            )(y)  # [batch, seq, heads, kv]
             for name in ("query", "key", "value")
         )
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
         if segment_ids is None:
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)  # [b, s, h, kv]
+            y = jax.nn.dot_product_attention(  # [b, s, h, kv]
+                q,
+                k,
+                v,
+                is_causal=True,
+                implementation=self.attention,  # type: ignore[call-overload]
+            )
         else:  # packed documents: causal and within the query's document
             causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal
             y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
-        y = nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False,
-                            kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
-                            name="attn_out")(y)
-        x = constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate), ("batch", "seq", None))
+        y = nn.DenseGeneral(
+            d_model,
+            axis=(-2, -1),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            use_bias=False,
+            kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
+            name="attn_out",
+        )(y)
+        x = constrain(
+            x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate),
+            ("batch", "seq", None),
+        )
         y = layer_norm(self.dtype, self.param_dtype, "mlp_norm")(x)
         y = nn.gelu(dense(self.mlp_dim, ("embed", "mlp"), self.dtype, self.param_dtype, name="mlp_in")(y))
         y = constrain(y, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
         y = dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y)
-        return constrain(x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate), ("batch", "seq", None))
+        return constrain(
+            x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate),
+            ("batch", "seq", None),
+        )
 
 
 class Transformer(nn.Module):
@@ -79,16 +105,35 @@ class Transformer(nn.Module):
     loss_chunk: int = 0
 
     @nn.compact
-    def __call__(self, tokens, *, train: bool, example_ids=None, dropout_rate=None, targets=None, positions=None,
-                 segment_ids=None):
+    def __call__(
+        self,
+        tokens,
+        *,
+        train: bool,
+        example_ids=None,
+        dropout_rate=None,
+        targets=None,
+        positions=None,
+        segment_ids=None,
+    ):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab]; with targets [batch, seq]:
         (per-token cross-entropy, argmax == target), from the fused loss of LMHead. Packed
         documents give positions [batch, seq] (< max_len) and segment_ids [batch, seq]."""
         seq = tokens.shape[1]
-        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=self.param_dtype, name="embed",
-                         embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")))
-        table = self.param("positions", param_init(nn.initializers.normal(0.01), (None, "embed")),
-                           (self.max_len, self.d_model), self.param_dtype)
+        embed = nn.Embed(
+            self.vocab_size,
+            self.d_model,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="embed",
+            embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")),
+        )
+        table = self.param(
+            "positions",
+            param_init(nn.initializers.normal(0.01), (None, "embed")),
+            (self.max_len, self.d_model),
+            self.param_dtype,
+        )
         where = table[:seq] if positions is None else jnp.take(table, positions, axis=0)
         x = embed(tokens) + where.astype(self.dtype)  # [batch, seq, embed]
         x = constrain(x, ("batch", "seq", None))
@@ -96,8 +141,15 @@ class Transformer(nn.Module):
         if self.remat != "none":
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
         for i in range(self.num_layers):
-            x = block_cls(self.num_heads, self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
-                          self.attention, name=f"block_{i}")(x, example_ids, train, dropout_rate, segment_ids)
+            x = block_cls(
+                self.num_heads,
+                self.mlp_dim,
+                self.dropout_rate,
+                self.dtype,
+                self.param_dtype,
+                self.attention,
+                name=f"block_{i}",
+            )(x, example_ids, train, dropout_rate, segment_ids)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
         head = LMHead(self.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         return head(x) if targets is None else head.loss(x, targets, self.loss_chunk)
@@ -109,10 +161,24 @@ def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
-        raise ModelError(f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
-                         f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once")
-    return Transformer(info.vocab_size, info.seq_len, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.mlp_dim,
-                       cfg.dropout_rate, cfg.remat, dtype, param_dtype, attention, cfg.loss_chunk)
+        raise ModelError(
+            f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
+            f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once"
+        )
+    return Transformer(
+        info.vocab_size,
+        info.seq_len,
+        cfg.num_layers,
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.mlp_dim,
+        cfg.dropout_rate,
+        cfg.remat,
+        dtype,
+        param_dtype,
+        attention,
+        cfg.loss_chunk,
+    )
 
 
 def flops_per_example(cfg: TransformerConfig, info, num_params: int) -> float:

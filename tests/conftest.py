@@ -1,6 +1,7 @@
 """Tests run on 8 simulated CPU devices; these variables must be set before jax is imported.
 On a machine with a GPU, `ENGINE_TEST_GPU=1 python -m pytest tests/test_gpu.py` runs the GPU's
 own tests (JAX's default backend is then the GPU; the CPU devices stay for the rest)."""
+
 import os
 import sys
 from pathlib import Path
@@ -8,8 +9,9 @@ from pathlib import Path
 # The tests compile far more than they run: XLA:CPU's code generation without LLVM's
 # optimisation passes compiles ~2.4x faster (BENCHMARKS.md "Test suite"); every in-process test
 # uses it, so both sides of each comparison are compiled alike.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+).strip()
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
 
 import jax  # noqa: E402
@@ -47,8 +49,12 @@ def make_config(tmp_path, compilation_cache):
     One step per call unless a test asks for more (tests drive train_step a step at a time)."""
 
     def make(config="mnist_mlp.yaml", *overrides, workdir=None):
-        quiet = ["log.progress=false", "log.tensorboard=false", f"train.compilation_cache_dir={compilation_cache}",
-                 "train.steps_per_call=1"]
+        quiet = [
+            "log.progress=false",
+            "log.tensorboard=false",
+            f"train.compilation_cache_dir={compilation_cache}",
+            "train.steps_per_call=1",
+        ]
         return load_config(ROOT / "configs" / config, quiet + list(overrides), str(workdir or tmp_path / "run"))
 
     return make
@@ -65,5 +71,11 @@ def run_cli(*args, env=None, timeout=300, cwd=ROOT):
 
     full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+    )

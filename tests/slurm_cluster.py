@@ -6,6 +6,7 @@
 Needs root (munge and slurmd run as root/munge here). `available()` says whether the
 binaries are installed; .ci/run installs them with apt-get.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +89,10 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
         that stopping it touches no munged the machine may already run."""
         shutil.chown(self.munge_dir, "munge", "munge")
         socket_path = self.munge_dir / "munge.socket"
-        options = (f"--socket={socket_path} --pid-file={self.munge_dir}/munged.pid "
-                   f"--seed-file={self.munge_dir}/munged.seed --log-file={self.munge_dir}/munged.log")
+        options = (
+            f"--socket={socket_path} --pid-file={self.munge_dir}/munged.pid "
+            f"--seed-file={self.munge_dir}/munged.seed --log-file={self.munge_dir}/munged.log"
+        )
         subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", f"{_binary('munged')} --force {options}"], check=True)
         deadline = time.monotonic() + 10
         while not socket_path.exists() and time.monotonic() < deadline:

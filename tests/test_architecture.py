@@ -1,5 +1,6 @@
 """The shape of the code that later work stands on: the engine knows no model, models know
 no engine, imports run one way, and the loop and setup stay small enough to read."""
+
 import ast
 import dataclasses
 import re
@@ -51,8 +52,11 @@ def test_the_engine_names_no_model_family_field_or_task_data_key():
     for path in ENGINE:
         if path.parent.name == "data" and path.name in ("sources.py", "tokens.py", "tokenize.py"):
             continue  # the data sources produce the keys
-        hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
-                if words.search(line)]
+        hits = [
+            f"{path.name}:{n}: {line.strip()}"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if words.search(line)
+        ]
         assert not hits, hits
 
 
@@ -102,8 +106,11 @@ SOURCES = ENGINE + MODELS + sorted((ROOT / "contract").rglob("*.py")) + [ROOT / 
 
 def function_lengths(path: Path) -> dict[str, int]:
     tree = ast.parse(path.read_text())
-    return {f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {
+        f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
 
 
 def test_every_function_fits_on_a_screen_and_every_file_stays_small():
@@ -122,8 +129,9 @@ def test_no_engine_module_imports_another_modules_private_names():
     for path in ENGINE + MODELS:
         for node in _runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("engine", "models"):
-                found += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
-                          if a.name.startswith("_")]
+                found += [
+                    f"{path.name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")
+                ]
     assert not found, found
 
 
@@ -131,8 +139,12 @@ def test_the_engine_asks_the_model_family_not_the_model_config():
     """A model's settings are the family's to read: `getattr(cfg.model, ...)` in the engine is a
     capability the family should declare (models/family.py)."""
     pattern = re.compile(r"getattr\(\s*[\w.]*model\b")
-    hits = [f"{path.name}:{n}" for path in ENGINE for n, line in enumerate(path.read_text().splitlines(), 1)
-            if pattern.search(line)]
+    hits = [
+        f"{path.name}:{n}"
+        for path in ENGINE
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits
 
 
@@ -149,7 +161,7 @@ def test_the_mesh_keys_and_rules_come_from_the_axis_declarations():
     from engine.config import MeshConfig
 
     names = [f.name for f in dataclasses.fields(MeshConfig)]
-    assert names[:2 * len(CONFIG_AXES)] == [*CONFIG_AXES, *(f"dcn_{a}" for a in CONFIG_AXES)]
+    assert names[: 2 * len(CONFIG_AXES)] == [*CONFIG_AXES, *(f"dcn_{a}" for a in CONFIG_AXES)]
     rules = default_rules()
     for axis in AXES:
         assert all(axis.name in rules[logical] for logical in axis.params)
@@ -173,19 +185,23 @@ def test_a_sweep_plans_its_runs_without_jax(tmp_path):
     compiled program; it never builds a model, so it never imports jax, flax or optax (their
     import was most of every sweep's start, and their memory stayed for the sweep's life)."""
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ndirectory: {tmp_path / 'out'}\n"
-                     "grid: {optimizer.learning_rate: [0.001, 0.01], model.hidden_sizes: [[32], [64]]}\n"
-                     "vectorize: auto\n")
+    sweep.write_text(
+        f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ndirectory: {tmp_path / 'out'}\n"
+        "grid: {optimizer.learning_rate: [0.001, 0.01], model.hidden_sizes: [[32], [64]]}\n"
+        "vectorize: auto\n"
+    )
     # `launch.py sweep FILE` up to where its runs would start, in place of starting them
-    script = ("import sys\n"
-              "import launch, engine.sweep\n"
-              "from engine.sweep.local import units\n"
-              "def planned(sweep, parallel, retry_failed):\n"
-              "    print(len(units(sweep, sweep.runs)), 'units')\n"
-              "    print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))\n"
-              "    return 0\n"
-              "engine.sweep.run_pending, engine.sweep.report = planned, lambda *args, **kwargs: None\n"
-              f"sys.exit(launch.main(['sweep', {str(sweep)!r}]))\n")
+    script = (
+        "import sys\n"
+        "import launch, engine.sweep\n"
+        "from engine.sweep.local import units\n"
+        "def planned(sweep, parallel, retry_failed):\n"
+        "    print(len(units(sweep, sweep.runs)), 'units')\n"
+        "    print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))\n"
+        "    return 0\n"
+        "engine.sweep.run_pending, engine.sweep.report = planned, lambda *args, **kwargs: None\n"
+        f"sys.exit(launch.main(['sweep', {str(sweep)!r}]))\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2 units" in done.stdout  # two hidden sizes: two compiled programs, each with two learning rates
@@ -219,8 +235,14 @@ def test_a_run_and_a_vectorised_group_of_one_write_the_same_records(make_config,
     from engine.rundir import read_records
     from engine.trainer import fit
 
-    args = ["mesh.num_devices=1", "train.steps=20", "log.every_steps=5", "eval.every_steps=10",
-            "checkpoint.every_steps=10", "log.profile_steps=[2,4]"]
+    args = [
+        "mesh.num_devices=1",
+        "train.steps=20",
+        "log.every_steps=5",
+        "eval.every_steps=10",
+        "checkpoint.every_steps=10",
+        "log.profile_steps=[2,4]",
+    ]
     fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "alone"))
     fit_group([make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "group")])
     alone, group = (read_records(tmp_path / name / "metrics.jsonl") for name in ("alone", "group"))

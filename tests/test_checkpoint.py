@@ -1,5 +1,6 @@
 """Checkpointing and fault tolerance: exact resume after SIGKILL, SIGTERM, damaged
 checkpoints, incompatible models, restore onto other meshes, the evaluator, export."""
+
 import json
 import os
 import signal
@@ -13,14 +14,22 @@ import pytest
 
 from conftest import ROOT, run_cli
 from engine.checkpoint import Checkpointer
-from engine.rundir import read_records
 from engine.errors import UsageError
+from engine.rundir import read_records
 from engine.setup import build_run
 from engine.trainer import fit
 
 # dropout on, a warm-up + cosine schedule, a log line per step: every step's loss is compared
-RUN = ["train.steps=120", "checkpoint.every_steps=10", "checkpoint.keep=20", "log.every_steps=1",
-       "log.progress=false", "eval.every_steps=0", "optimizer.schedule=warmup_cosine", "optimizer.warmup_steps=10"]
+RUN = [
+    "train.steps=120",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=20",
+    "log.every_steps=1",
+    "log.progress=false",
+    "eval.every_steps=0",
+    "optimizer.schedule=warmup_cosine",
+    "optimizer.warmup_steps=10",
+]
 
 
 def losses(workdir):
@@ -28,21 +37,37 @@ def losses(workdir):
     return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
 
 
-
 def saved_arrays(workdir, step):
     import orbax.checkpoint as ocp
 
     path = workdir / "checkpoints" / str(step) / "state"
     restored = ocp.PyTreeCheckpointer().restore(path)  # a dict keyed by TrainState's fields
-    return [leaf for name in ("step", "params", "model_state", "opt_state", "rng")
-            for leaf in jax.tree.leaves(restored.get(name, {}))]
+    return [
+        leaf
+        for name in ("step", "params", "model_state", "opt_state", "rng")
+        for leaf in jax.tree.leaves(restored.get(name, {}))
+    ]
 
 
 def start_training(workdir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
-                             "--workdir", str(workdir), *RUN, *extra], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--config",
+            "configs/mnist_mlp.yaml",
+            "--workdir",
+            str(workdir),
+            *RUN,
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_step(workdir, step, proc, timeout=120):
@@ -104,8 +129,16 @@ def test_sigterm_saves_exits_143_and_resumes_without_losing_a_step(tmp_path, uni
 
 
 def train_briefly(make_config, workdir, *extra):
-    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=30", "checkpoint.every_steps=10",
-                      "checkpoint.keep=5", "log.every_steps=10", *extra, workdir=workdir)
+    cfg = make_config(
+        "mnist_mlp.yaml",
+        "mesh.num_devices=1",
+        "train.steps=30",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep=5",
+        "log.every_steps=10",
+        *extra,
+        workdir=workdir,
+    )
     fit(cfg)
     return cfg
 
@@ -126,8 +159,15 @@ def test_checkpoint_truncated_mid_write_is_skipped(make_config, tmp_path, capfd)
 
 def test_all_checkpoints_corrupt_is_exit_2_and_nothing_deleted(tmp_path):
     workdir = tmp_path / "run"
-    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=20",
-            "checkpoint.every_steps=10", "log.progress=false"]
+    args = [
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "train.steps=20",
+        "checkpoint.every_steps=10",
+        "log.progress=false",
+    ]
     assert run_cli(*args).returncode == 0
     files = sorted(p for p in (workdir / "checkpoints").rglob("*") if p.is_file())
     for path in files:
@@ -151,8 +191,13 @@ def test_incompatible_model_lists_mismatched_parameters(make_config, tmp_path):
 def test_a_checkpoint_from_before_the_clipping_norm_was_a_state_number_resumes(make_config, tmp_path):
     """Runs with optimizer.grad_clip_norm saved their optimizer without the norm among its
     numbers: such a checkpoint resumes, and the norm comes from the config."""
-    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "optimizer.grad_clip_norm=0.5", "train.steps=4",
-                      workdir=tmp_path / "run")
+    cfg = make_config(
+        "mnist_mlp.yaml",
+        "mesh.num_devices=1",
+        "optimizer.grad_clip_norm=0.5",
+        "train.steps=4",
+        workdir=tmp_path / "run",
+    )
     run = build_run(cfg)
     state = run.init_state()
     hyperparams = dict(state.opt_state.hyperparams)
@@ -165,8 +210,14 @@ def test_a_checkpoint_from_before_the_clipping_norm_was_a_state_number_resumes(m
     assert float(result.state.opt_state.hyperparams["grad_clip_norm"]) == 0.5
 
 
-FSDP8 = ["mesh.data=1", "mesh.fsdp=8", "model.dropout_rate=0.2", "checkpoint.keep=5", "log.every_steps=1",
-         "eval.every_steps=0"]
+FSDP8 = [
+    "mesh.data=1",
+    "mesh.fsdp=8",
+    "model.dropout_rate=0.2",
+    "checkpoint.keep=5",
+    "log.every_steps=1",
+    "eval.every_steps=0",
+]
 
 
 @pytest.mark.slow
@@ -175,11 +226,20 @@ def test_restore_onto_other_meshes_continues_the_same_run(make_config, tmp_path)
     saved = tmp_path / "saved"
     fit(make_config("mnist_mlp.yaml", *FSDP8, "train.steps=10", workdir=saved))
     saved_values = saved_arrays(saved, 10)
-    for name, layout in {"data2_tensor4": ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"],
-                         "one_device": ["mesh.num_devices=1", "mesh.fsdp=1"]}.items():
+    for name, layout in {
+        "data2_tensor4": ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"],
+        "one_device": ["mesh.num_devices=1", "mesh.fsdp=1"],
+    }.items():
         workdir = tmp_path / name
-        cfg = make_config("mnist_mlp.yaml", *FSDP8, *layout, "train.steps=20", f"checkpoint.restore_from={saved}/checkpoints",
-                          "checkpoint.restore_mode=all", workdir=workdir)
+        cfg = make_config(
+            "mnist_mlp.yaml",
+            *FSDP8,
+            *layout,
+            "train.steps=20",
+            f"checkpoint.restore_from={saved}/checkpoints",
+            "checkpoint.restore_mode=all",
+            workdir=workdir,
+        )
         run = build_run(cfg)
         state, _, step = Checkpointer(saved / "checkpoints", 5, read_only=True).restore(run.abstract_state)
         for array, target, value in zip(jax.tree.leaves(state), jax.tree.leaves(run.abstract_state), saved_values):
@@ -190,15 +250,22 @@ def test_restore_onto_other_meshes_continues_the_same_run(make_config, tmp_path)
         assert kernel.addressable_shards[0].data.shape == expected_shard
         continued = fit(cfg, run).losses
         assert sorted(continued) == list(range(11, 21))
-        np.testing.assert_allclose([continued[s] for s in range(11, 21)], [reference[s] for s in range(11, 21)],
-                                   rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            [continued[s] for s in range(11, 21)], [reference[s] for s in range(11, 21)], rtol=1e-5, err_msg=name
+        )
 
 
 def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path):
     source = tmp_path / "source"
     train_briefly(make_config, source)
-    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=5", "optimizer.name=sgd",
-                      f"checkpoint.restore_from={source}/checkpoints", workdir=tmp_path / "finetune")
+    cfg = make_config(
+        "mnist_mlp.yaml",
+        "mesh.num_devices=1",
+        "train.steps=5",
+        "optimizer.name=sgd",
+        f"checkpoint.restore_from={source}/checkpoints",
+        workdir=tmp_path / "finetune",
+    )
     run = build_run(cfg)
     from engine.trainer import initial_state
 
@@ -214,14 +281,29 @@ def test_evaluator_evaluates_each_checkpoint_of_a_live_run_once(tmp_path):
     workdir = tmp_path / "live"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     evaluator = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "eval", "--config", "configs/mnist_mlp.yaml", "--workdir",
-         str(workdir), "--watch", *RUN], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "eval",
+            "--config",
+            "configs/mnist_mlp.yaml",
+            "--workdir",
+            str(workdir),
+            "--watch",
+            *RUN,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     trainer = start_training(workdir)
     _, err = trainer.communicate(timeout=300)
     assert trainer.returncode == 0, err
     _, err = evaluator.communicate(timeout=300)
     assert evaluator.returncode == 0, err
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r["step"] for r in records if r.get("source") == "evaluator"]
     assert sorted(evaluated) == list(range(10, 121, 10))  # every checkpoint, each once
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in records if r.get("source") == "evaluator")
@@ -254,7 +336,10 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1  # one flipped bit in the variables: named
     data.write_bytes(bytes(raw))
-    assert check_sums(out) == f"{data.relative_to(out)} does not match its checksum in SHA256SUMS (the file changed on disk)"
+    assert (
+        check_sums(out)
+        == f"{data.relative_to(out)} does not match its checksum in SHA256SUMS (the file changed on disk)"
+    )
 
 
 def test_host_staging_saves_a_pinned_host_copy_in_the_background(tmp_path):
@@ -315,8 +400,11 @@ def test_sigkill_at_seeded_random_moments_and_inside_a_save_is_bit_identical(tmp
     partial = []
     deadline = time.time() + 120
     while not partial and proc.poll() is None and time.time() < deadline:
-        partial = list((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*")) if (workdir / "checkpoints").is_dir() \
+        partial = (
+            list((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+            if (workdir / "checkpoints").is_dir()
             else []
+        )
         time.sleep(0.002)
     proc.kill()
     proc.wait()

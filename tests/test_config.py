@@ -19,8 +19,14 @@ def test_defaults_and_base_config_are_merged(make_config):
 
 
 def test_overrides_are_typed_and_nested(make_config):
-    cfg = make_config("mnist_mlp.yaml", "train.steps=7", "optimizer.learning_rate=3e-4", "model.hidden_sizes=[32,16]",
-                      "mesh.rules.embed=[tensor]", "mesh.rules.newaxis=[fsdp]")
+    cfg = make_config(
+        "mnist_mlp.yaml",
+        "train.steps=7",
+        "optimizer.learning_rate=3e-4",
+        "model.hidden_sizes=[32,16]",
+        "mesh.rules.embed=[tensor]",
+        "mesh.rules.newaxis=[fsdp]",
+    )
     assert cfg.train.steps == 7 and cfg.optimizer.learning_rate == pytest.approx(3e-4)
     assert cfg.model.hidden_sizes == [32, 16]
     assert cfg.mesh.rules["embed"] == ["tensor"] and cfg.mesh.rules["newaxis"] == ["fsdp"]
@@ -100,14 +106,17 @@ def test_yaml_is_loaded_safely(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["train.stepz=3"], "did you mean 'train.steps'"),
-    (["train.steps=abc"], "must be an int"),
-    (["mesh.data=3"], "mesh data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 uses 3 devices but 1 are in use"),
-    (["notakeyvalue"], "is not of the form dotted.key=value"),
-    (["model.hidden_sizes=[256,128"], "override 'model.hidden_sizes=[256,128': the value is not valid YAML"),
-    (["model.hidden_sizes=128"], "got 128 (int) from the command line, but it must be a list"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["train.stepz=3"], "did you mean 'train.steps'"),
+        (["train.steps=abc"], "must be an int"),
+        (["mesh.data=3"], "mesh data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 uses 3 devices but 1 are in use"),
+        (["notakeyvalue"], "is not of the form dotted.key=value"),
+        (["model.hidden_sizes=[256,128"], "override 'model.hidden_sizes=[256,128': the value is not valid YAML"),
+        (["model.hidden_sizes=128"], "got 128 (int) from the command line, but it must be a list"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, expected):
     proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), *args)
     assert proc.returncode == 2, proc.stderr
@@ -116,8 +125,11 @@ def test_cli_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, ex
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-@pytest.mark.parametrize("text, expected", [("", "is empty"), ("train:\n  steps: [1\n", ".yaml:3:1 is not valid YAML")],
-                         ids=["empty", "syntax-error"])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("", "is empty"), ("train:\n  steps: [1\n", ".yaml:3:1 is not valid YAML")],
+    ids=["empty", "syntax-error"],
+)
 def test_bad_config_files_are_named_with_the_place(tmp_path, text, expected):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -148,10 +160,13 @@ def test_a_warm_up_longer_than_the_run_is_clamped_with_a_warning(make_config, ca
 
 def test_config_files_that_expand_or_point_nowhere_are_refused_by_name(tmp_path):
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcde", "bcdef"))
-    cases = {"bomb.yaml": (bomb, "expands to more than 100,000 values"),
-             "five.yaml": ("extends: 5\n", r"extends: 5 must be the path of one config file"),
-             "interp.yaml": ("extends: base.yaml\ndata:\n  path: ${foo}\n", r"Interpolation key 'foo' not found")}
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcde", "bcdef")
+    )
+    cases = {
+        "bomb.yaml": (bomb, "expands to more than 100,000 values"),
+        "five.yaml": ("extends: 5\n", r"extends: 5 must be the path of one config file"),
+        "interp.yaml": ("extends: base.yaml\ndata:\n  path: ${foo}\n", r"Interpolation key 'foo' not found"),
+    }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
         (tmp_path / "base.yaml").write_text((ROOT / "configs" / "base.yaml").read_text())
@@ -166,11 +181,18 @@ def test_config_files_that_expand_or_point_nowhere_are_refused_by_name(tmp_path)
 def test_sweeps_of_absurd_size_are_refused(tmp_path):
     from engine.sweep.spec import load_sweep
 
-    (tmp_path / "huge.yaml").write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\n"
-                                        "random: {samples: 100000000, params: {seed: {int_uniform: [0, 9]}}}\n")
+    (tmp_path / "huge.yaml").write_text(
+        f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\n"
+        "random: {samples: 100000000, params: {seed: {int_uniform: [0, 9]}}}\n"
+    )
     with pytest.raises(UsageError, match="random.samples=100,000,000 is more than 10,000 runs"):
         load_sweep(tmp_path / "huge.yaml")
-    (tmp_path / "grid.yaml").write_text(f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ngrid:\n" + "".join(
-        f"  {k}: [{', '.join(map(str, range(20)))}]\n" for k in ("seed", "train.steps", "log.every_steps", "eval.every_steps")))
+    (tmp_path / "grid.yaml").write_text(
+        f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ngrid:\n"
+        + "".join(
+            f"  {k}: [{', '.join(map(str, range(20)))}]\n"
+            for k in ("seed", "train.steps", "log.every_steps", "eval.every_steps")
+        )
+    )
     with pytest.raises(UsageError, match="makes 160,000 runs"):
         load_sweep(tmp_path / "grid.yaml")

@@ -2,12 +2,15 @@
 `mesh.context` and the experts over `mesh.expert` give the one-device losses and weights of
 the same run; a context split holds a fraction of the activations, an expert split a
 fraction of the experts; MoE metrics reach metrics.jsonl; wrong settings exit 2 by name."""
+
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_parallel import addressable_bytes, train_losses
+from test_tokens import LLAMA_TOKENS, _corpus_files
 
 from conftest import run_cli
 from engine import hlo
@@ -18,13 +21,23 @@ from engine.setup import build_run
 from engine.step import _aux_totals
 from engine.trainer import fit
 from models.llama import LlamaConfig, flops_per_example
-from test_parallel import addressable_bytes, train_losses
-from test_tokens import LLAMA_TOKENS, _corpus_files
 
 MOE = ["model.num_experts=8", "model.experts_per_token=2"]
-LLAMA = ["model.name=llama", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
-         "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.mlp_dim=48", "train.global_batch_size=16", "optimizer.learning_rate=0.003", "optimizer.warmup_steps=1"]
+LLAMA = [
+    "model.name=llama",
+    "data.name=synthetic_text",
+    "data.seq_len=16",
+    "data.num_examples=256",
+    "data.vocab_size=64",
+    "model.num_layers=2",
+    "model.d_model=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=48",
+    "train.global_batch_size=16",
+    "optimizer.learning_rate=0.003",
+    "optimizer.warmup_steps=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +45,13 @@ def packed_corpus(tmp_path_factory):
     from engine.data.tokenize import tokenize
 
     base = tmp_path_factory.mktemp("context_corpus")
-    tokenize([str(_corpus_files(base / "text", 60, seed=3))], str(base / "tokens"), "bpe:300", eval_fraction=0.1,
-             progress=False)
+    tokenize(
+        [str(_corpus_files(base / "text", 60, seed=3))],
+        str(base / "tokens"),
+        "bpe:300",
+        eval_fraction=0.1,
+        progress=False,
+    )
     return base / "tokens"
 
 
@@ -45,8 +63,11 @@ def assert_same_training(make_config, args, layouts, steps=4):
     for layout in layouts:
         losses, state = train_losses(build_run(make_config("llama_tiny", *args, *layout)), steps)
         np.testing.assert_allclose(losses, reference, rtol=1e-5, err_msg=str(layout))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(layout)),
-                     jax.device_get(state.params), weights)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(layout)),
+            jax.device_get(state.params),
+            weights,
+        )
 
 
 def test_context_parallel_packed_documents_match_one_device(make_config, packed_corpus):
@@ -55,12 +76,16 @@ def test_context_parallel_packed_documents_match_one_device(make_config, packed_
     family has no dropout; the transformer's is per example, so a sequence split would not
     change it, but that family does not split its sequence.)"""
     args = [*LLAMA_TOKENS, f"data.path={packed_corpus}", "data.seq_len=32"]
-    assert_same_training(make_config, args, [
-        ["mesh.data=4", "mesh.context=2"],
-        ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4"],
-        ["mesh.data=1", "mesh.context=8"],
-        ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"],
-    ])
+    assert_same_training(
+        make_config,
+        args,
+        [
+            ["mesh.data=4", "mesh.context=2"],
+            ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4"],
+            ["mesh.data=1", "mesh.context=8"],
+            ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2"],
+        ],
+    )
 
 
 def test_moe_over_expert_axes_matches_one_device(make_config):
@@ -68,26 +93,45 @@ def test_moe_over_expert_axes_matches_one_device(make_config):
     8, with fsdp, and with a shared expert and sigmoid router beside context and tensor (on
     unpacked sequences: plain causal attention, cuDNN's on a GPU without a context split)."""
     args = [*LLAMA, *MOE, "model.expert_capacity_factor=1.0"]
-    assert_same_training(make_config, args, [
-        ["mesh.data=4", "mesh.expert=2"],
-        ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"],
-        ["mesh.data=1", "mesh.expert=8"],
-    ])
-    assert_same_training(make_config, [*args, "model.shared_expert=true", "model.router=sigmoid",
-                                       "model.scan_layers=false", "model.moe_interval=2"],
-                         [["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2"]], steps=3)
+    assert_same_training(
+        make_config,
+        args,
+        [
+            ["mesh.data=4", "mesh.expert=2"],
+            ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"],
+            ["mesh.data=1", "mesh.expert=8"],
+        ],
+    )
+    assert_same_training(
+        make_config,
+        [*args, "model.shared_expert=true", "model.router=sigmoid", "model.scan_layers=false", "model.moe_interval=2"],
+        [["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2"]],
+        steps=3,
+    )
 
 
 def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path):
-    common = [*LLAMA, *MOE, "train.steps=4", "log.every_steps=2", "eval.every_steps=0",
-              "checkpoint.every_steps=0"]
-    fit(make_config("llama_tiny", *common, "mesh.num_devices=1", "model.expert_capacity_factor=0.5",
-                    workdir=tmp_path / "0.5"))
+    common = [*LLAMA, *MOE, "train.steps=4", "log.every_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0"]
+    fit(
+        make_config(
+            "llama_tiny", *common, "mesh.num_devices=1", "model.expert_capacity_factor=0.5", workdir=tmp_path / "0.5"
+        )
+    )
     # the dropless run split over context and experts: its readers (export) run on one device
-    fit(make_config("llama_tiny", *common, "mesh.data=2", "mesh.expert=2", "mesh.context=2",
-                    "model.expert_capacity_factor=0", workdir=tmp_path / "0"))
-    tight, dropless = ([r for r in read_records(tmp_path / f / "metrics.jsonl") if r["split"] == "train"]
-                       for f in ("0.5", "0"))
+    fit(
+        make_config(
+            "llama_tiny",
+            *common,
+            "mesh.data=2",
+            "mesh.expert=2",
+            "mesh.context=2",
+            "model.expert_capacity_factor=0",
+            workdir=tmp_path / "0",
+        )
+    )
+    tight, dropless = (
+        [r for r in read_records(tmp_path / f / "metrics.jsonl") if r["split"] == "train"] for f in ("0.5", "0")
+    )
     for record in tight + dropless:
         assert 0.01 * 0.5 < record["moe_aux_loss"] < 0.01 * 8  # coef x E * sum(f * P): 1 when balanced, 8 at worst
     assert all(r["moe_dropped_fraction"] > 0.3 for r in tight)  # half the room of a balanced routing
@@ -117,8 +161,16 @@ def test_routing_is_causal_a_token_keeps_its_experts_whatever_follows():
     from engine.sharding import unbox
     from models import REGISTRY
 
-    cfg = LlamaConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=48, num_experts=4,
-                      experts_per_token=2, expert_capacity_factor=0.5)
+    cfg = LlamaConfig(
+        num_layers=2,
+        d_model=32,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=48,
+        num_experts=4,
+        experts_per_token=2,
+        expert_capacity_factor=0.5,
+    )
     info = DataInfo("tokens", 8, 8, vocab_size=64, seq_len=24)
     module = REGISTRY["llama"].build(cfg, info, jnp.float32, jnp.float32)
     rng = np.random.default_rng(0)
@@ -150,25 +202,36 @@ def test_a_context_split_holds_a_fraction_of_the_activations(make_config):
 
 def test_an_expert_split_holds_its_share_of_the_experts_and_sends_tokens_by_all_to_all(make_config):
     run = build_run(make_config("llama_tiny", *LLAMA, *MOE, "mesh.data=2", "mesh.expert=4"))
-    experts = {name: leaf for name, leaf in run.init_state().params["layers"]["block"]["moe"].items()
-               if name != "router"}
+    experts = {
+        name: leaf for name, leaf in run.init_state().params["layers"]["block"]["moe"].items() if name != "router"
+    }
     total = sum(leaf.nbytes for leaf in experts.values())
     for device in run.mesh.devices.flat:
         assert addressable_bytes(experts, device) == total // 4
     assert "all-to-all" in {c.op for c in hlo.hlo_collectives(run.compiled.program.as_text(), 8)}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["mesh.data=1", "mesh.context=8", "data.seq_len=12"],
-     "data.seq_len=12 is not divisible by mesh.context=8"),
-    (["mesh.data=1", "mesh.expert=8", "model.num_experts=4"], "model.num_experts=4 is not divisible by mesh.expert=8"),
-    (["model.num_experts=4", "model.experts_per_token=5"], "model.experts_per_token=5 must be between 1 and"),
-    (["model.num_experts=4", "model.moe_interval=2"], "set model.scan_layers=false"),
-    (["mesh.data=4", "mesh.expert=2"], r"mesh.expert=2 needs a mixture of experts \(model.num_experts > 0\), which "
-                                       r"model.name=llama .* does not have; set mesh.expert=1"),
-    (["model.name=transformer", "mesh.data=4", "mesh.context=2"],
-     "mesh.context=2 needs a model that splits its sequence"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.data=1", "mesh.context=8", "data.seq_len=12"], "data.seq_len=12 is not divisible by mesh.context=8"),
+        (
+            ["mesh.data=1", "mesh.expert=8", "model.num_experts=4"],
+            "model.num_experts=4 is not divisible by mesh.expert=8",
+        ),
+        (["model.num_experts=4", "model.experts_per_token=5"], "model.experts_per_token=5 must be between 1 and"),
+        (["model.num_experts=4", "model.moe_interval=2"], "set model.scan_layers=false"),
+        (
+            ["mesh.data=4", "mesh.expert=2"],
+            r"mesh.expert=2 needs a mixture of experts \(model.num_experts > 0\), which "
+            r"model.name=llama .* does not have; set mesh.expert=1",
+        ),
+        (
+            ["model.name=transformer", "mesh.data=4", "mesh.context=2"],
+            "mesh.context=2 needs a model that splits its sequence",
+        ),
+    ],
+)
 def test_context_and_expert_mistakes_are_refused_by_key(make_config, overrides, message):
     model = [a for a in LLAMA if "kv_heads" not in a] if "model.name=transformer" in overrides else LLAMA
     with pytest.raises(UsageError, match=message):
@@ -176,8 +239,16 @@ def test_context_and_expert_mistakes_are_refused_by_key(make_config, overrides, 
 
 
 def test_cli_refuses_a_context_split_that_does_not_divide_with_exit_2(tmp_path):
-    proc = run_cli("--config", "configs/llama_tiny.yaml", "--workdir", str(tmp_path / "w"), "mesh.context=3",
-                   "mesh.data=1", "mesh.num_devices=3", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+    proc = run_cli(
+        "--config",
+        "configs/llama_tiny.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "mesh.context=3",
+        "mesh.data=1",
+        "mesh.num_devices=3",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "data.seq_len=128 is not divisible by mesh.context=3" in proc.stderr
     assert not (tmp_path / "w" / "checkpoints").exists()

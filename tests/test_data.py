@@ -60,8 +60,12 @@ def test_idx_reads_mnist_format(tmp_path, gz):
     make_mnist_dir(tmp_path, gz=gz)
     ds = load_dataset(DataConfig(name="idx", path=str(tmp_path)))
     assert ds.train["image"].shape == (30, 28, 28, 1) and ds.eval["image"].shape == (10, 28, 28, 1)
-    raw = np.frombuffer((gzip.decompress if gz else bytes)((tmp_path / f"train-images-idx3-ubyte{'.gz' if gz else ''}")
-                                                           .read_bytes())[16:], np.uint8)
+    raw = np.frombuffer(
+        (gzip.decompress if gz else bytes)((tmp_path / f"train-images-idx3-ubyte{'.gz' if gz else ''}").read_bytes())[
+            16:
+        ],
+        np.uint8,
+    )
     np.testing.assert_allclose(ds.train["image"].reshape(-1), raw / 255.0, rtol=1e-6)
 
 
@@ -182,11 +186,13 @@ def test_process_rows_follow_the_sharding(mesh2x4):
     rows = process_rows(NamedSharding(mesh2x4, PartitionSpec(("data", "fsdp"))), 16)
     np.testing.assert_array_equal(rows, np.arange(16))  # one process holds every row
     # a process whose two devices hold rows 4..7 and 12..15 (devices interleaved over hosts)
-    np.testing.assert_array_equal(process_rows(ProcessView([slice(4, 8), slice(12, 16)]), 16),
-                                  [4, 5, 6, 7, 12, 13, 14, 15])
+    np.testing.assert_array_equal(
+        process_rows(ProcessView([slice(4, 8), slice(12, 16)]), 16), [4, 5, 6, 7, 12, 13, 14, 15]
+    )
     # pmap's [devices, rows per device] layout: device slots 1 and 3 of 4, 8 rows each
-    np.testing.assert_array_equal(process_rows(ProcessView([slice(1, 2), slice(3, 4)]), 32, per_row=8),
-                                  list(range(8, 16)) + list(range(24, 32)))
+    np.testing.assert_array_equal(
+        process_rows(ProcessView([slice(1, 2), slice(3, 4)]), 32, per_row=8), list(range(8, 16)) + list(range(24, 32))
+    )
     # replicas on two devices of the process ask for the same rows once
     np.testing.assert_array_equal(process_rows(ProcessView([slice(0, 4), slice(0, 4)]), 8), [0, 1, 2, 3])
 

@@ -1,5 +1,6 @@
 """Faults and abuse: each test reproduces one way real runs break (a hostile value, a second
 process on the same workdir, a damaged checkpoint) and checks the engine's answer."""
+
 import json
 import os
 import random
@@ -29,8 +30,16 @@ def test_sbatch_script_runs_no_injected_command(tmp_path):
     base.mkdir()
     grid = {"data.path": [value.format(d=markers) for value in HOSTILE]}
     sweep_file = base / "sweep $(touch x).yaml"
-    sweep_file.write_text(yaml.safe_dump({"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "grid": grid,
-                                          "directory": str(base / "out dir"), "slurm": {"partition": "a'b"}}))
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+                "grid": grid,
+                "directory": str(base / "out dir"),
+                "slurm": {"partition": "a'b"},
+            }
+        )
+    )
     sweep = load_sweep(sweep_file)
     sweep.directory.mkdir(parents=True)
     tasks = sweep.directory / "sweep.tasks.json"
@@ -38,8 +47,14 @@ def test_sbatch_script_runs_no_injected_command(tmp_path):
     script = sweep.directory / "sweep.sbatch"
     script.write_text(sbatch_script(sweep, sweep.runs, tasks))
     # an array task index with no run: the task starts launch.py, which refuses it (exit 2)
-    proc = subprocess.run(["bash", str(script)], env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"), capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", str(script)],
+        env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "array task 7 has no run" in proc.stderr, proc.stderr
     assert not list(markers.iterdir())  # no injected command ran
     assert not (tmp_path / "x").exists()
@@ -48,8 +63,11 @@ def test_sbatch_script_runs_no_injected_command(tmp_path):
 @pytest.mark.parametrize("value", ["debug\ntouch /tmp/x", "gpu\r", "a\x00b"])
 def test_control_characters_in_slurm_values_are_refused(tmp_path, value):
     sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(yaml.safe_dump({"base": str(ROOT / "configs" / "mnist_mlp.yaml"),
-                                          "grid": {"seed": [0, 1]}, "slurm": {"partition": value}}))
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "grid": {"seed": [0, 1]}, "slurm": {"partition": value}}
+        )
+    )
     with pytest.raises(UsageError, match="slurm.partition=.* holds a control character"):
         load_sweep(sweep_file)
 
@@ -64,9 +82,24 @@ def _wait_until(ready, proc, seconds=120, poll=0.1):
 
 def _train(workdir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
-                             "--workdir", str(workdir), "log.progress=false", "log.tensorboard=false", *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--config",
+            "configs/mnist_mlp.yaml",
+            "--workdir",
+            str(workdir),
+            "log.progress=false",
+            "log.tensorboard=false",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
@@ -81,8 +114,17 @@ def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
     assert (workdir / "config.yaml").read_text() == config_before  # the refused run wrote nothing
     first.kill()  # SIGKILL: no chance to clean up
     first.wait()
-    third = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=100",
-                    "log.progress=false", "log.tensorboard=false", "checkpoint.every_steps=50", "log.every_steps=10")
+    third = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "train.steps=100",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "checkpoint.every_steps=50",
+        "log.every_steps=10",
+    )
     assert third.returncode == 0, third.stderr  # the OS released the lock with the process
 
 
@@ -90,8 +132,17 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_saved_again(tmp_path):
     """Before: resumed from the step before, then failed on every re-run with orbax's
     StepAlreadyExistsError when training reached the damaged step again."""
     workdir = tmp_path / "run"
-    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=20",
-            "checkpoint.every_steps=10", "log.progress=false", "log.tensorboard=false", "log.every_steps=10"]
+    args = [
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "train.steps=20",
+        "checkpoint.every_steps=10",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "log.every_steps=10",
+    ]
     assert run_cli(*args).returncode == 0
     state = workdir / "checkpoints" / "20" / "state"
     biggest = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
@@ -106,11 +157,15 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_saved_again(tmp_path):
     assert again.returncode == 0 and "already finished" in again.stdout + again.stderr, again.stderr
 
 
-@pytest.mark.parametrize("labels, expected", [
-    ([0, 1, 99], "20 of y outside [0, 10), the first at y[2] (value 99)"),
-    ([0, -1, 3], "the first at y[1] (value -1)"),
-    ([0, 2**33, 1], "(value 8589934592)"),
-], ids=["too-large", "negative", "int64-would-wrap"])
+@pytest.mark.parametrize(
+    "labels, expected",
+    [
+        ([0, 1, 99], "20 of y outside [0, 10), the first at y[2] (value 99)"),
+        ([0, -1, 3], "the first at y[1] (value -1)"),
+        ([0, 2**33, 1], "(value 8589934592)"),
+    ],
+    ids=["too-large", "negative", "int64-would-wrap"],
+)
 def test_bad_labels_are_refused_at_load(tmp_path, labels, expected):
     """Before: 99 grew the model to 100 classes, -1 trained, 2**33 wrapped to 0."""
     import numpy as np
@@ -118,8 +173,14 @@ def test_bad_labels_are_refused_at_load(tmp_path, labels, expected):
     y = np.array(labels * 20, np.int64)
     x = np.random.default_rng(0).random((len(y), 4, 4), np.float32)
     np.savez(tmp_path / "d.npz", x=x, y=y)
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "data.name=npz",
-                   f"data.path={tmp_path / 'd.npz'}")
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "data.name=npz",
+        f"data.path={tmp_path / 'd.npz'}",
+    )
     assert proc.returncode == 2 and expected in proc.stderr and str(tmp_path / "d.npz") in proc.stderr, proc.stderr
     assert not (tmp_path / "w").exists()  # refused before anything was written
 
@@ -130,9 +191,17 @@ def test_nan_inputs_are_refused_at_load(tmp_path):
     x = np.random.default_rng(0).random((60, 4, 4), np.float32)
     x[17, 1, 2] = np.nan
     np.savez(tmp_path / "d.npz", x_train=x, y_train=np.arange(60) % 10, x_test=x[:10], y_test=np.arange(10))
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "data.name=npz",
-                   f"data.path={tmp_path / 'd.npz'}")
-    assert proc.returncode == 2 and "of x_train hold NaN or infinite values, the first at x_train[17]" in proc.stderr, proc.stderr
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "data.name=npz",
+        f"data.path={tmp_path / 'd.npz'}",
+    )
+    assert proc.returncode == 2 and "of x_train hold NaN or infinite values, the first at x_train[17]" in proc.stderr, (
+        proc.stderr
+    )
 
 
 def test_ctrl_c_saves_and_exits_130(tmp_path):
@@ -157,20 +226,32 @@ def test_bfloat16_parameters_train_resume_from_float32_and_an_optimizer_change_i
     from engine.errors import UsageError
     from engine.trainer import fit
 
-    common = ["train.steps=20", "log.every_steps=10", "eval.every_steps=0", "checkpoint.every_steps=10",
-              "mesh.num_devices=1"]
+    common = [
+        "train.steps=20",
+        "log.every_steps=10",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=10",
+        "mesh.num_devices=1",
+    ]
     per_step = fit(make_config("mnist_mlp.yaml", *common, "train.param_dtype=bfloat16", workdir=tmp_path / "one"))
-    per_call = fit(make_config("mnist_mlp.yaml", *common, "train.param_dtype=bfloat16", "train.steps_per_call=10",
-                               workdir=tmp_path / "ten"))
+    per_call = fit(
+        make_config(
+            "mnist_mlp.yaml", *common, "train.param_dtype=bfloat16", "train.steps_per_call=10", workdir=tmp_path / "ten"
+        )
+    )
     assert per_call.losses == per_step.losses and all(np.isfinite(list(per_step.losses.values())))
     assert per_step.losses[20] < per_step.losses[1]
     fit(make_config("mnist_mlp.yaml", *common, workdir=tmp_path / "run"))  # float32
-    resumed = fit(make_config("mnist_mlp.yaml", *common[1:], "train.steps=30", "train.param_dtype=bfloat16",
-                              workdir=tmp_path / "run"))
+    resumed = fit(
+        make_config(
+            "mnist_mlp.yaml", *common[1:], "train.steps=30", "train.param_dtype=bfloat16", workdir=tmp_path / "run"
+        )
+    )
     assert sorted(resumed.losses) == list(range(21, 31)) and np.isfinite(resumed.losses[30])
     with pytest.raises(UsageError, match="another structure .* optimizer .* checkpoint.restore_mode=params"):
-        fit(make_config("mnist_mlp.yaml", *common[1:], "train.steps=40", "optimizer.name=sgd",
-                        workdir=tmp_path / "run"))
+        fit(
+            make_config("mnist_mlp.yaml", *common[1:], "train.steps=40", "optimizer.name=sgd", workdir=tmp_path / "run")
+        )
     assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20, 30]
 
 
@@ -189,8 +270,9 @@ def test_a_damaged_metrics_line_is_skipped_by_name_and_dropped_on_resume(make_co
     lines.insert(3, "[1, 2]")  # JSON, not a record
     path.write_text("\n".join(lines) + "\n")
     records = read_records(path)
-    assert [r["step"] for r in records] == [json.loads(line)["step"] for line in lines if line.startswith('{"step": ')
-                                            and line.endswith("}")]
+    assert [r["step"] for r in records] == [
+        json.loads(line)["step"] for line in lines if line.startswith('{"step": ') and line.endswith("}")
+    ]
     assert "metrics.jsonl: 2 damaged line(s) skipped (line 2, 4)" in capsys.readouterr().err
     fit(make_config("mnist_mlp.yaml", *args, "train.steps=6", workdir=workdir))
     capsys.readouterr()
@@ -221,15 +303,22 @@ def test_damaged_status_and_sweep_files_are_set_aside(tmp_path, capsys):
     assert (sweep_dir / "a" / "status.json.damaged").exists()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("base", ["a.yaml"], "needs 'base: <config file>'"),
-    ("directory", 5, "directory=5 must be a path"),
-    ("overrides", [3], "overrides must map dotted keys"),
-    ("random", {"samples": 2, "params": {"seed": {"choice": []}}}, "random.params.seed must be one of"),
-    ("random", {"samples": 2, "params": {"seed": {"int_uniform": [5, 1]}}}, "int_uniform=[5, 1] must be [low, high]"),
-    ("random", {"samples": 2, "params": {"seed": {"int_uniform": [0.5, 3]}}}, "must be two whole numbers"),
-    ("search", {"trials": 2, "params": {"seed": {"uniform": ["a", 1]}}}, "uniform=['a', 1] must be [low, high]"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("base", ["a.yaml"], "needs 'base: <config file>'"),
+        ("directory", 5, "directory=5 must be a path"),
+        ("overrides", [3], "overrides must map dotted keys"),
+        ("random", {"samples": 2, "params": {"seed": {"choice": []}}}, "random.params.seed must be one of"),
+        (
+            "random",
+            {"samples": 2, "params": {"seed": {"int_uniform": [5, 1]}}},
+            "int_uniform=[5, 1] must be [low, high]",
+        ),
+        ("random", {"samples": 2, "params": {"seed": {"int_uniform": [0.5, 3]}}}, "must be two whole numbers"),
+        ("search", {"trials": 2, "params": {"seed": {"uniform": ["a", 1]}}}, "uniform=['a', 1] must be [low, high]"),
+    ],
+)
 def test_malformed_sweep_fields_are_named(tmp_path, field, value, message):
     """Before: TypeError / numpy ValueError tracebacks."""
     spec = {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), field: value}
@@ -238,12 +327,21 @@ def test_malformed_sweep_fields_are_named(tmp_path, field, value, message):
         load_sweep(tmp_path / "s.yaml")
 
 
-@pytest.mark.parametrize("tf_config, message", [
-    ({"cluster": [], "task": {"type": "worker", "index": 0}}, "cluster must map task types to lists"),
-    ({"cluster": {"worker": "h:1"}, "task": {"type": "worker", "index": 0}}, "cluster must map task types to lists"),
-    ({"cluster": {"worker": ["10.0.0.1"]}, "task": {"type": "worker", "index": 0}}, "'10.0.0.1' is not an address"),
-    ({"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": -1}}, "task must name a type and a whole"),
-])
+@pytest.mark.parametrize(
+    "tf_config, message",
+    [
+        ({"cluster": [], "task": {"type": "worker", "index": 0}}, "cluster must map task types to lists"),
+        (
+            {"cluster": {"worker": "h:1"}, "task": {"type": "worker", "index": 0}},
+            "cluster must map task types to lists",
+        ),
+        ({"cluster": {"worker": ["10.0.0.1"]}, "task": {"type": "worker", "index": 0}}, "'10.0.0.1' is not an address"),
+        (
+            {"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": -1}},
+            "task must name a type and a whole",
+        ),
+    ],
+)
 def test_malformed_tf_config_is_named(tf_config, message):
     from engine.distributed import parse_tf_config
 
@@ -255,7 +353,7 @@ def _random_value(rng: random.Random, keys: list[str], depth: int = 0):
     """A value a hostile or careless YAML file might hold."""
     kind = rng.randrange(12 if depth < 2 else 6)
     pools = [
-        [0, 1, -3, 7, 4097, 2**31, 2**33, 2**63, 2**70, -2**40],
+        [0, 1, -3, 7, 4097, 2**31, 2**33, 2**63, 2**70, -(2**40)],
         [0.0, 1e-3, -1.0, 3.5, 1e30, float("inf"), float("nan")],
         ["", "a", "mlp", "llama", "npz", "float32", "constant", "x" * 300, "\x00", "[1,2", "yes", "1_000"],
         [True, False, None],
@@ -301,39 +399,49 @@ def test_random_config_and_sweep_files_load_or_exit_2_never_a_traceback(tmp_path
             doc["extends"] = rng.choice([str(ROOT / "configs" / "mnist_mlp.yaml"), 5, ["a"], None, "nope.yaml"])
         text = yaml.safe_dump(doc) if rng.random() < 0.9 else rng.choice(["[1, 2]", "a: [", "- a", "a: &x [1]\nb: *x"])
         (tmp_path / "c.yaml").write_text(text)
-        overrides = [f"{rng.choice(keys)}={yaml.safe_dump(_random_value(rng, keys), default_flow_style=True).strip()}"
-                     .removesuffix("...").strip() for _ in range(rng.randrange(4))]
+        values = [yaml.safe_dump(_random_value(rng, keys), default_flow_style=True) for _ in range(rng.randrange(4))]
+        overrides = [f"{rng.choice(keys)}={v.strip().removesuffix('...').strip()}" for v in values]
         if rng.random() < 0.2:
             overrides.append(rng.choice(["=", "a", "train..steps=1", "model.name", "train.steps=["]))
         sweep = {key: _random_value(rng, keys) for key in rng.sample(sorted(SWEEP_KEYS), rng.randrange(5))}
         if rng.random() < 0.7:
             sweep["base"] = str(ROOT / "configs" / "mnist_mlp.yaml")
         (tmp_path / "s.yaml").write_text(yaml.safe_dump(sweep))
-        for what, load in (("config", lambda: load_config(tmp_path / "c.yaml", overrides, str(tmp_path / "w"))),
-                           ("sweep", lambda: load_sweep(tmp_path / "s.yaml"))):
+        for what, load in (
+            ("config", lambda: load_config(tmp_path / "c.yaml", overrides, str(tmp_path / "w"))),
+            ("sweep", lambda: load_sweep(tmp_path / "s.yaml")),
+        ):
             try:
                 load()
                 outcomes["loaded"] += 1
             except UsageError:
                 outcomes["refused"] += 1
             except Exception as e:  # the failure this test exists to catch: show the input that caused it
-                raise AssertionError(f"document {i} ({what}) raised {e!r}\nconfig:\n{text}\noverrides: {overrides}"
-                                     f"\nsweep: {sweep}") from e
+                raise AssertionError(
+                    f"document {i} ({what}) raised {e!r}\nconfig:\n{text}\noverrides: {overrides}\nsweep: {sweep}"
+                ) from e
     assert outcomes["loaded"] > 20 and outcomes["refused"] > 300, outcomes  # both paths were exercised
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda raw: raw[: len(raw) // 2], "is not a complete gzip file"),  # a cut-off download
-    (lambda raw: b"not gzip at all" + raw, "is not a complete gzip file"),
-    (lambda raw: __import__("gzip").compress(bytes([0, 0, 8, 3]) + (2**31).to_bytes(4, "big") * 3),
-     "header says (2147483648, 2147483648, 2147483648)"),
-    (lambda raw: __import__("gzip").compress(bytes([0, 0, 8, 3, 0, 0])), "bytes end inside its IDX header"),
-], ids=["truncated-gz", "not-gzip", "huge-dims", "short-header"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda raw: raw[: len(raw) // 2], "is not a complete gzip file"),  # a cut-off download
+        (lambda raw: b"not gzip at all" + raw, "is not a complete gzip file"),
+        (
+            lambda raw: __import__("gzip").compress(bytes([0, 0, 8, 3]) + (2**31).to_bytes(4, "big") * 3),
+            "header says (2147483648, 2147483648, 2147483648)",
+        ),
+        (lambda raw: __import__("gzip").compress(bytes([0, 0, 8, 3, 0, 0])), "bytes end inside its IDX header"),
+    ],
+    ids=["truncated-gz", "not-gzip", "huge-dims", "short-header"],
+)
 def test_damaged_idx_files_are_named(tmp_path, damage, message):
     """Before: gzip/EOFError/numpy tracebacks."""
+    from test_data import make_mnist_dir
+
     from engine.config import DataConfig
     from engine.data.sources import load_dataset
-    from test_data import make_mnist_dir
 
     make_mnist_dir(tmp_path, gz=True)
     path = tmp_path / "train-images-idx3-ubyte.gz"
@@ -374,8 +482,13 @@ def small_disk(tmp_path):
     """A 3 MiB tmpfs (root may mount one here; elsewhere the test is skipped), unmounted after."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=True)
@@ -396,8 +509,11 @@ def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_free
     workdir = small_disk / "run"
     fit(make_config("mnist_mlp.yaml", *args, "train.steps=20", workdir=workdir))
     filler = _fill(small_disk, leave=60_000)  # room for the records, not for the next checkpoint
-    with pytest.raises(StorageError, match=r"cannot write to .*/run while saving a checkpoint: no space left; "
-                                           r"[\d.]+ KiB free of 3.0 MiB; free some space"):
+    with pytest.raises(
+        StorageError,
+        match=r"cannot write to .*/run while saving a checkpoint: no space left; "
+        r"[\d.]+ KiB free of 3.0 MiB; free some space",
+    ):
         fit(make_config("mnist_mlp.yaml", *args, "train.steps=60", workdir=workdir))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10", "20"]  # no partial save left
     assert not [p for p in workdir.iterdir() if p.name.endswith(".tmp")]
@@ -406,22 +522,35 @@ def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_free
     resumed = fit(make_config("mnist_mlp.yaml", *args, "train.steps=60", workdir=workdir))
     reference = fit(make_config("mnist_mlp.yaml", *args, "train.steps=60", workdir=tmp_path / "reference"))
     assert resumed.losses == {step: reference.losses[step] for step in range(21, 61)}
-    strip = lambda records: [{k: v for k, v in r.items() if k not in RATES} for r in records if r["split"] == "train"]
-    assert strip(read_records(workdir / "metrics.jsonl")) == strip(read_records(tmp_path / "reference" / "metrics.jsonl"))
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if k not in RATES} for r in records if r["split"] == "train"]
+
+    assert strip(read_records(workdir / "metrics.jsonl")) == strip(
+        read_records(tmp_path / "reference" / "metrics.jsonl")
+    )
 
 
 RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
 
 
 def test_a_full_disk_stops_a_vectorised_group_with_one_error(make_config, small_disk):
-    from engine.rundir import StorageError
     from engine.group import fit_group
+    from engine.rundir import StorageError
 
     args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
 
     def configs(steps):
-        return [make_config("mnist_mlp.yaml", *args, f"train.steps={steps}", f"optimizer.learning_rate={lr}",
-                            workdir=small_disk / f"run{i}") for i, lr in enumerate((1e-3, 2e-3))]
+        return [
+            make_config(
+                "mnist_mlp.yaml",
+                *args,
+                f"train.steps={steps}",
+                f"optimizer.learning_rate={lr}",
+                workdir=small_disk / f"run{i}",
+            )
+            for i, lr in enumerate((1e-3, 2e-3))
+        ]
 
     fit_group(configs(20))
     _fill(small_disk, leave=60_000)
@@ -466,8 +595,13 @@ def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(
     from engine.preemption import Preempted
     from engine.rundir import read_records
 
-    args = ["mesh.num_devices=1", "train.steps=100", "log.every_steps=25", "eval.every_steps=50",
-            "checkpoint.every_steps=0"]
+    args = [
+        "mesh.num_devices=1",
+        "train.steps=100",
+        "log.every_steps=25",
+        "eval.every_steps=50",
+        "checkpoint.every_steps=0",
+    ]
     real, calls = loop._dispatch, []
 
     def dispatch(*a):
@@ -486,8 +620,11 @@ def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(
     assert resumed.losses == {step: loss for step, loss in reference.losses.items() if step > 37}
 
     def records(workdir):
-        return [{k: v for k, v in r.items() if k not in RATES} for r in read_records(workdir / "metrics.jsonl")
-                if r["split"] in ("train", "eval")]
+        return [
+            {k: v for k, v in r.items() if k not in RATES}
+            for r in read_records(workdir / "metrics.jsonl")
+            if r["split"] in ("train", "eval")
+        ]
 
     assert records(tmp_path / "run") == records(tmp_path / "reference")
 
@@ -500,8 +637,16 @@ def test_a_hung_data_reader_is_named_with_every_threads_stack(tmp_path):
     os.mkfifo(data / "x_train.npy")
     workdir = tmp_path / "run"
     started = time.time()
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "data.name=npz",
-                   f"data.path={data}", "watchdog.compile=3", timeout=120)
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "data.name=npz",
+        f"data.path={data}",
+        "watchdog.compile=3",
+        timeout=120,
+    )
     assert proc.returncode == 1 and time.time() - started < 60, proc.stderr
     assert "error: no progress for 3s while loading data and compiling (watchdog.compile=3)" in proc.stderr
     (hang,) = workdir.glob("hang-*.txt")
@@ -518,9 +663,20 @@ def test_a_peer_that_never_starts_ends_the_job_with_one_line_not_sigabrt(tmp_pat
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.time()
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "run"), "--coordinator-address",
-                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
-                   "distributed.initialization_timeout=6", timeout=120)
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "run"),
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "0",
+        "distributed.initialization_timeout=6",
+        timeout=120,
+    )
     assert proc.returncode == 1 and time.time() - started < 60, proc.stderr
     assert "error: process 0 of 2: the job did not assemble within 6s" in proc.stderr
     assert "Check failure" not in proc.stderr and "Traceback" not in proc.stderr

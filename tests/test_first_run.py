@@ -1,5 +1,6 @@
 """What a new user meets first: TensorBoard after resumes, the evaluator's config, and the
 README's own commands."""
+
 import shutil
 
 import pytest
@@ -24,8 +25,13 @@ def jsonl_scalars(workdir, split, name):
 def test_tensorboard_shows_what_metrics_jsonl_holds_after_resumes(make_config, tmp_path):
     pytest.importorskip("tensorboard")
     workdir = tmp_path / "run"
-    args = ["mesh.num_devices=1", "log.tensorboard=true", "log.every_steps=5", "checkpoint.every_steps=10",
-            "eval.every_steps=10"]
+    args = [
+        "mesh.num_devices=1",
+        "log.tensorboard=true",
+        "log.every_steps=5",
+        "checkpoint.every_steps=10",
+        "eval.every_steps=10",
+    ]
     fit(make_config("mnist_mlp.yaml", *args, "train.steps=25", workdir=workdir))
     fit(make_config("mnist_mlp.yaml", *args, "train.steps=25", workdir=workdir))  # already finished
     shutil.rmtree(workdir / "checkpoints" / "25")  # as if killed after logging step 25, before its save
@@ -45,8 +51,11 @@ def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(m
     from conftest import run_cli
 
     workdir = tmp_path / "run"
-    fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=20", "checkpoint.every_steps=10",
-                    workdir=workdir))
+    fit(
+        make_config(
+            "mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=20", "checkpoint.every_steps=10", workdir=workdir
+        )
+    )
     began = time.time()
     proc = run_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--watch", timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -59,8 +68,11 @@ def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_pa
     from conftest import run_cli
 
     workdir = tmp_path / "run"
-    fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=30", "checkpoint.every_steps=10",
-                    workdir=workdir))
+    fit(
+        make_config(
+            "mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=30", "checkpoint.every_steps=10", workdir=workdir
+        )
+    )
     shutil.rmtree(workdir / "checkpoints" / "30")  # as if the trainer died after step 20's save
     proc = run_cli("eval", "--workdir", str(workdir), "--watch", "--dead-after", "3", timeout=120)
     assert proc.returncode == 1
@@ -82,8 +94,9 @@ def test_the_readme_serving_snippet_runs_as_written(tmp_path):
     code = "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())  # list indent
     quiet = ["train.steps=300", "log.progress=false", "log.tensorboard=false"]
     assert run_cli("--config", str(ROOT / "configs" / "mnist_mlp.yaml"), *quiet, cwd=tmp_path).returncode == 0
-    assert run_cli("export", "--workdir", "runs/mnist_mlp", "--out", "runs/mnist_mlp_export",
-                   cwd=tmp_path).returncode == 0
+    assert (
+        run_cli("export", "--workdir", "runs/mnist_mlp", "--out", "runs/mnist_mlp_export", cwd=tmp_path).returncode == 0
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "load_digits().images / 16.0" in proc.stdout

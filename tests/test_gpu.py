@@ -1,5 +1,6 @@
 """What only a GPU runs: cuDNN's fused attention against XLA's, and bfloat16 training through
 the CLI with its MFU. Skipped without a GPU; on one: ENGINE_TEST_GPU=1 python -m pytest tests/test_gpu.py"""
+
 import json
 import os
 import subprocess
@@ -10,25 +11,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from engine.data import DataInfo
 from engine.sharding import unbox
 from models import REGISTRY
 from models.llama import LlamaConfig
 from models.transformer import TransformerConfig
 
-from conftest import ROOT
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu",
-                                                  reason="needs a GPU (ENGINE_TEST_GPU=1 on a machine with one)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (ENGINE_TEST_GPU=1 on a machine with one)"),
+]
 INFO = DataInfo("tokens", 8, 8, vocab_size=256, seq_len=128)
-CONFIGS = {"llama": LlamaConfig(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=256, vocab_size=256),
-           "transformer": TransformerConfig(num_layers=2, d_model=128, num_heads=4, mlp_dim=256)}
+CONFIGS = {
+    "llama": LlamaConfig(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=256, vocab_size=256),
+    "transformer": TransformerConfig(num_layers=2, d_model=128, num_heads=4, mlp_dim=256),
+}
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_cudnn_attention_equals_xla_in_bfloat16(family):
     """model.attention=auto picks cuDNN on a GPU in bf16: same logits and gradients as XLA's attention."""
     import dataclasses
+
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 128)), jnp.int32)
     out = {}
     for attention in ("xla", "cudnn"):
@@ -53,10 +58,24 @@ def test_llama_trains_in_bfloat16_with_mfu(tmp_path):
     """The Llama config trains on the GPU in bf16 (cuDNN attention): the loss falls, MFU is counted."""
     workdir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "launch.py", "--config", "configs/llama_tiny.yaml", "--workdir", str(workdir),
-         "train.steps=60", "log.every_steps=20", "log.progress=false", "train.compute_dtype=bfloat16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # not the tests' 8 CPU devices, -O0
+        [
+            sys.executable,
+            "launch.py",
+            "--config",
+            "configs/llama_tiny.yaml",
+            "--workdir",
+            str(workdir),
+            "train.steps=60",
+            "log.every_steps=20",
+            "log.progress=false",
+            "train.compute_dtype=bfloat16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )  # not the tests' 8 CPU devices, -O0
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout[-2000:])
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

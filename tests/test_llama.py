@@ -1,6 +1,7 @@
 """The Llama family: logits equal a plain-numpy implementation of the architecture (and
 transformers' where it is installed), scanned = unscanned, generation with a key/value cache
 equals step-by-step argmax, and Hugging Face checkpoints round-trip bit for bit."""
+
 import dataclasses
 import json
 import math
@@ -21,9 +22,20 @@ from models.llama import LlamaConfig
 
 INFO = DataInfo("tokens", 8, 8, vocab_size=61, seq_len=12)
 TINY = dict(num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=48, rope_theta=10000.0)
-LLAMA = ["model.name=llama", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
-         "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.mlp_dim=48", "train.global_batch_size=16", "optimizer.learning_rate=0.003"]
+LLAMA = [
+    "model.name=llama",
+    "data.name=synthetic_text",
+    "data.seq_len=16",
+    "data.num_examples=256",
+    "data.vocab_size=64",
+    "model.num_layers=2",
+    "model.d_model=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=48",
+    "train.global_batch_size=16",
+    "optimizer.learning_rate=0.003",
+]
 
 
 def init(cfg: LlamaConfig, info=INFO, seed=0):
@@ -32,8 +44,13 @@ def init(cfg: LlamaConfig, info=INFO, seed=0):
     params = unbox(module.init(jax.random.key(seed), tokens, train=False))["params"]
     # random norm scales, so that a mix-up of two norms would show
     params = jax.tree_util.tree_map_with_path(
-        lambda path, p: p * (1 + 0.3 * jax.random.normal(jax.random.key(7), p.shape))
-        if "scale" in jax.tree_util.keystr(path) else p, params)
+        lambda path, p: (
+            p * (1 + 0.3 * jax.random.normal(jax.random.key(7), p.shape))
+            if "scale" in jax.tree_util.keystr(path)
+            else p
+        ),
+        params,
+    )
     return module, params, tokens
 
 
@@ -51,7 +68,7 @@ def numpy_llama(cfg: LlamaConfig, params, tokens: np.ndarray, vocab: int) -> np.
     cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
 
     def rope(x):  # halves of each head are the rotated pairs
-        a, b = x[..., :width // 2], x[..., width // 2:]
+        a, b = x[..., : width // 2], x[..., width // 2 :]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
     x = p["embed"]["embedding"][tokens]  # [batch, seq, d]
@@ -81,9 +98,15 @@ def numpy_llama(cfg: LlamaConfig, params, tokens: np.ndarray, vocab: int) -> np.
     return x @ head
 
 
-@pytest.mark.parametrize("extra", [{}, {"tie_embeddings": True, "qk_norm": True},
-                                   {"rope_scaling_factor": 8.0, "rope_original_max_len": 4, "num_kv_heads": 1}],
-                         ids=["gqa", "tied-qknorm", "llama3-scaling-mqa"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"tie_embeddings": True, "qk_norm": True},
+        {"rope_scaling_factor": 8.0, "rope_original_max_len": 4, "num_kv_heads": 1},
+    ],
+    ids=["gqa", "tied-qknorm", "llama3-scaling-mqa"],
+)
 def test_logits_equal_a_numpy_implementation(extra):
     cfg = LlamaConfig(**{**TINY, **extra})
     cfg.validate()
@@ -98,8 +121,12 @@ def test_scanned_and_unscanned_layers_give_the_same_logits():
     module, params, tokens = init(cfg)
     unscanned = REGISTRY["llama"].build(dataclasses.replace(cfg, scan_layers=False), INFO, jnp.float32, jnp.float32)
     flat = unstacked(params, cfg.num_layers)
-    np.testing.assert_allclose(unscanned.apply({"params": flat}, tokens, train=False),
-                               module.apply({"params": params}, tokens, train=False), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        unscanned.apply({"params": flat}, tokens, train=False),
+        module.apply({"params": params}, tokens, train=False),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def unstacked(params, num_layers):
@@ -131,9 +158,11 @@ def test_scan_changes_compile_work_not_losses(make_config):
     assert compiled_flops(scanned.compiled.program) < 0.75 * scanned.cost.flops_per_device_step  # 1 layer of 2
 
 
-@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-                                    ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"]],
-                         ids=["data2-fsdp2-tensor2", "fsdp2-tensor4-kv-replicated"])
+@pytest.mark.parametrize(
+    "layout",
+    [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"]],
+    ids=["data2-fsdp2-tensor2", "fsdp2-tensor4-kv-replicated"],
+)
 def test_mesh_layouts_give_the_one_device_losses(make_config, layout):
     one = train_losses(build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1")), 4)
     run = build_run(make_config("mnist_mlp.yaml", *LLAMA, *layout))
@@ -184,9 +213,19 @@ def write_hf_checkpoint(path, cfg: LlamaConfig, vocab: int, shards: int = 1):
 
 def _hf_shape(name: str, cfg: LlamaConfig, vocab: int) -> tuple[int, ...]:
     d, q, kv, mlp = cfg.d_model, cfg.num_heads * cfg.head_width, cfg.kv_heads * cfg.head_width, cfg.mlp_dim
-    table = {"embed_tokens": (vocab, d), "lm_head": (vocab, d), "q_proj": (q, d), "k_proj": (kv, d),
-             "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (mlp, d), "up_proj": (mlp, d), "down_proj": (d, mlp),
-             "q_norm": (cfg.head_width,), "k_norm": (cfg.head_width,)}
+    table = {
+        "embed_tokens": (vocab, d),
+        "lm_head": (vocab, d),
+        "q_proj": (q, d),
+        "k_proj": (kv, d),
+        "v_proj": (kv, d),
+        "o_proj": (d, q),
+        "gate_proj": (mlp, d),
+        "up_proj": (mlp, d),
+        "down_proj": (d, mlp),
+        "q_norm": (cfg.head_width,),
+        "k_norm": (cfg.head_width,),
+    }
     for key, shape in table.items():
         if key in name:
             return shape
@@ -197,10 +236,23 @@ def _hf_shape(name: str, cfg: LlamaConfig, vocab: int) -> tuple[int, ...]:
 def test_hugging_face_import_then_export_is_bit_exact(tmp_path, shards):
     cfg = LlamaConfig(**{**TINY, "qk_norm": shards == 3})
     original = write_hf_checkpoint(tmp_path / "hf", cfg, vocab=256, shards=shards)
-    common = ["data.name=synthetic_text", "data.vocab_size=256", "data.seq_len=12", "data.num_examples=64",
-              "train.global_batch_size=8", "log.progress=false", "log.tensorboard=false"]
-    proc = run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(tmp_path / "run"), *common,
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    common = [
+        "data.name=synthetic_text",
+        "data.vocab_size=256",
+        "data.seq_len=12",
+        "data.num_examples=64",
+        "train.global_batch_size=8",
+        "log.progress=false",
+        "log.tensorboard=false",
+    ]
+    proc = run_cli(
+        "import-hf",
+        str(tmp_path / "hf"),
+        "--workdir",
+        str(tmp_path / "run"),
+        *common,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("export", "--workdir", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
@@ -257,8 +309,7 @@ def test_logits_equal_transformers_llama(tmp_path):
     tokens = np.random.default_rng(3).integers(0, 61, (2, 12))
     module, params = ours_from_hf_dir(tmp_path / "hf")
     logits = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
-    np.testing.assert_allclose(np.asarray(logits), transformers_logits(tmp_path / "hf", tokens), rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits), transformers_logits(tmp_path / "hf", tokens), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
@@ -267,8 +318,15 @@ def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
     pytest.importorskip("transformers")
     write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**{**TINY, "qk_norm": qk_norm}), vocab=256)
     run = tmp_path / "run"
-    common = ["data.name=synthetic_text", "data.vocab_size=256", "data.seq_len=12", "data.num_examples=64",
-              "train.global_batch_size=8", "log.progress=false", "log.tensorboard=false"]
+    common = [
+        "data.name=synthetic_text",
+        "data.vocab_size=256",
+        "data.seq_len=12",
+        "data.num_examples=64",
+        "train.global_batch_size=8",
+        "log.progress=false",
+        "log.tensorboard=false",
+    ]
     assert run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(run), *common).returncode == 0
     trained = run_cli("--config", str(run / "config.yaml"), "--workdir", str(run), "train.steps=3")
     assert trained.returncode == 0, trained.stderr  # fine-tunes from the imported step 0
@@ -279,15 +337,17 @@ def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
     ours = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
     theirs = transformers_logits(tmp_path / "out", tokens)
     np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
-    imported, imported_params = ours_from_hf_dir(tmp_path / "hf", DataInfo("tokens", 8, 8, vocab_size=256,
-                                                                            seq_len=12))
+    imported, imported_params = ours_from_hf_dir(tmp_path / "hf", DataInfo("tokens", 8, 8, vocab_size=256, seq_len=12))
     before = imported.apply({"params": imported_params}, jnp.asarray(tokens, jnp.int32), train=False)
     assert not np.allclose(before, ours)  # the three steps of training changed the model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["model.num_experts=4", "model.experts_per_token=2",
-                                        "model.expert_capacity_factor=1.0"]], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["model.num_experts=4", "model.experts_per_token=2", "model.expert_capacity_factor=1.0"]],
+    ids=["dense", "moe"],
+)
 def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     """Exact resume holds for scanned (stacked) parameters too, and for a mixture of experts
     (its routing, dropped tokens and load-balancing metrics included)."""
@@ -299,18 +359,43 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     from conftest import ROOT
     from engine.rundir import read_records
 
-    args = [*LLAMA, *extra, "train.steps=12", "checkpoint.every_steps=3", "log.every_steps=1", "log.progress=false",
-            "log.tensorboard=false", "eval.every_steps=0", "data.steps_per_transfer=1"]
+    args = [
+        *LLAMA,
+        *extra,
+        "train.steps=12",
+        "checkpoint.every_steps=3",
+        "log.every_steps=1",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "eval.every_steps=0",
+        "data.steps_per_transfer=1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
     def start(workdir):
-        return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml",
-                                 "--workdir", str(workdir), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "launch.py"),
+                "--config",
+                "configs/mnist_mlp.yaml",
+                "--workdir",
+                str(workdir),
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def train_records(workdir):
-        return [(r["step"], r["loss"], r.get("moe_aux_loss"), r.get("moe_dropped_tokens"))
-                for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+        return [
+            (r["step"], r["loss"], r.get("moe_aux_loss"), r.get("moe_dropped_tokens"))
+            for r in read_records(workdir / "metrics.jsonl")
+            if r["split"] == "train"
+        ]
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert start(reference).wait(timeout=300) == 0
@@ -329,6 +414,8 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     assert (train_records(reference)[0][2] is not None) == bool(extra)  # MoE runs log their routing
     import orbax.checkpoint as ocp
 
-    saved = [ocp.PyTreeCheckpointer().restore(path / "checkpoints" / "12" / "state")["params"]
-             for path in (killed, reference)]
+    saved = [
+        ocp.PyTreeCheckpointer().restore(path / "checkpoints" / "12" / "state")["params"]
+        for path in (killed, reference)
+    ]
     jax.tree.map(np.testing.assert_array_equal, *saved)

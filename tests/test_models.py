@@ -20,8 +20,10 @@ def batch_for(info, n=4):
     rng = np.random.default_rng(0)
     if info.kind == "tokens":
         return {"tokens": jnp.asarray(rng.integers(0, info.vocab_size, (n, info.seq_len + 1)), jnp.int32)}
-    return {"image": jnp.asarray(rng.random((n, *info.input_shape)), jnp.float32),
-            "label": jnp.asarray(rng.integers(0, info.num_classes, n), jnp.int32)}
+    return {
+        "image": jnp.asarray(rng.random((n, *info.input_shape)), jnp.float32),
+        "label": jnp.asarray(rng.integers(0, info.num_classes, n), jnp.int32),
+    }
 
 
 # (family, config, data, the parameter that first touches the input)
@@ -31,8 +33,12 @@ CASES = [
     ("resnet", {"depth": 18, "width": 4}, IMAGE, "stem/kernel"),
     ("resnet", {"depth": 50, "width": 2}, IMAGE, "stem/kernel"),
     ("transformer", {"num_layers": 2, "d_model": 16, "num_heads": 2, "mlp_dim": 32}, TOKENS, "embed/embedding"),
-    ("transformer", {"num_layers": 1, "d_model": 16, "num_heads": 2, "mlp_dim": 32, "remat": "full"}, TOKENS,
-     "embed/embedding"),
+    (
+        "transformer",
+        {"num_layers": 1, "d_model": 16, "num_heads": 2, "mlp_dim": 32, "remat": "full"},
+        TOKENS,
+        "embed/embedding",
+    ),
 ]
 
 
@@ -47,8 +53,9 @@ def init(name, overrides, info):
     return spec, module, variables, batch
 
 
-@pytest.mark.parametrize("name, overrides, info, input_layer", CASES,
-                         ids=lambda c: str(c) if isinstance(c, str) and "/" not in c else None)
+@pytest.mark.parametrize(
+    "name, overrides, info, input_layer", CASES, ids=lambda c: str(c) if isinstance(c, str) and "/" not in c else None
+)
 def test_forward_and_backward(name, overrides, info, input_layer):
     spec, module, variables, batch = init(name, overrides, info)
     params = variables.pop("params")
@@ -62,8 +69,11 @@ def test_forward_and_backward(name, overrides, info, input_layer):
     assert norms[input_layer] > 0, norms  # the gradient reaches the layer that reads the input
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     # every parameter of every model carries logical axis names (the sharding rules need them)
-    boxed = module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                        batch["tokens"][:, :-1] if info.kind == "tokens" else batch["image"], train=False)
+    boxed = module.init(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)},
+        batch["tokens"][:, :-1] if info.kind == "tokens" else batch["image"],
+        train=False,
+    )
     boxes = jax.tree.leaves(boxed["params"], is_leaf=lambda x: hasattr(x, "names"))
     assert all(hasattr(b, "names") and len(b.names) == b.value.ndim for b in boxes)
 
@@ -123,8 +133,11 @@ def _lm_losses(module, variables, tokens, targets, fused: bool):
 def test_fused_cross_entropy_equals_optax_on_full_logits(chunk):
     info = DataInfo("tokens", 8, 8, vocab_size=50, seq_len=12)
     module = REGISTRY["transformer"].build(
-        TransformerConfig(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, loss_chunk=chunk), info,
-        jnp.float32, jnp.float32)
+        TransformerConfig(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, loss_chunk=chunk),
+        info,
+        jnp.float32,
+        jnp.float32,
+    )
     tokens = batch_for(info, n=3)["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     variables = unbox(module.init(jax.random.key(0), inputs, train=False))
@@ -136,8 +149,13 @@ def test_fused_cross_entropy_equals_optax_on_full_logits(chunk):
     # two summation orders in float32: gradients of unit scale agree to ~1e-7 absolute, and
     # code generated without LLVM's passes (the tests' -O0, no fused multiply-adds) rounds a
     # little differently again; a wrong gradient is off by orders more
-    jax.tree.map_with_path(lambda path, g, expected: np.testing.assert_allclose(
-        g, expected, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)), fused_grads, ref_grads)
+    jax.tree.map_with_path(
+        lambda path, g, expected: np.testing.assert_allclose(
+            g, expected, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        ),
+        fused_grads,
+        ref_grads,
+    )
 
 
 def test_chunked_loss_keeps_less_in_memory():
@@ -149,8 +167,11 @@ def test_chunked_loss_keeps_less_in_memory():
     temporaries = {}
     for name, chunk, fused in (("optax", 0, False), ("fused", 0, True), ("chunked", 8, True)):
         module = REGISTRY["transformer"].build(
-            TransformerConfig(num_layers=1, d_model=32, num_heads=2, mlp_dim=64, loss_chunk=chunk), info,
-            jnp.bfloat16, jnp.float32)
+            TransformerConfig(num_layers=1, d_model=32, num_heads=2, mlp_dim=64, loss_chunk=chunk),
+            info,
+            jnp.bfloat16,
+            jnp.float32,
+        )
         variables = unbox(module.init(jax.random.key(0), inputs, train=False))
         step = jax.jit(jax.grad(lambda v: _lm_losses(module, v, inputs, targets, fused)[0]))
         temporaries[name] = step.lower(variables).compile().memory_analysis().temp_size_in_bytes

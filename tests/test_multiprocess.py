@@ -1,5 +1,6 @@
 """Real multi-process jobs on localhost (gloo CPU collectives): equal to one process, checkpoints
 across process counts, TF_CONFIG, a killed process, and a run under a real SLURM cluster."""
+
 import contextlib
 import json
 import os
@@ -11,16 +12,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import slurm_cluster
+
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
 MLP = ["configs/mnist_mlp.yaml", "train.global_batch_size=32", "model.dropout_rate=0.2"]
-GPT = ["configs/gpt_small.yaml", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
-       "data.vocab_size=64", "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
-       "train.global_batch_size=8", "optimizer.warmup_steps=2"]
+GPT = [
+    "configs/gpt_small.yaml",
+    "data.name=synthetic_text",
+    "data.seq_len=16",
+    "data.num_examples=256",
+    "data.vocab_size=64",
+    "model.num_layers=1",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+    "train.global_batch_size=8",
+    "optimizer.warmup_steps=2",
+]
 COMMON = ["log.every_steps=1", "log.progress=false", "eval.every_steps=0", "eval.max_batches=2"]
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
@@ -31,13 +42,25 @@ def train_losses(workdir):
 
 
 def local_job(workdir, config, *overrides, processes=2, devices=2, timeout=400):
-    return run_cli("--config", config, "--workdir", str(workdir), "--local-processes", str(processes),
-                   "--devices-per-process", str(devices), *overrides, *COMMON, timeout=timeout)
+    return run_cli(
+        "--config",
+        config,
+        "--workdir",
+        str(workdir),
+        "--local-processes",
+        str(processes),
+        "--devices-per-process",
+        str(devices),
+        *overrides,
+        *COMMON,
+        timeout=timeout,
+    )
 
 
 def one_process(workdir, config, *overrides, timeout=400):
-    return run_cli("--config", config, "--workdir", str(workdir), *overrides, *COMMON, env=FOUR_DEVICES,
-                   timeout=timeout)
+    return run_cli(
+        "--config", config, "--workdir", str(workdir), *overrides, *COMMON, env=FOUR_DEVICES, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
@@ -81,14 +104,33 @@ def test_tf_config_two_workers_train(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]}
     procs = []
     for index in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
-                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir",
-             str(tmp_path / "tf"), "train.steps=6", *COMMON], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="",
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "launch.py"),
+                    "--config",
+                    "configs/mnist_mlp.yaml",
+                    "--workdir",
+                    str(tmp_path / "tf"),
+                    "train.steps=6",
+                    *COMMON,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=300) for p in procs]
-    for proc, (out, err) in zip(procs, outputs):
+    for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
     assert "TF_CONFIG" in outputs[1][1]  # process 1 says how it found the job
     assert sorted(train_losses(tmp_path / "tf")) == list(range(1, 7))
@@ -97,8 +139,11 @@ def test_tf_config_two_workers_train(tmp_path):
 
 
 def test_tf_config_parameter_server_is_refused(tmp_path):
-    env = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
-                                    "task": {"type": "ps", "index": 0}})}
+    env = {
+        "TF_CONFIG": json.dumps(
+            {"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "task": {"type": "ps", "index": 0}}
+        )
+    }
     proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "ps"), env=env)
     assert proc.returncode == 2 and "sharded over the mesh's fsdp axis" in proc.stderr
 
@@ -126,9 +171,24 @@ def _running(pid: int) -> bool:
 def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
     workdir = tmp_path / "kill"
     launcher = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
-         "--local-processes", "2", "train.steps=1000000", *COMMON], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--config",
+            "configs/mnist_mlp.yaml",
+            "--workdir",
+            str(workdir),
+            "--local-processes",
+            "2",
+            "train.steps=1000000",
+            *COMMON,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
     workers = {}
     try:
         deadline = time.time() + 180
@@ -154,24 +214,53 @@ def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
 def test_unreachable_coordinator_fails_cleanly(tmp_path):
     from engine.launcher import free_port
 
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "--coordinator-address",
-                   f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "1",
-                   "distributed.initialization_timeout=2")
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--coordinator-address",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+        "distributed.initialization_timeout=2",
+    )
     assert proc.returncode == 1
     assert "process 1 could not reach the coordinator (process 0)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.skipif(not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge "
-                                                            "(.ci/run installs them)")
+@pytest.mark.skipif(
+    not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge (.ci/run installs them)"
+)
 def test_srun_two_processes_found_through_slurm(tmp_path):
     workdir = tmp_path / "slurm"
     with slurm_cluster.SlurmCluster(tmp_path / "cluster") as cluster:
         env = dict(cluster.env, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
         proc = subprocess.run(
-            ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(ROOT / "launch.py"), "--config",
-             "configs/mnist_mlp.yaml", "--workdir", str(workdir), "train.steps=6", "train.global_batch_size=32",
-             *COMMON], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+            [
+                "srun",
+                "-n",
+                "2",
+                "--kill-on-bad-exit=1",
+                sys.executable,
+                str(ROOT / "launch.py"),
+                "--config",
+                "configs/mnist_mlp.yaml",
+                "--workdir",
+                str(workdir),
+                "train.steps=6",
+                "train.global_batch_size=32",
+                *COMMON,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for index in range(2):  # both processes found the job through SLURM's environment
         assert f"process {index} of 2: joined the job (SLURM); 4 devices in all, 2 here" in proc.stderr
@@ -179,9 +268,14 @@ def test_srun_two_processes_found_through_slurm(tmp_path):
     assert proc.stdout.count("done: 6 steps") == 2
 
 
-@pytest.mark.parametrize("extra, sig", [
-    ([], signal.SIGTERM), (["train.steps_per_call=4", "log.every_steps=4", "checkpoint.staging=device"], signal.SIGINT)],
-    ids=["one-step-per-call", "four-steps-per-call-device-staging-ctrl-c"])
+@pytest.mark.parametrize(
+    "extra, sig",
+    [
+        ([], signal.SIGTERM),
+        (["train.steps_per_call=4", "log.every_steps=4", "checkpoint.staging=device"], signal.SIGINT),
+    ],
+    ids=["one-step-per-call", "four-steps-per-call-device-staging-ctrl-c"],
+)
 def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra, sig):
     """JAX's preemption sync point agrees on one exact step; with several steps per call every
     step is reported to it, and the stop comes at the end of the call that holds that step.
@@ -190,9 +284,25 @@ def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra
     workdir = tmp_path / "preempt"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     launcher = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
-         "--local-processes", "2", "train.steps=1000000", *COMMON, *extra], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--config",
+            "configs/mnist_mlp.yaml",
+            "--workdir",
+            str(workdir),
+            "--local-processes",
+            "2",
+            "train.steps=1000000",
+            *COMMON,
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 180
     while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
         assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
@@ -210,9 +320,24 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     kernel, save at one agreed step and exit, instead of training on unattended."""
     workdir = tmp_path / "orphans"
     launcher = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir),
-         "--local-processes", "2", "train.steps=1000000", "checkpoint.every_steps=0", *COMMON], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--config",
+            "configs/mnist_mlp.yaml",
+            "--workdir",
+            str(workdir),
+            "--local-processes",
+            "2",
+            "train.steps=1000000",
+            "checkpoint.every_steps=0",
+            *COMMON,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
     workers = {}
     try:
         deadline = time.time() + 180

@@ -1,6 +1,7 @@
 """Parallelism on 8 simulated devices: every layout gives the single-device losses, FSDP
 really shards memory, the compiled HLO has the collectives each layout implies, and
 misconfigured meshes are refused before compiling."""
+
 import re
 
 import jax
@@ -13,9 +14,19 @@ from engine.setup import build_run
 from engine.step import unpack_metrics
 
 MLP = ["model.name=mlp", "model.hidden_sizes=[128]", "model.dropout_rate=0.2", "train.global_batch_size=64"]
-GPT = ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=512",
-       "data.vocab_size=64", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64",
-       "model.dropout_rate=0.1", "train.global_batch_size=16"]
+GPT = [
+    "model.name=transformer",
+    "data.name=synthetic_text",
+    "data.seq_len=16",
+    "data.num_examples=512",
+    "data.vocab_size=64",
+    "model.num_layers=2",
+    "model.d_model=32",
+    "model.num_heads=4",
+    "model.mlp_dim=64",
+    "model.dropout_rate=0.1",
+    "train.global_batch_size=16",
+]
 LAYOUTS = {
     "1 device": ["mesh.num_devices=1"],
     "data=8": ["mesh.data=8"],
@@ -48,8 +59,12 @@ def test_every_layout_matches_one_device(make_config, model):
 
 
 def addressable_bytes(tree, device):
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
-               if shard.device == device)
+    return sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(tree)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
 
 
 @pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
@@ -77,8 +92,11 @@ def cut_to_shard(hlo: str, full_shapes: tuple[str, ...], shard_shape: str) -> bo
     reduced = set()
     for line in hlo.splitlines():
         match = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? (all-reduce|get-tuple-element)\((%[^,)]+)", line)
-        if match and match.group(2) in full_shapes and (match.group(3) == "all-reduce" or
-                                                        match.group(4).startswith("%all-reduce")):
+        if (
+            match
+            and match.group(2) in full_shapes
+            and (match.group(3) == "all-reduce" or match.group(4).startswith("%all-reduce"))
+        ):
             reduced.add(match.group(1))
     for line in hlo.splitlines():
         match = re.match(r"\s*(?:ROOT )?%\S+ = (\S+?)(?:\{[^}]*\})? [\w-]+\(([^)]*)\)", line)
@@ -121,14 +139,20 @@ def test_mesh_axis_product_must_match_devices(make_config):
 
 
 def test_batch_must_divide_over_batch_axes(make_config):
-    with pytest.raises(UsageError, match=r"train.global_batch_size=60 is not divisible by data\*fsdp\*expert=2\*4\*1=8; "
-                                         r"use a multiple of 8"):
+    with pytest.raises(
+        UsageError,
+        match=r"train.global_batch_size=60 is not divisible by data\*fsdp\*expert=2\*4\*1=8; "
+        r"use a multiple of 8",
+    ):
         build_run(make_config("mnist_mlp.yaml", "mesh.data=2", "mesh.fsdp=4", "train.global_batch_size=60"))
 
 
 def test_tensor_size_must_divide_sharded_dimension(make_config):
-    with pytest.raises(UsageError, match=r"parameter hidden_0/bias \(100,\): its 'mlp' dimension of 100 is not "
-                                         r"divisible by mesh.tensor=8; choose a mesh.tensor that divides 100"):
+    with pytest.raises(
+        UsageError,
+        match=r"parameter hidden_0/bias \(100,\): its 'mlp' dimension of 100 is not "
+        r"divisible by mesh.tensor=8; choose a mesh.tensor that divides 100",
+    ):
         build_run(make_config("mnist_mlp.yaml", "mesh.data=1", "mesh.tensor=8", "model.hidden_sizes=[100]"))
 
 
@@ -138,17 +162,32 @@ def test_pmap_refuses_sharded_layouts(make_config):
 
 
 def test_cli_mesh_error_exits_2_on_8_devices(tmp_path):
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "mesh.data=4",
-                   "mesh.tensor=4", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "mesh.data=4",
+        "mesh.tensor=4",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
     assert proc.returncode == 2 and "uses 16 devices but 8 are in use" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_dry_run_table_shows_fsdp_layout(tmp_path):
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "--dry-run",
-                   "mesh.data=1", "mesh.fsdp=8", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--dry-run",
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("hidden_0/kernel"))
+    line = next(row for row in proc.stdout.splitlines() if row.startswith("hidden_0/kernel"))
     assert "(64, 128)" in line and "('embed', 'mlp')" in line and "('fsdp', None)" in line
     assert "'fsdp': 8" in proc.stdout and "per device: params" in proc.stdout
 
@@ -156,8 +195,9 @@ def test_dry_run_table_shows_fsdp_layout(tmp_path):
 @pytest.mark.parametrize("layout", [["mesh.data=8"], ["mesh.data=8", "mesh.backend=pmap"]], ids=["jit", "pmap"])
 def test_steps_per_call_on_eight_devices_matches_one_step_per_call(make_config, layout):
     args = ["train.global_batch_size=32", "model.dropout_rate=0.2", "data.steps_per_transfer=4", *layout]
-    reference, _ = train_losses(build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", *args[:-len(layout)])),
-                                8)
+    reference, _ = train_losses(
+        build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", *args[: -len(layout)])), 8
+    )
     run = build_run(make_config("mnist_mlp.yaml", *args, "train.steps_per_call=4"))
     state, losses = run.compiled.to_step_layout(run.init_state()), []
     for step in range(0, 8, 4):

@@ -1,6 +1,7 @@
 """Model-based search with pruning (engine/sweep/search.py) on the digits MLP: an Optuna study
 in the sweep directory's SQLite database, pruned trials stopped early, a killed sweep
 resuming its study, two sweep processes sharing one study without running a trial twice."""
+
 import json
 import os
 import subprocess
@@ -15,15 +16,26 @@ from engine.errors import UsageError
 from engine.rundir import read_records
 from engine.sweep import load_sweep
 
-OVERRIDES = {"train.steps": 40, "eval.every_steps": 10, "log.every_steps": 10, "checkpoint.every_steps": 10,
-             "log.tensorboard": False, "mesh.num_devices": 1}
+OVERRIDES = {
+    "train.steps": 40,
+    "eval.every_steps": 10,
+    "log.every_steps": 10,
+    "checkpoint.every_steps": 10,
+    "log.tensorboard": False,
+    "mesh.num_devices": 1,
+}
 PARAMS = {"optimizer.learning_rate": {"log_uniform": [1.0e-5, 1.0e-1]}, "model.hidden_sizes": {"choice": [[16], [64]]}}
 
 
 def sweep_file(tmp_path, trials, pruner=None, **search):
-    spec = {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "overrides": OVERRIDES, "metric": "eval/loss",
-            "mode": "min", "directory": str(tmp_path / "sweep"),
-            "search": {"sampler": "tpe", "trials": trials, "seed": 0, "params": PARAMS, **search}}
+    spec = {
+        "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+        "overrides": OVERRIDES,
+        "metric": "eval/loss",
+        "mode": "min",
+        "directory": str(tmp_path / "sweep"),
+        "search": {"sampler": "tpe", "trials": trials, "seed": 0, "params": PARAMS, **search},
+    }
     if pruner:
         spec["pruner"] = pruner
     path = tmp_path / "search.yaml"
@@ -33,8 +45,15 @@ def sweep_file(tmp_path, trials, pruner=None, **search):
 
 def start_sweep(path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "sweep", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def index(tmp_path) -> list[dict]:
@@ -88,8 +107,12 @@ def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
     third = start_sweep(path)  # finds the study done
     out_third, _ = third.communicate(timeout=600)
     assert second.returncode == 0 and third.returncode == 0, out_second + out_third
-    started = [line.split()[1] for out in (out_first, out_second, out_third) for line in out.splitlines()
-               if line.startswith("start ")]
+    started = [
+        line.split()[1]
+        for out in (out_first, out_second, out_third)
+        for line in out.splitlines()
+        if line.startswith("start ")
+    ]
     assert len(started) == len(set(started)) == 4, started  # no trial asked for twice
     runs = {r["name"]: r["status"] for r in index(tmp_path)}
     assert sorted(runs) == [f"trial-{i:04d}" for i in range(4)] and set(runs.values()) == {"finished"}, runs
@@ -98,14 +121,17 @@ def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
         assert train_steps(tmp_path / "sweep" / name)[-1] == 40
 
 
-@pytest.mark.parametrize("search, extra, message", [
-    ({"sampler": "cmaes"}, {}, "search.sampler='cmaes' is not one of tpe, random, grid"),
-    ({"trials": 0}, {}, "search.trials=0 must be a whole number"),
-    ({"sampler": "grid"}, {}, "search.sampler=grid needs choice lists; search.params.optimizer.learning_rate"),
-    ({"params": {"optimizer.learning_rate": {"log_uniform": [0.1, 0.01]}}}, {}, "must be \\[low, high\\]"),
-    ({}, {"pruner": {"kind": "median", "patience": 3}}, "pruner median takes startup_trials, warmup_steps"),
-    ({}, {"grid": {"seed": [0, 1]}}, "a search replaces grid, zip and random"),
-])
+@pytest.mark.parametrize(
+    "search, extra, message",
+    [
+        ({"sampler": "cmaes"}, {}, "search.sampler='cmaes' is not one of tpe, random, grid"),
+        ({"trials": 0}, {}, "search.trials=0 must be a whole number"),
+        ({"sampler": "grid"}, {}, "search.sampler=grid needs choice lists; search.params.optimizer.learning_rate"),
+        ({"params": {"optimizer.learning_rate": {"log_uniform": [0.1, 0.01]}}}, {}, "must be \\[low, high\\]"),
+        ({}, {"pruner": {"kind": "median", "patience": 3}}, "pruner median takes startup_trials, warmup_steps"),
+        ({}, {"grid": {"seed": [0, 1]}}, "a search replaces grid, zip and random"),
+    ],
+)
 def test_malformed_search_fields_are_refused_by_name(tmp_path, search, extra, message):
     path = sweep_file(tmp_path, 3)
     spec = yaml.safe_load(path.read_text())

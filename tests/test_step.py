@@ -1,13 +1,13 @@
 """The compiled step: gradient accumulation, eager mode, optimizers and schedules."""
+
 import jax
 import numpy as np
+import optax
 import pytest
 
-import optax
-
-from engine.optim import learning_rate_at, schedule_hparams
 from engine.config import OptimizerConfig
 from engine.errors import UsageError
+from engine.optim import learning_rate_at, schedule_hparams
 from engine.rundir import read_records
 from engine.setup import build_run
 from engine.step import unpack_metrics
@@ -28,13 +28,31 @@ def assert_trees_close(a, b, rtol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-7)
 
 
-@pytest.mark.parametrize("model", [["model.name=mlp", "model.dropout_rate=0.2"],
-                                   ["model.name=transformer", "data.name=synthetic_text", "data.seq_len=16",
-                                    "data.num_examples=256", "model.num_layers=1", "model.d_model=32",
-                                    "model.num_heads=2", "model.mlp_dim=64", "data.vocab_size=32"]])
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model.name=mlp", "model.dropout_rate=0.2"],
+        [
+            "model.name=transformer",
+            "data.name=synthetic_text",
+            "data.seq_len=16",
+            "data.num_examples=256",
+            "model.num_layers=1",
+            "model.d_model=32",
+            "model.num_heads=2",
+            "model.mlp_dim=64",
+            "data.vocab_size=32",
+        ],
+    ],
+)
 def test_grad_accumulation_equals_one_big_batch(make_config, model):
-    base = ["mesh.num_devices=1", "train.global_batch_size=32", "optimizer.name=sgd",
-            "optimizer.learning_rate=0.1", *model]
+    base = [
+        "mesh.num_devices=1",
+        "train.global_batch_size=32",
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=0.1",
+        *model,
+    ]
     big, _ = first_steps(build_run(make_config("mnist_mlp.yaml", *base)), 3)
     accum, _ = first_steps(build_run(make_config("mnist_mlp.yaml", *base, "train.grad_accum_steps=4")), 3)
     # dropout masks follow each example's row in the global batch, so they match too
@@ -51,14 +69,23 @@ def test_eager_mode_matches_jit(make_config):
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
 def test_each_optimizer_lowers_the_loss(make_config, name):
     lr = {"sgd": 0.5, "momentum": 0.1}.get(name, 0.01)
-    cfg = make_config("mnist_mlp.yaml", "mesh.num_devices=1", "train.steps=60", f"optimizer.name={name}",
-                      f"optimizer.learning_rate={lr}", "optimizer.grad_clip_norm=1.0", "log.every_steps=10")
+    cfg = make_config(
+        "mnist_mlp.yaml",
+        "mesh.num_devices=1",
+        "train.steps=60",
+        f"optimizer.name={name}",
+        f"optimizer.learning_rate={lr}",
+        "optimizer.grad_clip_norm=1.0",
+        "log.every_steps=10",
+    )
     losses = fit(cfg).losses
     assert np.mean([losses[s] for s in range(51, 61)]) < 0.6 * np.mean([losses[s] for s in range(1, 11)])
 
 
-@pytest.mark.parametrize("kind, warmup, end", [("constant", 0, 0.0), ("constant", 10, 0.0),
-                                               ("warmup_cosine", 10, 0.1), ("warmup_linear", 4, 0.0)])
+@pytest.mark.parametrize(
+    "kind, warmup, end",
+    [("constant", 0, 0.0), ("constant", 10, 0.0), ("warmup_cosine", 10, 0.1), ("warmup_linear", 4, 0.0)],
+)
 def test_schedules_match_optax(kind, warmup, end):
     cfg = OptimizerConfig(learning_rate=2.0, schedule=kind, warmup_steps=warmup, end_learning_rate_factor=end)
     total = 110
@@ -67,8 +94,9 @@ def test_schedules_match_optax(kind, warmup, end):
     elif kind == "warmup_cosine":
         reference = optax.warmup_cosine_decay_schedule(0.0, 2.0, warmup, total, 2.0 * end)
     else:
-        reference = optax.join_schedules([optax.linear_schedule(0.0, 2.0, warmup),
-                                          optax.linear_schedule(2.0, 2.0 * end, total - warmup)], [warmup])
+        reference = optax.join_schedules(
+            [optax.linear_schedule(0.0, 2.0, warmup), optax.linear_schedule(2.0, 2.0 * end, total - warmup)], [warmup]
+        )
     hp = schedule_hparams(cfg, total)
     for step in (0, 1, warmup // 2, warmup, warmup + 1, 50, 109, 110):
         assert float(learning_rate_at(kind, step, hp)) == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-6)
@@ -79,8 +107,17 @@ def test_hyperparameters_are_inputs_not_constants(make_config, tmp_path):
     programs, so the second run loads every one of them from the persistent compilation cache."""
     common = ["mesh.num_devices=1", "optimizer.name=adamw", "optimizer.schedule=warmup_cosine"]
     first = build_run(make_config("mnist_mlp.yaml", *common, "optimizer.learning_rate=0.001", "seed=0"))
-    second = build_run(make_config("mnist_mlp.yaml", *common, "optimizer.learning_rate=0.02", "seed=3",
-                                   "optimizer.weight_decay=0.1", "optimizer.warmup_steps=7", "model.dropout_rate=0.4"))
+    second = build_run(
+        make_config(
+            "mnist_mlp.yaml",
+            *common,
+            "optimizer.learning_rate=0.02",
+            "seed=3",
+            "optimizer.weight_decay=0.1",
+            "optimizer.warmup_steps=7",
+            "model.dropout_rate=0.4",
+        )
+    )
     assert first.compile_cache.get("hits", 0) + first.compile_cache.get("misses", 0) >= 2  # the cache is in use
     assert second.compile_cache.get("misses", 0) == 0 and second.compile_cache.get("hits", 0) >= 2
     changed = build_run(make_config("mnist_mlp.yaml", *common, "model.hidden_sizes=[47]"))
@@ -112,9 +149,19 @@ def test_dropout_rate_input_takes_effect(make_config):
 def test_model_flops_ignore_remat_chunking_and_accumulation(make_config):
     """MFU counts the model's FLOPs: recomputation (remat) and loops that XLA's cost analysis
     counts once (chunked loss, gradient accumulation) must not change the figure."""
-    base = ["mesh.num_devices=1", "model.name=transformer", "data.name=synthetic_text", "data.seq_len=16",
-            "data.num_examples=256", "model.num_layers=2", "model.d_model=32", "model.num_heads=2",
-            "model.mlp_dim=64", "data.vocab_size=512", "train.global_batch_size=8"]
+    base = [
+        "mesh.num_devices=1",
+        "model.name=transformer",
+        "data.name=synthetic_text",
+        "data.seq_len=16",
+        "data.num_examples=256",
+        "model.num_layers=2",
+        "model.d_model=32",
+        "model.num_heads=2",
+        "model.mlp_dim=64",
+        "data.vocab_size=512",
+        "train.global_batch_size=8",
+    ]
     plain = build_run(make_config("mnist_mlp.yaml", *base))
     assert plain.cost.source == "XLA cost analysis of the compiled step"
     remat = build_run(make_config("mnist_mlp.yaml", *base, "model.remat=full"))
@@ -130,16 +177,29 @@ def test_model_flops_ignore_remat_chunking_and_accumulation(make_config):
 def test_steps_per_call_changes_nothing_but_speed(make_config, tmp_path):
     """Several steps per dispatch (a device-side loop): the same losses, metrics and final
     state as one step per call, bit for bit, logged at the same steps."""
-    args = ["mesh.num_devices=1", "train.steps=40", "log.every_steps=8", "eval.every_steps=20",
-            "checkpoint.every_steps=0", "model.dropout_rate=0.2", "data.steps_per_transfer=6"]
+    args = [
+        "mesh.num_devices=1",
+        "train.steps=40",
+        "log.every_steps=8",
+        "eval.every_steps=20",
+        "checkpoint.every_steps=0",
+        "model.dropout_rate=0.2",
+        "data.steps_per_transfer=6",
+    ]
     one = fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "one"))
     four = fit(make_config("mnist_mlp.yaml", *args, "train.steps_per_call=4", workdir=tmp_path / "four"))
     assert four.losses == one.losses and sorted(four.losses) == sorted(one.losses) and len(one.losses) == 40
     assert four.eval_metrics == one.eval_metrics
     for a, b in zip(jax.tree.leaves(one.state.params), jax.tree.leaves(four.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    logged = [[(r["step"], r["split"], r.get("loss")) for r in read_records(path / "metrics.jsonl")
-               if r["split"] != "summary"] for path in (tmp_path / "one", tmp_path / "four")]
+    logged = [
+        [
+            (r["step"], r["split"], r.get("loss"))
+            for r in read_records(path / "metrics.jsonl")
+            if r["split"] != "summary"
+        ]
+        for path in (tmp_path / "one", tmp_path / "four")
+    ]
     assert logged[0] == logged[1]
 
 
@@ -157,8 +217,16 @@ def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_
     args = ["mesh.num_devices=1", "log.every_steps=2", "checkpoint.every_steps=2"]
     fit(make_config("mnist_mlp.yaml", *args, "train.steps=6", workdir=tmp_path / "w"))
     with pytest.raises(UsageError, match="resumes at step 6, which is not a multiple of train.steps_per_call=4"):
-        fit(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "log.every_steps=4", "train.steps=12",
-                        "train.steps_per_call=4", workdir=tmp_path / "w"))
+        fit(
+            make_config(
+                "mnist_mlp.yaml",
+                "mesh.num_devices=1",
+                "log.every_steps=4",
+                "train.steps=12",
+                "train.steps_per_call=4",
+                workdir=tmp_path / "w",
+            )
+        )
 
 
 def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, monkeypatch):
@@ -167,10 +235,22 @@ def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, mo
     import engine.perf
 
     monkeypatch.setattr(engine.perf, "lowered_flops", lambda lowered: None)
-    run = build_run(make_config("mnist_mlp.yaml", "mesh.num_devices=1", "model.name=transformer",
-                                "data.name=synthetic_text", "data.seq_len=16", "data.num_examples=256",
-                                "model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
-                                "train.global_batch_size=8", "model.remat=full"))
+    run = build_run(
+        make_config(
+            "mnist_mlp.yaml",
+            "mesh.num_devices=1",
+            "model.name=transformer",
+            "data.name=synthetic_text",
+            "data.seq_len=16",
+            "data.num_examples=256",
+            "model.num_layers=2",
+            "model.d_model=32",
+            "model.num_heads=2",
+            "model.mlp_dim=64",
+            "train.global_batch_size=8",
+            "model.remat=full",
+        )
+    )
     cost = run.cost
     assert cost.flops_per_device_step == cost.analytic_per_device_step > 0
     assert cost.source.startswith("analytic formula (6*N*tokens")

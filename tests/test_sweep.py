@@ -1,4 +1,5 @@
 """Config sweeps: expansion, validation, running (sequential, parallel, resumed), the report."""
+
 import csv
 import json
 import os
@@ -9,15 +10,21 @@ import sys
 import time
 
 import pytest
+import slurm_cluster
 import yaml
 
-import slurm_cluster
 from conftest import ROOT, run_cli
 from engine.errors import UsageError
 from engine.sweep import load_sweep
 
-FAST = {"train.steps": 40, "log.every_steps": 20, "eval.every_steps": 20, "log.tensorboard": False,
-        "checkpoint.every_steps": 20, "train.global_batch_size": 32}
+FAST = {
+    "train.steps": 40,
+    "log.every_steps": 20,
+    "eval.every_steps": 20,
+    "log.tensorboard": False,
+    "checkpoint.every_steps": 20,
+    "train.global_batch_size": 32,
+}
 
 
 def write_sweep(path, **spec):
@@ -33,18 +40,29 @@ def index(directory):
 
 
 def test_grid_zip_and_random_expansion(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path / "s.yaml", grid={"optimizer.learning_rate": [0.001, 0.01],
-                                                              "model.hidden_sizes": [[32], [64, 32]]},
-                                   zip={"optimizer.warmup_steps": [0, 5], "optimizer.schedule":
-                                        ["constant", "warmup_cosine"]}))
+    sweep = load_sweep(
+        write_sweep(
+            tmp_path / "s.yaml",
+            grid={"optimizer.learning_rate": [0.001, 0.01], "model.hidden_sizes": [[32], [64, 32]]},
+            zip={"optimizer.warmup_steps": [0, 5], "optimizer.schedule": ["constant", "warmup_cosine"]},
+        )
+    )
     assert len(sweep.runs) == 8
     assert sweep.runs[0].name == "learning_rate=0.001,hidden_sizes=32,warmup_steps=0,schedule=constant"
     assert sweep.runs[2].name == "learning_rate=0.001,hidden_sizes=64-32,warmup_steps=0,schedule=constant"
     assert all(re.fullmatch(r"[A-Za-z0-9._+=,-]+", run.name) for run in sweep.runs)  # no quoting needed
     assert len({r.name for r in sweep.runs}) == 8
-    spec = {"random": {"samples": 5, "seed": 7, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]},
-                                                            "model.dropout_rate": {"uniform": [0.0, 0.5]},
-                                                            "train.global_batch_size": {"choice": [16, 32]}}}}
+    spec = {
+        "random": {
+            "samples": 5,
+            "seed": 7,
+            "params": {
+                "optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]},
+                "model.dropout_rate": {"uniform": [0.0, 0.5]},
+                "train.global_batch_size": {"choice": [16, 32]},
+            },
+        }
+    }
     first = load_sweep(write_sweep(tmp_path / "r.yaml", **spec))
     second = load_sweep(write_sweep(tmp_path / "r2.yaml", **spec))
     assert [r.overrides for r in first.runs] == [r.overrides for r in second.runs]  # same seed, same configs
@@ -73,9 +91,12 @@ def test_a_bad_value_stops_the_sweep_before_any_run(tmp_path):
 
 @pytest.mark.slow
 def test_grid_runs_ranks_and_plots(tmp_path):
-    path = write_sweep(tmp_path / "grid.yaml", grid={"optimizer.learning_rate": [0.001, 0.003],
-                                                     "model.hidden_sizes": [[32], [64]]},
-                       metric="eval/accuracy", mode="max")
+    path = write_sweep(
+        tmp_path / "grid.yaml",
+        grid={"optimizer.learning_rate": [0.001, 0.003], "model.hidden_sizes": [[32], [64]]},
+        metric="eval/accuracy",
+        mode="max",
+    )
     proc = run_cli("sweep", str(path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = tmp_path / "out"
@@ -106,23 +127,40 @@ def test_the_plot_grows_to_hold_a_large_sweeps_legend(tmp_path):
     from engine.report import _plot
 
     def curves(count):
-        return [(f"learning_rate={i},weight_decay=0.1", {"train": ([100, 200], [2.0, 1.0 + i / 64]),
-                                                         "eval": ([200], [0.5]), "eval/accuracy": ([200], [0.9])})
-                for i in range(count)]
+        return [
+            (
+                f"learning_rate={i},weight_decay=0.1",
+                {"train": ([100, 200], [2.0, 1.0 + i / 64]), "eval": ([200], [0.5]), "eval/accuracy": ([200], [0.9])},
+            )
+            for i in range(count)
+        ]
+
     for count in (1, 64):
         _plot(curves(count), tmp_path / f"{count}.png", "eval/accuracy", "learning_rate=0,weight_decay=0.1")
     small, large = imread(tmp_path / "1.png"), imread(tmp_path / "64.png")
-    assert small.shape[1] == large.shape[1] and large.shape[0] > small.shape[0] + 21 * 0.17 * 110 * 0.9  # 21 more rows of names
+    assert (
+        small.shape[1] == large.shape[1] and large.shape[0] > small.shape[0] + 21 * 0.17 * 110 * 0.9
+    )  # 21 more rows of names
 
 
 @pytest.mark.slow
 def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
-    path = write_sweep(tmp_path / "kill.yaml", grid={"optimizer.learning_rate": [0.001, 0.002, 0.003]},
-                       overrides={**FAST, "train.steps": 300})
+    path = write_sweep(
+        tmp_path / "kill.yaml",
+        grid={"optimizer.learning_rate": [0.001, 0.002, 0.003]},
+        overrides={**FAST, "train.steps": 300},
+    )
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sweep = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(path)], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sweep = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "sweep", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while not (out / "sweep.jsonl").exists() or sum(r["status"] == "finished" for r in index(out)) < 1:
         assert time.time() < deadline and sweep.poll() is None, sweep.communicate()
@@ -168,8 +206,11 @@ def test_parallel_finishes_the_same_runs_as_sequential(tmp_path):
 
 
 def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
-    path = write_sweep(tmp_path / "fail.yaml", grid={"optimizer.learning_rate": [0.001, 1e30]},
-                       overrides={**FAST, "train.steps": 20, "optimizer.name": "sgd"})
+    path = write_sweep(
+        tmp_path / "fail.yaml",
+        grid={"optimizer.learning_rate": [0.001, 1e30]},
+        overrides={**FAST, "train.steps": 20, "optimizer.name": "sgd"},
+    )
     proc = run_cli("sweep", str(path), timeout=600)
     assert proc.returncode == 1
     runs = {r["name"]: r for r in index(tmp_path / "out")}
@@ -183,18 +224,29 @@ def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge "
-                                                            "(.ci/run installs them)")
+@pytest.mark.skipif(
+    not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge (.ci/run installs them)"
+)
 def test_slurm_backend_submits_a_job_array(tmp_path):
     """Three runs, vectorised two at a time: one array task trains a group of two, another the
     third run alone."""
-    path = write_sweep(tmp_path / "array.yaml", grid={"optimizer.learning_rate": [0.001, 0.003, 0.01]},
-                       slurm={"cpus_per_task": 1, "time": "00:10:00"}, vectorize=2)
+    path = write_sweep(
+        tmp_path / "array.yaml",
+        grid={"optimizer.learning_rate": [0.001, 0.003, 0.01]},
+        slurm={"cpus_per_task": 1, "time": "00:10:00"},
+        vectorize=2,
+    )
     out = tmp_path / "out"
     with slurm_cluster.SlurmCluster(tmp_path / "cluster") as cluster:
         env = {k: v for k, v in cluster.env.items() if k != "XLA_FLAGS"}
-        proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "sweep", str(path), "--backend", "slurm"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "launch.py"), "sweep", str(path), "--backend", "slurm"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "submitted job array" in proc.stdout and "(3 runs in 2 tasks)" in proc.stdout, proc.stdout
         script = (out / "sweep.sbatch").read_text()

@@ -1,5 +1,6 @@
 """Tokenized corpora: the tokenize command (formats, resume, bad input), the Grain-backed
 `tokens` source (packing, mixtures), and training on it (exact resume after SIGKILL)."""
+
 import json
 import os
 import subprocess
@@ -19,8 +20,10 @@ from engine.data.tokenize import Interrupted, held_out, tokenize
 from engine.errors import UsageError
 from engine.rundir import read_records
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 def _text(rng, words: int) -> str:
@@ -41,13 +44,23 @@ def test_tokenize_reads_text_json_lines_and_parquet(tmp_path):
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    texts = ["the first document, a plain text file", "a record's text", "another record",
-             "a parquet row", "the second parquet row ünïcödé"]
+    texts = [
+        "the first document, a plain text file",
+        "a record's text",
+        "another record",
+        "a parquet row",
+        "the second parquet row ünïcödé",
+    ]
     (tmp_path / "a.txt").write_text(texts[0])
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[1:3])))
     pq.write_table(pa.table({"text": texts[3:], "n": [1, 2]}), tmp_path / "c.parquet")
-    manifest = tokenize([str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.parquet")], str(tmp_path / "out"),
-                        "bpe:300", eval_fraction=0.0, progress=False)
+    manifest = tokenize(
+        [str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.parquet")],
+        str(tmp_path / "out"),
+        "bpe:300",
+        eval_fraction=0.0,
+        progress=False,
+    )
     assert manifest["splits"]["train"]["documents"] == 5 and manifest["dtype"] == "uint16"
     corpus = tk.open_corpus(str(tmp_path / "out"))
     stream = corpus.stream("train")
@@ -85,7 +98,9 @@ def test_interrupted_tokenize_resumes_to_the_same_shards(tmp_path):
     with open(open_shard, "ab") as f:  # as if killed after writing, before progress.json said so
         f.write(b"\x07" * 123)
     resumed = tokenize(inputs, str(out), "bpe:320", **settings)
-    assert {k: v for k, v in resumed.items() if k != "seconds"} == {k: v for k, v in reference.items() if k != "seconds"}
+    assert {k: v for k, v in resumed.items() if k != "seconds"} == {
+        k: v for k, v in reference.items() if k != "seconds"
+    }
     assert _files_of(out) == _files_of(tmp_path / "reference")
     assert len(reference["splits"]["train"]["shards"]) > 3 and reference["splits"]["eval"]["documents"] > 0
 
@@ -110,12 +125,14 @@ def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
         tokenize([str(good)], str(tmp_path / "corpus"), "bpe:400", progress=False)
     from engine.setup import build_run
 
-    small_model = make_config("llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}",
-                              "model.vocab_size=200", "data.seq_len=16")
+    small_model = make_config(
+        "llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "model.vocab_size=200", "data.seq_len=16"
+    )
     with pytest.raises(UsageError, match=r"model.vocab_size=200 is smaller than the data's vocabulary \(300"):
         build_run(small_model, compile_train=False)
-    on_device = make_config("llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "data.seq_len=16",
-                            "data.placement=device")
+    on_device = make_config(
+        "llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "data.seq_len=16", "data.placement=device"
+    )
     with pytest.raises(UsageError, match="data.placement=device: data.name=tokens cannot live on the devices"):
         build_run(on_device, compile_train=False)
     shard = tmp_path / "corpus" / "train-00000.tokens"
@@ -126,8 +143,15 @@ def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
         tk.open_corpus(str(tmp_path / "corpus"))
     with pytest.raises(UsageError, match="no manifest.json.*launch.py tokenize"):
         tk.open_corpus(str(good))
-    result = run_cli("--config", "llama_tiny", "--workdir", str(tmp_path / "run"), "data.name=tokens",
-                     f"data.path={tmp_path / 'corpus'}", "train.steps=2")
+    result = run_cli(
+        "--config",
+        "llama_tiny",
+        "--workdir",
+        str(tmp_path / "run"),
+        "data.name=tokens",
+        f"data.path={tmp_path / 'corpus'}",
+        "train.steps=2",
+    )
     assert result.returncode == 2 and "checksum does not match" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
@@ -136,8 +160,7 @@ def test_packing_lays_documents_into_windows_in_order():
     ends = np.array([3, 5, 12, 30, 31, 33])
     np.testing.assert_array_equal(tk.pack(ends, 5), [0, 5, 10, 15, 20, 25, 30, 33])
     tokens = np.arange(1, 34, dtype=np.uint16)
-    windows = tk.Windows(tk.TokenStream([tokens[:20], tokens[20:]], [ends[:3], ends[3:] - 20]), seq_len=4,
-                         packing=True)
+    windows = tk.Windows(tk.TokenStream([tokens[:20], tokens[20:]], [ends[:3], ends[3:] - 20]), seq_len=4, packing=True)
     rows = [windows[i] for i in range(len(windows))]
     np.testing.assert_array_equal(np.concatenate([r["tokens"][r["segments"] > 0] for r in rows]), tokens)
     np.testing.assert_array_equal(rows[0]["segments"], [1, 1, 1, 2, 2])  # documents [0, 3) and [3, 5)
@@ -157,8 +180,10 @@ def test_no_token_attends_across_a_document_boundary(model):
     from models import REGISTRY
 
     family = REGISTRY[model]
-    fields = {"llama": dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64),
-              "transformer": dict(num_layers=2, d_model=32, num_heads=4, mlp_dim=64)}[model]
+    fields = {
+        "llama": dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=64),
+        "transformer": dict(num_layers=2, d_model=32, num_heads=4, mlp_dim=64),
+    }[model]
     cfg = family.config_cls(name=model, **fields)
     info = DataInfo("tokens", 1, 1, vocab_size=64, seq_len=16)
     module = family.build(cfg, info, jnp.float32, jnp.float32)
@@ -190,11 +215,13 @@ def test_no_token_attends_across_a_document_boundary(model):
 @pytest.fixture(scope="module")
 def two_corpora(tmp_path_factory):
     base = tmp_path_factory.mktemp("corpora")
-    tokenize([str(_corpus_files(base / "a_text", 80, seed=1))], str(base / "a"), "bpe:300", eval_fraction=0.1,
-             progress=False)
+    tokenize(
+        [str(_corpus_files(base / "a_text", 80, seed=1))], str(base / "a"), "bpe:300", eval_fraction=0.1, progress=False
+    )
     tokenizer = str(base / "a" / "tokenizer.json")  # one tokenizer for both: a mixture shares it
-    tokenize([str(_corpus_files(base / "b_text", 80, seed=2))], str(base / "b"), tokenizer, eval_fraction=0.1,
-             progress=False)
+    tokenize(
+        [str(_corpus_files(base / "b_text", 80, seed=2))], str(base / "b"), tokenizer, eval_fraction=0.1, progress=False
+    )
     return base / "a", base / "b"
 
 
@@ -225,23 +252,44 @@ def _train_records(workdir):
     return [r for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
 
 
-LLAMA_TOKENS = ["model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
-                "model.mlp_dim=64", "data.name=tokens", "data.seq_len=16", "train.global_batch_size=8",
-                "optimizer.warmup_steps=2", "log.every_steps=1", "log.progress=false", "log.tensorboard=false",
-                "eval.every_steps=0", "data.steps_per_transfer=1"]
+LLAMA_TOKENS = [
+    "model.num_layers=2",
+    "model.d_model=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=64",
+    "data.name=tokens",
+    "data.seq_len=16",
+    "train.global_batch_size=8",
+    "optimizer.warmup_steps=2",
+    "log.every_steps=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "eval.every_steps=0",
+    "data.steps_per_transfer=1",
+]
 
 
 @pytest.mark.slow
 def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_after_sigkill(tmp_path, two_corpora):
     a, b = two_corpora
-    args = [*LLAMA_TOKENS, f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}, weight: 1}}]", "train.steps=12",
-            "checkpoint.every_steps=3"]
+    args = [
+        *LLAMA_TOKENS,
+        f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}, weight: 1}}]",
+        "train.steps=12",
+        "checkpoint.every_steps=3",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
     def start(workdir):
-        return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", "llama_tiny", "--workdir",
-                                 str(workdir), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--config", "llama_tiny", "--workdir", str(workdir), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     proc = start(reference)
@@ -265,8 +313,9 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
     assert losses(_train_records(killed)) == losses(records)
     # the run keeps its tokenizer: sample decodes with it, and a Hugging Face export carries it
     assert (reference / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
-    sampled = run_cli("sample", "--workdir", str(reference), "--prompt", "alpha beta", "--max-tokens", "12",
-                      "--temperature", "0")
+    sampled = run_cli(
+        "sample", "--workdir", str(reference), "--prompt", "alpha beta", "--max-tokens", "12", "--temperature", "0"
+    )
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     text = sampled.stdout.strip("\n")
     assert text.strip() and set(text) <= set("abcdefghijklmnopqrstuvwxyz .<|>"), text  # the corpus's own characters
@@ -300,15 +349,21 @@ def test_each_process_reads_only_its_rows_of_the_global_batch(two_corpora):
         np.testing.assert_array_equal(np.concatenate([h[name] for h in halves]), whole[name])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.name=tokens", "data.sources=[5]"], r"data.sources\[0\]=5: each source is a mapping with path"),
-    (["data.name=tokens", "data.sources=[{path: /a, weight: -1}]"], r"data.sources\[0\].weight=-1 must be a positive number"),
-    (["data.name=tokens", "data.sources=[{path: /x/a}, {path: /y/a}]"], "repeated names"),
-    (["data.sources=[{path: /a}]"], "needs data.name=tokens, not python_source"),
-    (["data.name=tokens", "data.path=/a", "data.sources=[{path: /b}]"], "not both"),
-    (["data.name=tokens"], "set data.path"),
-    (["data.tokenizer=bpe"], "use bytes or bpe:N"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.name=tokens", "data.sources=[5]"], r"data.sources\[0\]=5: each source is a mapping with path"),
+        (
+            ["data.name=tokens", "data.sources=[{path: /a, weight: -1}]"],
+            r"data.sources\[0\].weight=-1 must be a positive number",
+        ),
+        (["data.name=tokens", "data.sources=[{path: /x/a}, {path: /y/a}]"], "repeated names"),
+        (["data.sources=[{path: /a}]"], "needs data.name=tokens, not python_source"),
+        (["data.name=tokens", "data.path=/a", "data.sources=[{path: /b}]"], "not both"),
+        (["data.name=tokens"], "set data.path"),
+        (["data.tokenizer=bpe"], "use bytes or bpe:N"),
+    ],
+)
 def test_malformed_token_data_settings_are_refused_by_key(tmp_path, overrides, message):
     from engine.config import load_config
 
@@ -324,19 +379,37 @@ def test_gradient_accumulation_of_packed_mixtures_equals_one_big_batch(make_conf
     a, b = two_corpora
     results = []
     for accum in (1, 4):
-        cfg = make_config("llama_tiny", *LLAMA_TOKENS, f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}}}]",
-                          "train.steps=4", "log.every_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0",
-                          f"train.grad_accum_steps={accum}", "mesh.num_devices=1", workdir=tmp_path / str(accum))
+        cfg = make_config(
+            "llama_tiny",
+            *LLAMA_TOKENS,
+            f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}}}]",
+            "train.steps=4",
+            "log.every_steps=2",
+            "eval.every_steps=0",
+            "checkpoint.every_steps=0",
+            f"train.grad_accum_steps={accum}",
+            "mesh.num_devices=1",
+            workdir=tmp_path / str(accum),
+        )
         fit(cfg)
         results.append([r for r in read_records(tmp_path / str(accum) / "metrics.jsonl") if r["split"] == "train"])
     for one, accumulated in zip(*results):
-        np.testing.assert_allclose([accumulated[k] for k in ("loss", "grad_norm", "share_a")],
-                                   [one[k] for k in ("loss", "grad_norm", "share_a")], rtol=2e-5)
+        np.testing.assert_allclose(
+            [accumulated[k] for k in ("loss", "grad_norm", "share_a")],
+            [one[k] for k in ("loss", "grad_norm", "share_a")],
+            rtol=2e-5,
+        )
 
 
 def test_python_source_with_a_bpe_is_tokenized_once_into_the_cache(tmp_path, capsys):
-    cfg = DataConfig(name="python_source", tokenizer="bpe:400", cache_dir=str(tmp_path / "cache"), max_bytes=300_000,
-                     seq_len=32, eval_fraction=0.1)
+    cfg = DataConfig(
+        name="python_source",
+        tokenizer="bpe:400",
+        cache_dir=str(tmp_path / "cache"),
+        max_bytes=300_000,
+        seq_len=32,
+        eval_fraction=0.1,
+    )
     first = load_dataset(cfg)
     assert "tokenizing" in capsys.readouterr().out
     (corpus,) = (tmp_path / "cache").glob("python-stdlib-bpe400-*")

@@ -1,4 +1,5 @@
 """End to end through launch.py: the default job, its outputs, and failure exits."""
+
 import json
 import struct
 
@@ -23,8 +24,8 @@ def read_tensorboard_scalars(workdir):
     for file in files:
         data, offset = file.read_bytes(), 0
         while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
             offset += 12 + length + 4
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
@@ -56,14 +57,23 @@ def test_written_config_alone_reproduces_the_run(tmp_path):
     assert run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(first), *args).returncode == 0
     proc = run_cli("--config", str(first / "config.yaml"), "--workdir", str(second))
     assert proc.returncode == 0, proc.stderr
-    losses = [[(r["step"], r["split"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if "loss" in r]
-              for d in (first, second)]
+    losses = [
+        [(r["step"], r["split"], r["loss"]) for r in read_jsonl(d / "metrics.jsonl") if "loss" in r]
+        for d in (first, second)
+    ]
     assert losses[0] == losses[1] and len(losses[0]) == 4  # 3 train lines and the final eval
 
 
 def test_summary_line_reports_time_goodput_and_mfu(tmp_path):
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "s"), "train.steps=40",
-                   "log.every_steps=20", "log.progress=false")
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "s"),
+        "train.steps=40",
+        "log.every_steps=20",
+        "log.progress=false",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = read_jsonl(tmp_path / "s" / "metrics.jsonl")[-1]
     assert summary["split"] == "summary" and summary["step"] == 40
@@ -85,8 +95,17 @@ def test_summary_line_reports_time_goodput_and_mfu(tmp_path):
 
 
 def test_non_finite_loss_stops_with_the_step_named(tmp_path):
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "nan"), "train.steps=40",
-                   "optimizer.name=sgd", "optimizer.learning_rate=1e30", "log.every_steps=20", "log.progress=false")
+    proc = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "nan"),
+        "train.steps=40",
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=1e30",
+        "log.every_steps=20",
+        "log.progress=false",
+    )
     assert proc.returncode == 1
     assert "training stopped: loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -100,10 +119,14 @@ def test_dry_run_prints_layout_without_training(tmp_path):
     assert not (tmp_path / "dry").exists()
 
 
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["mesh.data=2", "mesh.fsdp=4", "train.grad_accum_steps=2", "train.steps_per_call=2", "model.dropout_rate=0.2"],
-], ids=["one-device", "data2-fsdp4-accum-scan"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["mesh.data=2", "mesh.fsdp=4", "train.grad_accum_steps=2", "train.steps_per_call=2", "model.dropout_rate=0.2"],
+    ],
+    ids=["one-device", "data2-fsdp4-accum-scan"],
+)
 def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_path, overrides):
     """data.placement=device gathers each batch inside the step: the same batches, the same losses."""
     from engine.setup import build_run
@@ -111,8 +134,16 @@ def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_pat
 
     losses = {}
     for placement in ("host", "device"):
-        cfg = make_config("mnist_mlp.yaml", f"data.placement={placement}", "train.steps=12", "log.every_steps=4",
-                          "eval.every_steps=12", "checkpoint.every_steps=0", *overrides, workdir=tmp_path / placement)
+        cfg = make_config(
+            "mnist_mlp.yaml",
+            f"data.placement={placement}",
+            "train.steps=12",
+            "log.every_steps=4",
+            "eval.every_steps=12",
+            "checkpoint.every_steps=0",
+            *overrides,
+            workdir=tmp_path / placement,
+        )
         run = build_run(cfg)
         assert (run.inputs.resident_bytes > 0) == (placement == "device")
         result = fit(cfg, run)
@@ -124,8 +155,14 @@ def test_profile_steps_write_a_trace_and_the_summary_says_where_the_loop_went(ma
     from engine.errors import UsageError
     from engine.trainer import fit
 
-    cfg = make_config("mnist_mlp.yaml", "train.steps=12", "log.every_steps=4", "eval.every_steps=0",
-                      "log.profile_steps=[2,6]", workdir=tmp_path / "run")
+    cfg = make_config(
+        "mnist_mlp.yaml",
+        "train.steps=12",
+        "log.every_steps=4",
+        "eval.every_steps=0",
+        "log.profile_steps=[2,6]",
+        workdir=tmp_path / "run",
+    )
     summary = fit(cfg).summary
     traces = list((tmp_path / "run" / "profile" / "process_0").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0

@@ -1,6 +1,7 @@
 """Vectorised runs (a sweep's `vectorize:`): K configs trained as one program give each
 config's own losses, keep each run's files, stop a diverging run alone, resume exactly,
 and never share a program between configs of different shapes."""
+
 import gc
 import json
 import os
@@ -17,23 +18,33 @@ import numpy as np
 import pytest
 import yaml
 
+import engine.group
 from conftest import ROOT, run_cli
 from engine.errors import UsageError
+from engine.group import fit_group
 from engine.rundir import StorageError, read_records
 from engine.sweep import load_sweep
 from engine.sweep.local import units
 from engine.trainer import fit
-import engine.group
-from engine.group import fit_group
 from engine.vectorize import group_mesh
 
 # four configs differing in learning rate, weight decay, dropout rate, seed and clipping norm
-VARIANTS = [["optimizer.learning_rate=0.001"],
-            ["optimizer.learning_rate=0.004", "optimizer.weight_decay=0.3"],
-            ["model.dropout_rate=0.5", "optimizer.b2=0.99"],
-            ["seed=3", "optimizer.grad_clip_norm=0.5", "optimizer.eps=1e-6"]]
-COMMON = ["optimizer.name=adamw", "optimizer.grad_clip_norm=1.0", "train.steps=20", "train.steps_per_call=5",
-          "log.every_steps=5", "eval.every_steps=10", "checkpoint.every_steps=10", "train.global_batch_size=32"]
+VARIANTS = [
+    ["optimizer.learning_rate=0.001"],
+    ["optimizer.learning_rate=0.004", "optimizer.weight_decay=0.3"],
+    ["model.dropout_rate=0.5", "optimizer.b2=0.99"],
+    ["seed=3", "optimizer.grad_clip_norm=0.5", "optimizer.eps=1e-6"],
+]
+COMMON = [
+    "optimizer.name=adamw",
+    "optimizer.grad_clip_norm=1.0",
+    "train.steps=20",
+    "train.steps_per_call=5",
+    "log.every_steps=5",
+    "eval.every_steps=10",
+    "checkpoint.every_steps=10",
+    "train.global_batch_size=32",
+]
 
 
 def _losses(losses: dict) -> np.ndarray:
@@ -44,8 +55,9 @@ def _losses(losses: dict) -> np.ndarray:
 def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path, devices):
     """On one device, and on 8 with the trial axis on the mesh (4 trials x data=2)."""
     mesh = [f"mesh.num_devices={devices}"]
-    cfgs = [make_config("mnist_mlp.yaml", *COMMON, *mesh, *v, workdir=tmp_path / f"v{i}")
-            for i, v in enumerate(VARIANTS)]
+    cfgs = [
+        make_config("mnist_mlp.yaml", *COMMON, *mesh, *v, workdir=tmp_path / f"v{i}") for i, v in enumerate(VARIANTS)
+    ]
     mesh_shape = dict(group_mesh(cfgs[0], len(cfgs)).shape)
     assert (mesh_shape["trial"], mesh_shape["data"]) == ((4, 2) if devices == 8 else (1, 1))
     trials = fit_group(cfgs)
@@ -73,13 +85,21 @@ def test_a_vectorised_runs_checkpoint_resumes_alone(make_config, tmp_path):
     resumed = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "v1"))
     alone = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "alone"))
     assert sorted(resumed.losses) == list(range(21, 31))
-    np.testing.assert_allclose(_losses(resumed.losses), _losses({s: alone.losses[s] for s in range(21, 31)}),
-                               rtol=1e-6)
+    np.testing.assert_allclose(_losses(resumed.losses), _losses({s: alone.losses[s] for s in range(21, 31)}), rtol=1e-6)
 
 
 def test_a_diverging_run_stops_alone(make_config, tmp_path):
-    cfgs = [make_config("mnist_mlp.yaml", *COMMON, f"optimizer.learning_rate={lr}", "optimizer.name=sgd",
-                        "optimizer.grad_clip_norm=0", workdir=tmp_path / f"v{i}") for i, lr in enumerate([0.05, 1e30])]
+    cfgs = [
+        make_config(
+            "mnist_mlp.yaml",
+            *COMMON,
+            f"optimizer.learning_rate={lr}",
+            "optimizer.name=sgd",
+            "optimizer.grad_clip_norm=0",
+            workdir=tmp_path / f"v{i}",
+        )
+        for i, lr in enumerate([0.05, 1e30])
+    ]
     stopped = []
     good, bad = fit_group(cfgs, on_stop=lambda cfg, why: stopped.append(cfg.workdir))  # the sweep's status
     assert stopped == [str(tmp_path / "v1")]
@@ -95,8 +115,10 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
     import engine.vectorize as vectorize
 
     def group(name, variants):
-        return [make_config("mnist_mlp.yaml", *COMMON, "mesh.num_devices=1", *v, workdir=tmp_path / f"{name}{i}")
-                for i, v in enumerate(variants)]
+        return [
+            make_config("mnist_mlp.yaml", *COMMON, "mesh.num_devices=1", *v, workdir=tmp_path / f"{name}{i}")
+            for i, v in enumerate(variants)
+        ]
 
     def need(cfgs):  # as check_fits counts it: the larger of the train and eval steps
         group = vectorize.build_group(cfgs)
@@ -147,37 +169,56 @@ def test_a_failed_save_stops_the_group(make_config, tmp_path, monkeypatch, stagi
         real_save(self, step, state, meta)
 
     monkeypatch.setattr(Checkpointer, "save", save)
-    cfgs = [make_config("mnist_mlp.yaml", *COMMON, f"checkpoint.staging={staging}", workdir=tmp_path / f"v{i}")
-            for i in range(2)]
+    cfgs = [
+        make_config("mnist_mlp.yaml", *COMMON, f"checkpoint.staging={staging}", workdir=tmp_path / f"v{i}")
+        for i in range(2)
+    ]
     with pytest.raises(StorageError, match="no space left"):  # one clear error, as for a run alone
         fit_group(cfgs)
     assert saved == [("v0", 10)]  # v1's save failed, and the group saved nothing after it
 
 
 def _sweep_file(path, directory, **extra):
-    spec = {"base": str(ROOT / "configs" / "mnist_mlp.yaml"), "directory": str(directory),
-            "overrides": {"train.steps": 100, "train.steps_per_call": 5, "log.every_steps": 25, "eval.every_steps": 50,
-                          "checkpoint.every_steps": 10, "train.global_batch_size": 32, "log.tensorboard": False,
-                          "optimizer.name": "adamw"},
-            "grid": {"optimizer.learning_rate": [0.001, 0.003], "optimizer.weight_decay": [0.0, 0.1]},
-            "vectorize": "auto", **extra}
+    spec = {
+        "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+        "directory": str(directory),
+        "overrides": {
+            "train.steps": 100,
+            "train.steps_per_call": 5,
+            "log.every_steps": 25,
+            "eval.every_steps": 50,
+            "checkpoint.every_steps": 10,
+            "train.global_batch_size": 32,
+            "log.tensorboard": False,
+            "optimizer.name": "adamw",
+        },
+        "grid": {"optimizer.learning_rate": [0.001, 0.003], "optimizer.weight_decay": [0.0, 0.1]},
+        "vectorize": "auto",
+        **extra,
+    }
     path.write_text(yaml.safe_dump(spec))
     return path
 
 
 def test_grouping_by_compiled_program(tmp_path, capsys):
     """Configs that change shapes (hidden size, batch size) never share a program; the sweep says why."""
-    sweep = load_sweep(_sweep_file(tmp_path / "s.yaml", tmp_path / "out", vectorize=2,
-                                   zip={"model.hidden_sizes": [[32], [64], [32]],
-                                        "train.global_batch_size": [32, 32, 64]}))
+    sweep = load_sweep(
+        _sweep_file(
+            tmp_path / "s.yaml",
+            tmp_path / "out",
+            vectorize=2,
+            zip={"model.hidden_sizes": [[32], [64], [32]], "train.global_batch_size": [32, 32, 64]},
+        )
+    )
     groups = units(sweep, sweep.runs)
     said = capsys.readouterr().out
     assert "12 runs as 6 program(s) of 2, 2, 2, 2, 2, 2" in said
     assert "model.hidden_sizes change the compiled program" in said
     assert "train.global_batch_size change the compiled program" in said
     for group in groups:  # within a group only learning rate and weight decay differ
-        shapes = {(json.dumps(r.overrides["model.hidden_sizes"]), r.overrides["train.global_batch_size"])
-                  for r in group}
+        shapes = {
+            (json.dumps(r.overrides["model.hidden_sizes"]), r.overrides["train.global_batch_size"]) for r in group
+        }
         assert len(shapes) == 1
     # a run that resumes from another step is grouped apart
     first = sweep.workdir(sweep.runs[0]) / "checkpoints" / "10"
@@ -191,13 +232,22 @@ def test_vectorize_settings_are_checked(tmp_path):
     with pytest.raises(UsageError, match="vectorize='some' must be a whole number"):
         load_sweep(_sweep_file(tmp_path / "a.yaml", tmp_path / "o", vectorize="some"))
     with pytest.raises(UsageError, match="cannot vectorise"):
-        load_sweep(_sweep_file(tmp_path / "b.yaml", tmp_path / "o", grid=None, search={
-            "trials": 2, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]}}}))
+        load_sweep(
+            _sweep_file(
+                tmp_path / "b.yaml",
+                tmp_path / "o",
+                grid=None,
+                search={"trials": 2, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-2]}}},
+            )
+        )
     sweep = load_sweep(_sweep_file(tmp_path / "c.yaml", tmp_path / "o", overrides={"mesh.backend": "pmap"}))
     with pytest.raises(UsageError, match="set mesh.backend=jit"):
         units(sweep, sweep.runs)
-    sweep = load_sweep(_sweep_file(tmp_path / "d.yaml", tmp_path / "o2",
-                                   overrides={"checkpoint.restore_from": str(tmp_path / "pretrained")}))
+    sweep = load_sweep(
+        _sweep_file(
+            tmp_path / "d.yaml", tmp_path / "o2", overrides={"checkpoint.restore_from": str(tmp_path / "pretrained")}
+        )
+    )
     with pytest.raises(UsageError, match="not checkpoint.restore_from"):
         units(sweep, sweep.runs)
 
@@ -205,8 +255,9 @@ def test_vectorize_settings_are_checked(tmp_path):
 def _train_losses(directory) -> dict:
     losses = {}
     for workdir in sorted(p for p in directory.iterdir() if (p / "metrics.jsonl").is_file()):
-        losses[workdir.name] = [(r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl")
-                                if r["split"] == "train"]
+        losses[workdir.name] = [
+            (r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"
+        ]
     return losses
 
 
@@ -230,8 +281,14 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     assert run_cli("sweep", str(whole), timeout=600).returncode == 0
     cut = _sweep_file(tmp_path / "cut.yaml", tmp_path / "cut")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sweep = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(cut)], cwd=ROOT, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    sweep = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "sweep", str(cut)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     checkpoints = [tmp_path / "cut" / run / "checkpoints" / "20" for run in _train_losses(tmp_path / "whole")]
     while not all(p.is_dir() for p in checkpoints) and time.time() < deadline and sweep.poll() is None:
@@ -250,8 +307,11 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     rerun = run_cli("sweep", str(cut), timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "4 to run (4 resuming from a checkpoint" in rerun.stdout
-    resumed = [int(step) for log in (tmp_path / "cut" / "groups").glob("*.log")
-               for step in re.findall(r"resuming from step (\d+)", log.read_text())]
+    resumed = [
+        int(step)
+        for log in (tmp_path / "cut" / "groups").glob("*.log")
+        for step in re.findall(r"resuming from step (\d+)", log.read_text())
+    ]
     assert resumed == [20]
     expected, got = _train_losses(tmp_path / "whole"), _train_losses(tmp_path / "cut")
     assert len(expected) == 4 and got == expected
@@ -262,13 +322,29 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
 def test_a_preempted_vectorised_sweep_saves_every_run_and_exits_143(tmp_path):
     """SIGTERM to the sweep (a pod's preemption): the group saves every run at one step and
     exits 143, the runs are `interrupted`, and the re-run resumes them from that step."""
-    path = _sweep_file(tmp_path / "s.yaml", tmp_path / "out", overrides={
-        "train.steps": 400, "train.steps_per_call": 5, "log.every_steps": 25, "eval.every_steps": 0,
-        "checkpoint.every_steps": 0, "train.global_batch_size": 32, "log.tensorboard": False,
-        "optimizer.name": "adamw"})  # checkpoint.every_steps=0: only the signal's save, and the last
+    path = _sweep_file(
+        tmp_path / "s.yaml",
+        tmp_path / "out",
+        overrides={
+            "train.steps": 400,
+            "train.steps_per_call": 5,
+            "log.every_steps": 25,
+            "eval.every_steps": 0,
+            "checkpoint.every_steps": 0,
+            "train.global_batch_size": 32,
+            "log.tensorboard": False,
+            "optimizer.name": "adamw",
+        },
+    )  # checkpoint.every_steps=0: only the signal's save, and the last
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sweep = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "sweep", str(path)], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sweep = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "sweep", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = list((tmp_path / "out").glob("*/metrics.jsonl"))
     deadline = time.time() + 300
     while len(metrics) < 4 and time.time() < deadline and sweep.poll() is None:  # training has begun
@@ -279,8 +355,10 @@ def test_a_preempted_vectorised_sweep_saves_every_run_and_exits_143(tmp_path):
     assert sweep.returncode == 143, out
     index = [json.loads(line) for line in (tmp_path / "out" / "sweep.jsonl").read_text().splitlines()]
     assert [entry["status"] for entry in index] == ["interrupted"] * 4
-    newest = {max(int(p.name) for p in (tmp_path / "out" / entry["name"] / "checkpoints").iterdir()
-                  if p.name.isdigit()) for entry in index}
+    newest = {
+        max(int(p.name) for p in (tmp_path / "out" / entry["name"] / "checkpoints").iterdir() if p.name.isdigit())
+        for entry in index
+    }
     assert len(newest) == 1  # one step for every run: the step the signal stopped them at
     (log,) = (tmp_path / "out" / "groups").glob("*.log")
     stopped = re.findall(r"preempted by SIGTERM: saved a checkpoint at step (\d+)", log.read_text())

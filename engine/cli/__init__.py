@@ -6,6 +6,7 @@ settings of the commands that run jax, and turns errors into exit codes:
 0 done; 2 bad config or usage (one line, no traceback); 143/130 stopped by SIGTERM/SIGINT
 after saving (re-run to resume); 1 a failed run (said plainly).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,8 +16,16 @@ import time
 STARTED = time.time()  # goodput and time to first step count from here
 
 # command → module; `train` is also what a command line without one runs
-COMMANDS = {"train": "train", "eval": "evaluate", "export": "export", "import-hf": "import_hf", "sample": "sample",
-            "tokenize": "tokenize", "sweep": "sweep", "report": "report"}
+COMMANDS = {
+    "train": "train",
+    "eval": "evaluate",
+    "export": "export",
+    "import-hf": "import_hf",
+    "sample": "sample",
+    "tokenize": "tokenize",
+    "sweep": "sweep",
+    "report": "report",
+}
 
 
 def command(name: str):

@@ -1,4 +1,5 @@
 """What the command modules share: a parser whose errors are one line and exit 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ def _always(args: argparse.Namespace) -> bool:
 @dataclass(frozen=True)
 class Command:
     """A command: its parser and what it runs, and two things engine.cli.main asks first."""
+
     parser: Callable[[], argparse.ArgumentParser]
     run: Callable[[argparse.Namespace, list[str]], int]  # (parsed args, the command's argv) → exit code
     trains: Callable[[list[str]], bool] = _never  # trains in this process: signals are noted from start-up

@@ -1,4 +1,5 @@
 """`launch.py eval --workdir DIR [--watch] [--config FILE] [key=value ...]`: the sidecar evaluator."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,16 +9,27 @@ from engine.cli.common import Command, Parser, overrides_argument
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="launch.py eval", description="Evaluate a training run's checkpoints (the sidecar evaluator, "
-               "tf.distribute's evaluator task) with the run's own config.yaml; overrides go on top. With --watch, "
-               "every new checkpoint until the run finishes or stops running.")
+    p = Parser(
+        prog="launch.py eval",
+        description="Evaluate a training run's checkpoints (the sidecar evaluator, "
+        "tf.distribute's evaluator task) with the run's own config.yaml; overrides go on top. With --watch, "
+        "every new checkpoint until the run finishes or stops running.",
+    )
     p.add_argument("--workdir", required=True, help="the training run's directory")
     p.add_argument("--config", help="config file, used only while the run has written no config.yaml")
-    p.add_argument("--watch", action="store_true",
-                   help="evaluate every new checkpoint until training finishes (else the newest once)")
-    p.add_argument("--dead-after", type=float, default=60.0, metavar="SECONDS",
-                   help="with --watch: stop (exit 1) when no trainer holds the workdir and no checkpoint came for "
-                        "this long (default 60)")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="evaluate every new checkpoint until training finishes (else the newest once)",
+    )
+    p.add_argument(
+        "--dead-after",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --watch: stop (exit 1) when no trainer holds the workdir and no checkpoint came for "
+        "this long (default 60)",
+    )
     overrides_argument(p)
     return p
 

@@ -1,4 +1,5 @@
 """`launch.py export --workdir DIR --out PATH [--format hf]`: a trained run for inference."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,13 +8,19 @@ from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="launch.py export", description="Export a trained run's variables and forward function "
-                                                    "(jax.export StableHLO) for inference.")
+    p = Parser(
+        prog="launch.py export",
+        description="Export a trained run's variables and forward function (jax.export StableHLO) for inference.",
+    )
     p.add_argument("--workdir", required=True, help="the training run's directory")
     p.add_argument("--out", required=True, help="a new directory to write the export into")
-    p.add_argument("--format", choices=("jax", "hf"), default="jax",
-                   help="jax: variables + jax.export StableHLO (default); hf: a Hugging Face model directory "
-                        "(config.json + safetensors) for model families that have one")
+    p.add_argument(
+        "--format",
+        choices=("jax", "hf"),
+        default="jax",
+        help="jax: variables + jax.export StableHLO (default); hf: a Hugging Face model directory "
+        "(config.json + safetensors) for model families that have one",
+    )
     return p
 
 

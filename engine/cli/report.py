@@ -1,5 +1,6 @@
 """`launch.py report SWEEP_DIR_OR_WORKDIRS... [--metric split/name --mode min|max]`: rank runs by
 a metric in a console table, report.csv, report.md and report.png."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,10 @@ from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="launch.py report", description="Rank runs by a metric: a console table, report.csv, "
-                                                    "report.md and report.png (loss curves).")
+    p = Parser(
+        prog="launch.py report",
+        description="Rank runs by a metric: a console table, report.csv, report.md and report.png (loss curves).",
+    )
     p.add_argument("paths", nargs="+", help="a sweep directory, or run workdirs")
     p.add_argument("--metric", help="split/name to rank by (default: the sweep's, else eval/loss)")
     p.add_argument("--mode", choices=("min", "max"), help="best is min or max (default: the sweep's)")

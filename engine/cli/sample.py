@@ -1,4 +1,5 @@
 """`launch.py sample --workdir DIR --prompt TEXT`: text from a run's newest checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,10 @@ from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="launch.py sample", description="Generate text from a run's newest checkpoint (key/value "
-                                                    "cache; greedy at temperature 0).")
+    p = Parser(
+        prog="launch.py sample",
+        description="Generate text from a run's newest checkpoint (key/value cache; greedy at temperature 0).",
+    )
     p.add_argument("--workdir", required=True, help="the training run's directory")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")

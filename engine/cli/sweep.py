@@ -1,5 +1,6 @@
 """`launch.py sweep SWEEP.yaml [--parallel K] [--backend slurm] [--retry-failed]`: every config
 of a sweep file (grid, zip, random, or an Optuna search); re-running resumes what is unfinished."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,12 +9,19 @@ from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="launch.py sweep", description="Run every config of a sweep file (grid, zip, random search, "
-                                                   "Optuna search); re-running resumes what is unfinished.")
+    p = Parser(
+        prog="launch.py sweep",
+        description="Run every config of a sweep file (grid, zip, random search, "
+        "Optuna search); re-running resumes what is unfinished.",
+    )
     p.add_argument("sweep_file", help="the sweep YAML (see docs/sweeps.md)")
     p.add_argument("--parallel", type=int, default=1, metavar="K", help="runs at a time (local backend)")
-    p.add_argument("--backend", choices=("local", "slurm"), default="local",
-                   help="local processes, or one SLURM job array (sbatch)")
+    p.add_argument(
+        "--backend",
+        choices=("local", "slurm"),
+        default="local",
+        help="local processes, or one SLURM job array (sbatch)",
+    )
     p.add_argument("--retry-failed", action="store_true", help="run failed runs again")
     p.add_argument("--run-task", type=int, help=argparse.SUPPRESS)  # inside a SLURM array task
     p.add_argument("--task-runs", help=argparse.SUPPRESS)
@@ -35,8 +43,9 @@ def run(args, argv: list[str]) -> int:
 
     if args.parallel < 1:
         raise UsageError(f"--parallel {args.parallel} must be at least 1")
-    return sweep_main(args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task,
-                      args.task_runs, args.run_group)
+    return sweep_main(
+        args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task, args.task_runs, args.run_group
+    )
 
 
 COMMAND = Command(parser, run, trains=trains, runs_jax=runs_jax)

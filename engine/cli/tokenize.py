@@ -1,5 +1,6 @@
 """`launch.py tokenize --input PATH... --out DIR --tokenizer bpe:N|tokenizer.json`: text corpora
 into token shards, once."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,28 +9,55 @@ from engine.cli.common import Command, Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="launch.py tokenize", description="Tokenize text corpora once into token shards for "
-               "data.name=tokens (train with data.path=OUT). Streams the input; an interrupted run re-run with the "
-               "same arguments continues where it stopped.")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="text files (a file is a document; see --text-unit), .jsonl records, .parquet rows, or "
-                        "directories of them")
+    p = Parser(
+        prog="launch.py tokenize",
+        description="Tokenize text corpora once into token shards for "
+        "data.name=tokens (train with data.path=OUT). Streams the input; an interrupted run re-run with the "
+        "same arguments continues where it stopped.",
+    )
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="text files (a file is a document; see --text-unit), .jsonl records, .parquet rows, or "
+        "directories of them",
+    )
     p.add_argument("--out", required=True, help="the corpus directory to write")
-    p.add_argument("--tokenizer", required=True, metavar="T",
-                   help="a Hugging Face tokenizer.json (or a directory with one), or bpe:N to train a byte-level BPE "
-                        "of N tokens on the input itself")
-    p.add_argument("--vocab-size", type=int, metavar="N",
-                   help="the vocabulary the corpus declares (at least the tokenizer's; e.g. rounded up to a multiple "
-                        "of 128), or N for --tokenizer bpe")
-    p.add_argument("--eval-fraction", type=float, default=0.01, metavar="F",
-                   help="share of documents held out for evaluation (default 0.01)")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="T",
+        help="a Hugging Face tokenizer.json (or a directory with one), or bpe:N to train a byte-level BPE "
+        "of N tokens on the input itself",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="the vocabulary the corpus declares (at least the tokenizer's; e.g. rounded up to a multiple "
+        "of 128), or N for --tokenizer bpe",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="share of documents held out for evaluation (default 0.01)",
+    )
     p.add_argument("--text-field", default="text", help="the JSON Lines field / Parquet column of the text")
-    p.add_argument("--text-unit", choices=("file", "line"), default="file",
-                   help="plain text files: one document per file (default) or per line")
-    p.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N",
-                   help="tokens per shard file (default 134,217,728)")
-    p.add_argument("--eod-token", help="the end-of-document token (default: the tokenizer's own, e.g. "
-                                       "<|endoftext|> or </s>)")
+    p.add_argument(
+        "--text-unit",
+        choices=("file", "line"),
+        default="file",
+        help="plain text files: one document per file (default) or per line",
+    )
+    p.add_argument(
+        "--shard-tokens", type=int, default=1 << 27, metavar="N", help="tokens per shard file (default 134,217,728)"
+    )
+    p.add_argument(
+        "--eod-token", help="the end-of-document token (default: the tokenizer's own, e.g. <|endoftext|> or </s>)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

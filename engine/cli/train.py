@@ -1,5 +1,6 @@
 """`launch.py [train] --config FILE [--workdir DIR] [--dry-run] [--profile] [key=value ...]`:
 train a run, or resume it from its workdir's newest checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,24 +17,41 @@ def parser() -> argparse.ArgumentParser:
     from engine.config import shipped_configs
 
     others = ", ".join(name for name in COMMANDS if name != "train")
-    p = Parser(prog="launch.py [train]",
-               description=f"Train a model from a config file (other commands: {others}; `launch.py COMMAND "
-                           "--help` for each). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
-                           "optimizer.learning_rate=3e-4 mesh.fsdp=8 model.hidden_sizes=[256,128]; values are "
-                           "parsed as YAML. Re-running on a workdir with checkpoints resumes from the newest one.",
-               epilog="shipped configs (in configs/, by path or bare name): " + ", ".join(shipped_configs()))
+    p = Parser(
+        prog="launch.py [train]",
+        description=f"Train a model from a config file (other commands: {others}; `launch.py COMMAND "
+        "--help` for each). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
+        "optimizer.learning_rate=3e-4 mesh.fsdp=8 model.hidden_sizes=[256,128]; values are "
+        "parsed as YAML. Re-running on a workdir with checkpoints resumes from the newest one.",
+        epilog="shipped configs (in configs/, by path or bare name): " + ", ".join(shipped_configs()),
+    )
     p.add_argument("--config", required=True, help="a YAML config file (or the name of one in configs/)")
     p.add_argument("--workdir", help="output directory (default: the config's workdir, or runs/<config name>)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the mesh, parameter layout, memory and FLOPs per step; do not train")
-    p.add_argument("--profile", action="store_true",
-                   help="trace steps 5..15 of this run with jax.profiler into WORKDIR/profile "
-                        "(= log.profile_steps=[5,15]; view with TensorBoard's profile plugin or XProf)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the mesh, parameter layout, memory and FLOPs per step; do not train",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace steps 5..15 of this run with jax.profiler into WORKDIR/profile "
+        "(= log.profile_steps=[5,15]; view with TensorBoard's profile plugin or XProf)",
+    )
     group = p.add_argument_group("multi-process (see docs/multihost.md)")
-    group.add_argument("--local-processes", type=int, metavar="N",
-                       help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)")
-    group.add_argument("--devices-per-process", type=int, default=1, metavar="M",
-                       help="simulated CPU devices per local process (default 1)")
+    group.add_argument(
+        "--local-processes",
+        type=int,
+        metavar="N",
+        help="run N processes on this host (CPU devices, coordinator on 127.0.0.1)",
+    )
+    group.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=1,
+        metavar="M",
+        help="simulated CPU devices per local process (default 1)",
+    )
     group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
     group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
     group.add_argument("--process-id", type=int, help="= distributed.process_id")
@@ -101,8 +119,11 @@ def _local_job(args, argv: list[str]) -> int:
 
 
 def _distributed_overrides(args) -> list[str]:
-    flags = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
-             "process_id": args.process_id}
+    flags = {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
     return [f"distributed.{key}={value}" for key, value in flags.items() if value is not None]
 
 

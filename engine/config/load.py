@@ -5,6 +5,7 @@ A config file may name another with `extends: other.yaml` (a path relative to th
 the base is loaded first and the file's keys are merged over it. The `model` section's
 schema is the chosen model's own dataclass (see models/), so each model has typed keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ import difflib
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, Node, OmegaConf
@@ -58,10 +59,14 @@ def read_yaml_mapping(path: Path, what: str) -> dict:
     except yaml.YAMLError as e:
         raise UsageError(f"{what} {path}{_yaml_place(e)} is not valid YAML: {_yaml_problem(e)}") from None
     if _too_many_values(data):
-        raise UsageError(f"{what} {path} expands to more than {MAX_YAML_VALUES:,} values (through YAML aliases "
-                         "&name / *name?); write the values out")
+        raise UsageError(
+            f"{what} {path} expands to more than {MAX_YAML_VALUES:,} values (through YAML aliases "
+            "&name / *name?); write the values out"
+        )
     if data is None:
-        raise UsageError(f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and docs/configuration.md)")
+        raise UsageError(
+            f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and docs/configuration.md)"
+        )
     if not isinstance(data, dict):
         raise UsageError(f"{what} {path} must hold a mapping of keys, not {type(data).__name__}")
     return data
@@ -90,8 +95,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if base is None:
         return data
     if not isinstance(base, str) or not base:
-        raise UsageError(f"config file {path}: extends: {base!r} must be the path of one config file, e.g. "
-                         "extends: base.yaml")
+        raise UsageError(
+            f"config file {path}: extends: {base!r} must be the path of one config file, e.g. extends: base.yaml"
+        )
     merged = _read_yaml((path.parent / base).resolve(), seen + (path,))
     return _deep_merge(merged, data)
 
@@ -113,7 +119,7 @@ def shipped_configs() -> list[str]:
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
     keys = []
     for key in node.keys():
-        full = f"{prefix}{key}"
+        full = prefix + str(key)
         keys.append(full)
         child = node._get_node(key)
         if isinstance(child, DictConfig) and child._is_missing() is False and child._get_flag("struct"):
@@ -148,13 +154,15 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> st
         value = getattr(err, "value", None)
         if isinstance(value, Node):  # OmegaConf's wrapper of a value: say the value itself
             value = value._value()
-        return (f"config key '{key}' got {value!r} ({type(value).__name__}) from {source}, "
-                f"but it must be {expected}; e.g. {key}={_example(expected)}")
+        return (
+            f"config key '{key}' got {value!r} ({type(value).__name__}) from {source}, "
+            f"but it must be {expected}; e.g. {key}={_example(expected)}"
+        )
     return f"bad config ({source}): {str(err).splitlines()[0]}"
 
 
 def _expected_type(schema: DictConfig, key: str) -> str:
-    node = schema
+    node: Any = schema
     parts = key.split(".")
     for part in parts[:-1]:
         node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
@@ -167,14 +175,27 @@ def _expected_type(schema: DictConfig, key: str) -> str:
     name = getattr(ref, "__name__", None) or str(ref).replace("typing.", "")
     if name == "Optional":  # Optional[X]
         name = str(ref).replace("typing.", "")
-    names = {"int": "an int", "float": "a float", "bool": "a bool (true/false)", "str": "a string",
-             "List": "a list", "list": "a list", "Dict": "a mapping", "dict": "a mapping"}
+    names = {
+        "int": "an int",
+        "float": "a float",
+        "bool": "a bool (true/false)",
+        "str": "a string",
+        "List": "a list",
+        "list": "a list",
+        "Dict": "a mapping",
+        "dict": "a mapping",
+    }
     return names.get(name.split("[")[0], name)
 
 
 def _example(expected: str) -> str:
-    return {"an int": "8", "a float": "0.001", "a bool (true/false)": "true", "a string": "name",
-            "a mapping": "{a: 1}"}.get(expected, "[1,2]")
+    return {
+        "an int": "8",
+        "a float": "0.001",
+        "a bool (true/false)": "true",
+        "a string": "name",
+        "a mapping": "{a: 1}",
+    }.get(expected, "[1,2]")
 
 
 def _check_shapes(tree: dict, schema: DictConfig, source: str, prefix: str = "") -> None:
@@ -186,17 +207,24 @@ def _check_shapes(tree: dict, schema: DictConfig, source: str, prefix: str = "")
         node = schema._get_node(key)
         full = f"{prefix}{key}"
         if isinstance(node, DictConfig) and not isinstance(value, dict):
-            raise UsageError(f"config key '{full}' is a section of keys, but {source} gives it {value!r}; "
-                             f"set its keys instead, e.g. {full}.<key>=value")
+            raise UsageError(
+                f"config key '{full}' is a section of keys, but {source} gives it {value!r}; "
+                f"set its keys instead, e.g. {full}.<key>=value"
+            )
         if isinstance(node, ListConfig) and isinstance(value, dict):
-            raise UsageError(f"config key '{full}' must be a list, but {source} gives it a mapping ({value!r}); "
-                             f"e.g. {full}=[1,2]")
+            raise UsageError(
+                f"config key '{full}' must be a list, but {source} gives it a mapping ({value!r}); e.g. {full}=[1,2]"
+            )
         if isinstance(node, DictConfig) and not node._is_missing():
             _check_shapes(value, node, source, full + ".")
 
 
-def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workdir: str | None = None,
-                override_source: str = "the command line") -> Config:
+def load_config(
+    config_path: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    workdir: str | None = None,
+    override_source: str = "the command line",
+) -> Config:
     """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
     path = Path(config_path)
     for shipped in (CONFIG_DIR / path, CONFIG_DIR / f"{path}.yaml"):  # a name of configs/, with or without .yaml
@@ -212,18 +240,20 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
         try:
             yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise UsageError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)}); close its "
-                             f"brackets and quotes, e.g. {key}=[256,128]") from None
+            raise UsageError(
+                f"override '{item}': the value is not valid YAML ({_yaml_problem(e)}); close its "
+                f"brackets and quotes, e.g. {key}=[256,128]"
+            ) from None
     try:
         override_cfg = OmegaConf.from_dotlist(list(overrides))
     except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:  # e.g. a=[1] then a.b=2
         raise UsageError(f"could not parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
-    overrides_tree = OmegaConf.to_container(override_cfg)
+    overrides_tree: Any = OmegaConf.to_container(override_cfg)
     file_model, model_name = _model_names(raw, overrides_tree, str(path))
     if model_name != file_model:  # the file's model keys belong to another model: start from defaults
         raw["model"] = {"name": model_name}
     schema = _schema(str(model_name))
-    cfg = _file_layer(schema, raw, str(model_name), str(path))
+    cfg: Any = _file_layer(schema, raw, str(model_name), str(path))
     _check_shapes(overrides_tree, schema, override_source)
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides_tree))
@@ -234,15 +264,17 @@ def load_config(config_path: str | os.PathLike, overrides: list[str] = (), workd
     if not cfg.workdir:
         cfg.workdir = str(Path("runs") / path.stem)
     try:
-        config: Config = OmegaConf.to_object(cfg)
+        config: Any = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # e.g. an interpolation ${...} that names no key
-        raise UsageError(f"bad config: {str(e).splitlines()[0]} (at {getattr(e, 'full_key', '?')}); "
-                         "write the value itself, or ${section.key} of a key that exists") from None
+        raise UsageError(
+            f"bad config: {str(e).splitlines()[0]} (at {getattr(e, 'full_key', '?')}); "
+            "write the value itself, or ${section.key} of a key that exists"
+        ) from None
     validate(config)
     return config
 
 
-_FILE_LAYERS: dict[str, DictConfig] = {}  # a sweep loads one file with many overrides
+_FILE_LAYERS: dict[str, Any] = {}  # a sweep loads one file with many overrides
 
 
 def _file_layer(schema: DictConfig, raw: dict, model_name: str, source: str) -> DictConfig:
@@ -264,8 +296,10 @@ def _model_names(raw: dict, overrides: dict, source: str) -> tuple[str, str]:
     """The model the file names and the one the run uses (an override may switch it)."""
     for where, tree in ((source, raw), ("the command line", overrides)):
         if "model" in tree and tree["model"] is not None and not isinstance(tree["model"], dict):
-            raise UsageError(f"config key 'model' is a section of keys, but {where} gives it {tree['model']!r}; "
-                             "set model.name=<model> and its keys instead")
+            raise UsageError(
+                f"config key 'model' is a section of keys, but {where} gives it {tree['model']!r}; "
+                "set model.name=<model> and its keys instead"
+            )
     file_model = (raw.get("model") or {}).get("name") or "mlp"
     model_name = (overrides.get("model") or {}).get("name") or file_model
     if not isinstance(model_name, str):
@@ -283,8 +317,7 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
     How processes found each other belongs to one launch, not to the experiment: only the
     distributed timeouts are kept."""
-    launch_free = dataclasses.replace(cfg.distributed, coordinator_address="", coordinator_bind_address="",
-                                      num_processes=0, process_id=-1)
+    launch_free = dataclasses.replace(
+        cfg.distributed, coordinator_address="", coordinator_bind_address="", num_processes=0, process_id=-1
+    )
     write_atomic(path, to_yaml(dataclasses.replace(cfg, distributed=launch_free)))
-
-

@@ -1,6 +1,7 @@
 """Which configs share one compiled program (vectorised runs, engine/vectorize.py): everything
 but the numbers that are arrays in the train state (VECTOR_KEYS, the family's hparams) and
 the workdir."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,8 @@ def program_settings(cfg) -> dict[str, Any]:
     """The settings that make a run's compiled program: the whole config but its VECTOR_KEYS,
     the family's hyperparameters and the workdir (clipping on or off stays: it is a program)."""
     flat = _flat(dataclasses.asdict(cfg))
-    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in CONFIGS[cfg.model.name].hparams} | {"workdir"}
+    hparams: tuple[str, ...] = CONFIGS[cfg.model.name].hparams  # type: ignore[attr-defined]
+    vector = set(VECTOR_KEYS) | {f"model.{name}" for name in hparams} | {"workdir"}
     settings = {key: value for key, value in flat.items() if key not in vector}
     settings["optimizer.grad_clip"] = bool(cfg.optimizer.grad_clip_norm)
     return settings
@@ -42,9 +44,13 @@ def shape_differences(a, b) -> list[str]:
 
 def check_vectorizable(cfg, where: str) -> None:
     if cfg.mesh.backend != "jit" or cfg.train.eager:
-        raise UsageError(f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
-                         f"train.eager=false, or remove vectorize")
+        raise UsageError(
+            f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
+            f"train.eager=false, or remove vectorize"
+        )
     if cfg.checkpoint.restore_from:
-        raise UsageError(f"{where}: vectorized runs start from scratch or their own checkpoints, not "
-                         f"checkpoint.restore_from; remove vectorize to start each run from "
-                         f"{cfg.checkpoint.restore_from}")
+        raise UsageError(
+            f"{where}: vectorized runs start from scratch or their own checkpoints, not "
+            f"checkpoint.restore_from; remove vectorize to start each run from "
+            f"{cfg.checkpoint.restore_from}"
+        )

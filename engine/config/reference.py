@@ -1,6 +1,7 @@
 """docs/configuration.md, generated from the schema: every key, its default, its choices or bounds,
 and what it means. `python -m engine.config.reference` rewrites the file;
 `python -m engine.config.reference --check` exits 1 when it is out of date (tests/ runs it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,8 +84,13 @@ def render() -> str:
     lines += [f"| `{f.name}` | {_value(_default(f))} | {doc_of(f)} |" for f in top] + [""]
     for name, cls in sections():
         lines += _table(f"`{name}`", cls, f"{name}.")
-    lines += ["## `model`", "", "`model.name` picks the family and with it the keys below (models/configs.py). "
-              "Switching `model.name` on the command line starts that family's keys from their defaults.", ""]
+    lines += [
+        "## `model`",
+        "",
+        "`model.name` picks the family and with it the keys below (models/configs.py). "
+        "Switching `model.name` on the command line starts that family's keys from their defaults.",
+        "",
+    ]
     for name, cls in CONFIGS.items():
         lines += _table(f"`model.name: {name}`", cls, "model.")
     return "\n".join(lines).rstrip() + "\n"

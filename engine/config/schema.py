@@ -5,11 +5,12 @@ engine/axes.py. docs/configuration.md is generated from this (python -m engine.c
 
 Imports no jax: a sweep's process reads every run's config.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from contract.fields import option
 from engine.axes import AXES, CONFIG_AXES, default_rules
@@ -21,65 +22,101 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass
 class DataConfig:
-    name: str = option("digits", "the dataset: a source of engine/data/sources.py (see docs/data.md)",
-                       choices=lambda: tuple(SOURCES))
+    name: str = option(
+        "digits", "the dataset: a source of engine/data/sources.py (see docs/data.md)", choices=lambda: tuple(SOURCES)
+    )
     path: Optional[str] = option(None, "the file or directory for npz, idx, cifar10, text and tokens")
-    eval_fraction: float = option(0.2, "held-out share when the source has no test split (a fixed split, "
-                                       "whatever the seed)", above=0.0)
+    eval_fraction: float = option(
+        0.2, "held-out share when the source has no test split (a fixed split, whatever the seed)", above=0.0
+    )
     shuffle: bool = option(True, "reshuffle every epoch; the order is a function of (seed, epoch)")
-    prefetch: int = option(2, "blocks of batches prepared and put on the devices ahead of the step, in a "
-                              "background thread (0 = none)", at_least=0)
-    steps_per_transfer: int = option(1, "training batches moved to the devices in one copy ([K, batch, ...]; "
-                                        "each step picks its own); raised to a multiple of train.steps_per_call",
-                                     at_least=1)
-    placement: str = option("auto", "device: the whole train split lives on every device and each step gathers "
-                                    "its rows inside the compiled step; host: batches are gathered on the host; "
-                                    "auto: device when it fits in data.device_memory_fraction",
-                            choices=("auto", "host", "device"))
-    device_memory_fraction: float = option(0.25, "placement=auto: the share of one device's memory (CPU: the "
-                                                 "host's memory per device) the train split may take", above=0.0)
-    num_examples: int = option(4096, "synthetic, synthetic_text: training examples generated (eval gets a "
-                                     "quarter)", at_least=1)
+    prefetch: int = option(
+        2,
+        "blocks of batches prepared and put on the devices ahead of the step, in a background thread (0 = none)",
+        at_least=0,
+    )
+    steps_per_transfer: int = option(
+        1,
+        "training batches moved to the devices in one copy ([K, batch, ...]; "
+        "each step picks its own); raised to a multiple of train.steps_per_call",
+        at_least=1,
+    )
+    placement: str = option(
+        "auto",
+        "device: the whole train split lives on every device and each step gathers "
+        "its rows inside the compiled step; host: batches are gathered on the host; "
+        "auto: device when it fits in data.device_memory_fraction",
+        choices=("auto", "host", "device"),
+    )
+    device_memory_fraction: float = option(
+        0.25,
+        "placement=auto: the share of one device's memory (CPU: the host's memory per device) the train split may take",
+        above=0.0,
+    )
+    num_examples: int = option(
+        4096, "synthetic, synthetic_text: training examples generated (eval gets a quarter)", at_least=1
+    )
     image_shape: list[int] = option([8, 8, 1], "synthetic: [height, width, channels]")
     num_classes: int = option(10, "synthetic: classes made; npz: labels must lie in [0, num_classes)")
     seq_len: int = option(128, "token sources: tokens the model sees per example (it predicts the next)", at_least=1)
     vocab_size: int = option(256, "synthetic_text: the vocabulary (byte-level text is always 256)")
     max_bytes: int = option(4_000_000, "python_source: bytes of text read")
-    packing: bool = option(True, "tokens: pack whole documents into windows with segment ids and positions "
-                                 "(else windows are cut from the concatenated stream)")
-    sources: list[Any] = option([], "tokens: a mixture instead of data.path: [{path: DIR, weight: 0.7, name: "
-                                    "web}, ...] (one tokenizer for all)")
+    packing: bool = option(
+        True,
+        "tokens: pack whole documents into windows with segment ids and positions "
+        "(else windows are cut from the concatenated stream)",
+    )
+    sources: list[Any] = option(
+        [], "tokens: a mixture instead of data.path: [{path: DIR, weight: 0.7, name: web}, ...] (one tokenizer for all)"
+    )
     verify: bool = option(True, "tokens: check every shard's SHA-256 against the manifest at start")
-    tokenizer: str = option("bytes", "python_source: bytes (ids are UTF-8 bytes) or bpe:N (a byte-level BPE of "
-                                     "N tokens trained on the text, tokenized once into data.cache_dir)")
-    cache_dir: str = option("~/.cache/jax-engine/tokens", "python_source with bpe:N: where the tokenized "
-                                                          "corpus is kept and reused")
+    tokenizer: str = option(
+        "bytes",
+        "python_source: bytes (ids are UTF-8 bytes) or bpe:N (a byte-level BPE of "
+        "N tokens trained on the text, tokenized once into data.cache_dir)",
+    )
+    cache_dir: str = option(
+        "~/.cache/jax-engine/tokens", "python_source with bpe:N: where the tokenized corpus is kept and reused"
+    )
 
 
 @dataclass
 class TrainConfig:
     steps: int = option(1000, "optimizer steps in the whole run", at_least=1)
     global_batch_size: int = option(128, "examples per step, over all devices and processes", at_least=1)
-    grad_accum_steps: int = option(1, "microbatches per step, accumulated inside the compiled step (equal to "
-                                      "one big batch); each is global_batch_size / this", at_least=1)
-    steps_per_call: int = option(1, "the most optimizer steps per dispatch of the compiled step, in a "
-                                    "device-side loop (Keras's steps_per_execution); calls end at every log, "
-                                    "eval and checkpoint", at_least=1)
+    grad_accum_steps: int = option(
+        1,
+        "microbatches per step, accumulated inside the compiled step (equal to "
+        "one big batch); each is global_batch_size / this",
+        at_least=1,
+    )
+    steps_per_call: int = option(
+        1,
+        "the most optimizer steps per dispatch of the compiled step, in a "
+        "device-side loop (Keras's steps_per_execution); calls end at every log, "
+        "eval and checkpoint",
+        at_least=1,
+    )
     param_dtype: str = option("float32", "dtype the parameters are stored and updated in", choices=DTYPES)
     compute_dtype: str = option("float32", "dtype of activations and matmuls (bfloat16 for speed)", choices=DTYPES)
-    nan_policy: str = option("stop", "what a NaN or infinite loss does: stop (exit 1, naming the step) or warn",
-                             choices=("stop", "warn"))
+    nan_policy: str = option(
+        "stop", "what a NaN or infinite loss does: stop (exit 1, naming the step) or warn", choices=("stop", "warn")
+    )
     eager: bool = option(False, "run the step without jit, op by op (slow; for debugging, like TF eager)")
-    compilation_cache_dir: str = option("~/.cache/jax-engine/xla", "JAX's persistent compilation cache (\"\" = "
-                                                                    "off): a relaunch skips XLA compilation")
+    compilation_cache_dir: str = option(
+        "~/.cache/jax-engine/xla", 'JAX\'s persistent compilation cache ("" = off): a relaunch skips XLA compilation'
+    )
 
 
 @dataclass
 class OptimizerConfig:
     name: str = option("adam", "the optimizer (engine/optimizers.py)", choices=lambda: tuple(OPTIMIZERS))
     learning_rate: float = option(1e-3, "peak learning rate", above=0.0)
-    schedule: str = option("constant", "the learning-rate schedule; the decaying ones decay to the end of the "
-                                       "run", choices=lambda: tuple(SCHEDULES))
+    schedule: str = option(
+        "constant",
+        "the learning-rate schedule; the decaying ones decay to the end of the run",
+        choices=lambda: tuple(SCHEDULES),
+    )
     warmup_steps: int = option(0, "linear warm-up from 0 to learning_rate", at_least=0)
     end_learning_rate_factor: float = option(0.0, "final rate of the decaying schedules, as a fraction of the peak")
     momentum: float = option(0.9, "SGD momentum, or Adam's b1")
@@ -96,37 +133,81 @@ def _mesh_fields() -> list:
         if axis.configured:
             fields.append((axis.name, int, option(axis.default, axis.doc)))
     for name in CONFIG_AXES:
-        fields.append((f"dcn_{name}", int, option(1, f"how much of mesh.{name} crosses the slower data-center "
-                                                     "network (its outer part; multi-slice and multi-host)",
-                                                  at_least=1)))
+        fields.append(
+            (
+                f"dcn_{name}",
+                int,
+                option(
+                    1,
+                    f"how much of mesh.{name} crosses the slower data-center "
+                    "network (its outer part; multi-slice and multi-host)",
+                    at_least=1,
+                ),
+            )
+        )
     return fields
 
 
-MeshConfig = dataclasses.make_dataclass("MeshConfig", [
-    *_mesh_fields(),
+_MESH_SETTINGS = [
     ("num_devices", int, option(-1, "how many of the visible devices to use (-1 = all)")),
-    ("backend", str, option("jit", "jit (NamedSharding, every layout) or pmap (classic replicated data parallel)",
-                            choices=("jit", "pmap"))),
-    ("rules", dict[str, list[str]], option(default_rules(), "logical axis name → mesh axes to try, in order: the "
-                                                            "first that is free, larger than 1 and divides the "
-                                                            "dimension shards it (see docs/parallelism.md)")),
-])
-MeshConfig.__module__ = __name__
-MeshConfig.__doc__ = "mesh.*: the device mesh's axis sizes (engine/axes.py) and the sharding rules."
+    (
+        "backend",
+        str,
+        option(
+            "jit",
+            "jit (NamedSharding, every layout) or pmap (classic replicated data parallel)",
+            choices=("jit", "pmap"),
+        ),
+    ),
+    (
+        "rules",
+        dict[str, list[str]],
+        option(
+            default_rules(),
+            "logical axis name → mesh axes to try, in order: the "
+            "first that is free, larger than 1 and divides the "
+            "dimension shards it (see docs/parallelism.md)",
+        ),
+    ),
+]
+
+if TYPE_CHECKING:
+
+    class MeshConfig:
+        """What the type checker knows of the dataclass made below from engine/axes.py."""
+
+        num_devices: int
+        backend: str
+        rules: dict[str, list[str]]
+
+        def __getattr__(self, name: str) -> int: ...  # mesh.<axis>, mesh.dcn_<axis>
+
+else:
+    MeshConfig = dataclasses.make_dataclass("MeshConfig", [*_mesh_fields(), *_MESH_SETTINGS])
+    MeshConfig.__module__ = __name__
+    MeshConfig.__doc__ = "mesh.*: the device mesh's axis sizes (engine/axes.py) and the sharding rules."
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = option(0, "save every N steps (0 = only at the end; a save always happens at the end and "
-                                 "on SIGTERM)", at_least=0)
+    every_steps: int = option(
+        0, "save every N steps (0 = only at the end; a save always happens at the end and on SIGTERM)", at_least=0
+    )
     keep: int = option(3, "most recent checkpoints kept", at_least=1)
-    restore_from: str = option("", "start a new run from another run's checkpoints/ directory (when this workdir "
-                                   "has none)")
-    restore_mode: str = option("params", "params: those parameters, a fresh optimizer, step 0 (fine-tuning); all: "
-                                         "continue that run's whole state", choices=("params", "all"))
-    staging: str = option("host", "where a save copies the state before training goes on: host (the devices' "
-                                  "pinned host memory) or device (one more copy on the devices; a faster copy)",
-                          choices=("host", "device"))
+    restore_from: str = option(
+        "", "start a new run from another run's checkpoints/ directory (when this workdir has none)"
+    )
+    restore_mode: str = option(
+        "params",
+        "params: those parameters, a fresh optimizer, step 0 (fine-tuning); all: continue that run's whole state",
+        choices=("params", "all"),
+    )
+    staging: str = option(
+        "host",
+        "where a save copies the state before training goes on: host (the devices' "
+        "pinned host memory) or device (one more copy on the devices; a faster copy)",
+        choices=("host", "device"),
+    )
     verify: bool = option(True, "SHA256SUMS per step, written after each save and checked before a restore")
 
 
@@ -142,9 +223,12 @@ class LogConfig:
     every_steps: int = option(50, "metrics to the console, metrics.jsonl and TensorBoard every N steps", at_least=1)
     progress: bool = option(True, "a progress bar on the console")
     tensorboard: bool = option(True, "TensorBoard event files in the workdir")
-    profile_steps: list[int] = option([], "[a, b]: a jax.profiler trace of steps a..b after this process's first "
-                                          "step (a resumed run counts from where it resumed) into "
-                                          "WORKDIR/profile; [] = none; --profile = [5, 15]")
+    profile_steps: list[int] = option(
+        [],
+        "[a, b]: a jax.profiler trace of steps a..b after this process's first "
+        "step (a resumed run counts from where it resumed) into "
+        "WORKDIR/profile; [] = none; --profile = [5, 15]",
+    )
 
 
 @dataclass
@@ -152,6 +236,7 @@ class DistributedConfig:
     """How the processes of a multi-host job find each other. Left unset, a cluster environment
     (SLURM, Open MPI, TPU pod) or TF_CONFIG is used, else the run is one process. These are
     per-launch settings: config.yaml records only the timeouts."""
+
     coordinator_address: str = option("", "host:port of process 0's coordinator (or --coordinator-address)")
     coordinator_bind_address: str = option("", "where the coordinator listens (default: all interfaces)")
     num_processes: int = option(0, "processes in the job (0 = not set; or --num-processes)")
@@ -165,6 +250,7 @@ class DistributedConfig:
 class WatchdogConfig:
     """Seconds without progress before a training process writes every thread's stack to stderr
     and WORKDIR/hang-<time>.txt and exits 1 naming the phase (0 = no limit)."""
+
     compile: int = option(7200, "loading data and compiling", at_least=0)
     restore: int = option(3600, "reading the newest checkpoint", at_least=0)
     step: int = option(1800, "between two iterations of the training loop (a hung collective)", at_least=0)
@@ -175,12 +261,12 @@ class WatchdogConfig:
 @dataclass
 class Config:
     seed: int = option(0, "every random draw (init, dropout, data order) derives from this", at_least=0)
-    workdir: str = option("", "where outputs go (\"\" = runs/<config file name>; --workdir overrides it)")
+    workdir: str = option("", 'where outputs go ("" = runs/<config file name>; --workdir overrides it)')
     model: Any = option(None, "the chosen model's section: model.name and its keys (models/configs.py)")
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)  # type: ignore[valid-type]
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -188,7 +274,8 @@ class Config:
     watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
 
 
-def sections() -> list[tuple[str, type]]:
+def sections() -> list[tuple[str, Any]]:
     """(name, dataclass) of every section but model, in the schema's order."""
-    return [(f.name, f.default_factory) for f in dataclasses.fields(Config)  # type: ignore[misc]
-            if f.default_factory is not dataclasses.MISSING]
+    return [
+        (f.name, f.default_factory) for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING
+    ]

@@ -1,6 +1,7 @@
 """Value checks that types alone do not catch. The schema's declarations (choices, bounds) are
 checked for every field of every section, the model's too; then the checks that relate keys.
 Each message names the key, its value and a fix."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,10 +34,14 @@ def validate(cfg) -> None:
     if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
         raise UsageError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
-            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; use a multiple of {cfg.train.grad_accum_steps}")
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}; use a multiple of {cfg.train.grad_accum_steps}"
+        )
     if cfg.optimizer.warmup_steps > cfg.train.steps:  # a shortened run (a smoke test) still runs
-        print(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}; "
-              f"warming up over all {cfg.train.steps} steps", file=sys.stderr)
+        print(
+            f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}; "
+            f"warming up over all {cfg.train.steps} steps",
+            file=sys.stderr,
+        )
         cfg.optimizer.warmup_steps = cfg.train.steps
     _check_mesh(cfg.mesh)
     if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
@@ -93,8 +98,10 @@ def _check_ranges(cfg) -> None:
             raise UsageError(f"{key}={value} is more than {INT32_MAX} (it is held as a 32-bit integer)")
     window = list(cfg.log.profile_steps)
     if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
-        raise UsageError(f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "
-                         "e.g. log.profile_steps=[5,15]")
+        raise UsageError(
+            f"log.profile_steps={window} must be [first, last) steps after the start, 0 <= first < last, "
+            "e.g. log.profile_steps=[5,15]"
+        )
     if not cfg.data.device_memory_fraction <= 1.0:
         raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
     if not cfg.data.eval_fraction < 1.0:
@@ -118,14 +125,21 @@ def _fit_steps_per_call(cfg) -> None:
     """train.steps_per_call is the most per call: calls end at every log, eval and checkpoint,
     so it is lowered to the largest divisor of their intervals (and train.steps), with a note."""
     per_call = cfg.train.steps_per_call
-    intervals = {"train.steps": cfg.train.steps, "log.every_steps": cfg.log.every_steps,
-                 "eval.every_steps": cfg.eval.every_steps, "checkpoint.every_steps": cfg.checkpoint.every_steps}
+    intervals = {
+        "train.steps": cfg.train.steps,
+        "log.every_steps": cfg.log.every_steps,
+        "eval.every_steps": cfg.eval.every_steps,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+    }
     common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
     if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits
         fits = max(d for d in range(1, per_call + 1) if common % d == 0)
         blocking = ", ".join(f"{k}={v}" for k, v in intervals.items() if v % per_call)
-        print(f"note: train.steps_per_call={per_call} runs {fits} step(s) per call here, so that calls end at "
-              f"{blocking} (logs, evals and checkpoints happen between calls)", file=sys.stderr)
+        print(
+            f"note: train.steps_per_call={per_call} runs {fits} step(s) per call here, so that calls end at "
+            f"{blocking} (logs, evals and checkpoints happen between calls)",
+            file=sys.stderr,
+        )
         cfg.train.steps_per_call = fits
 
 
@@ -136,15 +150,19 @@ def _check_sources(data) -> None:
             raise UsageError(f"data.tokenizer={data.tokenizer!r}: use bytes or bpe:N (N ≥ 257), e.g. bpe:2048")
         return
     if data.name not in MIXTURE_SOURCES:
-        raise UsageError(f"data.sources is a mixture of tokenized corpora: it needs data.name="
-                         f"{'|'.join(MIXTURE_SOURCES)}, not {data.name}")
+        raise UsageError(
+            f"data.sources is a mixture of tokenized corpora: it needs data.name="
+            f"{'|'.join(MIXTURE_SOURCES)}, not {data.name}"
+        )
     if data.path:
         raise UsageError("set data.path (one corpus) or data.sources (a mixture), not both")
     example = "data.sources=[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]"
     for i, source in enumerate(data.sources):
         if not isinstance(source, dict) or not source.get("path") or set(source) - {"path", "weight", "name"}:
-            raise UsageError(f"data.sources[{i}]={source!r}: each source is a mapping with path, weight and "
-                             f"optionally name, e.g. {example}")
+            raise UsageError(
+                f"data.sources[{i}]={source!r}: each source is a mapping with path, weight and "
+                f"optionally name, e.g. {example}"
+            )
         weight = source.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise UsageError(f"data.sources[{i}].weight={weight!r} must be a positive number, e.g. {example}")

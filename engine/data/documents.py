@@ -1,5 +1,6 @@
 """The documents of a corpus to tokenize: plain text files (one document per file or per line),
 JSON Lines records and Parquet rows, from files or directories read recursively in sorted order."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ def input_files(paths: list[str]) -> list[Path]:
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts) and not _binary(p))
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                and not _binary(p)
+            )
             if not found:
                 raise UsageError(f"--input {raw} is an empty directory; give files of text, JSON Lines or Parquet")
             files += found
@@ -65,12 +71,15 @@ def _jsonl(file: Path, text_field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UsageError(f"{file}:{number}: not a JSON record ({e.msg}); JSON Lines hold one object per "
-                                 "line") from None
+                raise UsageError(
+                    f"{file}:{number}: not a JSON record ({e.msg}); JSON Lines hold one object per line"
+                ) from None
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise UsageError(f"{file}:{number}: no {text_field!r} field (the record has {keys}); pass "
-                                 "--text-field NAME for the field that holds the text")
+                raise UsageError(
+                    f"{file}:{number}: no {text_field!r} field (the record has {keys}); pass "
+                    "--text-field NAME for the field that holds the text"
+                )
             text = record[text_field]
             if not isinstance(text, str):
                 raise UsageError(f"{file}:{number}: field {text_field!r} is {type(text).__name__}, not text")
@@ -86,8 +95,9 @@ def _parquet(file: Path, text_field: str) -> Iterator[str]:
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
         raise UsageError(f"{file} is not a readable Parquet file: {e}") from None
     if text_field not in table.schema_arrow.names:
-        raise UsageError(f"{file}: no column {text_field!r} (columns: {table.schema_arrow.names}); pass "
-                         "--text-field NAME")
+        raise UsageError(
+            f"{file}: no column {text_field!r} (columns: {table.schema_arrow.names}); pass --text-field NAME"
+        )
     for batch in table.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text.strip():

@@ -6,12 +6,13 @@ state is the next step number, and a resumed run sees exactly the batches it wou
 Each process gathers only the rows of the global batch that its own devices hold (so it
 reads only its share); which rows those are follows from the batch sharding (see `process_rows`).
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -44,22 +45,31 @@ class TrainBatches:
     Grain's shuffle and mix, seeded with `seed`): then example step·batch + r is row r of
     the batch at `step`."""
 
-    def __init__(self, arrays, global_batch: int, seed: int, shuffle: bool = True, rows: np.ndarray | None = None,
-                 indices_only: bool = False):
+    def __init__(
+        self,
+        arrays,
+        global_batch: int,
+        seed: int,
+        shuffle: bool = True,
+        rows: np.ndarray | None = None,
+        indices_only: bool = False,
+    ):
         """indices_only: batches are {"index": int32 [rows]}, the example indices of this
         process's rows (the data itself is on the devices: data.placement=device)."""
         self.indices_only = indices_only
         self.arrays = arrays if isinstance(arrays, dict) else None
-        self.examples = None if self.arrays is not None else arrays.examples(seed, shuffle)
+        self.examples: Any = None if self.arrays is not None else arrays.examples(seed, shuffle)
         self.num_examples = len(next(iter(arrays.values()))) if self.arrays is not None else len(arrays)
         if global_batch > self.num_examples:
-            raise UsageError(f"train.global_batch_size={global_batch} is larger than the training split "
-                             f"({self.num_examples} examples); use at most {self.num_examples}")
+            raise UsageError(
+                f"train.global_batch_size={global_batch} is larger than the training split "
+                f"({self.num_examples} examples); use at most {self.num_examples}"
+            )
         self.global_batch = global_batch
         self.steps_per_epoch = self.num_examples // global_batch  # the remainder is dropped
         self.seed, self.shuffle = seed, shuffle
         self.rows = np.arange(global_batch) if rows is None else rows
-        self._order_epoch, self._order = -1, None
+        self._order_epoch, self._order = -1, np.zeros(0, np.int64)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
@@ -76,13 +86,13 @@ class TrainBatches:
             return step * self.global_batch + np.arange(self.global_batch)
         epoch, within = divmod(step, self.steps_per_epoch)
         start = within * self.global_batch
-        return self._epoch_order(epoch)[start:start + self.global_batch]
+        return self._epoch_order(epoch)[start : start + self.global_batch]
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rows = self.indices(step)[self.rows]
         if self.indices_only:
             return {"index": rows.astype(np.int32)}
-        if self.examples is not None:
+        if self.arrays is None:
             return self.examples.take(rows)
         return {name: np.asarray(array[rows]) for name, array in self.arrays.items()}
 
@@ -92,8 +102,9 @@ class TrainBatches:
         return {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
 
 
-def eval_batches(arrays, batch_size: int, max_batches: int = 0,
-                 rows: np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(
+    arrays, batch_size: int, max_batches: int = 0, rows: np.ndarray | None = None
+) -> Iterator[dict[str, np.ndarray]]:
     """The eval split in order, the last batch padded; `mask` is 1 for real examples.
 
     `arrays`: a dict of arrays, or a split read by index (`take`). `rows` are the positions
@@ -134,7 +145,7 @@ class Prefetcher:
     def _fill(self, step: int) -> None:
         while not self._stop.is_set():
             try:
-                item = (step, self.make(step), None)
+                item: tuple = (step, self.make(step), None)
             except Exception as e:  # handed to the training thread, which re-raises it
                 item = (step, None, e)
             while not self._stop.is_set():

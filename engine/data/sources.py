@@ -1,6 +1,7 @@
 """Dataset sources chosen by `data.name`. Each returns a Dataset of in-memory (or
 memory-mapped) numpy arrays, indexed by example. Files are read in their real formats:
 MNIST IDX, CIFAR-10 binary batches, .npz/.npy (never unpickled) and raw text bytes."""
+
 from __future__ import annotations
 
 import gzip
@@ -54,13 +55,24 @@ def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None,
     train_x, eval_x = _as_float_images(train_x), _as_float_images(eval_x)
     train_y, eval_y = train_y.astype(np.int32).reshape(-1), eval_y.astype(np.int32).reshape(-1)
     classes = num_classes or int(max(train_y.max(initial=0), eval_y.max(initial=0))) + 1
-    info = DataInfo("image", len(train_x), len(eval_x), tuple(train_x.shape[1:]), num_classes=classes,
-                    preprocessing="; ".join(steps))
+    info = DataInfo(
+        "image",
+        len(train_x),
+        len(eval_x),
+        tuple(train_x.shape[1:]),
+        num_classes=classes,
+        preprocessing="; ".join(steps),
+    )
     return Dataset({"image": train_x, "label": train_y}, {"image": eval_x, "label": eval_y}, info)
 
 
-def _check_labels(labels: np.ndarray, num_classes: int, where: str, name: str = "labels",
-                  fix: str = "fix the labels, or set data.num_classes to the number of classes") -> None:
+def _check_labels(
+    labels: np.ndarray,
+    num_classes: int,
+    where: str,
+    name: str = "labels",
+    fix: str = "fix the labels, or set data.num_classes to the number of classes",
+) -> None:
     """UsageError naming the file, the count and the first bad index unless every label is
     an integer in [0, num_classes) (so nothing wraps when it becomes int32)."""
     if not np.issubdtype(labels.dtype, np.integer):
@@ -68,16 +80,20 @@ def _check_labels(labels: np.ndarray, num_classes: int, where: str, name: str = 
     flat = labels.reshape(-1)
     bad = np.flatnonzero((flat < 0) | (flat >= num_classes))
     if bad.size:
-        raise UsageError(f"{where}: {bad.size} of {name} outside [0, {num_classes}), the first at {name}[{bad[0]}] "
-                         f"(value {flat[bad[0]]}); {fix}")
+        raise UsageError(
+            f"{where}: {bad.size} of {name} outside [0, {num_classes}), the first at {name}[{bad[0]}] "
+            f"(value {flat[bad[0]]}); {fix}"
+        )
 
 
 def _check_finite(inputs: np.ndarray, where: str, name: str = "inputs") -> None:
     if np.issubdtype(inputs.dtype, np.floating):
         bad = np.flatnonzero(~np.isfinite(inputs.reshape(len(inputs), -1)).all(axis=1))
         if bad.size:
-            raise UsageError(f"{where}: {bad.size} example(s) of {name} hold NaN or infinite values, the first at "
-                             f"{name}[{bad[0]}]; clean the data")
+            raise UsageError(
+                f"{where}: {bad.size} example(s) of {name} hold NaN or infinite values, the first at "
+                f"{name}[{bad[0]}]; clean the data"
+            )
 
 
 def _as_float_images(x: np.ndarray) -> np.ndarray:
@@ -88,7 +104,7 @@ def _as_float_images(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _split(x: np.ndarray, y: np.ndarray, eval_fraction: float):
+def _split(x: np.ndarray, y: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
     n_eval = max(1, int(round(len(x) * eval_fraction)))
     return x[order[n_eval:]], y[order[n_eval:]], x[order[:n_eval]], y[order[:n_eval]]
@@ -99,7 +115,8 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     and target, read from the CSV file scikit-learn ships as load_digits does, without importing
     scikit-learn (its import takes ~2 s, most of the default job's start-up)."""
     spec = importlib.util.find_spec("sklearn")
-    path = Path(next(iter(spec.submodule_search_locations or [""]), "")) / "datasets" / "data" / "digits.csv.gz"
+    locations = (spec.submodule_search_locations if spec else None) or [""]
+    path = Path(next(iter(locations), "")) / "datasets" / "data" / "digits.csv.gz"
     if not path.is_file():  # another layout of the package: its own loader
         from sklearn.datasets import load_digits
 
@@ -114,8 +131,11 @@ def digits(cfg) -> Dataset:
     """scikit-learn's handwritten digits (1,797 real 8x8 scans, shipped inside the package)."""
     images, labels = digits_arrays()
     images = (images / 16.0).astype(np.float32)  # pixel values are 0..16
-    return _images(*_split(images, labels, cfg.eval_fraction), num_classes=10,
-                   scaled="sklearn.datasets.load_digits().images / 16.0 (pixel values 0..16 → 0..1)")
+    return _images(
+        *_split(images, labels, cfg.eval_fraction),
+        num_classes=10,
+        scaled="sklearn.datasets.load_digits().images / 16.0 (pixel values 0..16 → 0..1)",
+    )
 
 
 def synthetic(cfg) -> Dataset:
@@ -126,8 +146,9 @@ def synthetic(cfg) -> Dataset:
     x = rng.standard_normal((cfg.num_examples + n_eval, *shape), dtype=np.float32)
     w = rng.standard_normal((int(np.prod(shape)), cfg.num_classes), dtype=np.float32)
     y = np.argmax(x.reshape(len(x), -1) @ w, axis=1)
-    return _images(x[:cfg.num_examples], y[:cfg.num_examples], x[cfg.num_examples:], y[cfg.num_examples:],
-                   cfg.num_classes)
+    return _images(
+        x[: cfg.num_examples], y[: cfg.num_examples], x[cfg.num_examples :], y[cfg.num_examples :], cfg.num_classes
+    )
 
 
 def npz(cfg) -> Dataset:
@@ -151,8 +172,10 @@ def npz(cfg) -> Dataset:
         raise UsageError(f"data.path={path} does not exist; expected a .npz file or a directory of .npy files")
     for x_key, y_key in (("x_train", "y_train"), ("x_test", "y_test"), ("x", "y")):
         if x_key in arrays and y_key in arrays and len(arrays[x_key]) != len(arrays[y_key]):
-            raise UsageError(f"data.path={path}: {x_key} has {len(arrays[x_key])} examples but {y_key} has "
-                             f"{len(arrays[y_key])}; they must match")
+            raise UsageError(
+                f"data.path={path}: {x_key} has {len(arrays[x_key])} examples but {y_key} has "
+                f"{len(arrays[y_key])}; they must match"
+            )
     for x_key, y_key in (("x_train", "y_train"), ("x_test", "y_test"), ("x", "y")):
         if y_key in arrays:  # checked in the file's own indexing, before any split
             _check_labels(arrays[y_key], cfg.num_classes, f"data.path={path}", y_key)
@@ -169,8 +192,10 @@ def npz(cfg) -> Dataset:
         raise UsageError(f"data.path={path} holds {sorted(arrays)}; expected {expected}")
     for x, y in (parts[:2], parts[2:]):
         if len(x) != len(y) or x.ndim < 2 or y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-            raise UsageError(f"data.path={path}: x must be [n, ...] and y [n] integer labels; "
-                             f"got x {x.shape} {x.dtype}, y {y.shape} {y.dtype}")
+            raise UsageError(
+                f"data.path={path}: x must be [n, ...] and y [n] integer labels; "
+                f"got x {x.shape} {x.dtype}, y {y.shape} {y.dtype}"
+            )
     return _images(*parts, num_classes=cfg.num_classes)
 
 
@@ -180,18 +205,24 @@ def _read_idx(path: Path, expect_dims: int) -> np.ndarray:
     try:
         raw = gzip.decompress(raw) if path.suffix == ".gz" else raw
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise UsageError(f"{path} is not a complete gzip file ({e or type(e).__name__}); download it again, or "
-                         "give the file uncompressed without .gz") from None
+        raise UsageError(
+            f"{path} is not a complete gzip file ({e or type(e).__name__}); download it again, or "
+            "give the file uncompressed without .gz"
+        ) from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] != expect_dims:
-        raise UsageError(f"{path} is not an IDX file of uint8 with {expect_dims} dimension(s) "
-                         f"(expected magic 0x000008{expect_dims:02x})")
+        raise UsageError(
+            f"{path} is not an IDX file of uint8 with {expect_dims} dimension(s) "
+            f"(expected magic 0x000008{expect_dims:02x})"
+        )
     if len(raw) < 4 + 4 * expect_dims:
         raise UsageError(f"{path} is truncated: {len(raw)} bytes end inside its IDX header")
     dims = [int(d) for d in np.frombuffer(raw, dtype=">u4", count=expect_dims, offset=4)]
-    body = raw[4 + 4 * expect_dims:]
+    body = raw[4 + 4 * expect_dims :]
     if len(body) != math.prod(dims):  # Python integers: a header of 2**31-sized dimensions cannot overflow
-        raise UsageError(f"{path} is truncated or padded: header says {tuple(dims)} = {math.prod(dims):,} bytes, "
-                         f"file has {len(body):,}")
+        raise UsageError(
+            f"{path} is truncated or padded: header says {tuple(dims)} = {math.prod(dims):,} bytes, "
+            f"file has {len(body):,}"
+        )
     return np.frombuffer(body, dtype=np.uint8).reshape(dims)
 
 
@@ -200,8 +231,10 @@ def _find(directory: Path, stems: tuple[str, ...]) -> Path:
         for name in (stem, stem + ".gz"):
             if (directory / name).is_file():
                 return directory / name
-    raise UsageError(f"{directory} has no {stems[0]}[.gz]; an MNIST/Fashion-MNIST directory holds "
-                     "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte")
+    raise UsageError(
+        f"{directory} has no {stems[0]}[.gz]; an MNIST/Fashion-MNIST directory holds "
+        "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte"
+    )
 
 
 def idx(cfg) -> Dataset:
@@ -216,7 +249,8 @@ def idx(cfg) -> Dataset:
         if len(images) != len(labels):
             raise UsageError(f"{directory}: {split} has {len(images)} images but {len(labels)} labels")
         parts += [images, labels]
-    return _images(*parts, num_classes=10)
+    train_x, train_y, eval_x, eval_y = parts
+    return _images(train_x, train_y, eval_x, eval_y, num_classes=10)
 
 
 CIFAR_RECORD = 1 + 3 * 32 * 32  # label byte + 3x32x32 pixels (channel-major)
@@ -227,8 +261,10 @@ def _read_cifar(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
     for file in files:
         raw = np.fromfile(file, dtype=np.uint8)
         if raw.size == 0 or raw.size % CIFAR_RECORD:
-            raise UsageError(f"{file} is not a CIFAR-10 binary batch: {raw.size} bytes is not a multiple of "
-                             f"{CIFAR_RECORD} (1 label byte + 3072 pixel bytes per image)")
+            raise UsageError(
+                f"{file} is not a CIFAR-10 binary batch: {raw.size} bytes is not a multiple of "
+                f"{CIFAR_RECORD} (1 label byte + 3072 pixel bytes per image)"
+            )
         records.append(raw.reshape(-1, CIFAR_RECORD))
     data = np.concatenate(records)
     if data[:, 0].max() > 9:
@@ -245,8 +281,10 @@ def cifar10(cfg) -> Dataset:
     train_files = sorted(directory.glob("data_batch_*.bin"))
     test_file = directory / "test_batch.bin"
     if not train_files or not test_file.is_file():
-        raise UsageError(f"{directory} must hold data_batch_1.bin … data_batch_5.bin and test_batch.bin "
-                         "(the CIFAR-10 binary version)")
+        raise UsageError(
+            f"{directory} must hold data_batch_1.bin … data_batch_5.bin and test_batch.bin "
+            "(the CIFAR-10 binary version)"
+        )
     return _images(*_read_cifar(train_files), *_read_cifar([test_file]), num_classes=10)
 
 
@@ -260,19 +298,21 @@ def _existing_dir(path: str, what: str) -> Path:
 def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     """Non-overlapping examples of seq_len + 1 tokens (inputs and shifted targets), as a view."""
     count = max((len(tokens) - 1) // seq_len, 0)
-    return np.lib.stride_tricks.as_strided(tokens, (count, seq_len + 1), (seq_len * tokens.strides[0],
-                                                                         tokens.strides[0]), writeable=False)
+    return np.lib.stride_tricks.as_strided(
+        tokens, (count, seq_len + 1), (seq_len * tokens.strides[0], tokens.strides[0]), writeable=False
+    )
 
 
 def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str, text_codec: str = "") -> Dataset:
     n_eval = int(len(tokens) * cfg.eval_fraction)
-    train_tokens, eval_tokens = tokens[:len(tokens) - n_eval], tokens[len(tokens) - n_eval:]
+    train_tokens, eval_tokens = tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval :]
     train, evals = _windows(train_tokens, cfg.seq_len), _windows(eval_tokens, cfg.seq_len)
     if len(train) == 0 or len(evals) == 0:
-        raise UsageError(f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
-                         f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len")
-    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len,
-                    text_codec=text_codec)
+        raise UsageError(
+            f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
+            f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len"
+        )
+    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len, text_codec=text_codec)
     return Dataset({"tokens": train}, {"tokens": evals}, info)
 
 
@@ -311,7 +351,7 @@ def python_source(cfg) -> Dataset:
     if cfg.tokenizer != "bytes":
         return _tokens_dataset(cfg, [(str(_stdlib_corpus(cfg, files)), 1.0, "python_source")])
     tokens = np.concatenate([np.fromfile(file, dtype=np.uint8) for file in files])
-    return _token_dataset(tokens[:cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}", text_codec="bytes")
+    return _token_dataset(tokens[: cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}", text_codec="bytes")
 
 
 def _stdlib_corpus(cfg, files: list[Path]) -> Path:
@@ -322,18 +362,23 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
 
     from engine.data.tokenize import tokenize
 
-    key = hashlib.sha256(repr([cfg.tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        repr([cfg.tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
+    ).hexdigest()[:16]
     out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{cfg.tokenizer.replace(':', '')}-{key}"
     if not (out / "manifest.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.parent / f".{out.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (out / "manifest.json").is_file():
-                print(f"data: tokenizing {len(files)} Python modules with a {cfg.tokenizer} tokenizer into {out} "
-                      "(once; later runs reuse it)", flush=True)
-                tokenize([str(f) for f in files], str(out), cfg.tokenizer, eval_fraction=cfg.eval_fraction,
-                         progress=False)
+                print(
+                    f"data: tokenizing {len(files)} Python modules with a {cfg.tokenizer} tokenizer into {out} "
+                    "(once; later runs reuse it)",
+                    flush=True,
+                )
+                tokenize(
+                    [str(f) for f in files], str(out), cfg.tokenizer, eval_fraction=cfg.eval_fraction, progress=False
+                )
     return out
 
 
@@ -345,8 +390,9 @@ def source_name(source: dict, index: int) -> str:
 def tokens(cfg) -> Dataset:
     """Tokenized corpora (`python launch.py tokenize`): data.path, or a mixture in data.sources."""
     if cfg.sources:
-        return _tokens_dataset(cfg, [(str(s["path"]), float(s.get("weight", 1.0)), source_name(s, i))
-                                     for i, s in enumerate(cfg.sources)])
+        return _tokens_dataset(
+            cfg, [(str(s["path"]), float(s.get("weight", 1.0)), source_name(s, i)) for i, s in enumerate(cfg.sources)]
+        )
     return _tokens_dataset(cfg, [(cfg.path, 1.0, Path(cfg.path).name)])
 
 
@@ -358,8 +404,10 @@ def _tokens_dataset(cfg, sources: list[tuple[str, float, str]]) -> Dataset:
     first = corpora[0]
     for corpus, (path, _, _) in zip(corpora[1:], sources[1:]):
         if corpus.tokenizer_file.read_bytes() != first.tokenizer_file.read_bytes():
-            raise UsageError(f"data.sources: {path} was tokenized with another tokenizer than {sources[0][0]}; "
-                             "a mixture's corpora must share one tokenizer")
+            raise UsageError(
+                f"data.sources: {path} was tokenized with another tokenizer than {sources[0][0]}; "
+                "a mixture's corpora must share one tokenizer"
+            )
     mixed = len(sources) > 1
     train, evals = [], []
     for k, (corpus, (path, _, _)) in enumerate(zip(corpora, sources)):
@@ -367,15 +415,26 @@ def _tokens_dataset(cfg, sources: list[tuple[str, float, str]]) -> Dataset:
         train.append(tk.Windows(corpus.stream("train"), cfg.seq_len, cfg.packing, source))
         evals.append(tk.Windows(corpus.stream("eval"), cfg.seq_len, cfg.packing, source))
         if len(train[-1]) == 0:
-            raise UsageError(f"{where}: {path} has {corpus.stream('train').size} train tokens: too few for "
-                             f"data.seq_len={cfg.seq_len}; use more text or a shorter seq_len")
+            raise UsageError(
+                f"{where}: {path} has {corpus.stream('train').size} train tokens: too few for "
+                f"data.seq_len={cfg.seq_len}; use more text or a shorter seq_len"
+            )
     evals = [w for w in evals if len(w)]
     if not evals:
-        raise UsageError(f"{where}: no held-out windows of data.seq_len={cfg.seq_len} tokens; tokenize with a "
-                         "larger --eval-fraction or use a shorter seq_len")
-    info = DataInfo("tokens", sum(len(w) for w in train), sum(len(w) for w in evals), vocab_size=first.vocab_size,
-                    seq_len=cfg.seq_len, text_codec="tokenizer", tokenizer=str(first.tokenizer_file),
-                    sources=tuple(name for _, _, name in sources) if mixed else ())
+        raise UsageError(
+            f"{where}: no held-out windows of data.seq_len={cfg.seq_len} tokens; tokenize with a "
+            "larger --eval-fraction or use a shorter seq_len"
+        )
+    info = DataInfo(
+        "tokens",
+        sum(len(w) for w in train),
+        sum(len(w) for w in evals),
+        vocab_size=first.vocab_size,
+        seq_len=cfg.seq_len,
+        text_codec="tokenizer",
+        tokenizer=str(first.tokenizer_file),
+        sources=tuple(name for _, _, name in sources) if mixed else (),
+    )
     return Dataset(tk.Mixture(train, [w for _, w, _ in sources]), tk.eval_examples(evals), info)
 
 
@@ -390,8 +449,15 @@ def synthetic_text(cfg) -> Dataset:
 
 
 SOURCES = {
-    "digits": digits, "synthetic": synthetic, "npz": npz, "idx": idx, "cifar10": cifar10,
-    "text": text, "synthetic_text": synthetic_text, "python_source": python_source, "tokens": tokens,
+    "digits": digits,
+    "synthetic": synthetic,
+    "npz": npz,
+    "idx": idx,
+    "cifar10": cifar10,
+    "text": text,
+    "synthetic_text": synthetic_text,
+    "python_source": python_source,
+    "tokens": tokens,
 }
 
 FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens")  # the sources that read data.path

@@ -17,6 +17,7 @@ depend on the input alone. After every batch the open shards are flushed and
 re-run with the same command truncates the open shards to that point and goes on, and ends
 with the same bytes as an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ _MASK64 = (1 << 64) - 1
 @dataclass(frozen=True)
 class Settings:
     """What decides the output; a re-run into the same directory must repeat it exactly."""
+
     inputs: list[str]  # the files read, in order (directories expanded, sorted)
     input_sizes: list[int]
     tokenizer: str  # a tokenizer.json path, or bpe:N
@@ -58,7 +60,7 @@ class Settings:
 def held_out(indices: np.ndarray, fraction: float) -> np.ndarray:
     """Which documents (by index in the corpus) belong to the held-out split: a splitmix64
     hash of the index below `fraction`, so the split does not depend on batching."""
-    z = (indices.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+    z = indices.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
@@ -72,8 +74,10 @@ def load_tokenizer(spec: str):
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise UsageError(f"--tokenizer {spec}: no such tokenizer.json; give a Hugging Face tokenizer.json (what "
-                         "transformers models ship) or bpe:N to train a byte-level BPE of N tokens on the input")
+        raise UsageError(
+            f"--tokenizer {spec}: no such tokenizer.json; give a Hugging Face tokenizer.json (what "
+            "transformers models ship) or bpe:N to train a byte-level BPE of N tokens on the input"
+        )
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception type for a malformed file
@@ -88,8 +92,12 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -97,19 +105,21 @@ def train_bpe(texts: Iterator[str], vocab_size: int):
 def eod_id(tokenizer, name: str = "") -> tuple[str, int]:
     """(token, id) of the end-of-document token: `name`, or the first known one the
     tokenizer has."""
-    for token in ([name] if name else EOD_CANDIDATES):
+    for token in [name] if name else EOD_CANDIDATES:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return token, token_id
     if name:
         raise UsageError(f"--eod-token {name!r} is not in the tokenizer's vocabulary")
-    raise UsageError(f"the tokenizer has none of the end-of-document tokens {list(EOD_CANDIDATES)}; pass "
-                     "--eod-token TOKEN")
+    raise UsageError(
+        f"the tokenizer has none of the end-of-document tokens {list(EOD_CANDIDATES)}; pass --eod-token TOKEN"
+    )
 
 
 @dataclass
 class _ShardWriter:
     """One split's shards: appends documents; closes a shard after the document that fills it."""
+
     out: Path
     split: str
     dtype: str
@@ -148,9 +158,16 @@ class _ShardWriter:
             tokens_path.unlink()
             docs_path.unlink()
             return
-        self.done.append({"tokens_file": tokens_path.name, "docs_file": docs_path.name, "tokens": self.tokens,
-                          "documents": self.documents, "tokens_sha256": sha256_file(tokens_path),
-                          "docs_sha256": sha256_file(docs_path)})
+        self.done.append(
+            {
+                "tokens_file": tokens_path.name,
+                "docs_file": docs_path.name,
+                "tokens": self.tokens,
+                "documents": self.documents,
+                "tokens_sha256": sha256_file(tokens_path),
+                "docs_sha256": sha256_file(docs_path),
+            }
+        )
         self.tokens = self.documents = 0
 
     def abandon(self) -> None:
@@ -175,10 +192,21 @@ class Interrupted(Exception):
         self.exit_code = 128 + int(signum)
 
 
-def tokenize(paths: list[str], out: str, tokenizer_spec: str, vocab_size: int = 0, eval_fraction: float = 0.01,
-             text_field: str = "text", text_unit: str = "file", shard_tokens: int = 1 << 27,
-             bpe_train_bytes: int = 1 << 28, eod_token: str = "", batch_bytes: int = 1 << 22,
-             progress: bool = True, stop_after_batches: int = 0) -> dict:
+def tokenize(
+    paths: list[str],
+    out: str,
+    tokenizer_spec: str,
+    vocab_size: int = 0,
+    eval_fraction: float = 0.01,
+    text_field: str = "text",
+    text_unit: str = "file",
+    shard_tokens: int = 1 << 27,
+    bpe_train_bytes: int = 1 << 28,
+    eod_token: str = "",
+    batch_bytes: int = 1 << 22,
+    progress: bool = True,
+    stop_after_batches: int = 0,
+) -> dict:
     """Tokenizes `paths` into `out` (see the module doc) → the manifest. Re-running an
     interrupted call continues it; re-running a finished one returns its manifest.
     `stop_after_batches` (tests) interrupts after that many batches, as a signal would."""
@@ -194,27 +222,43 @@ def tokenize(paths: list[str], out: str, tokenizer_spec: str, vocab_size: int = 
     if bpe:
         size_text = tokenizer_spec[4:] or str(vocab_size)
         if not size_text.isdigit() or int(size_text) < 257:
-            raise UsageError(f"--tokenizer {tokenizer_spec}: a byte-level BPE needs bpe:N with N ≥ 257 (256 bytes "
-                             "and the end-of-document token), e.g. bpe:8192")
+            raise UsageError(
+                f"--tokenizer {tokenizer_spec}: a byte-level BPE needs bpe:N with N ≥ 257 (256 bytes "
+                "and the end-of-document token), e.g. bpe:8192"
+            )
         bpe_size = int(size_text)
-    settings = Settings([str(f.resolve()) for f in files], [f.stat().st_size for f in files],
-                        tokenizer_spec if bpe else str(Path(tokenizer_spec).expanduser().resolve()), vocab_size,
-                        eval_fraction, text_field, text_unit, shard_tokens, bpe_train_bytes if bpe else 0, eod_token)
+    settings = Settings(
+        [str(f.resolve()) for f in files],
+        [f.stat().st_size for f in files],
+        tokenizer_spec if bpe else str(Path(tokenizer_spec).expanduser().resolve()),
+        vocab_size,
+        eval_fraction,
+        text_field,
+        text_unit,
+        shard_tokens,
+        bpe_train_bytes if bpe else 0,
+        eod_token,
+    )
     manifest_path, progress_path = out_dir / "manifest.json", out_dir / "progress.json"
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("settings") != asdict(settings):
-            raise UsageError(f"--out {out_dir} already holds a corpus tokenized with other settings; use a new --out "
-                             "directory, or delete that one")
+            raise UsageError(
+                f"--out {out_dir} already holds a corpus tokenized with other settings; use a new --out "
+                "directory, or delete that one"
+            )
         return manifest
     if progress_path.is_file():
         state = json.loads(progress_path.read_text())
         if state.get("settings") != asdict(settings):
-            raise UsageError(f"--out {out_dir} holds an unfinished tokenization with other settings (inputs, "
-                             "tokenizer or sizes changed); re-run it with the same arguments, or delete the directory")
+            raise UsageError(
+                f"--out {out_dir} holds an unfinished tokenization with other settings (inputs, "
+                "tokenizer or sizes changed); re-run it with the same arguments, or delete the directory"
+            )
     elif out_dir.exists() and any(out_dir.iterdir()):
-        raise UsageError(f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or "
-                         "empty directory")
+        raise UsageError(
+            f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or empty directory"
+        )
     else:
         state = {"settings": asdict(settings), "documents": 0, "splits": {}}
     if next(documents(files, text_field, text_unit), None) is None:
@@ -227,15 +271,25 @@ def tokenize(paths: list[str], out: str, tokenizer_spec: str, vocab_size: int = 
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _tokenize(files, out_dir, settings, state, stop, bpe_size if bpe else 0, batch_bytes, progress,
-                         stop_after_batches)
+        return _tokenize(
+            files, out_dir, settings, state, stop, bpe_size if bpe else 0, batch_bytes, progress, stop_after_batches
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict, bpe_size: int, batch_bytes: int,
-              progress: bool, stop_after_batches: int) -> dict:
+def _tokenize(
+    files,
+    out_dir: Path,
+    settings: Settings,
+    state: dict,
+    stop: dict,
+    bpe_size: int,
+    batch_bytes: int,
+    progress: bool,
+    stop_after_batches: int,
+) -> dict:
     _make_tokenizer(files, out_dir, settings, state, bpe_size)
     if stop["signal"]:
         raise Interrupted(stop["signal"])
@@ -243,30 +297,58 @@ def _tokenize(files, out_dir: Path, settings: Settings, state: dict, stop: dict,
     eod_name, eod = eod_id(tokenizer, settings.eod_token)
     declared = settings.vocab_size if not bpe_size and settings.vocab_size else tokenizer.get_vocab_size()
     if declared < tokenizer.get_vocab_size():
-        raise UsageError(f"--vocab-size {settings.vocab_size} is smaller than the tokenizer's vocabulary "
-                         f"({tokenizer.get_vocab_size()}); leave it out or give at least that")
+        raise UsageError(
+            f"--vocab-size {settings.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.get_vocab_size()}); leave it out or give at least that"
+        )
     dtype = "uint16" if declared <= 1 << 16 else "uint32"
-    writers = {split: _ShardWriter(out_dir, split, dtype, settings.shard_tokens, **state["splits"].get(split, {}))
-               for split in SPLITS}
+    writers = {
+        split: _ShardWriter(out_dir, split, dtype, settings.shard_tokens, **state["splits"].get(split, {}))
+        for split in SPLITS
+    }
     for writer in writers.values():
         writer.open()
     started = time.perf_counter()
     try:
-        _write_documents(files, out_dir, settings, state, tokenizer, eod, writers,
-                         _Stopping(stop, stop_after_batches), batch_bytes, progress)
+        _write_documents(
+            files,
+            out_dir,
+            settings,
+            state,
+            tokenizer,
+            eod,
+            writers,
+            _Stopping(stop, stop_after_batches),
+            batch_bytes,
+            progress,
+        )
     except Interrupted:
         for writer in writers.values():
             writer.abandon()
         raise
     for writer in writers.values():
         writer.close()
-    counts = {split: {"tokens": sum(s["tokens"] for s in w.done), "documents": sum(s["documents"] for s in w.done),
-                      "shards": w.done} for split, w in writers.items()}
+    counts = {
+        split: {
+            "tokens": sum(s["tokens"] for s in w.done),
+            "documents": sum(s["documents"] for s in w.done),
+            "shards": w.done,
+        }
+        for split, w in writers.items()
+    }
     if counts["train"]["documents"] == 0:
         raise UsageError("every document went to the held-out split; lower --eval-fraction")
-    manifest = {"format": FORMAT, "settings": asdict(settings), "tokenizer": "tokenizer.json",
-                "vocab_size": declared, "eod_token": eod_name, "eod_id": eod, "dtype": dtype, "splits": counts,
-                "seconds": round(time.perf_counter() - started, 3)}
+    manifest = {
+        "format": FORMAT,
+        "settings": asdict(settings),
+        "tokenizer": "tokenizer.json",
+        "vocab_size": declared,
+        "eod_token": eod_name,
+        "eod_id": eod,
+        "dtype": dtype,
+        "splits": counts,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
     write_json(out_dir / "manifest.json", manifest)  # the commit of the whole corpus
     (out_dir / "progress.json").unlink()
     return manifest
@@ -278,8 +360,9 @@ def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_s
     if tokenizer_path.is_file():
         return
     if bpe_size:
-        tokenizer = train_bpe(_first_bytes(documents(files, settings.text_field, settings.text_unit),
-                                           settings.bpe_train_bytes), bpe_size)
+        tokenizer = train_bpe(
+            _first_bytes(documents(files, settings.text_field, settings.text_unit), settings.bpe_train_bytes), bpe_size
+        )
     else:
         tokenizer = load_tokenizer(settings.tokenizer)
     tmp = tokenizer_path.with_suffix(".json.tmp")
@@ -291,6 +374,7 @@ def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_s
 @dataclass
 class _Stopping:
     """When the writing stops early: a signal noted in `stop`, or (tests) after N batches."""
+
     stop: dict
     after_batches: int
     batches: int = 0
@@ -301,8 +385,18 @@ class _Stopping:
             raise Interrupted(self.stop["signal"] or signal.SIGINT)
 
 
-def _write_documents(files, out_dir: Path, settings: Settings, state: dict, tokenizer, eod: int, writers: dict,
-                     stopping: _Stopping, batch_bytes: int, progress: bool) -> None:
+def _write_documents(
+    files,
+    out_dir: Path,
+    settings: Settings,
+    state: dict,
+    tokenizer,
+    eod: int,
+    writers: dict,
+    stopping: _Stopping,
+    batch_bytes: int,
+    progress: bool,
+) -> None:
     """Encodes the documents not yet written, a batch at a time; after each batch the shards are
     flushed and progress.json records how far they count (the commit point of the batch)."""
     stream = documents(files, settings.text_field, settings.text_unit)
@@ -313,8 +407,11 @@ def _write_documents(files, out_dir: Path, settings: Settings, state: dict, toke
     started, new_tokens, index = time.perf_counter(), 0, state["documents"]
     try:
         for batch in _batches(stream, batch_bytes):
-            encoded = tokenizer.encode_batch_fast(batch, add_special_tokens=False) if hasattr(
-                tokenizer, "encode_batch_fast") else tokenizer.encode_batch(batch, add_special_tokens=False)
+            encoded = (
+                tokenizer.encode_batch_fast(batch, add_special_tokens=False)
+                if hasattr(tokenizer, "encode_batch_fast")
+                else tokenizer.encode_batch(batch, add_special_tokens=False)
+            )
             is_eval = held_out(np.arange(index, index + len(batch)), settings.eval_fraction)
             for encoding, to_eval in zip(encoded, is_eval):
                 ids = encoding.ids
@@ -367,14 +464,26 @@ def _progress_bar(total: int, enabled: bool):
 def main(args) -> int:
     """The `tokenize` command: exit 0 done, 2 bad input, 130/143 interrupted (re-run to go on)."""
     try:
-        manifest = tokenize(args.input, args.out, args.tokenizer, args.vocab_size or 0, args.eval_fraction,
-                            args.text_field, args.text_unit, args.shard_tokens, eod_token=args.eod_token or "",
-                            progress=not args.no_progress)
+        manifest = tokenize(
+            args.input,
+            args.out,
+            args.tokenizer,
+            args.vocab_size or 0,
+            args.eval_fraction,
+            args.text_field,
+            args.text_unit,
+            args.shard_tokens,
+            eod_token=args.eod_token or "",
+            progress=not args.no_progress,
+        )
     except Interrupted as stopped:
         print("tokenize: interrupted; what is written is kept: re-run the same command to continue", flush=True)
         return stopped.exit_code
     splits = manifest["splits"]
-    print(f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
-          f"documents, {splits['eval']['tokens']:,} held out; vocabulary {manifest['vocab_size']:,} "
-          f"({manifest['dtype']}); train with data.name=tokens data.path={args.out}", flush=True)
+    print(
+        f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
+        f"documents, {splits['eval']['tokens']:,} held out; vocabulary {manifest['vocab_size']:,} "
+        f"({manifest['dtype']}); train with data.name=tokens data.path={args.out}",
+        flush=True,
+    )
     return 0

@@ -19,6 +19,7 @@ shuffled with a seed derived from `seed` (reshuffled every epoch) and repeated; 
 sources are mixed with `MapDataset.mix` by their weights. All of it is random access, so
 example i of training is a function of (seed, i) and the step alone resumes the data order.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ FORMAT = "jax-engine-tokens/1"
 @dataclass(frozen=True)
 class Corpus:
     """A finished tokenized directory: its manifest and its splits as token streams."""
+
     path: Path
     manifest: dict
 
@@ -65,9 +67,15 @@ def open_corpus(path: str, verify: bool = True, where: str = "data.path") -> Cor
     manifest_file = directory / "manifest.json"
     if not manifest_file.is_file():
         unfinished = (directory / "progress.json").is_file()
-        raise UsageError(f"{where}={path} is not a tokenized corpus" + (
-            " (its tokenization was interrupted: re-run the tokenize command to finish it)" if unfinished else
-            " (no manifest.json); make one with: python launch.py tokenize --input TEXT... --out DIR --tokenizer bpe:8192"))
+        raise UsageError(
+            f"{where}={path} is not a tokenized corpus"
+            + (
+                " (its tokenization was interrupted: re-run the tokenize command to finish it)"
+                if unfinished
+                else " (no manifest.json); make one with: python launch.py tokenize --input TEXT... --out DIR "
+                "--tokenizer bpe:8192"
+            )
+        )
     try:
         manifest = json.loads(manifest_file.read_text())
         manifest["splits"]["train"]["shards"], manifest["dtype"], manifest["vocab_size"]
@@ -78,16 +86,22 @@ def open_corpus(path: str, verify: bool = True, where: str = "data.path") -> Cor
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split in manifest["splits"].values():
         for shard in split["shards"]:
-            for name, size, digest in (("tokens_file", shard["tokens"] * itemsize, "tokens_sha256"),
-                                       ("docs_file", shard["documents"] * 8, "docs_sha256")):
+            for name, size, digest in (
+                ("tokens_file", shard["tokens"] * itemsize, "tokens_sha256"),
+                ("docs_file", shard["documents"] * 8, "docs_sha256"),
+            ):
                 file = directory / shard[name]
                 if not file.is_file() or file.stat().st_size != size:
                     found = file.stat().st_size if file.is_file() else "missing"
-                    raise UsageError(f"{file}: the manifest says {size} bytes, found {found}; the corpus is damaged: "
-                                     "tokenize it again")
+                    raise UsageError(
+                        f"{file}: the manifest says {size} bytes, found {found}; the corpus is damaged: "
+                        "tokenize it again"
+                    )
                 if verify and sha256_file(file) != shard[digest]:
-                    raise UsageError(f"{file}: checksum does not match the manifest (the file changed or is "
-                                     "damaged); tokenize the corpus again, or set data.verify=false to skip the check")
+                    raise UsageError(
+                        f"{file}: checksum does not match the manifest (the file changed or is "
+                        "damaged); tokenize the corpus again, or set data.verify=false to skip the check"
+                    )
     return Corpus(directory, manifest)
 
 
@@ -126,14 +140,15 @@ class ShardFile:
 class TokenStream:
     """One split's shards as a single token sequence, read by range."""
 
-    def __init__(self, shards: list[np.ndarray], doc_ends: list[np.ndarray]):
+    def __init__(self, shards: list, doc_ends: list[np.ndarray]):  # shards: arrays or ShardFiles (read by range)
         self.shards = shards
         sizes = np.array([len(s) for s in shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # where each shard begins in the stream
         self.size = int(self.starts[-1])
         # every document's end in the stream (shard-local ends shifted by the shard's start)
-        self.doc_ends = np.concatenate([e + start for e, start in zip(doc_ends, self.starts[:-1])] or
-                                       [np.zeros(0, np.int64)])
+        self.doc_ends = np.concatenate(
+            [e + start for e, start in zip(doc_ends, self.starts[:-1])] or [np.zeros(0, np.int64)]
+        )
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream (across shard boundaries)."""
@@ -141,7 +156,7 @@ class TokenStream:
         pieces = []
         while start < stop:
             shard, offset = self.shards[first], start - int(self.starts[first])
-            piece = shard[offset:offset + (stop - start)]
+            piece = shard[offset : offset + (stop - start)]
             pieces.append(piece)
             start += len(piece)
             first += 1
@@ -155,7 +170,7 @@ def pack(doc_ends: np.ndarray, window: int) -> np.ndarray:
     cuts = array("q", [0])  # cuts[-1] is where the open window begins; 8 bytes per window
     previous = 0  # where the document begins
     for first in range(0, len(doc_ends), 1 << 20):  # a million documents at a time as Python ints
-        for end in doc_ends[first:first + (1 << 20)].tolist():
+        for end in doc_ends[first : first + (1 << 20)].tolist():
             start = cuts[-1]
             if end - start > window:  # the document does not fit in what is left
                 if end - previous <= window:
@@ -189,14 +204,14 @@ class Windows:
             return self._tagged({"tokens": np.asarray(self.stream.read(start, start + self.window))})
         start, stop = int(self.cuts[index]), int(self.cuts[index + 1])
         tokens = np.zeros(self.window, self.stream.shards[0].dtype)
-        tokens[:stop - start] = self.stream.read(start, stop)
+        tokens[: stop - start] = self.stream.read(start, stop)
         ends = self.stream.doc_ends
         doc = np.searchsorted(ends, np.arange(start, stop), side="right")  # each token's document
         doc_start = np.where(doc > 0, ends[np.maximum(doc - 1, 0)], 0)
         segments = np.zeros(self.window, np.int32)
         positions = np.zeros(self.window, np.int32)
-        segments[:stop - start] = doc - doc[0] + 1  # 1 for the document the window starts in
-        positions[:stop - start] = np.arange(start, stop) - np.maximum(doc_start, start)
+        segments[: stop - start] = doc - doc[0] + 1  # 1 for the document the window starts in
+        positions[: stop - start] = np.arange(start, stop) - np.maximum(doc_start, start)
         return self._tagged({"tokens": tokens, "segments": segments, "positions": positions})
 
     def _getitems(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
@@ -208,7 +223,7 @@ class Windows:
         starts, stops = self.cuts[index], self.cuts[index + 1]
         tokens = np.zeros((len(index), self.window), self.stream.shards[0].dtype)
         for row, (start, stop) in enumerate(zip(starts.tolist(), stops.tolist())):
-            tokens[row, :stop - start] = self.stream.read(start, stop)
+            tokens[row, : stop - start] = self.stream.read(start, stop)
         offset = np.arange(self.window)
         position = starts[:, None] + offset  # each slot's place in the stream
         inside = offset < (stops - starts)[:, None]
@@ -217,8 +232,10 @@ class Windows:
         doc_start = np.where(doc > 0, ends[np.maximum(doc - 1, 0)], 0)
         segments = np.where(inside, doc - doc[:, :1] + 1, 0).astype(np.int32)
         positions = np.where(inside, position - np.maximum(doc_start, starts[:, None]), 0).astype(np.int32)
-        return [self._tagged({"tokens": tokens[row], "segments": segments[row], "positions": positions[row]})
-                for row in range(len(index))]
+        return [
+            self._tagged({"tokens": tokens[row], "segments": segments[row], "positions": positions[row]})
+            for row in range(len(index))
+        ]
 
     def _tagged(self, example: dict) -> dict:
         if self.source is not None:

@@ -1,4 +1,5 @@
 """`launch.py sweep SWEEP.yaml`: config sweeps (see spec.py for the file format)."""
+
 from __future__ import annotations
 
 import json
@@ -34,15 +35,24 @@ def run_group_task(sweep: Sweep, names_file: str) -> int:
     runs = [by_name[name] for name in names]
 
     def failed(cfg, error: str) -> None:  # recorded at once: the group may yet be stopped or fail
-        write_json(Path(cfg.workdir) / STATUS, {"status": "failed", "exit_code": 1, "error": error,
-                                                "seconds": round(time.time() - started, 2)})
+        write_json(
+            Path(cfg.workdir) / STATUS,
+            {"status": "failed", "exit_code": 1, "error": error, "seconds": round(time.time() - started, 2)},
+        )
 
     fit_group([sweep.config(run) for run in runs], started, on_stop=failed)
     return 0
 
 
-def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task: int | None = None,
-         task_runs: str | None = None, group: str | None = None) -> int:
+def main(
+    sweep_file: str,
+    parallel: int,
+    backend: str,
+    retry_failed: bool,
+    task: int | None = None,
+    task_runs: str | None = None,
+    group: str | None = None,
+) -> int:
     sweep = load_sweep(sweep_file)
     if task is not None:
         return run_task(sweep, task, task_runs or "")
@@ -55,9 +65,11 @@ def main(sweep_file: str, parallel: int, backend: str, retry_failed: bool, task:
         write_index(sweep)
     if sweep.search:
         if backend == "slurm" or parallel != 1:
-            raise UsageError("a search sweep runs one trial per sweep process: start several `launch.py sweep` "
-                             "processes on the same file (they share the study) instead of --parallel or "
-                             "--backend slurm")
+            raise UsageError(
+                "a search sweep runs one trial per sweep process: start several `launch.py sweep` "
+                "processes on the same file (they share the study) instead of --parallel or "
+                "--backend slurm"
+            )
         code = run_search(sweep)
     elif backend == "slurm":
         return submit_slurm(sweep, retry_failed)

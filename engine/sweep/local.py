@@ -1,5 +1,6 @@
 """Runs of a sweep as local processes, K at a time, each recording its status in its workdir;
 the sweep's index (sweep.jsonl) is made from those statuses."""
+
 from __future__ import annotations
 
 import hashlib
@@ -7,15 +8,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from engine.config import check_vectorizable, program_settings, shape_differences
+from engine.launcher import SELF
 from engine.report import preload
 from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
-from engine.launcher import SELF
 from engine.sweep.spec import RunSpec, Sweep
 
 
@@ -24,12 +24,29 @@ def write_index(sweep: Sweep) -> None:
     lines = []
     for run in sweep.runs:
         status = read_status(sweep.workdir(run))
-        lines.append(json.dumps({"name": run.name, "overrides": run.overrides, "workdir": str(sweep.workdir(run)),
-                                 "status": status.get("status", "pending"), "error": status.get("error"),
-                                 "seconds": status.get("seconds"), "final": final_metrics(sweep.workdir(run))}))
+        lines.append(
+            json.dumps(
+                {
+                    "name": run.name,
+                    "overrides": run.overrides,
+                    "workdir": str(sweep.workdir(run)),
+                    "status": status.get("status", "pending"),
+                    "error": status.get("error"),
+                    "seconds": status.get("seconds"),
+                    "final": final_metrics(sweep.workdir(run)),
+                }
+            )
+        )
     write_atomic(sweep.directory / "sweep.jsonl", "".join(line + "\n" for line in lines))
-    write_json(sweep.directory / "sweep.json", {"sweep_file": str(sweep.path), "metric": sweep.metric,
-                                                "mode": sweep.mode, "runs": [r.name for r in sweep.runs]})
+    write_json(
+        sweep.directory / "sweep.json",
+        {
+            "sweep_file": str(sweep.path),
+            "metric": sweep.metric,
+            "mode": sweep.mode,
+            "runs": [r.name for r in sweep.runs],
+        },
+    )
 
 
 def run_one(sweep: Sweep, run: RunSpec, env: dict | None = None) -> int:
@@ -64,8 +81,7 @@ def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int
         sweep.workdir(run).mkdir(parents=True, exist_ok=True)
         write_json(sweep.workdir(run) / STATUS, {"status": "running", "pid": os.getpid(), "group": ident})
     start, log = time.time(), groups / f"{ident}.log"
-    code = _child([*SELF, "sweep", str(sweep.path), "--run-group", str(groups / f"{ident}.json")],
-                  log, env)
+    code = _child([*SELF, "sweep", str(sweep.path), "--run-group", str(groups / f"{ident}.json")], log, env)
     for run in runs:
         if read_status(sweep.workdir(run)).get("status") == "running":
             write_json(sweep.workdir(run) / STATUS, {**_ended(code, log, start), "group": ident})
@@ -74,8 +90,9 @@ def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int
 
 def _child(argv: list[str], log_path: Path, env: dict | None) -> int:
     with open(log_path, "a") as log:
-        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ), start_new_session=True
+        )
         return _wait(child)
 
 
@@ -140,7 +157,7 @@ def device_envs(parallel: int) -> list[dict]:
     gpus = visible.split(",") if visible else _nvidia_gpus()
     if gpus and len(gpus) >= parallel:
         share = len(gpus) // parallel
-        return [dict(base, CUDA_VISIBLE_DEVICES=",".join(gpus[i * share:(i + 1) * share])) for i in range(parallel)]
+        return [dict(base, CUDA_VISIBLE_DEVICES=",".join(gpus[i * share : (i + 1) * share])) for i in range(parallel)]
     flags = os.environ.get("XLA_FLAGS", "")
     marker = "--xla_force_host_platform_device_count="
     if marker in flags:  # simulated CPU devices: give each slot its share
@@ -199,16 +216,21 @@ def units(sweep: Sweep, todo: list[RunSpec]) -> list[list[RunSpec]]:
         check_vectorizable(cfg, f"run '{run.name}'")
         key = (json.dumps(program_settings(cfg), sort_keys=True, default=str), _resume_step(sweep.workdir(run)))
         groups.setdefault(key, []).append(run)
-    chunks = [runs[i:i + sweep.vectorize] for runs in groups.values() for i in range(0, len(runs), sweep.vectorize)]
-    print(f"vectorize: {len(todo)} runs as {len(chunks)} program(s) of " + ", ".join(str(len(c)) for c in chunks),
-          flush=True)
+    chunks = [runs[i : i + sweep.vectorize] for runs in groups.values() for i in range(0, len(runs), sweep.vectorize)]
+    print(
+        f"vectorize: {len(todo)} runs as {len(chunks)} program(s) of " + ", ".join(str(len(c)) for c in chunks),
+        flush=True,
+    )
     listed = list(groups.items())
     for i, (key, runs) in enumerate(listed[1:], 1):
         same = [(k, r) for k, r in listed[:i] if k[0] == key[0]]  # one program, another resume step
         other_key, others = same[0] if same else listed[0]
         differs = shape_differences(configs[others[0].name], configs[runs[0].name])
-        why = (f"{', '.join(differs)} change the compiled program" if differs else
-               f"they resume from step {key[1]}, it from step {other_key[1]}")
+        why = (
+            f"{', '.join(differs)} change the compiled program"
+            if differs
+            else f"they resume from step {key[1]}, it from step {other_key[1]}"
+        )
         print(f"  {runs[0].name} (+{len(runs) - 1}) apart from {others[0].name}: {why}", flush=True)
     return chunks
 
@@ -225,11 +247,12 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     todo = pending_runs(sweep, retry_failed)
     statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]
     failed = "" if retry_failed else f", {statuses.count('failed')} failed (--retry-failed runs them again)"
-    resuming = sum(any(step.name.isdigit() for step in (sweep.workdir(run) / "checkpoints").glob("*"))
-                   for run in todo)
-    print(f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {statuses.count('finished')} finished{failed}, "
-          f"{len(todo)} to run ({resuming} resuming from a checkpoint; {parallel} at a time) in {sweep.directory}",
-          flush=True)
+    resuming = sum(any(step.name.isdigit() for step in (sweep.workdir(run) / "checkpoints").glob("*")) for run in todo)
+    print(
+        f"sweep {sweep.path.name}: {len(sweep.runs)} runs, {statuses.count('finished')} finished{failed}, "
+        f"{len(todo)} to run ({resuming} resuming from a checkpoint; {parallel} at a time) in {sweep.directory}",
+        flush=True,
+    )
     stopping = []
 
     def stop(signum, frame):  # pass the preemption on: each child saves and exits 143
@@ -242,7 +265,7 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
     try:
         envs = device_envs(parallel)
         slots: dict[int, tuple[list[RunSpec], threading.Thread]] = {}
-        queue, waiting = units(sweep, todo), set()
+        queue, waiting = units(sweep, todo), set[str]()
         while (queue and not stopping) or slots:
             for slot in range(parallel):
                 unit = slot not in slots and not stopping and _next_free(sweep, queue, waiting)

@@ -15,6 +15,7 @@ running by a dead sweep process (no trainer holds its workdir) is trained to its
 (or SLURM array tasks) on one directory share the study without running a trial twice
 (asking is a database transaction; a running trial's trainer holds its workdir's lock).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
-from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_json
-from engine.sweep.local import preload_report, write_index
 from engine.judge import Judge
 from engine.launcher import SELF
+from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_json
+from engine.sweep.local import preload_report, write_index
 from engine.sweep.spec import RunSpec, Sweep
 
 STUDY = "study.db"
@@ -53,22 +55,33 @@ def open_study(sweep: Sweep):
 
     import optuna
 
+    search = sweep.search
+    assert search is not None, "a search sweep (spec.load_sweep checked it)"
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     settings = dict(sweep.pruner or {"kind": "none"})
     kind = settings.pop("kind")
-    pruner = {"median": lambda startup_trials=3, warmup_steps=0: optuna.pruners.MedianPruner(startup_trials,
-                                                                                               warmup_steps),
-              "successive_halving": lambda **k: optuna.pruners.SuccessiveHalvingPruner(**k),
-              "hyperband": lambda **k: optuna.pruners.HyperbandPruner(**k),
-              "none": lambda: optuna.pruners.NopPruner()}[kind](**settings)
+    pruners: dict[str, Callable] = {
+        "median": lambda startup_trials=3, warmup_steps=0: optuna.pruners.MedianPruner(startup_trials, warmup_steps),
+        "successive_halving": lambda **k: optuna.pruners.SuccessiveHalvingPruner(**k),
+        "hyperband": lambda **k: optuna.pruners.HyperbandPruner(**k),
+        "none": lambda: optuna.pruners.NopPruner(),
+    }
+    pruner = pruners[kind](**settings)
     sweep.directory.mkdir(parents=True, exist_ok=True)
     with open(sweep.directory / ".study.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        storage = optuna.storages.RDBStorage(f"sqlite:///{sweep.directory / STUDY}",
-                                             engine_kwargs={"connect_args": {"timeout": 60}})
-        return optuna.create_study(storage=storage, study_name="sweep", load_if_exists=True,
-                                   sampler=make_sampler(sweep.search, sweep.search.get("seed", 0)), pruner=pruner,
-                                   direction="minimize" if sweep.mode == "min" else "maximize")
+        storage = optuna.storages.RDBStorage(
+            f"sqlite:///{sweep.directory / STUDY}", engine_kwargs={"connect_args": {"timeout": 60}}
+        )
+        return optuna.create_study(
+            storage=storage,
+            study_name="sweep",
+            load_if_exists=True,
+            sampler=make_sampler(search, search.get("seed", 0)),
+            pruner=pruner,
+            direction="minimize" if sweep.mode == "min" else "maximize",
+        )
 
 
 def _suggest(trial, key: str, dist: dict):
@@ -83,8 +96,10 @@ def _suggest(trial, key: str, dist: dict):
 
 def trial_run(trial) -> RunSpec:
     """A trial's run: its name and the values it trains with."""
-    return RunSpec(f"trial-{trial.number:04d}", {k: json.loads(v) if isinstance(v, str) and v[:1] in "[{" else v
-                                                 for k, v in trial.params.items()})
+    return RunSpec(
+        f"trial-{trial.number:04d}",
+        {k: json.loads(v) if isinstance(v, str) and v[:1] in "[{" else v for k, v in trial.params.items()},
+    )
 
 
 def _reported(study, trial) -> set[int]:
@@ -106,9 +121,14 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
     judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/judge.py)
     with open(workdir / "run.log", "a") as log:
-        child = subprocess.Popen([*SELF, *sweep.argv(run)], stdout=log, stderr=subprocess.STDOUT,
-                                 env=judge.child_env(env or dict(os.environ)), pass_fds=judge.child_fds,
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            [*SELF, *sweep.argv(run)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=judge.child_env(env or dict(os.environ)),
+            pass_fds=judge.child_fds,
+            start_new_session=True,
+        )
         judge.started()
         preload_report()
         while True:
@@ -143,8 +163,10 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     else:
         status = "failed"
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
-    write_json(workdir / STATUS, {"status": status, "exit_code": code, "trial": trial.number,
-                                  "seconds": round(time.time() - start, 2)})
+    write_json(
+        workdir / STATUS,
+        {"status": status, "exit_code": code, "trial": trial.number, "seconds": round(time.time() - start, 2)},
+    )
     return status
 
 
@@ -163,7 +185,8 @@ def abandoned_trials(sweep: Sweep, study) -> tuple[list, list]:
     holds: to resume now, those a trainer left by that process still trains: to wait for)."""
     import optuna
 
-    orphans, training = [], []
+    orphans: list = []
+    training: list = []
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         workdir = sweep.workdir(trial_run(trial))
         status = read_status(workdir)
@@ -181,13 +204,15 @@ def _next_trial(sweep: Sweep, study):
     killed sweep process left running)."""
     import optuna
 
+    search = sweep.search
+    assert search is not None, "a search sweep (spec.load_sweep checked it)"
     while True:
         orphans, training = abandoned_trials(sweep, study)
         if orphans:
             trial = optuna.trial.Trial(study, orphans[0]._trial_id)
             print(f"resume {trial_run(trial).name}", flush=True)
             return trial
-        if len(study.trials) < sweep.search["trials"]:
+        if len(study.trials) < search["trials"]:
             break
         if not training or STOP.is_set():
             return None
@@ -197,8 +222,8 @@ def _next_trial(sweep: Sweep, study):
     trial = study.ask()
     # trial n's values come from (seed, n): the same in one process or several (each process's
     # sampler would otherwise draw the same startup values as every other)
-    study.sampler = make_sampler(sweep.search, sweep.search.get("seed", 0) + trial.number)
-    for key, dist in sweep.search["params"].items():
+    study.sampler = make_sampler(search, search.get("seed", 0) + trial.number)
+    for key, dist in search["params"].items():
         _suggest(trial, key, dist)
     print(f"start {trial_run(trial).name} {trial_run(trial).overrides}", flush=True)
     return trial
@@ -245,5 +270,5 @@ def study_report(sweep: Sweep) -> None:
     with warnings.catch_warnings():  # optuna marks its matplotlib plots experimental
         warnings.simplefilter("ignore")
         axes = optuna.visualization.matplotlib.plot_slice(study)
-    figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+    figure: Any = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
     figure.savefig(Path(sweep.directory) / "slice.png", dpi=80, bbox_inches="tight")

@@ -1,19 +1,19 @@
 """A sweep as one SLURM job array: an sbatch script with one array task per pending run, or
 with `vectorize` per group of runs that share a compiled program; each task trains its run
 or group by index (`launch.py sweep FILE --run-task I`)."""
+
 from __future__ import annotations
 
 import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 from engine.errors import UsageError
+from engine.launcher import SELF
 from engine.rundir import STATUS, write_atomic, write_json
 from engine.sweep.local import pending_runs, run_unit, units, write_index
-from engine.launcher import SELF
 from engine.sweep.spec import Sweep, check_slurm_values
 
 
@@ -23,19 +23,33 @@ def sbatch_script(sweep: Sweep, tasks: list, tasks_file: Path) -> str:
     name or config value appears in the script itself, and every path and option in it is
     shell-quoted."""
     check_slurm_values(sweep.slurm, f"sweep file {sweep.path}")
-    resources = {"partition": None, "time": None, "cpus_per_task": None, "gres": None, "mem": None,
-                 "nodes": None, "ntasks": None, "account": None, "qos": None}
+    resources = {
+        "partition": None,
+        "time": None,
+        "cpus_per_task": None,
+        "gres": None,
+        "mem": None,
+        "nodes": None,
+        "ntasks": None,
+        "account": None,
+        "qos": None,
+    }
     resources.update(sweep.slurm)
     quote = shlex.quote
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={quote('sweep-' + sweep.path.stem)}",
-             f"#SBATCH --array=0-{len(tasks) - 1}",
-             f"#SBATCH --output={quote(str(sweep.directory / 'slurm-%A_%a.out'))}"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={quote('sweep-' + sweep.path.stem)}",
+        f"#SBATCH --array=0-{len(tasks) - 1}",
+        f"#SBATCH --output={quote(str(sweep.directory / 'slurm-%A_%a.out'))}",
+    ]
     for key, value in resources.items():
         if value is not None:
             lines.append(f"#SBATCH --{key.replace('_', '-')}={quote(str(value))}")
-    lines += [f"cd {quote(str(Path.cwd()))}",
-              f"exec {' '.join(map(quote, SELF))} sweep {quote(str(sweep.path))} "
-              f"--run-task \"$SLURM_ARRAY_TASK_ID\" --task-runs {quote(str(tasks_file))}"]
+    lines += [
+        f"cd {quote(str(Path.cwd()))}",
+        f"exec {' '.join(map(quote, SELF))} sweep {quote(str(sweep.path))} "
+        f'--run-task "$SLURM_ARRAY_TASK_ID" --task-runs {quote(str(tasks_file))}',
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ Each run's status lives in its workdir (`status.json`); `sweep.jsonl` is the ind
 This module reads and checks sweep files; local.py runs them as local processes, slurm.py
 as a SLURM job array.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,12 +38,27 @@ import yaml
 from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
 
-SWEEP_KEYS = {"base", "overrides", "grid", "zip", "random", "metric", "mode", "directory", "slurm", "search", "pruner",
-              "vectorize"}
+SWEEP_KEYS = {
+    "base",
+    "overrides",
+    "grid",
+    "zip",
+    "random",
+    "metric",
+    "mode",
+    "directory",
+    "slurm",
+    "search",
+    "pruner",
+    "vectorize",
+}
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")
 SAMPLERS = ("tpe", "random", "grid")  # a search's (Optuna's) samplers and pruners with their settings
-PRUNERS = {"median": ("startup_trials", "warmup_steps"), "successive_halving": ("min_resource", "reduction_factor"),
-           "hyperband": ("min_resource", "max_resource", "reduction_factor")}
+PRUNERS = {
+    "median": ("startup_trials", "warmup_steps"),
+    "successive_halving": ("min_resource", "reduction_factor"),
+    "hyperband": ("min_resource", "max_resource", "reduction_factor"),
+}
 MAX_RUNS = 10_000  # runs one sweep file may make (grid × zip × random samples)
 MAX_VECTOR = 64  # vectorize: auto puts at most this many runs in one program
 
@@ -74,8 +90,14 @@ class Sweep:
     def argv(self, run: RunSpec) -> list[str]:
         """launch.py arguments that train this run."""
         values = {**self.overrides, **run.overrides}
-        return ["--config", str(self.base), "--workdir", str(self.workdir(run)), "log.progress=false",
-                *(f"{key}={format_value(value)}" for key, value in values.items())]
+        return [
+            "--config",
+            str(self.base),
+            "--workdir",
+            str(self.workdir(run)),
+            "log.progress=false",
+            *(f"{key}={format_value(value)}" for key, value in values.items()),
+        ]
 
     def config(self, run: RunSpec):
         """The run's validated Config (a copy of the one loaded first); UsageError naming the
@@ -83,8 +105,9 @@ class Sweep:
         if run.name not in self._configs:
             args = self.argv(run)
             try:
-                self._configs[run.name] = load_config(self.base, args[4:], args[3],
-                                                      override_source=f"the sweep file {self.path.name}")
+                self._configs[run.name] = load_config(
+                    self.base, args[4:], args[3], override_source=f"the sweep file {self.path.name}"
+                )
             except UsageError as e:
                 raise UsageError(f"run '{run.name}': {e}") from None
         return copy.deepcopy(self._configs[run.name])
@@ -115,15 +138,17 @@ def _bounded(name: str) -> str:
     if len(name.encode()) <= NAME_BYTES:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-    return name.encode()[:NAME_BYTES - 11].decode(errors="ignore") + "_" + digest
+    return name.encode()[: NAME_BYTES - 11].decode(errors="ignore") + "_" + digest
 
 
 def _run_names(combos: list[dict]) -> list[str]:
     keys = list(combos[0]) if combos else []
     tails = [key.rsplit(".", 1)[-1] for key in keys]
     labels = [tail if tails.count(tail) == 1 else key for key, tail in zip(keys, tails)]
-    names = [_bounded(",".join(f"{label}={_short(combo[key])}" for key, label in zip(keys, labels)) or "run")
-             for combo in combos]
+    names = [
+        _bounded(",".join(f"{label}={_short(combo[key])}" for key, label in zip(keys, labels)) or "run")
+        for combo in combos
+    ]
     if len(set(names)) != len(names):  # e.g. random draws that print alike: number them
         names = [f"{i:03d}_{name}" for i, name in enumerate(names)]
     return names
@@ -144,13 +169,16 @@ def _sample(spec: dict, rng: np.random.Generator):
 
 def _check_random(random: dict, where: str) -> None:
     if not isinstance(random, dict) or not isinstance(random.get("params"), dict):
-        raise UsageError(f"{where}: random needs 'samples' (a count), 'params' (key: distribution) and optionally "
-                         "'seed'")
+        raise UsageError(
+            f"{where}: random needs 'samples' (a count), 'params' (key: distribution) and optionally 'seed'"
+        )
     if not isinstance(random.get("samples"), int) or isinstance(random["samples"], bool) or random["samples"] < 1:
         raise UsageError(f"{where}: random.samples must be a positive integer")
     if random["samples"] > MAX_RUNS:
-        raise UsageError(f"{where}: random.samples={random['samples']:,} is more than {MAX_RUNS:,} runs; sample fewer "
-                         "(or split the sweep into several files)")
+        raise UsageError(
+            f"{where}: random.samples={random['samples']:,} is more than {MAX_RUNS:,} runs; sample fewer "
+            "(or split the sweep into several files)"
+        )
     for key, spec in random["params"].items():
         _check_distribution(spec, f"{where}: random.params.{key}")
 
@@ -175,8 +203,10 @@ def _check_distribution(spec, where: str) -> None:
     kind = next(iter(spec)) if isinstance(spec, dict) and len(spec) == 1 else None
     args = spec[kind] if kind in DISTRIBUTIONS else None
     if not isinstance(args, list) or not args:
-        raise UsageError(f"{where} must be one of {{log_uniform: [lo, hi]}}, {{uniform: [lo, hi]}}, "
-                         "{int_uniform: [lo, hi]} or {choice: [a, b, ...]} (a non-empty list)")
+        raise UsageError(
+            f"{where} must be one of {{log_uniform: [lo, hi]}}, {{uniform: [lo, hi]}}, "
+            "{int_uniform: [lo, hi]} or {choice: [a, b, ...]} (a non-empty list)"
+        )
     if kind == "choice":
         return
     args[:] = [_number(a) for a in args]  # YAML reads 1e-4 (no dot) as text; configs accept it, so do sweeps
@@ -196,8 +226,10 @@ def _overrides(overrides, where: str) -> dict:
         except yaml.YAMLError as e:
             raise UsageError(f"{where}: overrides: a value is not valid YAML ({e.__class__.__name__})") from None
     if not isinstance(overrides, dict) or not all(isinstance(key, str) for key in overrides):
-        raise UsageError(f"{where}: overrides must map dotted keys to values ({{train.steps: 300}}) or list "
-                         f"\"key=value\" strings, not {overrides!r}")
+        raise UsageError(
+            f"{where}: overrides must map dotted keys to values ({{train.steps: 300}}) or list "
+            f'"key=value" strings, not {overrides!r}'
+        )
     return overrides
 
 
@@ -209,8 +241,10 @@ def check_slurm_values(slurm: dict, where: str) -> None:
     for key, value in slurm.items():
         for text in (str(key), str(value)):
             if any(ord(c) < 32 or ord(c) == 127 for c in text):
-                raise UsageError(f"{where}: slurm.{key}={value!r} holds a control character (a newline, say); "
-                                 f"give each sbatch option on one line")
+                raise UsageError(
+                    f"{where}: slurm.{key}={value!r} holds a control character (a newline, say); "
+                    f"give each sbatch option on one line"
+                )
 
 
 def check_search(search: dict, pruner: dict | None, where: str) -> None:
@@ -224,8 +258,10 @@ def check_search(search: dict, pruner: dict | None, where: str) -> None:
         raise UsageError(f"{where}: search.trials={trials!r} must be a whole number from 1 to 10000")
     params = search.get("params")
     if not isinstance(params, dict) or not params:
-        raise UsageError(f"{where}: search.params must map dotted keys to distributions, e.g. "
-                         "{optimizer.learning_rate: {log_uniform: [1e-4, 1e-2]}}")
+        raise UsageError(
+            f"{where}: search.params must map dotted keys to distributions, e.g. "
+            "{optimizer.learning_rate: {log_uniform: [1e-4, 1e-2]}}"
+        )
     for key, dist in params.items():
         _check_distribution(dist, f"{where}: search.params.{key}")
         kind = next(iter(dist))
@@ -236,8 +272,10 @@ def check_search(search: dict, pruner: dict | None, where: str) -> None:
             raise UsageError(f"{where}: pruner.kind must be one of {', '.join(PRUNERS)}")
         unknown = set(pruner) - {"kind", *PRUNERS[pruner["kind"]]}
         if unknown:
-            raise UsageError(f"{where}: pruner {pruner['kind']} takes {', '.join(PRUNERS[pruner['kind']])}; "
-                             f"not {', '.join(sorted(unknown))}")
+            raise UsageError(
+                f"{where}: pruner {pruner['kind']} takes {', '.join(PRUNERS[pruner['kind']])}; "
+                f"not {', '.join(sorted(unknown))}"
+            )
 
 
 def _vectorize(value, where: str) -> int:
@@ -247,8 +285,7 @@ def _vectorize(value, where: str) -> int:
     if value == "auto":
         return MAX_VECTOR
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1024:
-        raise UsageError(f"{where}: vectorize={value!r} must be a whole number of runs per program (1 to 1024) or "
-                         "auto")
+        raise UsageError(f"{where}: vectorize={value!r} must be a whole number of runs per program (1 to 1024) or auto")
     return value if value > 1 else 0
 
 
@@ -269,8 +306,10 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
             raise UsageError(f"sweep file {path}: {section} must map dotted keys to non-empty lists of values")
     if len({len(v) for v in zipped.values()}) > 1:
-        raise UsageError(f"sweep file {path}: the zip lists must have equal lengths, got "
-                         + ", ".join(f"{k}: {len(v)}" for k, v in zipped.items()))
+        raise UsageError(
+            f"sweep file {path}: the zip lists must have equal lengths, got "
+            + ", ".join(f"{k}: {len(v)}" for k, v in zipped.items())
+        )
     axes = [[{key: value} for value in values] for key, values in grid.items()]
     if zipped:
         axes.append([dict(zip(zipped, row)) for row in zip(*zipped.values())])
@@ -278,13 +317,16 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     if random is not None:
         _check_random(random, f"sweep file {path}")
         rng = np.random.default_rng(random.get("seed", 0))
-        samples = [{key: _sample(dist, rng) for key, dist in random["params"].items()}
-                   for _ in range(random["samples"])]
+        samples = [
+            {key: _sample(dist, rng) for key, dist in random["params"].items()} for _ in range(random["samples"])
+        ]
         axes.append(samples)
     count = math.prod(len(axis) for axis in axes)
     if count > MAX_RUNS:
-        raise UsageError(f"sweep file {path} makes {count:,} runs (the product of its axes), more than {MAX_RUNS:,}; "
-                         "narrow the grid or sample fewer")
+        raise UsageError(
+            f"sweep file {path} makes {count:,} runs (the product of its axes), more than {MAX_RUNS:,}; "
+            "narrow the grid or sample fewer"
+        )
     combos = [{k: v for part in parts for k, v in part.items()} for parts in itertools.product(*axes)]
     mode = spec.get("mode", "min")
     if mode not in ("min", "max"):
@@ -303,14 +345,18 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     search, pruner = spec.get("search"), spec.get("pruner")
     if search is not None or pruner is not None:
         if search is None or grid or zipped or random is not None:
-            raise UsageError(f"sweep file {path}: a pruner needs a search, and a search replaces grid, zip and "
-                             f"random; use one or the other")
+            raise UsageError(
+                f"sweep file {path}: a pruner needs a search, and a search replaces grid, zip and "
+                f"random; use one or the other"
+            )
         check_search(search, pruner, f"sweep file {path}")
         runs = []
     vectorize = _vectorize(spec.get("vectorize"), f"sweep file {path}")
     if vectorize and search is not None:
-        raise UsageError(f"sweep file {path}: a search makes its trials one at a time and cannot vectorise them; "
-                         "remove vectorize, or use grid/zip/random")
+        raise UsageError(
+            f"sweep file {path}: a search makes its trials one at a time and cannot vectorise them; "
+            "remove vectorize, or use grid/zip/random"
+        )
     return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner, vectorize)
 
 
