@@ -101,7 +101,7 @@ def minimum_expert(run) -> float:
     """Tokens to their experts and back, forward and backward: 4 all-to-alls of this
     device's share of the dispatched buffer [batch, experts, capacity, d_model] per MoE
     layer; plus the all-reduce of the gradients of everything but the experts (1 x P)."""
-    from models.llama import expert_capacity
+    from models.moe import expert_capacity
 
     cfg, info = run.cfg, run.dataset.info
     capacity = expert_capacity(cfg.model, info.seq_len)

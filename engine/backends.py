@@ -113,26 +113,7 @@ def compile_jit(
     stages: StagePlan = ONE_STAGE,
 ) -> Compiled:
     batch_sharding = sharding.batch_sharding(mesh)
-    # Training batches travel in blocks of K steps ([K, batch, ...]): one transfer per block,
-    # and the step picks its own batch, so the host's per-step work is a dispatch alone.
-    lead = (*shapes.block_lead, shapes.steps_per_block, shapes.global_batch)
-    block_sharding = NamedSharding(mesh, PartitionSpec(*shapes.block_lead_axes, None, sharding.BATCH_AXES))
-    put_block = functools.partial(_put_host_block, block_sharding, lead)
-    block_abstract: Any = abstract_arrays(shapes.train_arrays, lead, block_sharding)
-    in_block_sharding: Any = block_sharding
-    if shapes.resident and train_step is not None:
-        # The whole train split, replicated: each device gathers its own rows of each batch
-        # (the indices are sharded like a batch), so the gather needs no communication.
-        data_sharding = sharding.replicated(mesh)
-        resident = replicated_arrays(shapes.train_arrays, data_sharding)
-        examples = len(next(iter(shapes.train_arrays.values())))
-        block_abstract = (
-            abstract_arrays(shapes.train_arrays, (examples,), data_sharding),
-            {"index": jax.ShapeDtypeStruct(lead, jnp.int32, sharding=block_sharding)},
-        )
-        in_block_sharding = (data_sharding, block_sharding)
-        put_block = functools.partial(_with_resident, resident, put_block)
-
+    put_block, block_abstract, in_block_sharding = _train_input(mesh, shapes, resident=shapes.resident and train_step)
     common: dict[str, Any] = dict(
         put_batch=functools.partial(_put_batch, batch_sharding),
         put_block=put_block,
@@ -164,16 +145,33 @@ def compile_jit(
             **abstract_arrays(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
             "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding),
         }
-        evaluate = (
-            jax.jit(
-                eval_step,
-                in_shardings=(shapes.state_shardings, batch_sharding),
-                out_shardings=sharding.replicated(mesh),
-            )
-            .lower(shapes.state, eval_batch)
-            .compile()
+        jitted_eval = jax.jit(
+            eval_step, in_shardings=(shapes.state_shardings, batch_sharding), out_shardings=sharding.replicated(mesh)
         )
+        evaluate = jitted_eval.lower(shapes.state, eval_batch).compile()
     return Compiled(train_step=program, eval_step=evaluate, compile_seconds=compile_seconds, program=program, **common)
+
+
+def _train_input(mesh: Mesh, shapes: Shapes, resident) -> tuple[Callable, Any, Any]:
+    """(host block → device input, the input's abstract value, its sharding). Training batches
+    travel in blocks of K steps ([K, batch, ...]): one transfer per block, and the step picks its
+    own batch, so the host's per-step work is a dispatch alone."""
+    lead = (*shapes.block_lead, shapes.steps_per_block, shapes.global_batch)
+    block_sharding = NamedSharding(mesh, PartitionSpec(*shapes.block_lead_axes, None, sharding.BATCH_AXES))
+    put_block = functools.partial(_put_host_block, block_sharding, lead)
+    if not resident:
+        return put_block, abstract_arrays(shapes.train_arrays, lead, block_sharding), block_sharding
+    # The whole train split, replicated: each device gathers its own rows of each batch (the
+    # indices are sharded like a batch), so the gather needs no communication. It is put on the
+    # devices at the first block (never for a plan, which only compiles).
+    data_sharding = sharding.replicated(mesh)
+    arrays = functools.cache(functools.partial(replicated_arrays, shapes.train_arrays, data_sharding))
+    examples = len(next(iter(shapes.train_arrays.values())))
+    abstract = (
+        abstract_arrays(shapes.train_arrays, (examples,), data_sharding),
+        {"index": jax.ShapeDtypeStruct(lead, jnp.int32, sharding=block_sharding)},
+    )
+    return functools.partial(_with_resident, arrays, put_block), abstract, (data_sharding, block_sharding)
 
 
 def _put_batch(batch_sharding: NamedSharding, host_batch, batch_size: int):
@@ -184,9 +182,9 @@ def _put_host_block(block_sharding: NamedSharding, lead: tuple[int, ...], host_b
     return _global_arrays(host_block, block_sharding, lead)
 
 
-def _with_resident(resident, put_block: Callable, host_block):
+def _with_resident(resident: Callable, put_block: Callable, host_block):
     """{"index": [steps, rows]} → (the resident split, global indices)."""
-    return resident, put_block(host_block)
+    return resident(), put_block(host_block)
 
 
 def compile_pmap(

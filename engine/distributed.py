@@ -87,37 +87,10 @@ def detected_cluster() -> Optional[str]:
 
 def initialize(cfg: DistributedConfig) -> str:
     """Starts jax.distributed when the job has several processes; returns how they were found."""
-    explicit = cfg.coordinator_address or cfg.num_processes > 1
-    cluster = None if explicit else detected_cluster()
-    tf_config = os.environ.get("TF_CONFIG") if not (explicit or cluster) else None
-    kwargs: dict[str, Any] = {}
-    if explicit:
-        if not cfg.coordinator_address or cfg.num_processes < 1 or cfg.process_id < 0:
-            raise UsageError(
-                "set all of distributed.coordinator_address (host:port), distributed.num_processes "
-                "and distributed.process_id (or --coordinator-address, --num-processes, --process-id)"
-            )
-        check_address(cfg.coordinator_address, "distributed.coordinator_address")
-        if cfg.process_id >= cfg.num_processes:
-            raise UsageError(
-                f"distributed.process_id={cfg.process_id} must be below distributed.num_processes={cfg.num_processes}"
-            )
-        kwargs = dict(
-            coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id
-        )
-        source = "explicit settings"
-    elif cluster:
-        source = cluster
-    elif tf_config:
-        task = parse_tf_config(tf_config)
-        if task.kind == "evaluator" or task.num_processes == 1:
-            return "TF_CONFIG (single process)"
-        kwargs = dict(
-            coordinator_address=task.coordinator_address, num_processes=task.num_processes, process_id=task.process_id
-        )
-        source = "TF_CONFIG"
-    else:
-        return "single process"
+    found = _job(cfg)
+    if found is None:
+        return "single process" if not os.environ.get("TF_CONFIG") else "TF_CONFIG (single process)"
+    source, kwargs = found
     if cfg.coordinator_bind_address:
         kwargs["coordinator_bind_address"] = cfg.coordinator_bind_address
     # CPU collectives between processes go through gloo (a no-op setting on GPU and TPU).
@@ -157,6 +130,37 @@ def initialize(cfg: DistributedConfig) -> str:
         flush=True,
     )
     return source
+
+
+def _job(cfg: DistributedConfig) -> Optional[tuple[str, dict[str, Any]]]:
+    """(how the processes were found, jax.distributed.initialize's arguments), or None for a job
+    of one process: explicit settings, else a cluster JAX detects, else TF_CONFIG."""
+    if cfg.coordinator_address or cfg.num_processes > 1:
+        if not cfg.coordinator_address or cfg.num_processes < 1 or cfg.process_id < 0:
+            raise UsageError(
+                "set all of distributed.coordinator_address (host:port), distributed.num_processes "
+                "and distributed.process_id (or --coordinator-address, --num-processes, --process-id)"
+            )
+        check_address(cfg.coordinator_address, "distributed.coordinator_address")
+        if cfg.process_id >= cfg.num_processes:
+            raise UsageError(
+                f"distributed.process_id={cfg.process_id} must be below distributed.num_processes={cfg.num_processes}"
+            )
+        return "explicit settings", dict(
+            coordinator_address=cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id
+        )
+    cluster = detected_cluster()
+    if cluster:
+        return cluster, {}
+    tf_config = os.environ.get("TF_CONFIG")
+    if not tf_config:
+        return None
+    task = parse_tf_config(tf_config)
+    if task.kind == "evaluator" or task.num_processes == 1:
+        return None
+    return "TF_CONFIG", dict(
+        coordinator_address=task.coordinator_address, num_processes=task.num_processes, process_id=task.process_id
+    )
 
 
 def _join_deadline(timeout_seconds: int, process_id, num_processes, source: str) -> threading.Timer:

@@ -58,6 +58,28 @@ def _describe(code: int) -> str:
 
 def run_local_job(args: list[str], processes: int, devices_per_process: int) -> int:
     """Runs `launch.py args` as `processes` processes; returns the job's exit code."""
+    children, relays = _start(args, processes, devices_per_process)
+    preempted: list[int] = []
+
+    def forward_sigterm(signum, frame):  # preemption of the launcher (or Ctrl-C) preempts every process
+        preempted.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)  # JAX's preemption sync point: all save at one step
+
+    previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _wait(children, preempted)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop(children)
+        for relay in relays:  # the children's last lines (an error message, say) are still in the pipes
+            relay.join(timeout=5)
+
+
+def _start(args: list[str], processes: int, devices_per_process: int):
+    """The processes, each with a thread relaying its output lines prefixed by its index."""
     port = free_port()
     env = dict(
         os.environ,
@@ -88,39 +110,27 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
         relay.start()
         children.append(child)
         relays.append(relay)
+    return children, relays
 
-    preempted = []
 
-    def forward_sigterm(signum, frame):  # preemption of the launcher (or Ctrl-C) preempts every process
-        preempted.append(signum)
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)  # JAX's preemption sync point: all save at one step
-
-    previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while True:
-            codes = [child.poll() for child in children]
-            if preempted:  # every process is saving its part of the checkpoint: let them finish
-                codes = [child.wait() for child in children]
-                if all(code == 143 for code in codes):
-                    return 128 + int(preempted[0])  # 143, or 130 for Ctrl-C
-                return _exit_status(max((code for code in codes if code is not None), key=abs))
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                index, code = failed[0]
-                sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
-                _stop(children)
-                return code if code == 143 and all(c == 143 for _, c in failed) else 1
-            if all(code == 0 for code in codes):
-                return 0
-            time.sleep(0.2)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _stop(children)
-        for relay in relays:  # the children's last lines (an error message, say) are still in the pipes
-            relay.join(timeout=5)
+def _wait(children: list[subprocess.Popen], preempted: list[int]) -> int:
+    """The job's exit code: 0 when all succeed; the first failure stops the others."""
+    while True:
+        codes = [child.poll() for child in children]
+        if preempted:  # every process is saving its part of the checkpoint: let them finish
+            codes = [child.wait() for child in children]
+            if all(code == 143 for code in codes):
+                return 128 + int(preempted[0])  # 143, or 130 for Ctrl-C
+            return _exit_status(max((code for code in codes if code is not None), key=abs))
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            index, code = failed[0]
+            sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
+            _stop(children)
+            return code if code == 143 and all(c == 143 for _, c in failed) else 1
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.2)
 
 
 def _exit_status(code: int) -> int:

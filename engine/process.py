@@ -18,6 +18,7 @@ code (the Checkpointer, the trainer, a notebook importing the engine) changes no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -57,14 +58,22 @@ def install(reader: bool = False) -> None:
 
 
 def _skip_absent_tpu() -> None:
-    """No TPU backend where the host has no TPU chips and JAX_PLATFORMS leaves the choice to JAX
-    (called before JAX starts its backends; jax's own chip count reads sysfs, not libtpu)."""
+    """No TPU client where the host has no TPU chips and JAX_PLATFORMS leaves the choice to JAX
+    (called before JAX starts its backends; jax's own chip count reads sysfs, not libtpu). The
+    TPU platform stays registered: its lowerings are what `plan` compiles with."""
     if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_FORCE_TPU_INIT"):
         return
     from jax._src import hardware_utils, xla_bridge
 
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
-        xla_bridge._backend_factories.pop("tpu", None)
+    registration = xla_bridge._backend_factories.get("tpu")
+    if registration is not None and hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        xla_bridge._backend_factories["tpu"] = dataclasses.replace(
+            registration, factory=_no_tpu_chips, fail_quietly=True
+        )
+
+
+def _no_tpu_chips():
+    raise RuntimeError("this host has no TPU chips")
 
 
 def has_distributed_client_barriers() -> bool:

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.perf import StepCost, enable_compilation_cache, step_cost
 from engine.process import compile_cache_events
 from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step, split_variables
+from engine.tpu import chip_of
 from models import REGISTRY, ModelFamily
 
 
@@ -91,9 +92,13 @@ def block_steps(cfg: Config, resident: bool = False) -> int:
 
 
 def device_memory_bytes(mesh: Mesh) -> int:
-    """One device's memory: what the runtime says (accelerators), else this host's memory
-    shared by its devices (CPU)."""
+    """One device's memory: what the runtime says (accelerators); for a TPU topology's devices
+    (a plan: no runtime) the chip's published HBM; else this host's memory shared by its
+    devices (CPU)."""
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
+    chip = chip_of(device)
+    if chip is not None and not device.client.local_device_count():  # a topology's description: no chip here
+        return chip.hbm_bytes // chip.devices_per_chip
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
@@ -230,11 +235,12 @@ class Plan:
     stages: StagePlan = ONE_STAGE  # how the model's layer stack runs as a pipeline (one stage: not)
 
 
-def plan_run(cfg: Config, mesh: Optional[Mesh] = None) -> Plan:
+def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequence] = None) -> Plan:
     """Mesh, data, model, train-state plan and the pure steps of a run; nothing compiled.
-    `mesh`: another mesh than the config's (a vectorised group's, with a trial axis)."""
+    `mesh`: another mesh than the config's (a vectorised group's, with a trial axis);
+    `devices`: the config's mesh over these (a TPU topology's, for `launch.py plan`)."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
-    mesh = mesh or make_mesh(cfg.mesh)
+    mesh = mesh or make_mesh(cfg.mesh, devices)
     dataset = load_dataset(cfg.data)
     pmap_axis = PMAP_AXIS if cfg.mesh.backend == "pmap" else None
     family, module = build_model(cfg, dataset.info, pmap_axis)
@@ -277,6 +283,28 @@ def train_batches(cfg: Config, plan: Plan, rows: np.ndarray) -> TrainBatches:
     )
 
 
+def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compiled:
+    """The plan's steps compiled for its mesh by the config's backend (jit or pmap)."""
+    compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
+    train_step = plan.train_step if compile_train else None
+    return compile_fn(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager, stages=plan.stages)
+
+
+def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> StepCost:
+    """The model FLOPs of one step of the plan's compiled program, per device (perf.step_cost)."""
+    return step_cost(
+        cfg,
+        plan.family,
+        plan.module,
+        plan.dataset,
+        plan.tx,
+        plan.state.abstract,
+        plan.mesh.size,
+        compiled.program,
+        copies,
+    )
+
+
 def build_run(cfg: Config, compile_train: bool = True) -> Run:
     """Builds and compiles a run from shapes alone; no state is allocated until init_state().
 
@@ -284,15 +312,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
     cache_before = dict(compile_cache_events)
     plan = plan_run(cfg)
     mesh, shapes = plan.mesh, plan.shapes
-    compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
-    compiled = compile_fn(
-        mesh,
-        shapes,
-        plan.train_step if compile_train else None,
-        plan.eval_step,
-        eager=cfg.train.eager,
-        stages=plan.stages,
-    )
+    compiled = compile_plan(cfg, plan, compile_train)
     inputs = Inputs(
         train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),
         eval_rows=compiled.rows(shapes.eval_batch),
@@ -300,9 +320,6 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
         steps_per_block=shapes.steps_per_block,
         steps_per_call=cfg.train.steps_per_call,
         resident_bytes=plan.resident_bytes,
-    )
-    cost = step_cost(
-        cfg, plan.family, plan.module, plan.dataset, plan.tx, plan.state.abstract, mesh.size, compiled.program
     )
     return Run(
         cfg=cfg,
@@ -313,7 +330,7 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
         init_state=plan.state.create,
         compiled=compiled,
         inputs=inputs,
-        cost=cost,
+        cost=plan_cost(cfg, plan, compiled),
         compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
         # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
         # before the first has finished; accelerators keep asynchronous dispatch.

@@ -148,17 +148,7 @@ def _open(
         goodput.compile_seconds = run.compiled.compile_seconds
     if is_chief:
         write_run_files(cfg, run.dataset.info, workdir)
-    checkpointer = closing.enter_context(
-        contextlib.closing(
-            Checkpointer(
-                workdir / "checkpoints",
-                cfg.checkpoint.keep,
-                timeout_seconds=cfg.distributed.barrier_timeout,
-                staging=cfg.checkpoint.staging,
-                verify=cfg.checkpoint.verify,
-            )
-        )
-    )
+    checkpointer = closing.enter_context(contextlib.closing(_checkpointer(cfg)))
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, checkpointer)
@@ -166,19 +156,7 @@ def _open(
     barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # every process starts from one checkpoint
     if is_chief:
         goodput.redone_steps = drop_records_after(workdir / METRICS, start)
-    writer = closing.enter_context(
-        contextlib.closing(
-            MetricWriter(
-                workdir,
-                enabled=is_chief,
-                total_steps=cfg.train.steps,
-                start_step=start,
-                progress=cfg.log.progress,
-                tensorboard=cfg.log.tensorboard,
-                judged=Judged.from_env() if is_chief else None,
-            )
-        )
-    )
+    writer = closing.enter_context(contextlib.closing(_writer(cfg, start)))
     window = Window.resumed(
         start,
         meta.get("window"),  # the log window a checkpoint cut in two
@@ -190,6 +168,30 @@ def _open(
             f"(data.placement={cfg.data.placement}); each step gathers its rows on the device"
         )
     return Started(RunJob(cfg, run, checkpointer, writer, result, start), state, start, window)
+
+
+def _checkpointer(cfg: Config) -> Checkpointer:
+    return Checkpointer(
+        Path(cfg.workdir) / "checkpoints",
+        cfg.checkpoint.keep,
+        staging=cfg.checkpoint.staging,
+        timeout_seconds=cfg.distributed.barrier_timeout,
+        verify=cfg.checkpoint.verify,
+    )
+
+
+def _writer(cfg: Config, start: int) -> MetricWriter:
+    """Process 0's console, metrics.jsonl and TensorBoard (a search trial's also its pipe to the sweep)."""
+    chief = jax.process_index() == 0
+    return MetricWriter(
+        cfg.workdir,
+        enabled=chief,
+        total_steps=cfg.train.steps,
+        start_step=start,
+        progress=cfg.log.progress,
+        tensorboard=cfg.log.tensorboard,
+        judged=Judged.from_env() if chief else None,
+    )
 
 
 def write_run_files(cfg: Config, info, workdir: Path) -> None:

@@ -34,8 +34,8 @@ from engine.config import Config, check_vectorizable, shape_differences
 from engine.errors import UsageError
 from engine.hlo import human_bytes
 from engine.mesh import build_mesh, mesh_shape, num_devices
-from engine.perf import StepCost, step_cost
-from engine.setup import Plan, device_memory_bytes, plan_run, run_hparams, train_batches
+from engine.perf import StepCost
+from engine.setup import Plan, device_memory_bytes, plan_cost, plan_run, run_hparams, train_batches
 from engine.sharding import per_device_bytes
 
 TRIAL = "trial"  # the mesh axis over trials
@@ -159,17 +159,7 @@ def build_group(cfgs: list[Config]) -> Group:
     )
     evaluate = jax.vmap(plan.eval_step, in_axes=(0, None), spmd_axis_name=TRIAL)
     compiled = compile_jit(mesh, shapes, step, evaluate, stages=plan.stages)
-    cost = step_cost(
-        first,
-        plan.family,
-        plan.module,
-        plan.dataset,
-        plan.tx,
-        plan.state.abstract,
-        mesh.size,
-        compiled.program,
-        copies=trials,
-    )
+    cost = plan_cost(first, plan, compiled, copies=trials)
     return Group(cfgs, plan, mesh, compiled, trial_shardings, batches, cost)
 
 

@@ -19,6 +19,11 @@ def param_init(init, axes: tuple[Optional[str], ...]):
     return nn.with_logical_partitioning(init, axes)
 
 
+def normal_kernel(axes: tuple[Optional[str], ...]):
+    """A Normal(0, 0.02) initialiser (Llama's) whose parameter carries these logical axes."""
+    return param_init(nn.initializers.normal(0.02), axes)
+
+
 def dense(features: int, axes: tuple[Optional[str], Optional[str]], dtype, param_dtype, name=None, use_bias=True):
     """nn.Dense with logical names on kernel [in, out] and bias [out]."""
     return nn.Dense(

@@ -202,6 +202,9 @@ class TransformerFamily(Family):
         # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
         return {"remat": "none", "loss_chunk": 0, "attention": "xla"}
 
+    def remat(self, cfg) -> str:
+        return cfg.remat
+
     def takes_packed_documents(self) -> bool:
         return True
 

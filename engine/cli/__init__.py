@@ -25,6 +25,7 @@ COMMANDS = {
     "tokenize": "tokenize",
     "sweep": "sweep",
     "report": "report",
+    "plan": "plan",
 }
 
 

@@ -12,7 +12,8 @@ from typing import Any, Iterator
 
 from contract.fields import choices_of
 from engine.axes import CONFIG_AXES, MESH_AXES
-from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES, source_name
+from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES
+from engine.data.text import source_name
 from engine.errors import UsageError
 
 INT32_MAX = 2**31 - 1

@@ -1,47 +1,22 @@
 """Dataset sources chosen by `data.name`. Each returns a Dataset of in-memory (or
 memory-mapped) numpy arrays, indexed by example. Files are read in their real formats:
-MNIST IDX, CIFAR-10 binary batches, .npz/.npy (never unpickled) and raw text bytes."""
+MNIST IDX, CIFAR-10 binary batches, .npz/.npy (never unpickled); the text sources are
+engine/data/text.py's. SOURCES is the registry `data.name` chooses from."""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import math
-import sysconfig
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
+from engine.data.base import SPLIT_SEED, DataInfo, Dataset, existing_dir
+from engine.data.text import python_source, synthetic_text, text, tokens
 from engine.errors import UsageError
-
-SPLIT_SEED = 20240521  # the held-out split is fixed, whatever the run's seed
-
-
-@dataclass(frozen=True)
-class DataInfo:
-    kind: str  # "image" (image, label) or "tokens" (tokens)
-    num_train: int
-    num_eval: int
-    input_shape: tuple[int, ...] = ()  # image: [height, width, channels]
-    num_classes: int = 0
-    vocab_size: int = 0
-    seq_len: int = 0  # tokens the model sees per example
-    text_codec: str = ""  # how token ids map to text: "bytes" (ids are UTF-8 bytes), "tokenizer"; "" = not text
-    tokenizer: str = ""  # text_codec "tokenizer": the tokenizer.json file
-    sources: tuple[str, ...] = ()  # a mixture's source names; batches carry `source` (their index)
-    preprocessing: str = ""  # what was done to the stored inputs before the model saw them (export.json says it)
-
-
-@dataclass(frozen=True)
-class Dataset:
-    # name → array [examples, ...] in memory (or memory-mapped), or Examples read by index
-    # (engine/data/tokens.py: tokenized corpora through Grain)
-    train: Any
-    eval: Any
-    info: DataInfo
 
 
 def _images(train_x, train_y, eval_x, eval_y, num_classes: Optional[int] = None, scaled: str = "") -> Dataset:
@@ -239,7 +214,7 @@ def _find(directory: Path, stems: tuple[str, ...]) -> Path:
 
 def idx(cfg) -> Dataset:
     """MNIST or Fashion-MNIST in their original IDX files (optionally gzipped)."""
-    directory = _existing_dir(cfg.path, "MNIST-style IDX files")
+    directory = existing_dir(cfg.path, "MNIST-style IDX files")
     parts = []
     for split in ("train", "t10k"):
         images = _read_idx(_find(directory, (f"{split}-images-idx3-ubyte", f"{split}-images.idx3-ubyte")), 3)
@@ -275,7 +250,7 @@ def _read_cifar(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
 
 def cifar10(cfg) -> Dataset:
     """CIFAR-10 binary version: data_batch_1..5.bin and test_batch.bin."""
-    directory = _existing_dir(cfg.path, "CIFAR-10 binary batches")
+    directory = existing_dir(cfg.path, "CIFAR-10 binary batches")
     if (directory / "cifar-10-batches-bin").is_dir():
         directory = directory / "cifar-10-batches-bin"
     train_files = sorted(directory.glob("data_batch_*.bin"))
@@ -286,166 +261,6 @@ def cifar10(cfg) -> Dataset:
             "(the CIFAR-10 binary version)"
         )
     return _images(*_read_cifar(train_files), *_read_cifar([test_file]), num_classes=10)
-
-
-def _existing_dir(path: str, what: str) -> Path:
-    directory = Path(path)
-    if not directory.is_dir():
-        raise UsageError(f"data.path={path} is not a directory; expected a directory of {what}")
-    return directory
-
-
-def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """Non-overlapping examples of seq_len + 1 tokens (inputs and shifted targets), as a view."""
-    count = max((len(tokens) - 1) // seq_len, 0)
-    return np.lib.stride_tricks.as_strided(
-        tokens, (count, seq_len + 1), (seq_len * tokens.strides[0], tokens.strides[0]), writeable=False
-    )
-
-
-def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str, text_codec: str = "") -> Dataset:
-    n_eval = int(len(tokens) * cfg.eval_fraction)
-    train_tokens, eval_tokens = tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval :]
-    train, evals = _windows(train_tokens, cfg.seq_len), _windows(eval_tokens, cfg.seq_len)
-    if len(train) == 0 or len(evals) == 0:
-        raise UsageError(
-            f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
-            f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len"
-        )
-    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len, text_codec=text_codec)
-    return Dataset({"tokens": train}, {"tokens": evals}, info)
-
-
-def text(cfg) -> Dataset:
-    """Byte-level text: a file, or every file under a directory (sorted), as tokens 0..255."""
-    path = Path(cfg.path)
-    if path.is_file():
-        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        if not files:
-            raise UsageError(f"data.path={path} holds no files; expected text files")
-        tokens = np.concatenate([np.fromfile(p, dtype=np.uint8) for p in files])
-    else:
-        raise UsageError(f"data.path={path} does not exist; expected a text file or a directory of them")
-    return _token_dataset(tokens, cfg, 256, f"data.path={path}", text_codec="bytes")
-
-
-def _stdlib_files(max_bytes: int) -> list[Path]:
-    files, size = [], 0
-    for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        files.append(file)
-        size += file.stat().st_size
-        if size >= max_bytes:
-            break
-    return files
-
-
-def python_source(cfg) -> Dataset:
-    """The Python standard library's own modules: real text (code and English docstrings)
-    present wherever Python is, so it needs no download. data.tokenizer=bytes: byte-level
-    tokens of the first max_bytes; bpe:N: a byte-level BPE trained on those files, tokenized
-    once (one document per module) into data.cache_dir and read as data.name=tokens."""
-    files = _stdlib_files(cfg.max_bytes)
-    stdlib = files[0].parent
-    if cfg.tokenizer != "bytes":
-        return _tokens_dataset(cfg, [(str(_stdlib_corpus(cfg, files)), 1.0, "python_source")])
-    tokens = np.concatenate([np.fromfile(file, dtype=np.uint8) for file in files])
-    return _token_dataset(tokens[: cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}", text_codec="bytes")
-
-
-def _stdlib_corpus(cfg, files: list[Path]) -> Path:
-    """The tokenized corpus of `files` in the cache (made on first use; a lock keeps two
-    processes from making it at once)."""
-    import fcntl
-    import hashlib
-
-    from engine.data.tokenize import tokenize
-
-    key = hashlib.sha256(
-        repr([cfg.tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
-    ).hexdigest()[:16]
-    out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{cfg.tokenizer.replace(':', '')}-{key}"
-    if not (out / "manifest.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out.parent / f".{out.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (out / "manifest.json").is_file():
-                print(
-                    f"data: tokenizing {len(files)} Python modules with a {cfg.tokenizer} tokenizer into {out} "
-                    "(once; later runs reuse it)",
-                    flush=True,
-                )
-                tokenize(
-                    [str(f) for f in files], str(out), cfg.tokenizer, eval_fraction=cfg.eval_fraction, progress=False
-                )
-    return out
-
-
-def source_name(source: dict, index: int) -> str:
-    """A mixture source's name in metrics: its `name`, else its directory's name."""
-    return str(source.get("name") or Path(str(source["path"])).name or f"source{index}")
-
-
-def tokens(cfg) -> Dataset:
-    """Tokenized corpora (`python launch.py tokenize`): data.path, or a mixture in data.sources."""
-    if cfg.sources:
-        return _tokens_dataset(
-            cfg, [(str(s["path"]), float(s.get("weight", 1.0)), source_name(s, i)) for i, s in enumerate(cfg.sources)]
-        )
-    return _tokens_dataset(cfg, [(cfg.path, 1.0, Path(cfg.path).name)])
-
-
-def _tokens_dataset(cfg, sources: list[tuple[str, float, str]]) -> Dataset:
-    from engine.data import tokens as tk
-
-    where = "data.path" if len(sources) == 1 else "data.sources"
-    corpora = [tk.open_corpus(path, cfg.verify, where) for path, _, _ in sources]
-    first = corpora[0]
-    for corpus, (path, _, _) in zip(corpora[1:], sources[1:]):
-        if corpus.tokenizer_file.read_bytes() != first.tokenizer_file.read_bytes():
-            raise UsageError(
-                f"data.sources: {path} was tokenized with another tokenizer than {sources[0][0]}; "
-                "a mixture's corpora must share one tokenizer"
-            )
-    mixed = len(sources) > 1
-    train, evals = [], []
-    for k, (corpus, (path, _, _)) in enumerate(zip(corpora, sources)):
-        source = k if mixed else None
-        train.append(tk.Windows(corpus.stream("train"), cfg.seq_len, cfg.packing, source))
-        evals.append(tk.Windows(corpus.stream("eval"), cfg.seq_len, cfg.packing, source))
-        if len(train[-1]) == 0:
-            raise UsageError(
-                f"{where}: {path} has {corpus.stream('train').size} train tokens: too few for "
-                f"data.seq_len={cfg.seq_len}; use more text or a shorter seq_len"
-            )
-    evals = [w for w in evals if len(w)]
-    if not evals:
-        raise UsageError(
-            f"{where}: no held-out windows of data.seq_len={cfg.seq_len} tokens; tokenize with a "
-            "larger --eval-fraction or use a shorter seq_len"
-        )
-    info = DataInfo(
-        "tokens",
-        sum(len(w) for w in train),
-        sum(len(w) for w in evals),
-        vocab_size=first.vocab_size,
-        seq_len=cfg.seq_len,
-        text_codec="tokenizer",
-        tokenizer=str(first.tokenizer_file),
-        sources=tuple(name for _, _, name in sources) if mixed else (),
-    )
-    return Dataset(tk.Mixture(train, [w for _, w, _ in sources]), tk.eval_examples(evals), info)
-
-
-def synthetic_text(cfg) -> Dataset:
-    """A stream of 64 fixed random 6-token "words" in random order: within a word the next
-    token is predictable from the context, so the loss can fall well below log(vocab)."""
-    rng = np.random.default_rng(SPLIT_SEED)
-    length = int(cfg.num_examples * 1.25) * cfg.seq_len + 1
-    words = rng.integers(0, cfg.vocab_size, (64, 6), dtype=np.int32)
-    tokens = words[rng.integers(0, len(words), length // 6 + 1)].reshape(-1)[:length]
-    return _token_dataset(tokens, cfg, cfg.vocab_size, "data.name=synthetic_text")
 
 
 SOURCES = {

@@ -24,16 +24,17 @@ import json
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from engine.data.documents import documents, input_files
+from engine.data.shards import ShardWriter
 from engine.data.tokens import FORMAT
 from engine.errors import UsageError
-from engine.rundir import sha256_file, write_json
+from engine.rundir import write_json
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
 EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -116,74 +117,6 @@ def eod_id(tokenizer, name: str = "") -> tuple[str, int]:
     )
 
 
-@dataclass
-class _ShardWriter:
-    """One split's shards: appends documents; closes a shard after the document that fills it."""
-
-    out: Path
-    split: str
-    dtype: str
-    shard_tokens: int
-    done: list = field(default_factory=list)  # manifest entries of closed shards
-    tokens: int = 0  # in the open shard
-    documents: int = 0
-
-    def _paths(self, index: int) -> tuple[Path, Path]:
-        stem = self.out / f"{self.split}-{index:05d}"
-        return stem.with_suffix(".tokens"), stem.with_suffix(".docs")
-
-    def open(self) -> None:
-        """Opens the current shard for appending, cut back to what progress.json recorded."""
-        tokens_path, docs_path = self._paths(len(self.done))
-        for path, size in ((tokens_path, self.tokens * np.dtype(self.dtype).itemsize), (docs_path, self.documents * 8)):
-            with open(path, "ab") as f:
-                f.truncate(size)
-        self._tokens_file, self._docs_file = open(tokens_path, "ab"), open(docs_path, "ab")
-
-    def add(self, ids: list[int]) -> None:
-        self._tokens_file.write(np.asarray(ids, self.dtype).tobytes())
-        self.tokens += len(ids)
-        self.documents += 1
-        self._docs_file.write(np.int64(self.tokens).tobytes())
-        if self.tokens >= self.shard_tokens:
-            self.close()
-            self.open()
-
-    def close(self) -> None:
-        """Closes the open shard; an empty one is removed, a filled one is listed with checksums."""
-        self._tokens_file.close()
-        self._docs_file.close()
-        tokens_path, docs_path = self._paths(len(self.done))
-        if self.documents == 0:
-            tokens_path.unlink()
-            docs_path.unlink()
-            return
-        self.done.append(
-            {
-                "tokens_file": tokens_path.name,
-                "docs_file": docs_path.name,
-                "tokens": self.tokens,
-                "documents": self.documents,
-                "tokens_sha256": sha256_file(tokens_path),
-                "docs_sha256": sha256_file(docs_path),
-            }
-        )
-        self.tokens = self.documents = 0
-
-    def abandon(self) -> None:
-        """Closes the open shard's files as they are (progress.json says how far they count)."""
-        self._tokens_file.close()
-        self._docs_file.close()
-
-    def flush(self) -> None:
-        for f in (self._tokens_file, self._docs_file):
-            f.flush()
-            os.fsync(f.fileno())
-
-    def state(self) -> dict:
-        return {"done": self.done, "tokens": self.tokens, "documents": self.documents}
-
-
 class Interrupted(Exception):
     """Stopped by a signal (or `stop_after_batches`) after committing a batch; re-run to go on."""
 
@@ -218,49 +151,22 @@ def tokenize(
         raise UsageError("--shard-tokens must be at least 1")
     files = input_files(paths)
     out_dir = Path(out).expanduser()
-    bpe = tokenizer_spec.startswith("bpe:") or tokenizer_spec == "bpe"
-    if bpe:
-        size_text = tokenizer_spec[4:] or str(vocab_size)
-        if not size_text.isdigit() or int(size_text) < 257:
-            raise UsageError(
-                f"--tokenizer {tokenizer_spec}: a byte-level BPE needs bpe:N with N ≥ 257 (256 bytes "
-                "and the end-of-document token), e.g. bpe:8192"
-            )
-        bpe_size = int(size_text)
+    bpe_size = _bpe_size(tokenizer_spec, vocab_size)
     settings = Settings(
         [str(f.resolve()) for f in files],
         [f.stat().st_size for f in files],
-        tokenizer_spec if bpe else str(Path(tokenizer_spec).expanduser().resolve()),
+        tokenizer_spec if bpe_size else str(Path(tokenizer_spec).expanduser().resolve()),
         vocab_size,
         eval_fraction,
         text_field,
         text_unit,
         shard_tokens,
-        bpe_train_bytes if bpe else 0,
+        bpe_train_bytes if bpe_size else 0,
         eod_token,
     )
-    manifest_path, progress_path = out_dir / "manifest.json", out_dir / "progress.json"
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("settings") != asdict(settings):
-            raise UsageError(
-                f"--out {out_dir} already holds a corpus tokenized with other settings; use a new --out "
-                "directory, or delete that one"
-            )
-        return manifest
-    if progress_path.is_file():
-        state = json.loads(progress_path.read_text())
-        if state.get("settings") != asdict(settings):
-            raise UsageError(
-                f"--out {out_dir} holds an unfinished tokenization with other settings (inputs, "
-                "tokenizer or sizes changed); re-run it with the same arguments, or delete the directory"
-            )
-    elif out_dir.exists() and any(out_dir.iterdir()):
-        raise UsageError(
-            f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or empty directory"
-        )
-    else:
-        state = {"settings": asdict(settings), "documents": 0, "splits": {}}
+    state = _state(out_dir, settings)
+    if "manifest" in state:
+        return state["manifest"]
     if next(documents(files, text_field, text_unit), None) is None:
         raise UsageError(f"--input {' '.join(paths)} holds no non-empty documents; give files with text")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -272,56 +178,89 @@ def tokenize(
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _tokenize(
-            files, out_dir, settings, state, stop, bpe_size if bpe else 0, batch_bytes, progress, stop_after_batches
+            _Run(files, out_dir, settings, state, bpe_size, batch_bytes, progress, _Stopping(stop, stop_after_batches))
         )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _tokenize(
-    files,
-    out_dir: Path,
-    settings: Settings,
-    state: dict,
-    stop: dict,
-    bpe_size: int,
-    batch_bytes: int,
-    progress: bool,
-    stop_after_batches: int,
-) -> dict:
-    _make_tokenizer(files, out_dir, settings, state, bpe_size)
-    if stop["signal"]:
-        raise Interrupted(stop["signal"])
-    tokenizer = load_tokenizer(str(out_dir / "tokenizer.json"))
-    eod_name, eod = eod_id(tokenizer, settings.eod_token)
-    declared = settings.vocab_size if not bpe_size and settings.vocab_size else tokenizer.get_vocab_size()
+def _bpe_size(spec: str, vocab_size: int) -> int:
+    """N of --tokenizer bpe:N (or bpe with --vocab-size N); 0 for a tokenizer file."""
+    if not (spec.startswith("bpe:") or spec == "bpe"):
+        return 0
+    size_text = spec[4:] or str(vocab_size)
+    if not size_text.isdigit() or int(size_text) < 257:
+        raise UsageError(
+            f"--tokenizer {spec}: a byte-level BPE needs bpe:N with N ≥ 257 (256 bytes and the "
+            "end-of-document token), e.g. bpe:8192"
+        )
+    return int(size_text)
+
+
+def _state(out_dir: Path, settings: Settings) -> dict:
+    """Where --out stands: {"manifest": ...} when finished with these settings, the progress of an
+    interrupted run with them, or a fresh start; UsageError for a directory of anything else."""
+    manifest_path, progress_path = out_dir / "manifest.json", out_dir / "progress.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("settings") != asdict(settings):
+            raise UsageError(
+                f"--out {out_dir} already holds a corpus tokenized with other settings; use a new --out "
+                "directory, or delete that one"
+            )
+        return {"manifest": manifest}
+    if progress_path.is_file():
+        state = json.loads(progress_path.read_text())
+        if state.get("settings") != asdict(settings):
+            raise UsageError(
+                f"--out {out_dir} holds an unfinished tokenization with other settings (inputs, "
+                "tokenizer or sizes changed); re-run it with the same arguments, or delete the directory"
+            )
+        return state
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UsageError(
+            f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or empty directory"
+        )
+    return {"settings": asdict(settings), "documents": 0, "splits": {}}
+
+
+@dataclass
+class _Run:
+    """One tokenization: its inputs, output directory, settings and progress so far."""
+
+    files: list
+    out_dir: Path
+    settings: Settings
+    state: dict
+    bpe_size: int
+    batch_bytes: int
+    progress: bool
+    stopping: _Stopping
+
+
+def _tokenize(run: _Run) -> dict:
+    _make_tokenizer(run.files, run.out_dir, run.settings, run.state, run.bpe_size)
+    run.stopping.check(batch_done=False)
+    tokenizer = load_tokenizer(str(run.out_dir / "tokenizer.json"))
+    eod_name, eod = eod_id(tokenizer, run.settings.eod_token)
+    declared = run.settings.vocab_size if not run.bpe_size and run.settings.vocab_size else tokenizer.get_vocab_size()
     if declared < tokenizer.get_vocab_size():
         raise UsageError(
-            f"--vocab-size {settings.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"--vocab-size {run.settings.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.get_vocab_size()}); leave it out or give at least that"
         )
     dtype = "uint16" if declared <= 1 << 16 else "uint32"
+    splits = run.state["splits"]
     writers = {
-        split: _ShardWriter(out_dir, split, dtype, settings.shard_tokens, **state["splits"].get(split, {}))
+        split: ShardWriter(run.out_dir, split, dtype, run.settings.shard_tokens, **splits.get(split, {}))
         for split in SPLITS
     }
     for writer in writers.values():
         writer.open()
     started = time.perf_counter()
     try:
-        _write_documents(
-            files,
-            out_dir,
-            settings,
-            state,
-            tokenizer,
-            eod,
-            writers,
-            _Stopping(stop, stop_after_batches),
-            batch_bytes,
-            progress,
-        )
+        _write_documents(run, tokenizer, eod, writers)
     except Interrupted:
         for writer in writers.values():
             writer.abandon()
@@ -340,7 +279,7 @@ def _tokenize(
         raise UsageError("every document went to the held-out split; lower --eval-fraction")
     manifest = {
         "format": FORMAT,
-        "settings": asdict(settings),
+        "settings": asdict(run.settings),
         "tokenizer": "tokenizer.json",
         "vocab_size": declared,
         "eod_token": eod_name,
@@ -349,8 +288,8 @@ def _tokenize(
         "splits": counts,
         "seconds": round(time.perf_counter() - started, 3),
     }
-    write_json(out_dir / "manifest.json", manifest)  # the commit of the whole corpus
-    (out_dir / "progress.json").unlink()
+    write_json(run.out_dir / "manifest.json", manifest)  # the commit of the whole corpus
+    (run.out_dir / "progress.json").unlink()
     return manifest
 
 
@@ -379,34 +318,24 @@ class _Stopping:
     after_batches: int
     batches: int = 0
 
-    def check(self) -> None:
-        self.batches += 1
-        if self.stop["signal"] or (self.after_batches and self.batches >= self.after_batches):
+    def check(self, batch_done: bool = True) -> None:
+        self.batches += batch_done
+        if self.stop["signal"] or (self.after_batches and self.batches >= self.after_batches and batch_done):
             raise Interrupted(self.stop["signal"] or signal.SIGINT)
 
 
-def _write_documents(
-    files,
-    out_dir: Path,
-    settings: Settings,
-    state: dict,
-    tokenizer,
-    eod: int,
-    writers: dict,
-    stopping: _Stopping,
-    batch_bytes: int,
-    progress: bool,
-) -> None:
+def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
     """Encodes the documents not yet written, a batch at a time; after each batch the shards are
     flushed and progress.json records how far they count (the commit point of the batch)."""
-    stream = documents(files, settings.text_field, settings.text_unit)
+    settings, state = run.settings, run.state
+    stream = documents(run.files, settings.text_field, settings.text_unit)
     done_bytes = sum(len(next(stream).encode("utf-8")) for _ in range(state["documents"]))  # already written
-    bar = _progress_bar(sum(settings.input_sizes), progress)
+    bar = _progress_bar(sum(settings.input_sizes), run.progress)
     if bar is not None:
         bar.update(done_bytes)
     started, new_tokens, index = time.perf_counter(), 0, state["documents"]
     try:
-        for batch in _batches(stream, batch_bytes):
+        for batch in _batches(stream, run.batch_bytes):
             encoded = (
                 tokenizer.encode_batch_fast(batch, add_special_tokens=False)
                 if hasattr(tokenizer, "encode_batch_fast")
@@ -422,11 +351,11 @@ def _write_documents(
             for writer in writers.values():
                 writer.flush()
             state.update(documents=index, splits={split: w.state() for split, w in writers.items()})
-            write_json(out_dir / "progress.json", state)  # the commit point of this batch
+            write_json(run.out_dir / "progress.json", state)  # the commit point of this batch
             if bar is not None:
                 bar.update(sum(len(text.encode("utf-8")) for text in batch))
                 bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s")
-            stopping.check()
+            run.stopping.check()
     finally:
         if bar is not None:
             bar.close()

@@ -289,6 +289,34 @@ def _vectorize(value, where: str) -> int:
     return value if value > 1 else 0
 
 
+def _combinations(grid: dict, zipped: dict, random, where: str) -> list[dict]:
+    """The runs' overrides: the product of the grid's axes, the zip group and the random draws."""
+    for section, listed in (("grid", grid), ("zip", zipped)):
+        if not isinstance(listed, dict) or not all(isinstance(v, list) and v for v in listed.values()):
+            raise UsageError(f"{where}: {section} must map dotted keys to non-empty lists of values")
+    if len({len(v) for v in zipped.values()}) > 1:
+        raise UsageError(
+            f"{where}: the zip lists must have equal lengths, got "
+            + ", ".join(f"{k}: {len(v)}" for k, v in zipped.items())
+        )
+    axes = [[{key: value} for value in values] for key, values in grid.items()]
+    if zipped:
+        axes.append([dict(zip(zipped, row)) for row in zip(*zipped.values())])
+    if random is not None:
+        _check_random(random, where)
+        rng = np.random.default_rng(random.get("seed", 0))
+        axes.append(
+            [{key: _sample(dist, rng) for key, dist in random["params"].items()} for _ in range(random["samples"])]
+        )
+    count = math.prod(len(axis) for axis in axes)
+    if count > MAX_RUNS:
+        raise UsageError(
+            f"{where} makes {count:,} runs (the product of its axes), more than {MAX_RUNS:,}; narrow "
+            "the grid or sample fewer"
+        )
+    return [{k: v for part in parts for k, v in part.items()} for parts in itertools.product(*axes)]
+
+
 def load_sweep(path: str | os.PathLike) -> Sweep:
     path = Path(path).absolute()
     if not path.is_file():
@@ -301,33 +329,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         raise UsageError(f"sweep file {path} needs 'base: <config file>' (one path), not {spec.get('base')!r}")
     base = (path.parent / spec["base"]).resolve()
     overrides = _overrides(spec.get("overrides") or {}, f"sweep file {path}")
-    grid, zipped = spec.get("grid") or {}, spec.get("zip") or {}
-    for section, axes in (("grid", grid), ("zip", zipped)):
-        if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
-            raise UsageError(f"sweep file {path}: {section} must map dotted keys to non-empty lists of values")
-    if len({len(v) for v in zipped.values()}) > 1:
-        raise UsageError(
-            f"sweep file {path}: the zip lists must have equal lengths, got "
-            + ", ".join(f"{k}: {len(v)}" for k, v in zipped.items())
-        )
-    axes = [[{key: value} for value in values] for key, values in grid.items()]
-    if zipped:
-        axes.append([dict(zip(zipped, row)) for row in zip(*zipped.values())])
-    random = spec.get("random")
-    if random is not None:
-        _check_random(random, f"sweep file {path}")
-        rng = np.random.default_rng(random.get("seed", 0))
-        samples = [
-            {key: _sample(dist, rng) for key, dist in random["params"].items()} for _ in range(random["samples"])
-        ]
-        axes.append(samples)
-    count = math.prod(len(axis) for axis in axes)
-    if count > MAX_RUNS:
-        raise UsageError(
-            f"sweep file {path} makes {count:,} runs (the product of its axes), more than {MAX_RUNS:,}; "
-            "narrow the grid or sample fewer"
-        )
-    combos = [{k: v for part in parts for k, v in part.items()} for parts in itertools.product(*axes)]
+    grid, zipped, random = spec.get("grid") or {}, spec.get("zip") or {}, spec.get("random")
+    combos = _combinations(grid, zipped, random, f"sweep file {path}")
     mode = spec.get("mode", "min")
     if mode not in ("min", "max"):
         raise UsageError(f"sweep file {path}: mode={mode!r} must be min or max")

@@ -1,0 +1,45 @@
+"""`launch.py plan`: a run compiled for a TPU pod with the TPU compiler on this host, and its
+memory, collectives and step time checked before a chip is rented (report.py); `--search`
+ranks layouts (search.py); chips and targets are engine/tpu.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from engine.config import Config
+from engine.plan.report import Planned, as_record, plan, render, verdict
+from engine.plan.search import render as render_search
+from engine.plan.search import search
+from engine.tpu import parse_target
+
+__all__ = ["Planned", "plan", "render", "verdict", "plan_command"]
+
+
+def plan_command(
+    cfg: Config, target_name: str, slices: int, search_layouts: bool, compiles: int, json_path: Optional[str]
+) -> int:
+    """Prints the plan (or the ranked search); 0 when it fits, 1 when it does not."""
+    target = parse_target(target_name, slices)
+    if search_layouts:
+        ranked = search(cfg, target, compiles)
+        print(render_search(ranked))
+        best = ranked[0] if ranked and ranked[0].planned and ranked[0].planned.fits else None
+        if best is None:
+            print(f"no layout tried fits {target.name}; try more chips, remat, or a smaller micro-batch")
+            return 1
+        print(f"best: {' '.join(best.overrides())}")
+        records = [as_record(c.planned) | {"overrides": c.overrides()} for c in ranked if c.planned]
+        _write(json_path, records)
+        return 0
+    planned = plan(cfg, target)
+    print(render(planned))
+    print(verdict(planned))
+    _write(json_path, as_record(planned))
+    return 0 if planned.fits else 1
+
+
+def _write(path: Optional[str], record) -> None:
+    if path:
+        Path(path).write_text(json.dumps(record, indent=2) + "\n")

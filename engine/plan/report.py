@@ -1,0 +1,300 @@
+"""One run compiled for a TPU target, and what the compiled programs say: memory per chip by
+part against the chip's HBM, the collectives over ICI and DCN, and the step time the analytic
+FLOPs give at a few MFUs. The run is built exactly as training builds it (engine/setup.py's
+plan_run and compile_plan), on the target's chips instead of this host's devices."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from engine import hlo
+from engine.axes import CONFIG_AXES
+from engine.config import Config
+from engine.errors import UsageError
+from engine.hlo import Collective, human_bytes
+from engine.setup import compile_plan, plan_run
+from engine.sharding import batch_shards, per_device_bytes
+from engine.tpu import Target
+from models import REGISTRY
+
+MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at
+
+
+@dataclass
+class Program:
+    """One compiled program's memory per chip (bytes)."""
+
+    name: str  # train or eval
+    params: int
+    optimizer: int
+    other_state: int  # model state, step, RNG, schedule numbers
+    batch: int  # the program's input batch (a train block of steps_per_block batches)
+    temporaries: int
+    total: int  # arguments + outputs - donated + temporaries + code
+    compile_seconds: float
+
+
+@dataclass
+class Planned:
+    """A run planned on a target."""
+
+    cfg: Config
+    target: Target
+    mesh: dict[str, int]  # axis → chips
+    dcn: dict[str, int]  # axis → how much of it crosses slices
+    hbm: int  # bytes per device
+    programs: list[Program] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)  # the train program's
+    steps_per_call: int = 1
+    flops_per_chip: float = 0.0  # analytic model FLOPs of one step, per chip
+    tokens_per_step: int = 0
+    refused: str = ""  # the compiler's own refusal (out of memory), if any
+
+    @property
+    def peak(self) -> int:
+        return max((p.total for p in self.programs), default=0)
+
+    @property
+    def fits(self) -> bool:
+        return not self.refused and self.peak <= self.hbm
+
+    def per_step(self, dcn: bool) -> float:
+        """Bytes per step and chip over DCN (or ICI), as each device sends them (ring algorithms)."""
+        return sum(c.ring_bytes * c.count for c in self.collectives if c.dcn == dcn) / self.steps_per_call
+
+    def step_seconds(self, mfu: float) -> float:
+        return self.flops_per_chip / (self.target.chip.peak_bf16 * mfu) if self.flops_per_chip else 0.0
+
+    def estimate_seconds(self) -> float:
+        """FLOPs at the chip's peak plus each collective's bytes at its network's bandwidth (no overlap)."""
+        chip = self.target.chip
+        return (
+            self.step_seconds(1.0)
+            + self.per_step(False) / chip.ici_bytes_per_second
+            + self.per_step(True) / chip.dcn_bytes_per_second
+        )
+
+
+def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
+    """Builds and compiles `cfg` for `target` (no chip used, no state allocated)."""
+    if cfg.mesh.backend != "jit":
+        raise UsageError("plan compiles the jit backend; set mesh.backend=jit (pmap runs one device per replica)")
+    _check_slices(cfg, target)
+    cfg.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
+    started = time.perf_counter()
+    program = plan_run(cfg, devices=target.devices)
+    mesh = program.mesh
+    planned = Planned(
+        cfg,
+        target,
+        {a: mesh.shape[a] for a in CONFIG_AXES},
+        {a: getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES},
+        target.chip.hbm_bytes // target.chip.devices_per_chip,
+        steps_per_call=cfg.train.steps_per_call,
+    )
+    try:
+        compiled = compile_plan(cfg, program, compile_train=True)
+    except Exception as e:  # the TPU compiler refuses a program that cannot fit: that is an answer, not a failure
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        planned.refused = str(e).splitlines()[0][:300]
+        return planned
+    seconds = time.perf_counter() - started
+    state = program.state.abstract
+    parts = dict(
+        params=per_device_bytes(state.params),
+        optimizer=per_device_bytes(state.opt_state),
+        other_state=per_device_bytes(state) - per_device_bytes(state.params) - per_device_bytes(state.opt_state),
+    )
+    block = _batch_bytes(program, program.shapes.steps_per_block)
+    planned.programs.append(_program("train", compiled.program, parts, block, seconds))
+    if compile_eval:
+        planned.programs.append(_program("eval", compiled.eval_step, parts, _batch_bytes(program, 0), 0.0))
+    slice_of = [getattr(d, "slice_index", 0) for d in mesh.devices.flat]
+    planned.collectives = hlo.program_collectives(compiled.program.as_text(), mesh.size, slice_of)
+    info, family = program.dataset.info, program.family
+    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state.params))
+    per_example = family.flops_per_example(cfg.model, info, num_params) or 0.0
+    planned.flops_per_chip = per_example * cfg.train.global_batch_size / mesh.size
+    planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info)
+    return planned
+
+
+def _check_slices(cfg: Config, target: Target) -> None:
+    across = math.prod(getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES)
+    if across != target.slices:
+        keys = " * ".join(f"mesh.dcn_{a}" for a in CONFIG_AXES)
+        raise UsageError(
+            f"--slices {target.slices} but the mesh puts {across} slice(s) side by side ({keys} = "
+            f"{across}); set the dcn_ keys to make {target.slices}, e.g. mesh.dcn_data={target.slices}"
+        )
+
+
+def _batch_bytes(program, steps: int) -> int:
+    """Bytes of one program input per chip: a train block of `steps` batches, or (0) an eval batch."""
+    shards = batch_shards(program.mesh)
+    rows = program.shapes.global_batch * steps if steps else program.shapes.eval_batch
+    return sum(rows * math.prod(a.shape[1:]) * a.dtype.itemsize for a in program.shapes.train_arrays.values()) // shards
+
+
+def _program(name: str, compiled, parts: dict, batch: int, seconds: float) -> Program:
+    m = compiled.memory_analysis()
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.generated_code_size_in_bytes
+    )
+    return Program(
+        name, parts["params"], parts["optimizer"], parts["other_state"], batch, m.temp_size_in_bytes, total, seconds
+    )
+
+
+def render(planned: Planned) -> str:
+    """The plan as text: mesh, memory per program, collectives, time, and the verdict."""
+    target, lines = planned.target, []
+    axes = [f"{a}={n} ({_links(planned, a, n)})" for a, n in planned.mesh.items() if n > 1]
+    lines.append(
+        f"target: {target.name}, {target.chips} chips of {human_bytes(planned.hbm)} HBM"
+        + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
+    )
+    lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
+    if planned.refused:
+        lines.append(f"the TPU compiler refused the train program: {planned.refused}")
+        return "\n".join(lines)
+    lines += _memory_table(planned)
+    lines += _collective_lines(planned)
+    lines += _time_lines(planned)
+    lines.append(
+        "compile: " + ", ".join(f"{p.name} {p.compile_seconds:.1f}s" for p in planned.programs if p.compile_seconds)
+    )
+    return "\n".join(lines)
+
+
+def _links(planned: Planned, axis: str, size: int) -> str:
+    """How an axis's devices talk: over ICI inside a slice, or its outer factor over DCN."""
+    across = planned.dcn[axis]
+    return f"DCN x{across}, ICI x{size // across}" if across > 1 else "ICI"
+
+
+def _memory_table(planned: Planned) -> list[str]:
+    header = ("per chip", "params", "optimizer", "other state", "batch", "temporaries", "total", "HBM", "headroom")
+    rows = [
+        (
+            p.name,
+            *(
+                human_bytes(v)
+                for v in (p.params, p.optimizer, p.other_state, p.batch, p.temporaries, p.total, planned.hbm)
+            ),
+            f"{(planned.hbm - p.total) / planned.hbm:+.0%}",
+        )
+        for p in planned.programs
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [header, *rows]
+    ]
+
+
+def _collective_lines(planned: Planned) -> list[str]:
+    kinds: dict[tuple[str, bool], list[Collective]] = {}
+    for c in planned.collectives:
+        kinds.setdefault((c.op, c.dcn), []).append(c)
+    lines = [
+        f"collectives per step (train; a device's share, ring algorithms): ICI "
+        f"{human_bytes(planned.per_step(False))}, DCN {human_bytes(planned.per_step(True))}"
+    ]
+    for (op, dcn), found in sorted(kinds.items()):
+        runs = sum(c.count for c in found) / planned.steps_per_call
+        size = sum(c.bytes * c.count for c in found) / planned.steps_per_call
+        lines.append(f"  {op:<19} {'DCN' if dcn else 'ICI'}  x{runs:g} per step, {human_bytes(size)} of buffers")
+    return lines
+
+
+def _time_lines(planned: Planned) -> list[str]:
+    if not planned.flops_per_chip:
+        return ["step time: the model family gives no FLOP formula"]
+    chip = planned.target.chip
+    cells = []
+    for mfu in MFUS:
+        seconds = planned.step_seconds(mfu)
+        tokens = f", {planned.tokens_per_step / seconds:,.0f} tokens/s" if planned.tokens_per_step else ""
+        cells.append(f"{mfu:.0%} MFU {seconds * 1e3:,.1f} ms{tokens}")
+    return [
+        f"analytic model FLOPs per chip per step: {planned.flops_per_chip:.4g} (peak {chip.peak_bf16 / 1e12:g} "
+        f"TFLOP/s bf16); step time at " + "; ".join(cells) + " (estimates: analytic FLOPs at an assumed MFU)"
+    ]
+
+
+def verdict(planned: Planned) -> str:
+    """One line: fits (with headroom), or does not, naming the largest parts and changes that would fit."""
+    if planned.fits:
+        return (
+            f"fits: {human_bytes(planned.peak)} per device of {human_bytes(planned.hbm)} "
+            f"({(planned.hbm - planned.peak) / planned.hbm:.0%} headroom)"
+        )
+    if planned.refused:
+        return f"does not fit: the TPU compiler refused the program ({planned.refused}); {_fixes(planned, None)}"
+    worst = max(planned.programs, key=lambda p: p.total)
+    parts = {
+        "parameters": worst.params,
+        "optimizer state": worst.optimizer,
+        "temporaries": worst.temporaries,
+        "batch": worst.batch,
+    }
+    largest = ", ".join(
+        f"{name} {human_bytes(size)}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    )
+    return (
+        f"does not fit: the {worst.name} program needs {human_bytes(worst.total)} per device of "
+        f"{human_bytes(planned.hbm)} ({largest}); {_fixes(planned, worst)}"
+    )
+
+
+def _fixes(planned: Planned, worst: Optional[Program]) -> str:
+    cfg, chips, fixes = planned.cfg, planned.target.chips, []
+    fsdp = planned.mesh["fsdp"]
+    state = worst.params + worst.optimizer if worst else 1
+    if fsdp < chips and (worst is None or state >= worst.temporaries):
+        wider = min(chips, fsdp * 4)
+        fixes.append(
+            f"mesh.fsdp={wider} with mesh.data={max(planned.mesh['data'] * fsdp // wider, 1)} (parameters "
+            f"and optimizer state over {wider} chips)"
+        )
+    family = REGISTRY[cfg.model.name]
+    if family.remat(cfg.model) not in (None, "full"):
+        fixes.append("model.remat=full (recompute activations)")
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    if micro // batch_shards_of(planned) >= 2:
+        fixes.append(f"train.grad_accum_steps={cfg.train.grad_accum_steps * 2} (a micro-batch of {micro // 2})")
+    return "try " + ", or ".join(fixes) if fixes else "use a larger target or a smaller model"
+
+
+def batch_shards_of(planned: Planned) -> int:
+    return int(np.prod([planned.mesh[a] for a in ("data", "fsdp", "expert")]))
+
+
+def as_record(planned: Planned) -> dict[str, Any]:
+    """The plan as JSON-ready numbers (--json, BENCHMARKS)."""
+    return {
+        "target": planned.target.name,
+        "chips": planned.target.chips,
+        "mesh": planned.mesh,
+        "fits": planned.fits,
+        "hbm_bytes": planned.hbm,
+        "refused": planned.refused,
+        "programs": [vars(p) for p in planned.programs],
+        "ici_bytes_per_step": planned.per_step(False),
+        "dcn_bytes_per_step": planned.per_step(True),
+        "flops_per_chip_step": planned.flops_per_chip,
+        "step_seconds": {f"{m:.0%}": planned.step_seconds(m) for m in MFUS},
+        "tokens_per_step": planned.tokens_per_step,
+    }

@@ -1,0 +1,218 @@
+"""TPU chips and pod targets as users name them (`v5p-128`, `v5e-256`, `v6e-64`, `v4-32`, or a
+shape such as `v5p:4x4x8`), and their published per-chip figures: one table.
+
+The TPU compiler (libtpu) describes any such topology on a host without TPUs
+(jax.experimental.topologies), so `launch.py plan` compiles for it here."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional
+
+from engine.errors import UsageError
+
+GiB = 2**30
+INSTALL = 'pip install -e ".[dev]"  (or: pip install "jax[tpu]"; the TPU compiler, libtpu)'
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One chip kind's published figures (Google Cloud TPU documentation, per chip)."""
+
+    name: str  # how users write it: v5p
+    topology: str  # the prefix libtpu's topology names take: "v5p" in v5p:2x2x2
+    kind: str  # jax's device_kind, e.g. "TPU v5" (what a device of it says)
+    hbm_bytes: int
+    peak_bf16: float  # FLOP/s
+    ici_bytes_per_second: float  # one direction, per chip (half the published bidirectional figure)
+    dcn_bytes_per_second: float  # per chip, across slices
+    dims: int  # the torus: 2 (v5e, v6e) or 3
+    cores_per_chip: int = 1  # TensorCores a pod name counts per chip (v4-32 and v5p-32 are 16 chips)
+    devices_per_chip: int = 1  # JAX devices per chip
+    chip_config: str = "default"  # libtpu's chip configuration (megacore: one device per chip of two cores)
+    sources: str = ""  # where the figures come from
+
+
+CHIPS: dict[str, Chip] = {
+    chip.name: chip
+    for chip in (
+        # v4: ICI 2,400 Gbps per chip (bidirectional); DCN not published per chip: v5p's 50 Gbps assumed
+        Chip(
+            "v4",
+            "v4",
+            "TPU v4",
+            32 * GiB,
+            275e12,
+            150e9,
+            6.25e9,
+            3,
+            cores_per_chip=2,
+            chip_config="megacore",
+            sources="cloud.google.com/tpu/docs/v4 (DCN assumed as v5p)",
+        ),
+        Chip(
+            "v5e",
+            "v5e",
+            "TPU v5 lite",
+            16 * GiB,
+            197e12,
+            200e9,
+            3.125e9,
+            2,
+            sources="cloud.google.com/tpu/docs/v5e: 400 GBps ICI, 2 x 100 Gbps NIC per 8 chips",
+        ),
+        Chip(
+            "v5p",
+            "v5p",
+            "TPU v5",
+            95 * GiB,
+            459e12,
+            600e9,
+            6.25e9,
+            3,
+            cores_per_chip=2,
+            chip_config="megacore",
+            sources="cloud.google.com/tpu/docs/v5p: 1,200 GBps ICI, 50 Gbps DCN per chip",
+        ),
+        Chip(
+            "v6e",
+            "v6e",
+            "TPU v6 lite",
+            32 * GiB,
+            918e12,
+            400e9,
+            12.5e9,
+            2,
+            sources="cloud.google.com/tpu/docs/v6e: 800 GBps ICI, 4 x 200 Gbps NIC per 8 chips",
+        ),
+        # Ironwood: two TensorCores per chip, each a JAX device; DCN assumed as v6e
+        Chip(
+            "tpu7x",
+            "tpu7x",
+            "TPU7x",
+            192 * GiB,
+            2307e12,
+            600e9,
+            12.5e9,
+            3,
+            cores_per_chip=2,
+            devices_per_chip=2,
+            sources="Google's Ironwood announcement: 4,614 TFLOP/s fp8 (bf16 half), 192 GB HBM (DCN assumed)",
+        ),
+    )
+}
+ALIASES = {"v5litepod": "v5e", "v6": "v6e", "v7x": "tpu7x", "ironwood": "tpu7x", "trillium": "v6e"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A pod slice (or several): the chip kind, its shape, and how many slices."""
+
+    chip: Chip
+    shape: tuple[int, ...]  # chips along each torus dimension
+    slices: int = 1
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.shape) * self.slices
+
+    @property
+    def topology_name(self) -> str:
+        return f"{self.chip.topology}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def name(self) -> str:
+        cores = math.prod(self.shape) * self.chip.cores_per_chip
+        slices = f" x {self.slices} slices" if self.slices > 1 else ""
+        return f"{self.chip.name}-{cores} ({self.topology_name}, {math.prod(self.shape)} chips){slices}"
+
+    @cached_property
+    def devices(self) -> list:
+        """The target's devices, as the TPU compiler describes them (no chip is used)."""
+        try:
+            from jax.experimental import topologies
+        except ImportError:  # pragma: no cover - jax always has it; libtpu may be missing
+            raise UsageError(f"the TPU compiler is not installed: {INSTALL}") from None
+        try:
+            with _quiet_stderr():  # libtpu prints start-up complaints about the missing TPU host
+                topology = topologies.get_topology_desc(
+                    platform="tpu",
+                    topology_name=self.topology_name,
+                    num_slices=self.slices,
+                    chip_config_name=self.chip.chip_config,
+                )
+        except Exception as e:  # libtpu missing, or a shape it refuses
+            text = str(e).splitlines()[0]
+            if "libtpu" in text.lower() or "plugin" in text.lower() or "not found" in text.lower():
+                raise UsageError(f"the TPU compiler could not be loaded ({text}); install it: {INSTALL}") from None
+            raise UsageError(f"--target {self.topology_name}: the TPU compiler refuses it ({text})") from None
+        return list(topology.devices)
+
+
+def chip_of(device) -> Optional[Chip]:
+    """The table's chip for a device (by its device_kind), or None."""
+    return next((chip for chip in CHIPS.values() if chip.kind == device.device_kind), None)
+
+
+def parse_target(text: str, slices: int = 1) -> Target:
+    """`v5p-128` (the pod name: TensorCores for v4/v5p, chips for v5e/v6e) or `v5p:4x4x8` (chips per
+    torus dimension); UsageError naming the accepted forms otherwise."""
+    if slices < 1:
+        raise UsageError(f"--slices {slices} must be 1 or more")
+    match = re.fullmatch(r"([a-z0-9]+)(?:-(\d+)|:(\d+(?:x\d+)*))", text.strip().lower())
+    chip = CHIPS.get(ALIASES.get(match.group(1), match.group(1))) if match else None
+    if match is None or chip is None:
+        names = ", ".join(CHIPS)
+        raise UsageError(
+            f"--target {text!r} is not a TPU target; write the pod name (e.g. v5p-128, v5e-256, v6e-64, "
+            f"v4-32) or a shape (e.g. v5p:4x4x8); chips: {names}"
+        )
+    if match.group(3):
+        shape = tuple(int(n) for n in match.group(3).split("x"))
+        if len(shape) != chip.dims or min(shape) < 1:
+            raise UsageError(
+                f"--target {text}: a {chip.name} slice has {chip.dims} dimensions, e.g. "
+                f"{chip.name}:{'x'.join(['2'] * chip.dims)}"
+            )
+        return Target(chip, shape, slices)
+    count = int(match.group(2))
+    if count % chip.cores_per_chip:
+        raise UsageError(
+            f"--target {text}: {chip.name} pod names count TensorCores, {chip.cores_per_chip} per chip; "
+            f"use a multiple of {chip.cores_per_chip}"
+        )
+    return Target(chip, slice_shape(chip, count // chip.cores_per_chip, text), slices)
+
+
+def slice_shape(chip: Chip, chips: int, text: str) -> tuple[int, ...]:
+    """The usual shape of a slice of `chips` chips: powers of two, as square (or cubic) as they go,
+    smaller dimensions first and a 1 last (v5p-8 → 2x2x1, v5p-256 → 4x4x8, v5e-32 → 4x8)."""
+    if chips < 1 or chips & (chips - 1):
+        raise UsageError(
+            f"--target {text}: {chips} chips is not a power of two; give the shape instead, e.g. "
+            f"{chip.name}:{'x'.join(['2'] * chip.dims)}"
+        )
+    shape = [1] * chip.dims
+    while math.prod(shape) < chips:
+        shape[shape.index(min(shape))] *= 2
+    return (*sorted(d for d in shape if d > 1), *(d for d in shape if d == 1))
+
+
+class _quiet_stderr:
+    """Sends file descriptor 2 to /dev/null for the duration (libtpu writes there from C++)."""
+
+    def __enter__(self):
+        import os
+
+        self.saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        import os
+
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
