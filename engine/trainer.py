@@ -153,6 +153,8 @@ def _open(
     starting("restoring")
     state, start, meta = initial_state(run, checkpointer)
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
+    if run.sync_each_step:  # XLA:CPU collectives: the init program must end before a step starts
+        jax.block_until_ready(state)
     barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # every process starts from one checkpoint
     if is_chief:
         goodput.redone_steps = drop_records_after(workdir / METRICS, start)

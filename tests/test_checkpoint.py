@@ -157,6 +157,7 @@ def test_checkpoint_truncated_mid_write_is_skipped(make_config, tmp_path, capfd)
     assert "checkpoints/30 is unreadable" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_all_checkpoints_corrupt_is_exit_2_and_nothing_deleted(tmp_path):
     workdir = tmp_path / "run"
     args = [
@@ -389,28 +390,26 @@ def test_device_staged_save_errors_reach_the_training_thread(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_at_seeded_random_moments_and_inside_a_save_is_bit_identical(tmp_path, uninterrupted):
-    """Killed the moment orbax is writing a save (its temporary directory is on disk), then at
-    seeded random moments of the re-runs (start-up, restore, training, saves): the last re-run
-    ends bit-identical to a run never stopped."""
+    """Killed with a save half written (its newest step put back as orbax leaves one mid-write:
+    under its temporary name, a file cut short), then at seeded random moments of the re-runs
+    (start-up, restore, training, saves): the last re-run ends bit-identical to a run never
+    stopped, and the half-written save is never read as whole."""
     import random
+    import shutil
 
     rng = random.Random(1123)
     workdir = tmp_path / "killed"
     proc = start_training(workdir)
-    partial = []
-    deadline = time.time() + 120
-    while not partial and proc.poll() is None and time.time() < deadline:
-        partial = (
-            list((workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
-            if (workdir / "checkpoints").is_dir()
-            else []
-        )
-        time.sleep(0.002)
+    wait_for_step(workdir, 40, proc)
     proc.kill()
     proc.wait()
-    assert partial, "no save was caught in progress"
-    moments = [rng.uniform(0.5, 8.0) for _ in range(3)]
-    for moment in moments:
+    checkpoints = workdir / "checkpoints"
+    newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    partial = checkpoints / f"{newest}.orbax-checkpoint-tmp-1795500000000000"
+    shutil.move(checkpoints / str(newest), partial)
+    largest = max((f for f in partial.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    for moment in [rng.uniform(0.5, 8.0) for _ in range(3)]:
         proc = start_training(workdir)
         time.sleep(moment)
         proc.kill()
@@ -418,4 +417,5 @@ def test_sigkill_at_seeded_random_moments_and_inside_a_save_is_bit_identical(tmp
     proc = start_training(workdir)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    assert (checkpoints / str(newest)).is_dir()  # that step was saved again, whole
     assert_same_run(workdir, uninterrupted)

@@ -70,6 +70,7 @@ def assert_same_training(make_config, args, layouts, steps=4):
         )
 
 
+@pytest.mark.slow
 def test_context_parallel_packed_documents_match_one_device(make_config, packed_corpus):
     """Packed documents (segment ids, positions restarting per document) over context 2, 4
     and 8, alone and with fsdp and tensor: the one-device losses and weights. (The Llama
@@ -88,6 +89,7 @@ def test_context_parallel_packed_documents_match_one_device(make_config, packed_
     )
 
 
+@pytest.mark.slow
 def test_moe_over_expert_axes_matches_one_device(make_config):
     """Top-2 of 8 experts with tokens over capacity dropped (factor 1.0), over expert 2, 4 and
     8, with fsdp, and with a shared expert and sigmoid router beside context and tensor (on
@@ -110,6 +112,7 @@ def test_moe_over_expert_axes_matches_one_device(make_config):
     )
 
 
+@pytest.mark.slow
 def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path):
     common = [*LLAMA, *MOE, "train.steps=4", "log.every_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0"]
     fit(
@@ -155,6 +158,7 @@ def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path
     assert extra == pytest.approx(6 * 16 * 2 * (2 * 3 * 32 * 48 + 32 * 8 - 3 * 32 * 48), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_routing_is_causal_a_token_keeps_its_experts_whatever_follows():
     """With experts over capacity, which tokens are dropped depends on earlier tokens only:
     changing the tokens after position t leaves the logits up to t as they were."""
@@ -189,6 +193,7 @@ def test_routing_is_causal_a_token_keeps_its_experts_whatever_follows():
     assert not np.allclose(after[:, 12:], before[:, 12:])
 
 
+@pytest.mark.slow
 def test_a_context_split_holds_a_fraction_of_the_activations(make_config):
     """XLA's memory estimate of the compiled step: a 512-token sequence over context 4 needs
     under 40% of one device's temporaries (keys and values are gathered whole)."""
@@ -200,6 +205,7 @@ def test_a_context_split_holds_a_fraction_of_the_activations(make_config):
     assert "all-gather" in found
 
 
+@pytest.mark.slow
 def test_an_expert_split_holds_its_share_of_the_experts_and_sends_tokens_by_all_to_all(make_config):
     run = build_run(make_config("llama_tiny", *LLAMA, *MOE, "mesh.data=2", "mesh.expert=4"))
     experts = {
@@ -238,6 +244,7 @@ def test_context_and_expert_mistakes_are_refused_by_key(make_config, overrides, 
         build_run(make_config("llama_tiny", *model, *overrides))
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_context_split_that_does_not_divide_with_exit_2(tmp_path):
     proc = run_cli(
         "--config",

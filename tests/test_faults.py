@@ -102,6 +102,7 @@ def _train(workdir, *extra):
     )
 
 
+@pytest.mark.slow
 def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
     workdir = tmp_path / "run"
     first = _train(workdir, "train.steps=1000000", "log.every_steps=10", "checkpoint.every_steps=50")
@@ -128,6 +129,7 @@ def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
     assert third.returncode == 0, third.stderr  # the OS released the lock with the process
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_set_aside_and_saved_again(tmp_path):
     """Before: resumed from the step before, then failed on every re-run with orbax's
     StepAlreadyExistsError when training reached the damaged step again."""
@@ -219,6 +221,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     assert (workdir / "checkpoints" / str(step)).is_dir()
 
 
+@pytest.mark.slow
 def test_bfloat16_parameters_train_resume_from_float32_and_an_optimizer_change_is_named(make_config, tmp_path):
     """param_dtype=bfloat16 trains (its Adam state keeps its dtype; b2=0.999 is not rounded to
     1.0), one or several steps per call alike; a float32 run resumes in bfloat16; a changed
@@ -500,6 +503,7 @@ def _fill(disk, leave: int) -> Path:
     return filler
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_freed(make_config, tmp_path, small_disk):
     """Before: 54 tracebacks, and a re-run while still full left a 0-byte metrics.tmp."""
     from engine.rundir import StorageError, read_records
@@ -534,6 +538,7 @@ def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_free
 RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_a_vectorised_group_with_one_error(make_config, small_disk):
     from engine.group import fit_group
     from engine.rundir import StorageError
@@ -654,6 +659,7 @@ def test_a_hung_data_reader_is_named_with_every_threads_stack(tmp_path):
     assert "in load" in stacks and "engine/data/sources.py" in stacks and "in _watch" in stacks  # every thread
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_starts_ends_the_job_with_one_line_not_sigabrt(tmp_path):
     """Before: process 0 waited the whole initialization timeout, then jaxlib aborted it
     (SIGABRT, exit 134) with a C++ stack."""

@@ -43,6 +43,7 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_resumes(make_config, t
     assert [step for step, _ in jsonl_scalars(workdir, "eval", "loss")] == [10, 20, 30]
 
 
+@pytest.mark.slow
 def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(make_config, tmp_path):
     """Before: without repeating training's train.steps=20 the watcher waited silently for the
     config file's step 1000."""
@@ -64,6 +65,7 @@ def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(m
     assert evaluated == [10, 20]
 
 
+@pytest.mark.slow
 def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_path):
     from conftest import run_cli
 
@@ -80,6 +82,7 @@ def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_pa
     assert "is not running" in proc.stderr and "newest checkpoint is step 20 of 30" in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_readme_serving_snippet_runs_as_written(tmp_path):
     """The export + serving commands of docs/checkpoints.md, in a fresh directory, as a user would paste them."""
     import re

@@ -107,6 +107,7 @@ def numpy_llama(cfg: LlamaConfig, params, tokens: np.ndarray, vocab: int) -> np.
     ],
     ids=["gqa", "tied-qknorm", "llama3-scaling-mqa"],
 )
+@pytest.mark.slow
 def test_logits_equal_a_numpy_implementation(extra):
     cfg = LlamaConfig(**{**TINY, **extra})
     cfg.validate()
@@ -145,6 +146,7 @@ def train_losses(run, steps, state=None):
     return losses
 
 
+@pytest.mark.slow
 def test_scan_changes_compile_work_not_losses(make_config):
     scanned = build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1"))
     unscanned = build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1", "model.scan_layers=false"))
@@ -163,6 +165,7 @@ def test_scan_changes_compile_work_not_losses(make_config):
     [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4"]],
     ids=["data2-fsdp2-tensor2", "fsdp2-tensor4-kv-replicated"],
 )
+@pytest.mark.slow
 def test_mesh_layouts_give_the_one_device_losses(make_config, layout):
     one = train_losses(build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1")), 4)
     run = build_run(make_config("mnist_mlp.yaml", *LLAMA, *layout))
@@ -172,6 +175,7 @@ def test_mesh_layouts_give_the_one_device_losses(make_config, layout):
     np.testing.assert_allclose(train_losses(run, 4), one, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_greedy_generation_with_the_cache_equals_argmax_without_it():
     cfg = LlamaConfig(**TINY)
     module, params, tokens = init(cfg)
@@ -232,6 +236,7 @@ def _hf_shape(name: str, cfg: LlamaConfig, vocab: int) -> tuple[int, ...]:
     return (d,)  # the RMSNorm scales
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", [1, 3])
 def test_hugging_face_import_then_export_is_bit_exact(tmp_path, shards):
     cfg = LlamaConfig(**{**TINY, "qk_norm": shards == 3})

@@ -56,6 +56,7 @@ def init(name, overrides, info):
 @pytest.mark.parametrize(
     "name, overrides, info, input_layer", CASES, ids=lambda c: str(c) if isinstance(c, str) and "/" not in c else None
 )
+@pytest.mark.slow
 def test_forward_and_backward(name, overrides, info, input_layer):
     spec, module, variables, batch = init(name, overrides, info)
     params = variables.pop("params")
@@ -129,6 +130,7 @@ def _lm_losses(module, variables, tokens, targets, fused: bool):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(), jnp.argmax(logits, -1) == targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 4])
 def test_fused_cross_entropy_equals_optax_on_full_logits(chunk):
     info = DataInfo("tokens", 8, 8, vocab_size=50, seq_len=12)
@@ -158,6 +160,7 @@ def test_fused_cross_entropy_equals_optax_on_full_logits(chunk):
     )
 
 
+@pytest.mark.slow
 def test_chunked_loss_keeps_less_in_memory():
     """With a large vocabulary the float32 logits dominate a step's temporaries; the fused
     loss keeps them once, the chunked one a piece at a time (from XLA's compiled estimate)."""

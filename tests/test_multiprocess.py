@@ -63,6 +63,7 @@ def one_process(workdir, config, *overrides, timeout=400):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
 def test_two_processes_match_one_process(tmp_path, model):
     config, *overrides = model
@@ -76,6 +77,7 @@ def test_two_processes_match_one_process(tmp_path, model):
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(a)], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_process_counts(tmp_path):
     config, *overrides = MLP
     args = [*overrides, "checkpoint.every_steps=4"]
@@ -97,6 +99,7 @@ def test_checkpoints_move_between_process_counts(tmp_path):
         np.testing.assert_allclose([losses[s] for s in range(5, 9)], [expected[s] for s in range(5, 9)], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tf_config_two_workers_train(tmp_path):
     from engine.launcher import free_port
 
@@ -168,6 +171,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
     workdir = tmp_path / "kill"
     launcher = subprocess.Popen(
@@ -276,6 +280,7 @@ def test_srun_two_processes_found_through_slurm(tmp_path):
     ],
     ids=["one-step-per-call", "four-steps-per-call-device-staging-ctrl-c"],
 )
+@pytest.mark.slow
 def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra, sig):
     """JAX's preemption sync point agrees on one exact step; with several steps per call every
     step is reported to it, and the stop comes at the end of the call that holds that step.
@@ -315,6 +320,7 @@ def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra
     assert (workdir / "checkpoints" / saved[0]).is_dir()
 
 
+@pytest.mark.slow
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     """SIGKILL to the local launcher: its workers (in their own sessions) get SIGTERM from the
     kernel, save at one agreed step and exit, instead of training on unattended."""

@@ -38,7 +38,7 @@ LAYOUTS = {
 
 
 def train_losses(run, steps):
-    state, losses = run.compiled.to_step_layout(run.init_state()), []
+    state, losses = jax.block_until_ready(run.compiled.to_step_layout(run.init_state())), []  # (CPU collectives)
     for step in range(steps):
         state, metrics = run.compiled.train_step(state, run.train_input(step))
         (metrics,) = unpack_metrics(jax.device_get(metrics))  # waits: CPU collectives must not overlap steps
@@ -46,6 +46,7 @@ def train_losses(run, steps):
     return np.array(losses), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
 def test_every_layout_matches_one_device(make_config, model):
     args = [*model, "optimizer.name=adam", "optimizer.learning_rate=3e-3"]

@@ -64,6 +64,7 @@ def train_steps(workdir) -> list[int]:
     return [r["step"] for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_tpe_with_the_median_pruner_stops_bad_trials_early_and_reports_importances(tmp_path):
     proc = start_sweep(sweep_file(tmp_path, 5, {"kind": "median", "startup_trials": 2, "warmup_steps": 10}))
     out, _ = proc.communicate(timeout=600)
@@ -90,6 +91,7 @@ def test_tpe_with_the_median_pruner_stops_bad_trials_early_and_reports_importanc
     assert "pruned" in (tmp_path / "sweep" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
     """Two sweep processes on one study: one is SIGKILLed during a trial (its trainer, in a
     session of its own, trains on); the other waits for that trainer and resumes the trial

@@ -45,6 +45,7 @@ def assert_trees_close(a, b, rtol):
         ],
     ],
 )
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(make_config, model):
     base = [
         "mesh.num_devices=1",
@@ -59,6 +60,7 @@ def test_grad_accumulation_equals_one_big_batch(make_config, model):
     assert_trees_close(big.params, accum.params, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_eager_mode_matches_jit(make_config):
     args = ["mesh.num_devices=1", "train.global_batch_size=16"]
     _, jitted = first_steps(build_run(make_config("mnist_mlp.yaml", *args)), 3)
@@ -102,6 +104,7 @@ def test_schedules_match_optax(kind, warmup, end):
         assert float(learning_rate_at(kind, step, hp)) == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_hyperparameters_are_inputs_not_constants(make_config, tmp_path):
     """Runs that differ only in learning rate, warm-up, weight decay, dropout rate or seed lower to the same
     programs, so the second run loads every one of them from the persistent compilation cache."""
@@ -146,6 +149,7 @@ def test_dropout_rate_input_takes_effect(make_config):
     assert none[0] != half[0]  # same compiled program, different rate in the state, different loss
 
 
+@pytest.mark.slow
 def test_model_flops_ignore_remat_chunking_and_accumulation(make_config):
     """MFU counts the model's FLOPs: recomputation (remat) and loops that XLA's cost analysis
     counts once (chunked loss, gradient accumulation) must not change the figure."""

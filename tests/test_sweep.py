@@ -205,6 +205,7 @@ def test_parallel_finishes_the_same_runs_as_sequential(tmp_path):
         assert a["final"]["eval/loss"] == pytest.approx(b["final"]["eval/loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
     path = write_sweep(
         tmp_path / "fail.yaml",

@@ -173,6 +173,7 @@ def test_packing_lays_documents_into_windows_in_order():
     assert len(unpacked) == 8 and set(unpacked[0]) == {"tokens"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "transformer"])
 def test_no_token_attends_across_a_document_boundary(model):
     """Changing one document leaves the losses of the other documents in its window unchanged."""
@@ -324,6 +325,7 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_read_their_own_rows_and_match_one_process(tmp_path, two_corpora):
     from test_multiprocess import local_job, one_process, train_losses
@@ -371,6 +373,7 @@ def test_malformed_token_data_settings_are_refused_by_key(tmp_path, overrides, m
         load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_of_packed_mixtures_equals_one_big_batch(make_config, tmp_path, two_corpora):
     """Microbatches count different numbers of targets when documents are packed: the
     accumulated gradient is still the whole batch's."""

@@ -51,6 +51,7 @@ def test_default_job_reaches_95_percent_and_writes_its_outputs(tmp_path):
     np.testing.assert_allclose([v for _, v in scalars["eval/accuracy"]], [r["accuracy"] for r in evals], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_written_config_alone_reproduces_the_run(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     args = ["train.steps=30", "log.every_steps=10", "log.progress=false"]
@@ -127,6 +128,7 @@ def test_dry_run_prints_layout_without_training(tmp_path):
     ],
     ids=["one-device", "data2-fsdp4-accum-scan"],
 )
+@pytest.mark.slow
 def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_path, overrides):
     """data.placement=device gathers each batch inside the step: the same batches, the same losses."""
     from engine.setup import build_run

@@ -51,6 +51,7 @@ def _losses(losses: dict) -> np.ndarray:
     return np.array([losses[step] for step in sorted(losses)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path, devices):
     """On one device, and on 8 with the trial axis on the mesh (4 trials x data=2)."""
@@ -77,6 +78,7 @@ def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path, dev
     assert len({round(float(_losses(t.losses)[-1]), 6) for t in trials}) == 4
 
 
+@pytest.mark.slow
 def test_a_vectorised_runs_checkpoint_resumes_alone(make_config, tmp_path):
     """A trial's checkpoints are a run's own: `launch.py train` continues one alone, exactly."""
     cfgs = [make_config("mnist_mlp.yaml", *COMMON, *v, workdir=tmp_path / f"v{i}") for i, v in enumerate(VARIANTS[:2])]
@@ -109,6 +111,7 @@ def test_a_diverging_run_stops_alone(make_config, tmp_path):
     assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
 
 
+@pytest.mark.slow
 def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_path, monkeypatch, capsys):
     """With room on the device for the step of 2 trials and not 3, a group of 4 trains as two
     groups of 2, one after the other, each run with the losses the group of 4 gives it."""
@@ -153,6 +156,7 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
     assert sorted(p.name for p in (tmp_path / "v3" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staging", ["host", "device"])
 def test_a_failed_save_stops_the_group(make_config, tmp_path, monkeypatch, staging):
     """A save that fails stops the group with one clear error. With checkpoint.staging=device
@@ -273,6 +277,7 @@ def _pids_running(sweep_file) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     """SIGKILL of the sweep and its group mid-way; the re-run resumes every run from its
     checkpoint and ends with the metrics of a sweep that never stopped (step 20's checkpoint
@@ -319,6 +324,7 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     assert [entry["status"] for entry in index] == ["finished"] * 4
 
 
+@pytest.mark.slow
 def test_a_preempted_vectorised_sweep_saves_every_run_and_exits_143(tmp_path):
     """SIGTERM to the sweep (a pod's preemption): the group saves every run at one step and
     exits 143, the runs are `interrupted`, and the re-run resumes them from that step."""

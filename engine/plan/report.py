@@ -5,10 +5,11 @@ plan_run and compile_plan), on the target's chips instead of this host's devices
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import jax
 import numpy as np
@@ -87,6 +88,7 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
         raise UsageError("plan compiles the jit backend; set mesh.backend=jit (pmap runs one device per replica)")
     _check_slices(cfg, target)
     cfg.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
+    cfg.train.compilation_cache_dir = ""
     started = time.perf_counter()
     program = plan_run(cfg, devices=target.devices)
     mesh = program.mesh
@@ -98,14 +100,6 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
         target.chip.hbm_bytes // target.chip.devices_per_chip,
         steps_per_call=cfg.train.steps_per_call,
     )
-    try:
-        compiled = compile_plan(cfg, program, compile_train=True)
-    except Exception as e:  # the TPU compiler refuses a program that cannot fit: that is an answer, not a failure
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        planned.refused = str(e).splitlines()[0][:300]
-        return planned
-    seconds = time.perf_counter() - started
     state = program.state.abstract
     parts = dict(
         params=per_device_bytes(state.params),
@@ -113,6 +107,17 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
         other_state=per_device_bytes(state) - per_device_bytes(state.params) - per_device_bytes(state.opt_state),
     )
     block = _batch_bytes(program, program.shapes.steps_per_block)
+    try:
+        with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
+            compiled = compile_plan(cfg, program, compile_train=True)
+    except Exception as e:  # the TPU compiler refuses a program that cannot fit: that is an answer, not a failure
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        planned.refused = str(e).splitlines()[0][:300]
+        refused = Program("train", parts["params"], parts["optimizer"], parts["other_state"], block, -1, -1, 0.0)
+        planned.programs.append(refused)
+        return planned
+    seconds = time.perf_counter() - started
     planned.programs.append(_program("train", compiled.program, parts, block, seconds))
     if compile_eval:
         planned.programs.append(_program("eval", compiled.eval_step, parts, _batch_bytes(program, 0), 0.0))
@@ -124,6 +129,22 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
     planned.flops_per_chip = per_example * cfg.train.global_batch_size / mesh.size
     planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info)
     return planned
+
+
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off (it decides once per process whether to use it:
+    reset, so that it asks again)."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.values["jax_enable_compilation_cache"]
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def _check_slices(cfg: Config, target: Target) -> None:
@@ -144,14 +165,13 @@ def _batch_bytes(program, steps: int) -> int:
 
 
 def _program(name: str, compiled, parts: dict, batch: int, seconds: float) -> Program:
+    """The program's memory per device: the whole train state (it stays on the devices for the
+    whole run, also where a program reads part of it: the compiler drops unused arguments),
+    the batch, the temporaries, outputs that reuse no donated buffer, and the code."""
     m = compiled.memory_analysis()
-    total = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.generated_code_size_in_bytes
-    )
+    state = parts["params"] + parts["optimizer"] + parts["other_state"]
+    extra = max(m.output_size_in_bytes - m.alias_size_in_bytes, 0) + m.generated_code_size_in_bytes
+    total = state + batch + m.temp_size_in_bytes + extra
     return Program(
         name, parts["params"], parts["optimizer"], parts["other_state"], batch, m.temp_size_in_bytes, total, seconds
     )
@@ -166,10 +186,10 @@ def render(planned: Planned) -> str:
         + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
     )
     lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
+    lines += _memory_table(planned)
     if planned.refused:
         lines.append(f"the TPU compiler refused the train program: {planned.refused}")
         return "\n".join(lines)
-    lines += _memory_table(planned)
     lines += _collective_lines(planned)
     lines += _time_lines(planned)
     lines.append(
@@ -186,17 +206,11 @@ def _links(planned: Planned, axis: str, size: int) -> str:
 
 def _memory_table(planned: Planned) -> list[str]:
     header = ("per chip", "params", "optimizer", "other state", "batch", "temporaries", "total", "HBM", "headroom")
-    rows = [
-        (
-            p.name,
-            *(
-                human_bytes(v)
-                for v in (p.params, p.optimizer, p.other_state, p.batch, p.temporaries, p.total, planned.hbm)
-            ),
-            f"{(planned.hbm - p.total) / planned.hbm:+.0%}",
-        )
-        for p in planned.programs
-    ]
+    rows = []
+    for p in planned.programs:
+        sizes = (p.params, p.optimizer, p.other_state, p.batch, p.temporaries, p.total, planned.hbm)
+        cells = [human_bytes(v) if v >= 0 else "refused" for v in sizes]  # (-1: the compiler gave no figure)
+        rows.append((p.name, *cells, f"{(planned.hbm - p.total) / planned.hbm:+.0%}" if p.total >= 0 else "-"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return [
         "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))

@@ -1,0 +1,154 @@
+"""`launch.py plan`: runs compiled for TPU pods by the TPU compiler (libtpu) on this CPU host.
+The figures come from the compiled programs; the tests check them against what the sharded
+state must hold, against the compiler's own refusal, and against the HLO's collectives."""
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from engine.config import load_config
+from engine.errors import UsageError
+from engine.plan import plan, render, verdict
+from engine.plan.search import search
+from engine.tpu import parse_target
+
+pytest.importorskip("libtpu", reason="the TPU compiler (libtpu) is not installed")
+
+TINY = ["train.steps_per_call=1", "data.steps_per_transfer=1"]
+
+
+def tiny(make_config, *overrides, **kwargs):
+    return make_config("llama_tiny.yaml", *TINY, *overrides, **kwargs)
+
+
+def sharded_bytes(program, layouts, mesh) -> int:
+    """What one chip holds of the parameters, from their PartitionSpecs alone."""
+    total = 0
+    for layout in layouts:
+        axes = [a for part in layout.spec for a in ((part,) if isinstance(part, str) else (part or ()))]
+        total += layout.nbytes // math.prod(mesh[a] for a in axes)
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slices", [1, 2], ids=["one-slice", "two-slices"])
+def test_llama_tiny_compiles_for_a_v5e_slice_and_its_state_bytes_are_the_sharded_state(make_config, slices):
+    """One and two slices of v5e-4 (data across slices, fsdp inside): both compile, and each
+    chip's parameter and optimizer bytes are those its PartitionSpecs give (Adam: two moments
+    of every parameter, in float32, beside a few scalars)."""
+    across = [f"mesh.dcn_data={slices}"] if slices > 1 else []
+    cfg = tiny(make_config, f"mesh.data={slices}", "mesh.fsdp=4", *across)
+    planned = plan(cfg, parse_target("v5e-4", slices))
+    assert planned.fits and planned.target.chips == 4 * slices
+    train = planned.programs[0]
+    from engine.setup import plan_run
+
+    shapes = plan_run(tiny(make_config, f"mesh.data={slices}", "mesh.fsdp=4", *across), devices=planned.target.devices)
+    expected = sharded_bytes(train, shapes.state.param_layouts, planned.mesh)
+    assert train.params == expected
+    assert 2 * expected <= train.optimizer <= 2 * expected + 1024
+    assert train.temporaries > 0 and train.total > train.params + train.optimizer
+    text = render(planned)
+    assert "fsdp=4 (ICI)" in text and ("data=2 (DCN x2, ICI x1)" in text if slices > 1 else True)
+
+
+@pytest.mark.slow
+def test_llama_1b_pure_data_parallel_does_not_fit_a_v5e_4_and_names_the_fix(tmp_path):
+    """Every chip would hold the whole model and its Adam state: the compiler refuses it; the
+    exit code is 1 after the table, and the line names fsdp over the four chips."""
+    proc = run_cli(
+        "plan",
+        "--config",
+        "configs/llama_1b.yaml",
+        "--target",
+        "v5e-4",
+        "mesh.data=4",
+        "mesh.fsdp=1",
+        "train.global_batch_size=8",
+        timeout=900,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "does not fit" in proc.stdout and "mesh.fsdp=4" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_llama_1b_with_fsdp_over_four_v5e_chips_fits(make_config):
+    """(With remat=dots the saved attention scores of XLA's attention take 13 GiB and it does not.)"""
+    cfg = make_config("llama_1b.yaml", "mesh.data=1", "mesh.fsdp=4", "train.global_batch_size=8", "model.remat=full")
+    planned = plan(cfg, parse_target("v5e-4"))
+    assert planned.fits, verdict(planned)
+    assert planned.peak > 8 * 2**30  # the state alone: 1.24B parameters x 12 bytes / 4 chips
+    assert verdict(planned).startswith("fits:")
+
+
+def dcn_ops(planned) -> set[str]:
+    return {c.op for c in planned.collectives if c.dcn}
+
+
+@pytest.mark.slow
+def test_across_two_slices_only_the_data_gradient_reduction_crosses_the_slower_network(make_config):
+    """Data across 2 slices, fsdp inside each: every collective whose devices sit in more than
+    one slice is a reduction (the gradients over data); the ICI collectives each stay inside a
+    slice. Putting fsdp across the slices instead sends parameter all-gathers over DCN."""
+    inside = plan(tiny(make_config, "mesh.data=2", "mesh.fsdp=4", "mesh.dcn_data=2"), parse_target("v5e-4", 2))
+    assert dcn_ops(inside) == {"all-reduce"}
+    slice_of = [d.slice_index for d in inside.target.devices]
+    for collective in inside.collectives:
+        if not collective.dcn and collective.groups:
+            assert all(len({slice_of[d] for d in group}) == 1 for group in collective.groups)
+    across = plan(tiny(make_config, "mesh.data=2", "mesh.fsdp=4", "mesh.dcn_fsdp=2"), parse_target("v5e-4", 2))
+    assert dcn_ops(across) - {"all-reduce"}, "fsdp across slices gathers parameters over DCN"
+    assert across.per_step(dcn=True) > inside.per_step(dcn=True)
+
+
+@pytest.mark.slow
+def test_search_ranks_a_fitting_layout_whose_overrides_train_with_the_default_losses(make_config, tmp_path):
+    from test_parallel import train_losses
+
+    from engine.setup import build_run
+
+    cfg = tiny(make_config)
+    ranked = search(cfg, parse_target("v5e-8"), compiles=2, say=lambda text: None)
+    assert ranked and ranked[0].planned.fits
+    best = ranked[0].overrides()
+    reference, _ = train_losses(build_run(tiny(make_config, workdir=tmp_path / "default")), 3)
+    losses, _ = train_losses(build_run(tiny(make_config, *best, workdir=tmp_path / "best")), 3)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "v9-8"], "is not a TPU target"),
+        (["--target", "v5p-12"], "6 chips is not a power of two"),
+        (["--target", "v5e-4", "--slices", "2"], "--slices 2 but the mesh puts 1 slice(s) side by side"),
+        (["--target", "v5e-4", "mesh.data=3"], "uses 3 devices but 4 are in use"),
+    ],
+    ids=["bad-name", "not-a-slice", "slices-without-dcn", "mesh-not-the-chips"],
+)
+def test_bad_targets_and_meshes_are_one_line_and_exit_2(args, message):
+    proc = run_cli("plan", "--config", str(ROOT / "configs" / "mnist_mlp.yaml"), *args, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_pod_names_count_cores_for_v4_and_v5p_and_chips_for_v5e_and_v6e():
+    assert parse_target("v5p-128").topology_name == "v5p:4x4x4"
+    assert parse_target("v4-32").topology_name == "v4:2x2x4"
+    assert parse_target("v5e-256").topology_name == "v5e:16x16"
+    assert parse_target("v6e-64").topology_name == "v6e:8x8"
+    assert parse_target("v5p:4x4x8", 2).chips == 256
+    with pytest.raises(UsageError, match="2 dimensions"):
+        parse_target("v5e:2x2x2")
+
+
+def test_the_mfu_table_is_the_analytic_flops_at_the_chips_peak(make_config):
+    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", TINY, "/tmp/unused")
+    from engine.plan.report import Planned
+
+    planned = Planned(cfg, parse_target("v5p-8"), {}, {}, 0, flops_per_chip=459e12, tokens_per_step=4096)
+    assert planned.step_seconds(0.5) == pytest.approx(2.0)  # 459 TFLOP at half of 459 TFLOP/s
