@@ -147,7 +147,7 @@ class Target:
                 )
         except Exception as e:  # libtpu missing, or a shape it refuses
             text = str(e).splitlines()[0]
-            if "libtpu" in text.lower() or "plugin" in text.lower() or "not found" in text.lower():
+            if any(word in text.lower() for word in ("libtpu", "plugin", "not found", "not installed")):
                 raise UsageError(f"the TPU compiler could not be loaded ({text}); install it: {INSTALL}") from None
             raise UsageError(f"--target {self.topology_name}: the TPU compiler refuses it ({text})") from None
         return list(topology.devices)

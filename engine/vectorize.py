@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -42,10 +42,12 @@ TRIAL = "trial"  # the mesh axis over trials
 MEMORY_FRACTION = 0.9  # of one device's memory that a group's compiled steps may plan to use
 
 
-def group_mesh(cfg: Config, trials: int) -> Mesh:
-    """The devices as a mesh with a trial axis: the most trials side by side that divide both
-    the trials and the devices while each trial's share still takes the config's mesh."""
-    count = num_devices(cfg.mesh)
+def group_mesh(cfg: Config, trials: int, devices: Optional[Sequence] = None) -> Mesh:
+    """The devices (this host's in use, or `devices`: a TPU topology's) as a mesh with a trial
+    axis: the most trials side by side that divide both the trials and the devices while each
+    trial's share still takes the config's mesh."""
+    devices = list(devices) if devices is not None else jax.devices()[: num_devices(cfg.mesh)]
+    count = len(devices)
     for split in sorted(
         (d for d in range(1, math.gcd(count, trials) + 1) if count % d == 0 == trials % d), reverse=True
     ):
@@ -55,7 +57,7 @@ def group_mesh(cfg: Config, trials: int) -> Mesh:
             if split == 1:
                 raise
             continue
-        return build_mesh({TRIAL: split, **sizes}, {}, jax.devices()[:count])
+        return build_mesh({TRIAL: split, **sizes}, {}, devices)
     raise AssertionError("split=1 always returns or raises")
 
 
@@ -135,19 +137,18 @@ def _check_group(cfgs: list[Config]) -> None:
             )
 
 
-def build_group(cfgs: list[Config]) -> Group:
-    """Plans the first run on a mesh with a trial axis and compiles its steps under vmap."""
+def build_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> Group:
+    """Plans the first run on a mesh with a trial axis and compiles its steps under vmap
+    (`devices`: a TPU topology's, for `launch.py sweep --plan`)."""
     _check_group(cfgs)
     first, trials = cfgs[0], len(cfgs)
-    mesh = group_mesh(first, trials)
+    mesh = group_mesh(first, trials, devices)
     plan = plan_run(first, mesh)
     trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)), plan.state.shardings)
     shared = len({cfg.seed for cfg in cfgs}) == 1  # one data order
     rows = np.arange(first.train.global_batch_size)
     batches = [train_batches(cfg, plan, rows) for cfg in (cfgs[:1] if shared else cfgs)]
-    states = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s), plan.state.abstract, trial_shardings
-    )
+    states = _stacked(plan.state.abstract, trial_shardings, trials)
     lead: dict[str, Any] = {} if shared else {"block_lead": (trials,), "block_lead_axes": (TRIAL,)}
     shapes = dataclasses.replace(plan.shapes, state=states, state_shardings=trial_shardings, **lead)
     block_axes = None if shared else 0
@@ -161,6 +162,17 @@ def build_group(cfgs: list[Config]) -> Group:
     compiled = compile_jit(mesh, shapes, step, evaluate, stages=plan.stages)
     cost = plan_cost(first, plan, compiled, copies=trials)
     return Group(cfgs, plan, mesh, compiled, trial_shardings, batches, cost)
+
+
+def stacked_states(group: Group):
+    """The group's train states as one abstract tree: the trial axis in front."""
+    return _stacked(group.plan.state.abstract, group.trial_shardings, len(group.cfgs))
+
+
+def _stacked(abstract, trial_shardings, trials: int):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s), abstract, trial_shardings
+    )
 
 
 class TooBig(Exception):
@@ -194,13 +206,7 @@ def check_fits(group: Group) -> None:
         return
     need = max(program_bytes(group.compiled.program), program_bytes(group.compiled.eval_step))
     if group.cfgs[0].checkpoint.staging == "device":  # the saves take every trial's slice at once
-        need += per_device_bytes(
-            jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct((trials, *x.shape), x.dtype, sharding=s),
-                group.plan.state.abstract,
-                group.trial_shardings,
-            )
-        )
+        need += per_device_bytes(stacked_states(group))
     room = MEMORY_FRACTION * device_memory_bytes(group.mesh)
     if need <= room:
         return

@@ -3,6 +3,7 @@ The figures come from the compiled programs; the tests check them against what t
 state must hold, against the compiler's own refusal, and against the HLO's collectives."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -152,3 +153,36 @@ def test_the_mfu_table_is_the_analytic_flops_at_the_chips_peak(make_config):
 
     planned = Planned(cfg, parse_target("v5p-8"), {}, {}, 0, flops_per_chip=459e12, tokens_per_step=4096)
     assert planned.step_seconds(0.5) == pytest.approx(2.0)  # 459 TFLOP at half of 459 TFLOP/s
+
+
+@pytest.mark.slow
+def test_a_sweep_plans_each_distinct_program_its_vectorised_groups_included(tmp_path):
+    """Four runs, two compiled programs (the layer count differs), vectorised two at a time:
+    two plans, each of a group of two trials."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\ndirectory: {tmp_path / 'out'}\n"
+        "overrides: {train.steps_per_call: 1, mesh.data: 1, mesh.fsdp: 4}\n"
+        "grid: {optimizer.learning_rate: [0.001, 0.003], model.num_layers: [2, 4]}\nvectorize: 2\n"
+    )
+    proc = run_cli("sweep", str(sweep), "--plan", "--target", "v5e-4", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("(+1 vectorised): fits") == 2, proc.stdout
+    assert "plan: 2 distinct program(s) of 4 runs" in proc.stdout
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing trained
+
+
+def test_without_the_tpu_compiler_plan_says_how_to_install_it():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['libtpu'] = None\n"  # as if libtpu were not installed
+        "from engine.cli import main; sys.exit(main(['plan', '--config', 'mnist_mlp', '--target', 'v5e-4']))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"}  # (set by jax once libtpu loaded)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 2, done.stderr
+    assert 'install it: pip install -e ".[dev]"' in done.stderr and "Traceback" not in done.stderr

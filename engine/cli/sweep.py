@@ -23,6 +23,13 @@ def parser() -> argparse.ArgumentParser:
         help="local processes, or one SLURM job array (sbatch)",
     )
     p.add_argument("--retry-failed", action="store_true", help="run failed runs again")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="train nothing: compile every distinct program of the sweep for --target (launch.py plan)",
+    )
+    p.add_argument("--target", metavar="TOPOLOGY", help="with --plan: a TPU slice, e.g. v5p-128 or v5e:4x4")
+    p.add_argument("--slices", type=int, default=1, metavar="N", help="with --plan: slices of that shape")
     p.add_argument("--run-task", type=int, help=argparse.SUPPRESS)  # inside a SLURM array task
     p.add_argument("--task-runs", help=argparse.SUPPRESS)
     p.add_argument("--run-group", help=argparse.SUPPRESS)  # a vectorised group, in the sweep's child
@@ -34,7 +41,7 @@ def trains(argv: list[str]) -> bool:
 
 
 def runs_jax(args) -> bool:
-    return bool(args.run_group)  # a sweep's own process (its runs are children) never loads jax
+    return bool(args.run_group or args.plan)  # a sweep's own process (its runs are children) never loads jax
 
 
 def run(args, argv: list[str]) -> int:
@@ -43,6 +50,15 @@ def run(args, argv: list[str]) -> int:
 
     if args.parallel < 1:
         raise UsageError(f"--parallel {args.parallel} must be at least 1")
+    if args.plan or args.target:
+        if not (args.plan and args.target):
+            raise UsageError("--plan and --target go together: launch.py sweep SWEEP.yaml --plan --target v5p-128")
+        from engine.plan.sweeps import plan_sweep
+        from engine.sweep import load_sweep, validate_runs
+
+        sweep = load_sweep(args.sweep_file)
+        validate_runs(sweep)
+        return plan_sweep(sweep, args.target, args.slices)
     return sweep_main(
         args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task, args.task_runs, args.run_group
     )

@@ -9,7 +9,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -82,17 +82,70 @@ class Planned:
         )
 
 
-def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
-    """Builds and compiles `cfg` for `target` (no chip used, no state allocated)."""
+def plan(cfg: Config, target: Target, compile_eval: bool = True, group: Sequence[Config] = ()) -> Planned:
+    """Builds and compiles `cfg` for `target` (no chip used, no state allocated); with `group`,
+    the vectorised program of those runs (a sweep's, engine/vectorize.py) instead."""
     if cfg.mesh.backend != "jit":
         raise UsageError("plan compiles the jit backend; set mesh.backend=jit (pmap runs one device per replica)")
     _check_slices(cfg, target)
-    cfg.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
-    cfg.train.compilation_cache_dir = ""
-    started = time.perf_counter()
+    for each in [cfg, *group]:
+        each.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
+        each.train.compilation_cache_dir = ""
+    copies, started = max(len(group), 1), time.perf_counter()
+    try:
+        with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
+            program, compiled, state, block = _compile(cfg, target, group)
+    except _Refused as refused:
+        planned = _planned(cfg, target, refused.program.mesh)
+        planned.refused = refused.text
+        params, optimizer, other, block = refused.parts
+        planned.programs.append(Program("train", params, optimizer, other, block, -1, -1, 0.0))
+        return planned
+    planned = _planned(cfg, target, program.mesh)
+    parts = _parts(state)
+    planned.programs.append(_program("train", compiled.program, (*parts, block), time.perf_counter() - started))
+    if compile_eval:
+        planned.programs.append(_program("eval", compiled.eval_step, (*parts, _batch_bytes(program, 0)), 0.0))
+    slice_of = [getattr(d, "slice_index", 0) for d in program.mesh.devices.flat]
+    planned.collectives = hlo.program_collectives(compiled.program.as_text(), program.mesh.size, slice_of)
+    info, family = program.dataset.info, program.family
+    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(program.state.abstract.params))
+    per_example = family.flops_per_example(cfg.model, info, num_params) or 0.0
+    planned.flops_per_chip = per_example * cfg.train.global_batch_size * copies / program.mesh.size
+    planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
+    return planned
+
+
+class _Refused(Exception):
+    """The TPU compiler refused the program (out of memory): an answer, not a failure."""
+
+    def __init__(self, text: str, program, parts: tuple[int, int, int, int]):
+        super().__init__(text)
+        self.text, self.program, self.parts = text, program, parts
+
+
+def _compile(cfg: Config, target: Target, group: Sequence[Config]):
+    """(the plan, its compiled steps, the abstract state they take (a group's stacked states), and
+    the bytes of a train block per device (each of a group's data orders))."""
+    if len(group) > 1:
+        from engine.vectorize import build_group, stacked_states
+
+        built = build_group(list(group), devices=target.devices)
+        block = _batch_bytes(built.plan, built.plan.shapes.steps_per_block) * len(built.batches)
+        return built.plan, built.compiled, stacked_states(built), block
     program = plan_run(cfg, devices=target.devices)
-    mesh = program.mesh
-    planned = Planned(
+    block = _batch_bytes(program, program.shapes.steps_per_block)
+    try:
+        return program, compile_plan(cfg, program, compile_train=True), program.state.abstract, block
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        parts = (*_parts(program.state.abstract), block)
+        raise _Refused(str(e).splitlines()[0][:300], program, parts) from None
+
+
+def _planned(cfg: Config, target: Target, mesh) -> Planned:
+    return Planned(
         cfg,
         target,
         {a: mesh.shape[a] for a in CONFIG_AXES},
@@ -100,35 +153,12 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True) -> Planned:
         target.chip.hbm_bytes // target.chip.devices_per_chip,
         steps_per_call=cfg.train.steps_per_call,
     )
-    state = program.state.abstract
-    parts = dict(
-        params=per_device_bytes(state.params),
-        optimizer=per_device_bytes(state.opt_state),
-        other_state=per_device_bytes(state) - per_device_bytes(state.params) - per_device_bytes(state.opt_state),
-    )
-    block = _batch_bytes(program, program.shapes.steps_per_block)
-    try:
-        with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
-            compiled = compile_plan(cfg, program, compile_train=True)
-    except Exception as e:  # the TPU compiler refuses a program that cannot fit: that is an answer, not a failure
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        planned.refused = str(e).splitlines()[0][:300]
-        refused = Program("train", parts["params"], parts["optimizer"], parts["other_state"], block, -1, -1, 0.0)
-        planned.programs.append(refused)
-        return planned
-    seconds = time.perf_counter() - started
-    planned.programs.append(_program("train", compiled.program, parts, block, seconds))
-    if compile_eval:
-        planned.programs.append(_program("eval", compiled.eval_step, parts, _batch_bytes(program, 0), 0.0))
-    slice_of = [getattr(d, "slice_index", 0) for d in mesh.devices.flat]
-    planned.collectives = hlo.program_collectives(compiled.program.as_text(), mesh.size, slice_of)
-    info, family = program.dataset.info, program.family
-    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state.params))
-    per_example = family.flops_per_example(cfg.model, info, num_params) or 0.0
-    planned.flops_per_chip = per_example * cfg.train.global_batch_size / mesh.size
-    planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info)
-    return planned
+
+
+def _parts(state) -> tuple[int, int, int]:
+    """(parameters, optimizer state, the rest of the train state): bytes per device."""
+    params, optimizer = per_device_bytes(state.params), per_device_bytes(state.opt_state)
+    return params, optimizer, per_device_bytes(state) - params - optimizer
 
 
 @contextlib.contextmanager
@@ -164,17 +194,15 @@ def _batch_bytes(program, steps: int) -> int:
     return sum(rows * math.prod(a.shape[1:]) * a.dtype.itemsize for a in program.shapes.train_arrays.values()) // shards
 
 
-def _program(name: str, compiled, parts: dict, batch: int, seconds: float) -> Program:
+def _program(name: str, compiled, parts: tuple, seconds: float) -> Program:
     """The program's memory per device: the whole train state (it stays on the devices for the
     whole run, also where a program reads part of it: the compiler drops unused arguments),
     the batch, the temporaries, outputs that reuse no donated buffer, and the code."""
     m = compiled.memory_analysis()
-    state = parts["params"] + parts["optimizer"] + parts["other_state"]
+    params, optimizer, other, batch = parts
     extra = max(m.output_size_in_bytes - m.alias_size_in_bytes, 0) + m.generated_code_size_in_bytes
-    total = state + batch + m.temp_size_in_bytes + extra
-    return Program(
-        name, parts["params"], parts["optimizer"], parts["other_state"], batch, m.temp_size_in_bytes, total, seconds
-    )
+    total = params + optimizer + other + batch + m.temp_size_in_bytes + extra
+    return Program(name, params, optimizer, other, batch, m.temp_size_in_bytes, total, seconds)
 
 
 def render(planned: Planned) -> str:
