@@ -52,6 +52,12 @@ def _check_context(ctx: AxisContext, size: int) -> None:
         )
 
 
+def _check_pipeline(ctx: AxisContext, size: int) -> None:
+    from engine.pipeline import check_pipeline  # (jax: only a run being built checks its axes)
+
+    check_pipeline(ctx, size)
+
+
 def _check_expert(ctx: AxisContext, size: int) -> None:
     experts = ctx.family.num_experts(ctx.model)
     if experts % size:
@@ -63,6 +69,16 @@ def _check_expert(ctx: AxisContext, size: int) -> None:
 
 AXES: tuple[MeshAxis, ...] = (  # outer to inner: the innermost axes get the closest devices
     MeshAxis("trial", "vectorised runs side by side (a sweep's `vectorize:`)", configured=False),
+    MeshAxis(
+        "pipeline",
+        "pipeline stages: the layer stack split into consecutive groups of layers, micro-batches flowing "
+        "through them (pipeline.schedule, train.microbatches)",
+        params=("layers",),
+        activations=("stage",),
+        needs="a layer stack (llama with model.scan_layers=true)",
+        supported=lambda ctx: ctx.family.layer_stack(ctx.model) > 0,
+        check=lambda ctx, size: _check_pipeline(ctx, size),
+    ),
     MeshAxis("data", "data-parallel replicas (-1 = all remaining devices)", default=-1, batch=True),
     MeshAxis(
         "fsdp",
@@ -109,7 +125,7 @@ STRICT_AXES = tuple(axis.name for axis in AXES if axis.strict)
 # grouped-query K/V heads fewer than the tensor devices are replicated (as Megatron does), not refused
 LENIENT_LOGICAL = ("kv_heads",)
 # logical parameter axes no axis shards by default (users may add rules for them)
-UNSHARDED_LOGICAL = ("kv", "layers", "classes")
+UNSHARDED_LOGICAL = ("kv", "classes")
 
 
 def default_rules() -> dict[str, list[str]]:

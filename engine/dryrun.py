@@ -9,6 +9,8 @@ import jax
 from engine import hlo
 from engine.config import Config
 from engine.hlo import human_bytes
+from engine.pipeline import describe as describe_pipeline
+from engine.pipeline import stage_plan
 from engine.setup import Run, build_run
 from engine.sharding import per_device_bytes
 
@@ -55,9 +57,11 @@ def dry_run_report(run: Run) -> str:
     if run.compiled.program is not None:  # what the layout makes each device send per step
         found = hlo.hlo_collectives(run.compiled.program.as_text(), run.mesh.size)
         lines.append(
-            f"collectives in the compiled step (per device; one inside a loop, such as the scanned "
-            f"layers, counted once): {hlo.summary(found)}"
+            f"collectives in one call of the compiled step (a loop's run once per iteration): {hlo.summary(found)}"
         )
+    plan = stage_plan(cfg, run.mesh.shape["pipeline"])
+    if plan.stages > 1:
+        lines.append(describe_pipeline(plan, run.model.family.layer_stack(cfg.model)))
     flops = run.cost.flops_per_device_step
     lines.append(
         f"model FLOPs per step ({run.cost.source}): {flops:.4g} per device, {flops * run.mesh.size:.4g} in "

@@ -8,6 +8,8 @@ differ only inside engine/backends.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import sys
@@ -30,6 +32,8 @@ from engine.errors import UsageError
 from engine.mesh import make_mesh
 from engine.optim import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.perf import StepCost, enable_compilation_cache, step_cost
+from engine.pipeline import layouts as pipeline_layouts
+from engine.pipeline import stage_plan, storage_order
 from engine.process import compile_cache_events
 from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step, split_variables
 from engine.tpu import chip_of
@@ -266,8 +270,19 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
         eval_batch_size,
         resident=resident_bytes > 0,
     )
+    stages = stage_plan(cfg, mesh.shape["pipeline"])
     return Plan(
-        mesh, dataset, family, module, tx, state, train_step, make_eval_step(loss_fn, pmap_axis), shapes, resident_bytes
+        mesh,
+        dataset,
+        family,
+        module,
+        tx,
+        state,
+        train_step,
+        make_eval_step(loss_fn, pmap_axis),
+        shapes,
+        resident_bytes,
+        stages,
     )
 
 
@@ -287,7 +302,32 @@ def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compile
     """The plan's steps compiled for its mesh by the config's backend (jit or pmap)."""
     compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
     train_step = plan.train_step if compile_train else None
-    return compile_fn(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager, stages=plan.stages)
+    compiled = compile_fn(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager, stages=plan.stages)
+    order = storage_order(plan.stages, plan.family.layer_stack(cfg.model))
+    if order is None:
+        return compiled
+    # a circular pipeline stores its layers stage-major; checkpoints keep the layers' order
+    flags = functools.partial(_stacked_leaves, plan.state.param_layouts, plan.tx)
+    to_step, from_step = pipeline_layouts(order, flags, plan.state.shardings)
+    return dataclasses.replace(compiled, to_step_layout=to_step, from_step_layout=from_step)
+
+
+def _stacked_leaves(param_layouts: list, tx, state: TrainState) -> TrainState:
+    """True for the leaves of `state` with a stacked-layers leading axis (parameters and their
+    optimizer moments), False for the rest."""
+    flags = iter(layout.logical[:1] == ("layers",) for layout in param_layouts)
+    params = jax.tree.map(lambda _: next(flags), state.params)
+    opt_state = optax.tree_map_params(
+        tx, lambda _, flag: flag, state.opt_state, params, transform_non_params=lambda _: False
+    )
+    return TrainState(
+        step=False,
+        params=params,
+        model_state=jax.tree.map(lambda _: False, state.model_state),
+        opt_state=opt_state,
+        rng=False,
+        hparams=jax.tree.map(lambda _: False, state.hparams),
+    )
 
 
 def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> StepCost:

@@ -27,12 +27,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from contract.activations import activation_splits, constrain
+from contract.activations import activation_splits, constrain, stage_plan
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
 from models.family import Family, NextToken
 from models.layers import LMHead, fused_cross_entropy, normal_kernel, param_init
 from models.moe import MoE
+from models.pipeline import run_pipeline
 from models.transformer import REMAT_POLICIES
 
 
@@ -218,7 +219,10 @@ class Llama(nn.Module):
             embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")),
         )
         x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
-        if cfg.scan_layers:
+        plan = stage_plan()
+        if cfg.scan_layers and plan.stages > 1 and not self.is_initializing() and not self.decode:
+            x = self._pipelined(x, positions, segment_ids, plan)
+        elif cfg.scan_layers:
             layers = nn.scan(
                 ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "aux": 0},
@@ -242,6 +246,18 @@ class Llama(nn.Module):
         else:
             head = LMHead(cfg.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         return head(x) if targets is None else head.loss(x, targets, cfg.loss_chunk)
+
+    def _pipelined(self, x, positions, segment_ids, plan):
+        """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""
+        cfg = self.cfg
+        block = Block(cfg, self.dtype, self.param_dtype, self.attention, False, False)
+
+        def layer(params, h, pos, seg):
+            return block.apply({"params": params}, h, pos, seg)
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+        return run_pipeline(layer, self.variables["params"]["layers"]["block"], x, positions, segment_ids, plan)
 
 
 class _TiedHead:

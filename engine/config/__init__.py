@@ -13,6 +13,7 @@ from engine.config.schema import (
     LogConfig,
     MeshConfig,
     OptimizerConfig,
+    PipelineConfig,
     TrainConfig,
     WatchdogConfig,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "LogConfig",
     "MeshConfig",
     "OptimizerConfig",
+    "PipelineConfig",
     "TrainConfig",
     "WatchdogConfig",
     "choice_message",

@@ -48,6 +48,11 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: vectorize trains runs as one jit-compiled program; set mesh.backend=jit and "
             f"train.eager=false, or remove vectorize"
         )
+    if cfg.mesh.pipeline != 1:
+        raise UsageError(
+            f"{where}: vectorize trains runs side by side over the devices; a pipeline "
+            f"(mesh.pipeline={cfg.mesh.pipeline}) is not vectorised: remove vectorize, or set mesh.pipeline=1"
+        )
     if cfg.checkpoint.restore_from:
         raise UsageError(
             f"{where}: vectorized runs start from scratch or their own checkpoints, not "

@@ -97,6 +97,12 @@ class TrainConfig:
         "eval and checkpoint",
         at_least=1,
     )
+    microbatches: int = option(
+        0,
+        "mesh.pipeline > 1: micro-batches each step's batch flows through the stages in (0 = one per stage); "
+        "at least the stages",
+        at_least=0,
+    )
     param_dtype: str = option("float32", "dtype the parameters are stored and updated in", choices=DTYPES)
     compute_dtype: str = option("float32", "dtype of activations and matmuls (bfloat16 for speed)", choices=DTYPES)
     nan_policy: str = option(
@@ -189,6 +195,19 @@ else:
 
 
 @dataclass
+class PipelineConfig:
+    """How a layer stack split over mesh.pipeline stages runs (docs/parallelism.md)."""
+
+    schedule: str = option(
+        "gpipe",
+        "gpipe: each stage holds one group of consecutive layers; circular: each holds pipeline.repeats "
+        "groups, a micro-batch goes round the stages that many times (a smaller bubble)",
+        choices=("gpipe", "circular"),
+    )
+    repeats: int = option(2, "circular: groups of layers per stage (gpipe: 1)", at_least=1)
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = option(
         0, "save every N steps (0 = only at the end; a save always happens at the end and on SIGTERM)", at_least=0
@@ -267,6 +286,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)

@@ -19,6 +19,8 @@ from engine.axes import CONFIG_AXES
 from engine.config import Config
 from engine.errors import UsageError
 from engine.hlo import Collective, human_bytes
+from engine.pipeline import describe as describe_pipeline
+from engine.pipeline import stage_plan
 from engine.setup import compile_plan, plan_run
 from engine.sharding import batch_shards, per_device_bytes
 from engine.tpu import Target
@@ -214,6 +216,9 @@ def render(planned: Planned) -> str:
         + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
     )
     lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
+    stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
+    if stages.stages > 1:
+        lines.append(describe_pipeline(stages, REGISTRY[planned.cfg.model.name].layer_stack(planned.cfg.model)))
     lines += _memory_table(planned)
     if planned.refused:
         lines.append(f"the TPU compiler refused the train program: {planned.refused}")
