@@ -56,12 +56,16 @@ def main() -> None:
         seconds = time.perf_counter() - started
         peak = human_bytes(planned.peak) if not planned.refused else "refused"
         ops = sorted({f"{c.op} ({'DCN' if c.dcn else 'ICI'})" for c in planned.collectives})
-        print(f"{config} on {planned.target.name}: fits={planned.fits} peak={peak}/device of "
-              f"{human_bytes(planned.hbm)}; ICI {human_bytes(planned.per_step(False))}/step, DCN "
-              f"{human_bytes(planned.per_step(True))}/step; step at 50% MFU {planned.step_seconds(0.5) * 1e3:,.0f} ms; "
-              f"plan {seconds:.0f}s; {', '.join(ops)}", flush=True)
-        records.append({"config": config, "overrides": overrides + args.overrides, "seconds": seconds,
-                        **as_record(planned)})
+        print(
+            f"{config} on {planned.target.name}: fits={planned.fits} peak={peak}/device of "
+            f"{human_bytes(planned.hbm)}; ICI {human_bytes(planned.per_step(False))}/step, DCN "
+            f"{human_bytes(planned.per_step(True))}/step; step at 50% MFU {planned.step_seconds(0.5) * 1e3:,.0f} ms; "
+            f"plan {seconds:.0f}s; {', '.join(ops)}",
+            flush=True,
+        )
+        records.append(
+            {"config": config, "overrides": overrides + args.overrides, "seconds": seconds, **as_record(planned)}
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=2) + "\n")
 
