@@ -2,7 +2,7 @@
 compiler on this host (`launch.py plan`), one slice and two: fit, memory per chip, compile
 time, collectives and the analytic step time. BENCHMARKS.md "TPU plans" quotes it.
 
-    python benchmarks/tpu_plans.py [--only llama_1b] [--json out.json]
+    python benchmarks/tpu_plans.py [--only llama_1b] [--target v6e-64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ CASES = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="one config name")
+    parser.add_argument("--target", help="one target name, e.g. v6e-64")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("overrides", nargs="*", help="added to every case, e.g. model.remat=full")
     args = parser.parse_args()
     records = []
     for config, target_name, slices, overrides in CASES:
-        if args.only and config != args.only:
+        if (args.only and config != args.only) or (args.target and target_name != args.target):
             continue
         cfg = load_config(ROOT / "configs" / f"{config}.yaml", overrides + args.overrides, "/tmp/tpu-plans")
         started = time.perf_counter()

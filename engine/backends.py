@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from contract.activations import ONE_STAGE, StagePlan, constrained_activations
 from engine import sharding
 from engine.data import process_rows
+from engine.step import weights_of
 
 PMAP_AXIS = "batch"
 
@@ -27,7 +28,7 @@ class Compiled:
     """What a compile backend gives the trainer; jit and pmap give the same fields."""
 
     train_step: Optional[Callable]  # (state, device block) → (state, metrics [steps_per_call, ...]); None: not built
-    eval_step: Callable  # (state, device batch) → metric sums
+    eval_step: Callable  # (weights_of(state), device batch) → metric sums
     put_batch: Callable  # (host batch, global batch size) → global device batch (eval)
     put_block: Callable  # host block of steps_per_block batches → the device input of train_step
     to_step_layout: Callable  # TrainState → what train_step takes (pmap: one copy per device)
@@ -146,9 +147,11 @@ def compile_jit(
             "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding),
         }
         jitted_eval = jax.jit(
-            eval_step, in_shardings=(shapes.state_shardings, batch_sharding), out_shardings=sharding.replicated(mesh)
+            eval_step,
+            in_shardings=(weights_of(shapes.state_shardings), batch_sharding),
+            out_shardings=sharding.replicated(mesh),
         )
-        evaluate = jitted_eval.lower(shapes.state, eval_batch).compile()
+        evaluate = jitted_eval.lower(weights_of(shapes.state), eval_batch).compile()
     return Compiled(train_step=program, eval_step=evaluate, compile_seconds=compile_seconds, program=program, **common)
 
 

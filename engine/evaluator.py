@@ -18,6 +18,7 @@ from engine.errors import UsageError
 from engine.metrics import MetricWriter
 from engine.rundir import METRICS, lock_holder, read_records
 from engine.setup import Run, build_run
+from engine.step import weights_of
 from engine.watchdog import Watchdog
 
 SOURCE = "evaluator"
@@ -30,7 +31,8 @@ def evaluate(run: Run, state) -> dict[str, float]:
     for host_batch in eval_batches(
         run.dataset.eval, inputs.eval_batch_size, run.cfg.eval.max_batches, inputs.eval_rows
     ):
-        sums = jax.device_get(compiled.eval_step(state, compiled.put_batch(host_batch, inputs.eval_batch_size)))
+        batch = compiled.put_batch(host_batch, inputs.eval_batch_size)
+        sums = jax.device_get(compiled.eval_step(weights_of(state), batch))
         for name in totals:  # device_get above is a host sync per batch
             totals[name] += float(sums[name])
     return {"loss": totals["loss_sum"] / totals["count"], "accuracy": totals["correct"] / totals["count"]}

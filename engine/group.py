@@ -25,7 +25,7 @@ from engine.perf import Goodput, Throughput, Window, summary_text
 from engine.preemption import starting
 from engine.rundir import METRICS, drop_records_after
 from engine.setup import with_config_hparams
-from engine.step import TRAIN_METRICS
+from engine.step import TRAIN_METRICS, weights_of
 from engine.trainer import claim, write_run_files
 from engine.vectorize import Group, TooBig, build_group, check_fits
 from engine.watchdog import Watchdog
@@ -190,7 +190,8 @@ class GroupJob:
         size = self.group.plan.shapes.eval_batch
         batch_sharding = sharding.batch_sharding(self.group.mesh)
         for host_batch in eval_batches(self.group.plan.dataset.eval, size, self.cfg.eval.max_batches):
-            sums = jax.device_get(self.group.compiled.eval_step(state, jax.device_put(host_batch, batch_sharding)))
+            batch = jax.device_put(host_batch, batch_sharding)
+            sums = jax.device_get(self.group.compiled.eval_step(weights_of(state), batch))
             totals += np.array([sums["loss_sum"], sums["correct"], sums["count"]], np.float64)
         for index, trial in self._live():
             loss_sum, correct, count = totals[:, index]

@@ -65,14 +65,19 @@ def build_mesh(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence) ->
     shape = full_shape(sizes)
     outer = tuple(dcn.get(axis, 1) for axis in MESH_AXES)
     types = (AxisType.Auto,) * len(MESH_AXES)
+    # a physical torus axis is split between mesh axes only where no whole-axis assignment
+    # exists (a 2-way tensor axis on an 8x8 v6e slice)
     if math.prod(outer) == 1:
-        return jax.make_mesh(shape, MESH_AXES, types, devices=list(devices))
+        grid = mesh_utils.create_device_mesh(shape, list(devices), allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=types)
     for axis, size, part in zip(MESH_AXES, shape, outer):
         if size % part:
             raise UsageError(f"mesh.dcn_{axis}={part} does not divide mesh.{axis}={size}")
     inner = tuple(size // part for size, part in zip(shape, outer))
     granule = not hasattr(devices[0], "slice_index")
-    grid = mesh_utils.create_hybrid_device_mesh(inner, outer, list(devices), process_is_granule=granule)
+    grid = mesh_utils.create_hybrid_device_mesh(
+        inner, outer, list(devices), process_is_granule=granule, allow_split_physical_axes=True
+    )
     return Mesh(grid, MESH_AXES, axis_types=types)
 
 

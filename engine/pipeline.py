@@ -32,7 +32,7 @@ def check_pipeline(ctx, stages: int) -> None:
     layers = family.layer_stack(cfg.model)
     if layers % (stages * plan.repeats):
         raise UsageError(
-            f"model.num_layers={layers} does not divide into mesh.pipeline={stages} stages x "
+            f"the model's {layers} layers do not divide into mesh.pipeline={stages} stages x "
             f"pipeline.repeats={plan.repeats}; choose stages x repeats that divide {layers}"
         )
     if plan.microbatches < stages:

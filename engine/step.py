@@ -227,11 +227,18 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, r
     return block_step
 
 
-def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callable:
-    """eval_step(state, batch) → metric sums over the batch's real (mask = 1) examples."""
+def weights_of(state) -> dict:
+    """What evaluation, export and sampling read of a train state: {"params", "model_state"} (a
+    TrainState's, or the global ones of another state kind: engine/diloco.py's)."""
+    return {"params": state.params, "model_state": state.model_state}
 
-    def eval_step(state: TrainState, batch):
-        _, (metrics, _) = loss_fn(state.params, state.model_state, batch, None, False)
+
+def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callable:
+    """eval_step(weights, batch) → metric sums over the batch's real (mask = 1) examples
+    (weights: weights_of(state))."""
+
+    def eval_step(weights: dict, batch):
+        _, (metrics, _) = loss_fn(weights["params"], weights["model_state"], batch, None, False)
         if axis_name is not None:
             metrics = jax.lax.psum(metrics, axis_name)
         return metrics

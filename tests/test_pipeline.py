@@ -157,7 +157,7 @@ def test_a_killed_pipelined_run_resumes_bit_identically(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["mesh.pipeline=3", "mesh.data=1", "mesh.num_devices=3"], "model.num_layers=4 does not divide into"),
+        (["mesh.pipeline=3", "mesh.data=1", "mesh.num_devices=3"], "the model's 4 layers do not divide into"),
         (["mesh.pipeline=4", "mesh.data=2", "train.microbatches=2"], "train.microbatches=2 is fewer than"),
         (["mesh.pipeline=2", "mesh.data=4", "train.microbatches=3"], "does not split into train.microbatches=3"),
         (["mesh.pipeline=2", "mesh.data=2", "mesh.context=2"], "with mesh.context=2 is not supported"),
