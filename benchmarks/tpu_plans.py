@@ -36,7 +36,7 @@ CASES = [
     ("llama3_8b", "v5p-64", 1, []),
     ("llama3_8b", "v5p-64", 2, ["mesh.data=2", "mesh.dcn_data=2"]),
     ("llama3_8b", "v6e-64", 1, []),
-    ("llama3_8b", "v6e-64", 2, ["mesh.data=2", "mesh.dcn_data=2"]),
+    ("llama3_8b", "v6e-64", 2, ["mesh.data=2", "mesh.dcn_data=2", "train.global_batch_size=64"]),
 ]
 
 
@@ -44,12 +44,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="one config name")
     parser.add_argument("--target", help="one target name, e.g. v6e-64")
+    parser.add_argument("--slices", type=int, help="only the cases with this many slices")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("overrides", nargs="*", help="added to every case, e.g. model.remat=full")
     args = parser.parse_args()
     records = []
     for config, target_name, slices, overrides in CASES:
-        if (args.only and config != args.only) or (args.target and target_name != args.target):
+        if (
+            (args.only and config != args.only)
+            or (args.target and target_name != args.target)
+            or (args.slices and slices != args.slices)
+        ):
             continue
         cfg = load_config(ROOT / "configs" / f"{config}.yaml", overrides + args.overrides, "/tmp/tpu-plans")
         started = time.perf_counter()

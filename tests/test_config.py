@@ -111,7 +111,10 @@ def test_yaml_is_loaded_safely(tmp_path):
     [
         (["train.stepz=3"], "did you mean 'train.steps'"),
         (["train.steps=abc"], "must be an int"),
-        (["mesh.data=3"], "mesh pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 uses 3 devices but 1 are in use"),
+        (
+            ["mesh.data=3"],
+            "mesh pipeline=1 x data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 uses 3 devices but 1 are in use",
+        ),
         (["notakeyvalue"], "is not of the form dotted.key=value"),
         (["model.hidden_sizes=[256,128"], "override 'model.hidden_sizes=[256,128': the value is not valid YAML"),
         (["model.hidden_sizes=128"], "got 128 (int) from the command line, but it must be a list"),
