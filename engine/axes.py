@@ -40,6 +40,8 @@ class MeshAxis:
     strict: bool = False  # must divide every dimension the rules ask it to shard (else an error)
     activations: tuple[str, ...] = ()  # logical activation axes split over it (models' constrain())
     needs: str = ""  # the model capability it requires, in words ("" = none)
+    # the engine vmaps the step over it (spmd_axis_name): the layers inside never name it
+    vmapped: bool = False
     supported: Callable[[AxisContext], bool] = field(default=lambda ctx: True)
     check: Callable[[AxisContext, int], None] = field(default=lambda ctx, size: None)
 
@@ -68,7 +70,15 @@ def _check_expert(ctx: AxisContext, size: int) -> None:
 
 
 AXES: tuple[MeshAxis, ...] = (  # outer to inner: the innermost axes get the closest devices
-    MeshAxis("trial", "vectorised runs side by side (a sweep's `vectorize:`)", configured=False),
+    MeshAxis("trial", "vectorised runs side by side (a sweep's `vectorize:`)", configured=False, vmapped=True),
+    MeshAxis(
+        "replica",
+        "DiLoCo's replicas (train.sync=diloco): taken from mesh.data or mesh.dcn_data (diloco.replica_axis); "
+        "each trains on its share of the batch alone between exchanges",
+        configured=False,
+        batch=True,
+        vmapped=True,
+    ),
     MeshAxis(
         "pipeline",
         "pipeline stages: the layer stack split into consecutive groups of layers, micro-batches flowing "
@@ -121,6 +131,7 @@ MESH_AXES = tuple(axis.name for axis in AXES)  # every mesh has every axis (size
 CONFIG_AXES = tuple(axis.name for axis in AXES if axis.configured)
 BATCH_AXES = tuple(axis.name for axis in AXES if axis.batch)
 ACTIVATION_AXES = {logical: axis.name for axis in AXES for logical in axis.activations}
+VMAPPED_AXES = tuple(axis.name for axis in AXES if axis.vmapped)
 STRICT_AXES = tuple(axis.name for axis in AXES if axis.strict)
 # grouped-query K/V heads fewer than the tensor devices are replicated (as Megatron does), not refused
 LENIENT_LOGICAL = ("kv_heads",)

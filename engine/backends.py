@@ -36,6 +36,8 @@ class Compiled:
     rows: Callable  # global batch size → the positions in a batch this process loads
     compile_seconds: float
     program: Any  # the compiled train step, for XLA's cost and memory analysis (None: eager, or not built)
+    sync_step: Optional[Callable] = None  # train.sync=diloco: state → (state, outer metrics), at round ends
+    combine_metrics: Optional[Callable] = None  # metrics split over replicas → [steps, len(TRAIN_METRICS)]
 
     @property
     def memory(self):
@@ -58,6 +60,8 @@ class Shapes:
     # group's trials (each its own data order), DiLoCo's replicas (each its own share of a batch)
     block_lead: tuple[int, ...] = ()
     block_lead_axes: tuple[str, ...] = ()
+    vmapped: tuple[str, ...] = ()  # mesh axes the train step is vmapped over inside (DiLoCo's replicas)
+    metrics_axes: tuple[str, ...] = ()  # mesh axes the packed metrics stay split over (one row per replica)
 
 
 def _global_arrays(
@@ -134,14 +138,15 @@ def compile_jit(
     jitted = train_step and jax.jit(
         train_step,
         in_shardings=(shapes.state_shardings, in_block_sharding),
-        out_shardings=(shapes.state_shardings, sharding.replicated(mesh)),
+        out_shardings=(shapes.state_shardings, NamedSharding(mesh, PartitionSpec(None, *shapes.metrics_axes))),
         donate_argnums=0,
     )
     start = time.perf_counter()
     # Traced here: the models' activation constraints pin activations to this mesh.
-    with constrained_activations(sharding.ActivationLayout(mesh), stages):
+    with constrained_activations(sharding.ActivationLayout(mesh, shapes.vmapped), stages):
         program = jitted.lower(shapes.state, block_abstract).compile() if jitted else None
         compile_seconds = time.perf_counter() - start
+    with constrained_activations(sharding.ActivationLayout(mesh), stages):
         eval_batch = {
             **abstract_arrays(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
             "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding),

@@ -6,7 +6,7 @@ import math
 
 import jax
 
-from engine import hlo
+from engine import diloco, hlo
 from engine.config import Config
 from engine.hlo import human_bytes
 from engine.pipeline import describe as describe_pipeline
@@ -59,6 +59,11 @@ def dry_run_report(run: Run) -> str:
         lines.append(
             f"collectives in one call of the compiled step (a loop's run once per iteration): {hlo.summary(found)}"
         )
+    if run.compiled.sync_step is not None:  # DiLoCo: the replicas, and what a round's outer step sends
+        layout = diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, total_params)
+        outer = hlo.hlo_collectives(run.compiled.sync_step.as_text(), run.mesh.size)
+        lines.append(f"{layout.text()}; replicas' state per device {human_bytes(per_device_bytes(state.replicas))}")
+        lines.append(f"collectives of the outer step (once per round): {hlo.summary(outer)}")
     plan = stage_plan(cfg, run.mesh.shape["pipeline"])
     if plan.stages > 1:
         lines.append(describe_pipeline(plan, run.model.family.layer_stack(cfg.model)))

@@ -21,7 +21,7 @@ from engine.data import eval_batches
 from engine.errors import UsageError
 from engine.loop import Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
-from engine.perf import Goodput, Throughput, Window, summary_text
+from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.preemption import starting
 from engine.rundir import METRICS, drop_records_after
 from engine.setup import with_config_hparams
@@ -168,6 +168,9 @@ class GroupJob:
 
     def block(self, index: int):
         return self.group.train_block(index)
+
+    def fetch(self, arrays: list) -> np.ndarray:
+        return fetch_rows(arrays)
 
     def step(self, state, block):
         return self.group.compiled.train_step(state, block)

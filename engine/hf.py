@@ -116,7 +116,7 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
     ]
     if missing:
         raise RuntimeError(f"the Hugging Face mapping of model.name={name} leaves {missing} unset")
-    state = run.init_state().replace(params=params)  # a fresh optimizer state beside the imported weights
+    state = run.init_state(params)  # a fresh optimizer state beside the imported weights
     work.mkdir(parents=True, exist_ok=True)
     save_config(cfg, work / "config.yaml")
     write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export

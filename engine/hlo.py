@@ -86,9 +86,36 @@ def shape_bytes(shape: str) -> int:
     )
 
 
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+)
+
+
+def _iota(dims: str, perm: Optional[str]) -> np.ndarray:
+    """XLA's iota device list [dims]T(perm), flattened."""
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    return (ids.transpose([int(p) for p in perm.split(",")]) if perm else ids).reshape(-1)
+
+
+def _mesh_groups(found: re.Match) -> list[list[int]]:
+    """mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_0'}: a group along the named
+    axes of that mesh of device positions."""
+    axes = re.findall(r"'(\w+)'=(\d+)", found.group(1))
+    names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+    ids = _iota(found.group(2), found.group(3)) if found.group(2) else np.arange(math.prod(sizes))
+    grouped = [names.index(name) for name in re.findall(r"'(\w+)'", found.group(4))]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    size = math.prod(sizes[i] for i in grouped)
+    return ids.reshape(sizes).transpose(rest + grouped).reshape(-1, size).tolist()
+
+
 def replica_groups(line: str, num_devices: int) -> Optional[list[list[int]]]:
     """The device positions of each group, from the forms XLA prints ({{0,2},{1,3}}; iota
-    [groups,size]<=[dims]T(perm); {} for every device); None for a form not read here."""
+    [groups,size]<=[dims]T(perm); mesh[...] {axes}; {} for every device); None for a form not
+    read here."""
+    mesh_form = _MESH_GROUPS.search(line)
+    if mesh_form:
+        return _mesh_groups(mesh_form)
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
     if listed:
         groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
@@ -96,21 +123,12 @@ def replica_groups(line: str, num_devices: int) -> Optional[list[list[int]]]:
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if iota:
         count, size = int(iota.group(1)), int(iota.group(2))
-        ids = np.arange(math.prod(int(d) for d in iota.group(3).split(","))).reshape(
-            [int(d) for d in iota.group(3).split(",")]
-        )
-        if iota.group(4):
-            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-        return ids.reshape(count, size).tolist()
+        return _iota(iota.group(3), iota.group(4)).reshape(count, size).tolist()
     return None if "replica_groups=" in line else [list(range(num_devices))]
 
 
 def group_size(line: str, num_devices: int) -> int:
     """Devices per replica group, from any of the forms XLA prints."""
-    mesh_form = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if mesh_form:  # mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}
-        sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh_form.group(1))}
-        return math.prod(sizes[name] for name in re.findall(r"'(\w+)'", mesh_form.group(2)))
     groups = replica_groups(line, num_devices)
     return len(groups[0]) if groups else num_devices
 

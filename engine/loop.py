@@ -50,6 +50,11 @@ class Job(Protocol):
         """One call: (state, packed metrics still on the device)."""
         ...
 
+    def fetch(self, arrays: list) -> np.ndarray:
+        """Packed metrics of several calls → the host's [steps, columns] (perf.fetch_rows, or
+        combined first: DiLoCo's replicas)."""
+        ...
+
     def log(self, host: np.ndarray, window: Window, done: int) -> None:
         """Writes the window's train records from its metrics fetched to the host."""
         ...
@@ -196,7 +201,7 @@ def _dispatch(job: Job, state, block, goodput: Goodput):
 def _log(job: Job, window: Window, done: int, goodput: Goodput) -> None:
     """The window's metrics fetched to the host (the loop's only regular host sync), then logged."""
     waited = time.perf_counter()
-    host = np.concatenate(jax.device_get(window.metrics))
+    host = job.fetch(window.metrics)
     goodput.device_wait_seconds += time.perf_counter() - waited
     goodput.loop_seconds += window.seconds()
     job.log(host, window, done)

@@ -74,15 +74,28 @@ def build_mesh(sizes: dict[str, int], dcn: dict[str, int], devices: Sequence) ->
         if size % part:
             raise UsageError(f"mesh.dcn_{axis}={part} does not divide mesh.{axis}={size}")
     inner = tuple(size // part for size, part in zip(shape, outer))
-    granule = not hasattr(devices[0], "slice_index")
+    # without slices (CPU and GPU hosts say slice 0 or nothing), each process is a granule
+    granule = len({getattr(d, "slice_index", None) for d in devices}) == 1
     grid = mesh_utils.create_hybrid_device_mesh(
         inner, outer, list(devices), process_is_granule=granule, allow_split_physical_axes=True
     )
     return Mesh(grid, MESH_AXES, axis_types=types)
 
 
-def make_mesh(cfg, devices: Optional[Sequence] = None) -> Mesh:
-    """The config's mesh over the devices in use (or over `devices`: a TPU topology's chips)."""
+def make_mesh(cfg, devices: Optional[Sequence] = None, replicas_from: str = "") -> Mesh:
+    """The config's mesh over the devices in use (or over `devices`: a TPU topology's chips).
+    replicas_from (train.sync=diloco): "data" makes every data-parallel index a replica,
+    "dcn_data" the slices of mesh.dcn_data; the replica axis takes them from the data axis."""
     devices = list(devices) if devices is not None else jax.devices()[: num_devices(cfg)]
     sizes = mesh_shape(cfg, len(devices))
-    return build_mesh(sizes, {axis: getattr(cfg, f"dcn_{axis}") for axis in CONFIG_AXES}, devices)
+    dcn = {axis: getattr(cfg, f"dcn_{axis}") for axis in CONFIG_AXES}
+    if replicas_from:
+        replicas = sizes["data"] if replicas_from == "data" else dcn["data"]
+        if replicas == 1:
+            raise UsageError(
+                f"train.sync=diloco: diloco.replica_axis={replicas_from} gives 1 replica on "
+                f"{len(devices)} devices; make mesh.{replicas_from} the number of replicas (at least 2)"
+            )
+        sizes = {"replica": replicas, **sizes, "data": sizes["data"] // replicas}
+        dcn = {"replica": dcn["data"], **dcn, "data": 1}
+    return build_mesh(sizes, dcn, devices)

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.data import example_spec
-from engine.step import make_loss_fn, make_train_step, split_variables, unpack_metrics
+from engine.step import TrainState, make_loss_fn, make_train_step, split_variables, unpack_metrics
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,
@@ -170,8 +170,15 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
         lambda: nn.meta.unbox(module.init(jax.random.key(0), family.task.sample_input(dataset.info), train=False))
     )
     params, variables = split_variables(variables)
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)
-    state = state.replace(params=params, model_state=variables, opt_state=jax.eval_shape(tx.init, params))
+    strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    state = TrainState(  # (a DiLoCo state's step, rng and hparams are a run's)
+        step=strip(abstract_state.step),
+        params=params,
+        model_state=variables,
+        opt_state=jax.eval_shape(tx.init, params),
+        rng=strip(abstract_state.rng),
+        hparams=jax.tree.map(strip, abstract_state.hparams),
+    )
     return lowered_flops(jax.jit(step).lower(state, batch))
 
 
@@ -264,6 +271,11 @@ class StepTrace:
             self.active = False
 
 
+def fetch_rows(arrays: list) -> np.ndarray:
+    """Packed metrics of several calls, still on the devices → one host array [steps, ...]."""
+    return np.concatenate(jax.device_get(arrays))
+
+
 class Window:
     """The steps between two log lines, and the time they took (less pauses for eval/saves)."""
 
@@ -288,11 +300,12 @@ class Window:
         window.steps = len(rows)
         return window
 
-    def carried(self) -> Optional[dict]:
-        """The window's steps so far, for a checkpoint's meta (None when it holds none)."""
+    def carried(self, fetch: Optional[Callable] = None) -> Optional[dict]:
+        """The window's steps so far, for a checkpoint's meta (None when it holds none);
+        `fetch`: the job's, for metrics that need combining on the way to the host."""
         if not self.steps:
             return None
-        return {"start": self.start, "metrics": np.concatenate(jax.device_get(self.metrics)).tolist()}
+        return {"start": self.start, "metrics": (fetch or fetch_rows)(self.metrics).tolist()}
 
     def add(self, metrics, steps: int) -> None:
         """One call's packed metrics ([steps, len(TRAIN_METRICS)], still on the device)."""

@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,7 +24,7 @@ import optax
 from jax.sharding import Mesh
 
 from contract.activations import ONE_STAGE, StagePlan
-from engine import sharding
+from engine import diloco, sharding
 from engine.axes import CONFIG_AXES, AxisContext, check_axes
 from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
 from engine.config import Config
@@ -66,7 +67,7 @@ class Run:
     dataset: Dataset
     model: Model
     abstract_state: TrainState  # ShapeDtypeStructs carrying their target NamedShardings
-    init_state: Callable  # () → a fresh TrainState, created already sharded
+    init_state: Callable  # (params=None) → a fresh TrainState, created already sharded (with these parameters)
     compiled: Compiled
     inputs: Inputs
     cost: StepCost  # model FLOPs per step (perf.step_cost)
@@ -187,8 +188,8 @@ def with_config_hparams(state: TrainState, cfg: Config) -> TrainState:
     """The state with the config's hyperparameters (a resumed run follows its current config)."""
     hparams = run_hparams(cfg)
 
-    def put(value, like):
-        return jax.device_put(jnp.asarray(value, like.dtype), like.sharding)
+    def put(value, like):  # (DiLoCo's inner optimizer states hold one value per replica)
+        return jax.device_put(jnp.broadcast_to(jnp.asarray(value, like.dtype), like.shape), like.sharding)
 
     schedule = {k: put(v, state.hparams[k]) for k, v in hparams["schedule"].items()}
     optimizer = {
@@ -237,6 +238,7 @@ class Plan:
     shapes: Shapes
     resident_bytes: int  # >0: the train split lives on the devices (data.placement)
     stages: StagePlan = ONE_STAGE  # how the model's layer stack runs as a pipeline (one stage: not)
+    sync_step: Optional[Callable] = None  # train.sync=diloco: the outer step (engine/diloco.py), not compiled
 
 
 def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequence] = None) -> Plan:
@@ -244,7 +246,8 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     `mesh`: another mesh than the config's (a vectorised group's, with a trial axis);
     `devices`: the config's mesh over these (a TPU topology's, for `launch.py plan`)."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
-    mesh = mesh or make_mesh(cfg.mesh, devices)
+    replicas_from = cfg.diloco.replica_axis if cfg.train.sync == "diloco" else ""
+    mesh = mesh or make_mesh(cfg.mesh, devices, replicas_from)
     dataset = load_dataset(cfg.data)
     pmap_axis = PMAP_AXIS if cfg.mesh.backend == "pmap" else None
     family, module = build_model(cfg, dataset.info, pmap_axis)
@@ -255,12 +258,14 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     loss_fn = make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources))
     resident_bytes = _resident_bytes(cfg, dataset, mesh)
     steps = block_steps(cfg, resident=resident_bytes > 0)
-    train_step = make_block_step(
-        make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, pmap_axis),
-        steps,
-        cfg.train.steps_per_call,
-        resident_bytes > 0,
-    )
+    one_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, pmap_axis)
+    sync_step: Optional[Callable] = None
+    replica_axes: tuple[str, ...] = ()
+    if replicas_from:  # DiLoCo: the step taken by every replica alone, and the outer step
+        one_step, sync_step = diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco)
+        replica_axes = (diloco.REPLICA,)
+        state = _diloco_state_plan(state, mesh)
+    train_step = make_block_step(one_step, steps, cfg.train.steps_per_call, resident_bytes > 0)
     shapes = Shapes(
         state.abstract,
         state.shardings,
@@ -269,6 +274,8 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
         steps,
         eval_batch_size,
         resident=resident_bytes > 0,
+        vmapped=replica_axes,
+        metrics_axes=replica_axes,
     )
     stages = stage_plan(cfg, mesh.shape["pipeline"])
     return Plan(
@@ -283,6 +290,7 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
         shapes,
         resident_bytes,
         stages,
+        sync_step,
     )
 
 
@@ -303,6 +311,8 @@ def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compile
     compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
     train_step = plan.train_step if compile_train else None
     compiled = compile_fn(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager, stages=plan.stages)
+    if plan.sync_step is not None and compile_train:
+        compiled = _with_sync_step(compiled, plan)
     order = storage_order(plan.stages, plan.family.layer_stack(cfg.model))
     if order is None:
         return compiled
@@ -310,6 +320,37 @@ def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compile
     flags = functools.partial(_stacked_leaves, plan.state.param_layouts, plan.tx)
     to_step, from_step = pipeline_layouts(order, flags, plan.state.shardings)
     return dataclasses.replace(compiled, to_step_layout=to_step, from_step_layout=from_step)
+
+
+def _with_sync_step(compiled: Compiled, plan: Plan) -> Compiled:
+    """DiLoCo's outer step, and the combination of its replicas' metrics, compiled beside the inner step."""
+    assert plan.sync_step is not None
+    shardings, replicated = plan.state.shardings, sharding.replicated(plan.mesh)
+    started = time.perf_counter()
+    sync = jax.jit(plan.sync_step, in_shardings=(shardings,), out_shardings=(shardings, replicated), donate_argnums=0)
+    program = sync.lower(plan.state.abstract).compile()
+    combine = jax.jit(diloco.combine_metrics, out_shardings=replicated)
+    return dataclasses.replace(
+        compiled,
+        sync_step=program,
+        combine_metrics=combine,
+        compile_seconds=compiled.compile_seconds + time.perf_counter() - started,
+    )
+
+
+def _diloco_state_plan(base: "_StatePlan", mesh: Mesh) -> "_StatePlan":
+    """The run's state plan with DiLoCo's replicas: each replica's parameters and inner optimizer
+    state stacked over the replica axis, the global parameters and outer momentum beside them."""
+    replicas = mesh.shape[diloco.REPLICA]
+    shardings = diloco.state_shardings(mesh, base.shardings)
+
+    def init_state(seed, hparams):
+        return diloco.from_train_state(base.init(seed, hparams), replicas)
+
+    def with_params(seed, hparams, params):
+        return diloco.from_train_state(base.init(seed, hparams).replace(params=params), replicas)
+
+    return _state_plan_of(init_state, with_params, shardings, base.param_layouts, base.seed, base.hparams)
 
 
 def _stacked_leaves(param_layouts: list, tx, state: TrainState) -> TrainState:
@@ -380,11 +421,31 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
 
 @dataclass(frozen=True)
 class _StatePlan:
-    abstract: TrainState  # ShapeDtypeStructs with their target shardings
+    abstract: TrainState  # ShapeDtypeStructs with their target shardings (DiLoCo: a DilocoState's)
     shardings: TrainState  # NamedShardings
     param_layouts: list
-    create: Callable  # () → a fresh TrainState, created already sharded
+    create: Callable  # (params=None) → a fresh TrainState, created already sharded (with these parameters)
     init: Callable  # (seed, run_hparams) → a fresh TrainState: pure, not compiled (vectorize.py maps it)
+    seed: Any = None  # the config's, as init takes it
+    hparams: Any = None  # run_hparams(cfg)
+
+
+def _state_plan_of(init_state, with_params, shardings, param_layouts, seed, hparams) -> _StatePlan:
+    """A state plan from its pure init (seed, hparams) and init with given parameters (seed,
+    hparams, params): both compiled to create the state already sharded."""
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(init_state, seed, hparams),
+        shardings,
+    )
+    # Created inside jit with output shardings: no device ever holds the whole state.
+    create = jax.jit(init_state, out_shardings=shardings)
+    create_with = jax.jit(with_params, out_shardings=shardings)
+
+    def make(params=None):
+        return create(seed, hparams) if params is None else create_with(seed, hparams, params)
+
+    return _StatePlan(abstract, shardings, param_layouts, make, init_state, seed, hparams)
 
 
 def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) -> _StatePlan:
@@ -431,12 +492,8 @@ def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) 
         rng=replicated,
         hparams=jax.tree.map(lambda _: replicated, hparams["schedule"]),
     )
-    seed = np.int32(cfg.seed)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(init_state, seed, hparams),
-        shardings,
-    )
-    # Created inside jit with output shardings: no device ever holds the whole state.
-    create = jax.jit(init_state, out_shardings=shardings)
-    return _StatePlan(abstract, shardings, param_layouts, lambda: create(seed, hparams), init_state)
+
+    def with_params(seed, hparams, params) -> TrainState:  # (the unused init is left out by XLA)
+        return init_state(seed, hparams).replace(params=params)
+
+    return _state_plan_of(init_state, with_params, shardings, param_layouts, np.int32(cfg.seed), hparams)

@@ -97,15 +97,22 @@ def tree_shardings(abstract_boxed, param_layouts: list[ParamLayout], mesh: Mesh)
     return jax.tree.map(lambda _: NamedSharding(mesh, next(specs)), abstract_boxed, is_leaf=_is_box)
 
 
-def activation_spec(shape: tuple[int, ...], logical: tuple[Optional[str], ...], mesh: Mesh) -> PartitionSpec:
+def activation_spec(
+    shape: tuple[int, ...], logical: tuple[Optional[str], ...], mesh: Mesh, exclude: tuple[str, ...] = ()
+) -> PartitionSpec:
     """Activations: "batch" over the batch axes, each logical axis an axis declares
     (engine/axes.py: heads, mlp and vocab over tensor, the sequence over context, experts over
     expert) over it, the rest whole. "expert_batch": the batch axes a mixture-of-experts
-    layer keeps its tokens over once they reach their experts."""
+    layer keeps its tokens over once they reach their experts. `exclude`: mesh axes the step is
+    vmapped over (spmd_axis_name), which the layers inside must not name."""
     spec: list = []
     for dim, name in zip(shape, logical):
         if name in ("batch", "expert_batch"):
-            axes = tuple(a for a in (BATCH_AXES if name == "batch" else expert_batch_axes()) if mesh.shape[a] > 1)
+            axes = tuple(
+                a
+                for a in (BATCH_AXES if name == "batch" else expert_batch_axes())
+                if mesh.shape[a] > 1 and a not in exclude
+            )
             size = int(np.prod([mesh.shape[a] for a in axes]))
             spec.append(axes if axes and dim % size == 0 else None)
         elif (
@@ -123,13 +130,13 @@ class ActivationLayout:
     """(activation, logical axes) → the activation pinned to its layout on `mesh`; the engine
     hands one to the models (contract.activations.constrained_activations) while it traces a step."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+    def __init__(self, mesh: Mesh, exclude: tuple[str, ...] = ()):
+        self.mesh, self.exclude = mesh, exclude
         self.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}
 
     def __call__(self, x, logical):
         return jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, activation_spec(x.shape, logical, self.mesh))
+            x, NamedSharding(self.mesh, activation_spec(x.shape, logical, self.mesh, self.exclude))
         )
 
 

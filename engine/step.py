@@ -128,7 +128,8 @@ def make_train_step(
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        batch = dict(batch, example_id=_example_ids(batch, axis_name))
+        if "example_id" not in batch:  # (DiLoCo's replicas are given their rows of the global batch)
+            batch = dict(batch, example_id=_example_ids(batch, axis_name))
         if grad_accum_steps == 1:
             (_, (metrics, model_state)), grads = grad_fn(
                 state.params, state.model_state, batch, rng, True, state.hparams
@@ -213,9 +214,10 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, r
         else:
             batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
         state, metrics = train_step(state, batch)
-        packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS])
+        # (a leading replica axis on every metric, under DiLoCo: [replicas, columns])
+        packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS], axis=-1)
         if "source_tokens" in metrics:
-            packed = jnp.concatenate([packed, metrics["source_tokens"].astype(jnp.float32)])
+            packed = jnp.concatenate([packed, metrics["source_tokens"].astype(jnp.float32)], axis=-1)
         return state, packed
 
     def block_step(state: TrainState, block):

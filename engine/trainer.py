@@ -10,16 +10,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from engine.checkpoint import Checkpointer
 from engine.config import Config, save_config, to_yaml
+from engine.diloco import param_count
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
 from engine.judge import Judged
 from engine.loop import NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
-from engine.perf import Goodput, Throughput, Window, summary_text
+from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.preemption import Preempted, starting
 from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
@@ -75,18 +77,44 @@ class RunJob:
             run.compile_cache,
         )
         self.config_text = to_yaml(cfg)  # once: it takes ~0.1 s
+        self.done = start  # steps dispatched
+        self.outer = None  # DiLoCo: the last outer step's metrics (still on the device)
 
     def block(self, index: int):
         return self.run.train_block(index)
 
     def step(self, state, block):
-        return self.run.compiled.train_step(state, block)
+        compiled = self.run.compiled
+        state, metrics = compiled.train_step(state, block)
+        self.done += self.steps_per_call
+        if compiled.sync_step is not None and self.done % self.cfg.diloco.inner_steps == 0:
+            state, self.outer = compiled.sync_step(state)  # the end of a DiLoCo round
+        return state, metrics
+
+    def fetch(self, arrays: list) -> np.ndarray:
+        combine = self.run.compiled.combine_metrics
+        return fetch_rows([combine(a) for a in arrays] if combine is not None else arrays)
 
     def log(self, host, window: Window, done: int) -> None:
         losses = step_losses(host, window.start)
         self._nonfinite(nonfinite_loss(losses))
-        self.writer.write(done, "train", train_record(host, window, self.run.dataset.info.sources, self.rates))
+        record = train_record(host, window, self.run.dataset.info.sources, self.rates)
+        if self.run.compiled.sync_step is not None:
+            record.update(self._outer_record(done))
+        self.writer.write(done, "train", record)
         self.result.losses.update({s: loss for s, loss in losses.items() if s > self.start})  # this process's steps
+
+    def _outer_record(self, done: int) -> dict:
+        """DiLoCo's figures: outer steps so far, the replicas' drift from the global parameters
+        and the outer gradient's norm at the last exchange, the bytes exchanged per step."""
+        inner = self.cfg.diloco.inner_steps
+        record = {
+            "outer_step": done // inner,
+            "exchanged_bytes_per_step": 4 * param_count(self.run.abstract_state.params) / inner,
+        }
+        if self.outer is not None:
+            record.update({k: float(v) for k, v in jax.device_get(self.outer).items()})
+        return record
 
     def evaluate(self, state, done: int) -> None:
         metrics = evaluate(self.run, state)
@@ -105,7 +133,7 @@ class RunJob:
             "step": step,
             "data": {"next_step": step, "seed": self.cfg.seed},
             "config": self.config_text,
-            "window": window.carried(),
+            "window": window.carried(self.fetch),
         }
         self.checkpointer.save(step, self.run.compiled.from_step_layout(state), meta)
 
@@ -214,7 +242,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
         )
         if cfg.checkpoint.restore_mode == "params":
             params, _ = source.restore_params(run.abstract_state.params)
-            return run.init_state().replace(params=params), 0, {}
+            return run.init_state(params), 0, {}
         restored = source.restore(run.abstract_state)
         if restored is None:
             raise UsageError(f"checkpoint.restore_from={cfg.checkpoint.restore_from} holds no complete checkpoint")

@@ -53,6 +53,11 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: vectorize trains runs side by side over the devices; a pipeline "
             f"(mesh.pipeline={cfg.mesh.pipeline}) is not vectorised: remove vectorize, or set mesh.pipeline=1"
         )
+    if cfg.train.sync != "every_step":
+        raise UsageError(
+            f"{where}: vectorize trains runs side by side over the devices; train.sync={cfg.train.sync} "
+            f"keeps replicas over them already: remove vectorize, or set train.sync=every_step"
+        )
     if cfg.checkpoint.restore_from:
         raise UsageError(
             f"{where}: vectorized runs start from scratch or their own checkpoints, not "

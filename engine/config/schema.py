@@ -103,6 +103,13 @@ class TrainConfig:
         "at least the stages",
         at_least=0,
     )
+    sync: str = option(
+        "every_step",
+        "every_step: one gradient all-reduce over the data-parallel devices per step; diloco: replicas "
+        "(diloco.replica_axis) each take diloco.inner_steps steps alone, then average their change "
+        "(docs/parallelism.md)",
+        choices=("every_step", "diloco"),
+    )
     param_dtype: str = option("float32", "dtype the parameters are stored and updated in", choices=DTYPES)
     compute_dtype: str = option("float32", "dtype of activations and matmuls (bfloat16 for speed)", choices=DTYPES)
     nan_policy: str = option(
@@ -208,6 +215,27 @@ class PipelineConfig:
 
 
 @dataclass
+class DilocoConfig:
+    """train.sync=diloco: replicas train alone for diloco.inner_steps steps, then an outer optimizer
+    applies their mean parameter change to the global parameters (DiLoCo; docs/parallelism.md)."""
+
+    inner_steps: int = option(20, "steps each replica takes alone between two exchanges (H)", at_least=1)
+    replica_axis: str = option(
+        "dcn_data",
+        "which devices hold the replicas: dcn_data (the slices of mesh.dcn_data; each replica spans "
+        "mesh.data / mesh.dcn_data of them) or data (every data-parallel index a replica)",
+        choices=("dcn_data", "data"),
+    )
+    outer_optimizer: str = option(
+        "nesterov",
+        "applies the replicas' mean change: nesterov, momentum or sgd",
+        choices=("nesterov", "momentum", "sgd"),
+    )
+    outer_learning_rate: float = option(0.7, "the outer optimizer's learning rate", above=0.0)
+    outer_momentum: float = option(0.9, "the outer optimizer's momentum (nesterov, momentum)", at_least=0.0)
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = option(
         0, "save every N steps (0 = only at the end; a save always happens at the end and on SIGTERM)", at_least=0
@@ -287,6 +315,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    diloco: DilocoConfig = dataclasses.field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)

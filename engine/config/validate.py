@@ -45,6 +45,7 @@ def validate(cfg) -> None:
         )
         cfg.optimizer.warmup_steps = cfg.train.steps
     _check_mesh(cfg.mesh)
+    _check_diloco(cfg)
     if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     _check_sources(cfg.data)
@@ -122,6 +123,32 @@ def _check_mesh(mesh) -> None:
                 raise UsageError(choice_message(f"mesh.rules.{logical}", axis, CONFIG_AXES))
 
 
+def _check_diloco(cfg) -> None:
+    """train.sync=diloco: the replicas' axis is set, and the rest of the run composes with it."""
+    if cfg.train.sync != "diloco":
+        return
+    mesh, axis = cfg.mesh, cfg.diloco.replica_axis
+    replicas = mesh.dcn_data if axis == "dcn_data" else mesh.data
+    if replicas == 1:
+        other = "data" if axis == "dcn_data" else "dcn_data"
+        raise UsageError(
+            f"train.sync=diloco with diloco.replica_axis={axis} needs mesh.{axis} > 1 (the replicas), "
+            f"but it is {replicas}; set mesh.{axis} to the number of replicas, or diloco.replica_axis={other}"
+        )
+    for key, value, fix in (
+        ("mesh.backend", mesh.backend, "jit"),
+        ("mesh.pipeline", mesh.pipeline, 1),
+        ("train.eager", cfg.train.eager, False),
+    ):
+        if value != fix:
+            raise UsageError(
+                f"train.sync=diloco does not run with {key}={value}; set {key}={str(fix).lower()} "
+                f"(or train.sync=every_step)"
+            )
+    if not cfg.diloco.outer_momentum < 1.0:
+        raise UsageError(f"diloco.outer_momentum={cfg.diloco.outer_momentum} must be in [0, 1), e.g. 0.9")
+
+
 def _fit_steps_per_call(cfg) -> None:
     """train.steps_per_call is the most per call: calls end at every log, eval and checkpoint,
     so it is lowered to the largest divisor of their intervals (and train.steps), with a note."""
@@ -131,6 +158,7 @@ def _fit_steps_per_call(cfg) -> None:
         "log.every_steps": cfg.log.every_steps,
         "eval.every_steps": cfg.eval.every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        **({"diloco.inner_steps": cfg.diloco.inner_steps} if cfg.train.sync == "diloco" else {}),
     }
     common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
     if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits
