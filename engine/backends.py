@@ -36,7 +36,7 @@ class Compiled:
     rows: Callable  # global batch size → the positions in a batch this process loads
     compile_seconds: float
     program: Any  # the compiled train step, for XLA's cost and memory analysis (None: eager, or not built)
-    sync_step: Optional[Callable] = None  # train.sync=diloco: state → (state, outer metrics), at round ends
+    sync_step: Any = None  # train.sync=diloco: the compiled outer step, state → (state, outer metrics), at round ends
     combine_metrics: Optional[Callable] = None  # metrics split over replicas → [steps, len(TRAIN_METRICS)]
 
     @property

@@ -59,7 +59,7 @@ def dry_run_report(run: Run) -> str:
         lines.append(
             f"collectives in one call of the compiled step (a loop's run once per iteration): {hlo.summary(found)}"
         )
-    if run.compiled.sync_step is not None:  # DiLoCo: the replicas, and what a round's outer step sends
+    if isinstance(state, diloco.DilocoState):  # DiLoCo: the replicas, and what a round's outer step sends
         layout = diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, total_params)
         outer = hlo.hlo_collectives(run.compiled.sync_step.as_text(), run.mesh.size)
         lines.append(f"{layout.text()}; replicas' state per device {human_bytes(per_device_bytes(state.replicas))}")

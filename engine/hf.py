@@ -14,6 +14,7 @@ under FSDP. `launch.py export --workdir DIR --format hf --out PATH` writes the l
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -46,21 +47,84 @@ def _family_for(architecture: str):
     raise UsageError(f"config.json architectures={architecture!r} is not supported; supported: {', '.join(supported)}")
 
 
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a file's JSON header
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2}
+DTYPE_BYTES.update({"U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8})
+
+
+def _inside(hf_dir: Path, file: Path) -> Path:
+    """`file` with symlinks resolved; UsageError unless it lies inside `hf_dir`."""
+    root, resolved = hf_dir.resolve(), file.resolve()
+    if not resolved.is_relative_to(root):
+        raise UsageError(
+            f"{file} resolves to {resolved}, outside the Hugging Face directory {root}; weight files must lie inside it"
+        )
+    return resolved
+
+
+def check_safetensors(path: Path) -> list[str]:
+    """The tensor names of a safetensors file whose header has been checked against the file's
+    length (sizes, offsets, dtypes) before anything is read or allocated; UsageError naming the
+    file and the fault otherwise."""
+    size = path.stat().st_size if path.is_file() else -1
+    if size < 8:
+        raise UsageError(f"{path}: not a safetensors file ({'missing' if size < 0 else f'{size} bytes'})")
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise UsageError(f"{path}: the header claims {length:,} bytes, more than the file's {size:,} (or 100 MiB)")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"{path}: the header is not valid JSON ({e})") from None
+    data = size - 8 - length
+    if not isinstance(header, dict):
+        raise UsageError(f"{path}: the header is not a JSON object")
+    names = [name for name in header if name != "__metadata__"]
+    for name in names:
+        _check_entry(path, name, header[name], data)
+    return names
+
+
+def _check_entry(path: Path, name: str, entry, data: int) -> None:
+    fault = None
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_BYTES:
+        fault = f"an entry without a known dtype ({str(entry)[:80]})"
+    else:
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            fault = f"shape {shape!r} is not a list of sizes"
+        elif not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            fault = f"data_offsets {offsets!r} are not [begin, end]"
+        elif not 0 <= offsets[0] <= offsets[1] <= data:
+            fault = f"data_offsets {offsets} lie outside the file's {data:,} bytes of data"
+        elif math.prod(shape) * DTYPE_BYTES[entry["dtype"]] != offsets[1] - offsets[0]:
+            fault = f"shape {shape} of {entry['dtype']} does not match its {offsets[1] - offsets[0]:,} bytes"
+    if fault:
+        raise UsageError(f"{path}: tensor {name!r}: {fault}; the file is damaged or not safetensors")
+
+
 def _tensor_files(hf_dir: Path) -> dict[str, Path]:
-    """Tensor name → the safetensors file that holds it."""
+    """Tensor name → the safetensors file that holds it (each inside hf_dir, its header checked)."""
     index = hf_dir / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise UsageError(f"{index} is not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UsageError(f"{index}: weight_map must map tensor names to file names")
+        files = {file: _inside(hf_dir, hf_dir / file) for file in set(weight_map.values())}
+        for file in files.values():
+            check_safetensors(file)
+        return {name: files[file] for name, file in weight_map.items()}
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"{hf_dir} holds no *.safetensors files (and no {INDEX})")
     found = {}
     for file in files:
-        with safe_open(file, framework="numpy") as f:
-            found.update({name: file for name in f.keys()})
+        resolved = _inside(hf_dir, file)
+        found.update({name: resolved for name in check_safetensors(resolved)})
     return found
 
 
@@ -90,7 +154,12 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
         raise UsageError(f"{hf_path} has no config.json; give a Hugging Face model directory")
     if (work / "checkpoints").exists():
         raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
-    hf_config = json.loads((hf_path / "config.json").read_text())
+    try:
+        hf_config = json.loads((hf_path / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{hf_path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise UsageError(f"{hf_path / 'config.json'} is not a JSON object")
     name, family = _family_for((hf_config.get("architectures") or ["?"])[0])
     layout = family.hf_layout()
     try:

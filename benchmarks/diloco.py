@@ -1,0 +1,106 @@
+"""DiLoCo against data parallelism on llama_tiny (2 CPU devices, equal tokens): the final eval
+loss for each number of inner steps H, and the bytes each replica sends over the replica axis
+per 100 steps (read from the compiled programs' HLO: data parallelism's gradient all-reduce
+every step, DiLoCo's outer all-reduce once per round). BENCHMARKS.md "DiLoCo" quotes it.
+
+    python benchmarks/diloco.py [--steps 300] [--inner 1 4 8 16 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine import process  # noqa: E402
+
+process.install()
+
+import numpy as np  # noqa: E402
+
+from engine import hlo  # noqa: E402
+from engine.config import load_config  # noqa: E402
+from engine.trainer import fit  # noqa: E402
+
+
+def _replica_of(mesh, axis_name: str) -> list[int]:
+    axis = list(mesh.axis_names).index(axis_name)
+    return [int(np.unravel_index(p, mesh.devices.shape)[axis]) for p in range(mesh.size)]
+
+
+def crossing_bytes(program, mesh, axis_name: str) -> int:
+    """Bytes of the collectives whose groups span more than one index of `axis_name`, per run of
+    the program."""
+    replica_of = _replica_of(mesh, axis_name)
+    return sum(
+        c.bytes * c.count
+        for c in hlo.program_collectives(program.as_text(), mesh.size)
+        if c.groups and any(len({replica_of[d] for d in g}) > 1 for g in c.groups)
+    )
+
+
+def train(overrides: list[str], workdir: str):
+    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, workdir)
+    started = time.perf_counter()
+    result = fit(cfg)
+    return result, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--inner", type=int, nargs="*", default=[1, 4, 8, 16, 64])
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    common = [
+        f"train.steps={args.steps}",
+        "mesh.data=2",
+        "log.progress=false",
+        "log.tensorboard=false",
+        f"eval.every_steps={args.steps}",
+        "train.steps_per_call=1",
+    ]
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        from engine.setup import build_run
+
+        dp_cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", common, f"{tmp}/probe")
+        dp_run = build_run(dp_cfg)
+        dp_bytes = crossing_bytes(dp_run.compiled.program, dp_run.mesh, "data")
+        result, seconds = train(common, f"{tmp}/dp")
+        records.append(
+            {"sync": "every_step", "eval_loss": result.eval_metrics["loss"], "bytes_per_100_steps": 100 * dp_bytes}
+        )
+        print(
+            f"data parallel: eval loss {result.eval_metrics['loss']:.4f}; {hlo.human_bytes(100 * dp_bytes)} "
+            f"per 100 steps; {seconds:.0f}s",
+            flush=True,
+        )
+        for inner in args.inner:
+            overrides = common + ["train.sync=diloco", "diloco.replica_axis=data", f"diloco.inner_steps={inner}"]
+            run = build_run(load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, f"{tmp}/probe{inner}"))
+            inner_bytes = crossing_bytes(run.compiled.program, run.mesh, "replica")
+            outer_bytes = crossing_bytes(run.compiled.sync_step, run.mesh, "replica")
+            per_100 = 100 * inner_bytes + 100 / inner * outer_bytes
+            result, seconds = train(overrides, f"{tmp}/diloco{inner}")
+            loss = result.eval_metrics["loss"]
+            records.append({"sync": "diloco", "inner_steps": inner, "eval_loss": loss, "bytes_per_100_steps": per_100})
+            print(
+                f"DiLoCo H={inner}: eval loss {loss:.4f} ({loss / records[0]['eval_loss'] - 1:+.1%} against data "
+                f"parallel); {hlo.human_bytes(per_100)} per 100 steps (inner step {inner_bytes} B); {seconds:.0f}s",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
