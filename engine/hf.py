@@ -114,10 +114,10 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
             raise UsageError(f"{index} is not a safetensors index ({e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise UsageError(f"{index}: weight_map must map tensor names to file names")
-        files = {file: _inside(hf_dir, hf_dir / file) for file in set(weight_map.values())}
-        for file in files.values():
-            check_safetensors(file)
-        return {name: files[file] for name, file in weight_map.items()}
+        named = {file: _inside(hf_dir, hf_dir / file) for file in set(weight_map.values())}
+        for path in named.values():
+            check_safetensors(path)
+        return {name: named[file] for name, file in weight_map.items()}
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise UsageError(f"{hf_dir} holds no *.safetensors files (and no {INDEX})")
