@@ -3,7 +3,7 @@ loss for each number of inner steps H, and the bytes each replica sends over the
 per 100 steps (read from the compiled programs' HLO: data parallelism's gradient all-reduce
 every step, DiLoCo's outer all-reduce once per round). BENCHMARKS.md "DiLoCo" quotes it.
 
-    python benchmarks/diloco.py [--steps 300] [--inner 1 4 8 16 64] [--json out.json]
+    python benchmarks/diloco.py [--steps 300] [--inner 1 4 8 16 64] [--no-dp] [--json out.json] [key=value ...]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def crossing_bytes(program, mesh, axis_name: str) -> int:
     return sum(
         c.bytes * c.count
         for c in hlo.program_collectives(program.as_text(), mesh.size)
-        if c.groups and any(len({replica_of[d] for d in g}) > 1 for g in c.groups)
+        if c.groups is None or any(len({replica_of[d] for d in g}) > 1 for g in c.groups)  # (unread: counted)
     )
 
 
@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--inner", type=int, nargs="*", default=[1, 4, 8, 16, 64])
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--no-dp", action="store_true", help="skip the data-parallel run")
+    parser.add_argument("overrides", nargs="*", help="added to the DiLoCo runs, e.g. diloco.outer_learning_rate=0.3")
     args = parser.parse_args()
     common = [
         f"train.steps={args.steps}",
@@ -75,24 +77,36 @@ def main() -> None:
         dp_cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", common, f"{tmp}/probe")
         dp_run = build_run(dp_cfg)
         dp_bytes = crossing_bytes(dp_run.compiled.program, dp_run.mesh, "data")
-        result, seconds = train(common, f"{tmp}/dp")
-        records.append(
-            {"sync": "every_step", "eval_loss": result.eval_metrics["loss"], "bytes_per_100_steps": 100 * dp_bytes}
-        )
-        print(
-            f"data parallel: eval loss {result.eval_metrics['loss']:.4f}; {hlo.human_bytes(100 * dp_bytes)} "
-            f"per 100 steps; {seconds:.0f}s",
-            flush=True,
-        )
+        dp_loss = float("nan")
+        if not args.no_dp:
+            result, seconds = train(common, f"{tmp}/dp")
+            dp_loss = result.eval_metrics["loss"]
+            print(f"data parallel: eval loss {dp_loss:.4f}; {seconds:.0f}s", flush=True)
+        records.append({"sync": "every_step", "eval_loss": dp_loss, "bytes_per_100_steps": 100 * dp_bytes})
+        print(f"data parallel: {hlo.human_bytes(100 * dp_bytes)} per 100 steps", flush=True)
         for inner in args.inner:
-            overrides = common + ["train.sync=diloco", "diloco.replica_axis=data", f"diloco.inner_steps={inner}"]
+            overrides = [
+                *common,
+                "train.sync=diloco",
+                "diloco.replica_axis=data",
+                f"diloco.inner_steps={inner}",
+                *args.overrides,
+            ]
             run = build_run(load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, f"{tmp}/probe{inner}"))
             inner_bytes = crossing_bytes(run.compiled.program, run.mesh, "replica")
             outer_bytes = crossing_bytes(run.compiled.sync_step, run.mesh, "replica")
             per_100 = 100 * inner_bytes + 100 / inner * outer_bytes
             result, seconds = train(overrides, f"{tmp}/diloco{inner}")
             loss = result.eval_metrics["loss"]
-            records.append({"sync": "diloco", "inner_steps": inner, "eval_loss": loss, "bytes_per_100_steps": per_100})
+            records.append(
+                {
+                    "sync": "diloco",
+                    "inner_steps": inner,
+                    "overrides": args.overrides,
+                    "eval_loss": loss,
+                    "bytes_per_100_steps": per_100,
+                }
+            )
             print(
                 f"DiLoCo H={inner}: eval loss {loss:.4f} ({loss / records[0]['eval_loss'] - 1:+.1%} against data "
                 f"parallel); {hlo.human_bytes(per_100)} per 100 steps (inner step {inner_bytes} B); {seconds:.0f}s",

@@ -19,6 +19,7 @@ momentum. Checkpoints are ordinary orbax checkpoints of that tree.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import flax
@@ -203,6 +204,38 @@ def combine_metrics(packed):
     rms = jnp.sqrt(jnp.mean(jnp.square(packed[:, :, _RMS]), axis=1))
     mean = jnp.mean(packed[:, :, _MEAN], axis=1)
     return total.at[:, _RMS].set(rms).at[:, _MEAN].set(mean)
+
+
+def state_functions(base, mesh: Mesh) -> tuple[Callable, Callable, DilocoState]:
+    """From a run's state plan (setup._StatePlan): DiLoCo's (init(seed, hparams), init with
+    given parameters (seed, hparams, params), shardings). Each replica's parameters and inner
+    optimizer state are stacked over the replica axis, the global ones beside them."""
+    replicas = mesh.shape[REPLICA]
+
+    def init_state(seed, hparams):
+        return from_train_state(base.init(seed, hparams), replicas)
+
+    def with_params(seed, hparams, params):
+        return from_train_state(base.init(seed, hparams).replace(params=params), replicas)
+
+    return init_state, with_params, state_shardings(mesh, base.shardings)
+
+
+def with_sync_step(compiled, plan):
+    """A backend's Compiled with the plan's outer step (setup.Plan.sync_step) compiled beside the
+    inner step, and the combination of the replicas' metrics."""
+    from engine.sharding import replicated as replicated_on
+
+    shardings, replicated = plan.state.shardings, replicated_on(plan.mesh)
+    started = time.perf_counter()
+    sync = jax.jit(plan.sync_step, in_shardings=(shardings,), out_shardings=(shardings, replicated), donate_argnums=0)
+    program = sync.lower(plan.state.abstract).compile()
+    return dataclasses.replace(
+        compiled,
+        sync_step=program,
+        combine_metrics=jax.jit(combine_metrics, out_shardings=replicated),
+        compile_seconds=compiled.compile_seconds + time.perf_counter() - started,
+    )
 
 
 def param_count(abstract_params) -> int:

@@ -191,6 +191,8 @@ def _dispatch(job: Job, state, block, goodput: Goodput):
     state, metrics = job.step(state, block)
     dispatched = time.perf_counter()
     goodput.dispatch_seconds += dispatched - began
+    if job.sync_each_step:  # the whole call, the state too: its metrics may be ready before it
+        jax.block_until_ready((state, metrics))
     if job.sync_each_step or goodput.first_step_at is None:
         jax.block_until_ready(metrics)
         goodput.device_wait_seconds += time.perf_counter() - dispatched

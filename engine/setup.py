@@ -13,7 +13,6 @@ import functools
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,7 +24,7 @@ from jax.sharding import Mesh
 
 from contract.activations import ONE_STAGE, StagePlan
 from engine import diloco, sharding
-from engine.axes import CONFIG_AXES, AxisContext, check_axes
+from engine.axes import BY_NAME, CONFIG_AXES, AxisContext, check_axes
 from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
 from engine.config import Config
 from engine.data import Dataset, TrainBatches, example_spec, load_dataset
@@ -36,7 +35,8 @@ from engine.perf import StepCost, enable_compilation_cache, step_cost
 from engine.pipeline import layouts as pipeline_layouts
 from engine.pipeline import stage_plan, storage_order
 from engine.process import compile_cache_events
-from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step, split_variables
+from engine.state import StatePlan, state_plan, state_plan_of
+from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step
 from engine.tpu import chip_of
 from models import REGISTRY, ModelFamily
 
@@ -153,7 +153,8 @@ def _check_layout(cfg: Config, mesh: Mesh, dataset: Dataset, family: ModelFamily
         )
     check_axes(AxisContext(cfg, dict(mesh.shape), dataset.info, family))
     shards = sharding.batch_shards(mesh)
-    layout = f"{'*'.join(sharding.BATCH_AXES)}={'*'.join(str(mesh.shape[a]) for a in sharding.BATCH_AXES)}={shards}"
+    axes = [a for a in sharding.BATCH_AXES if BY_NAME[a].configured or mesh.shape[a] > 1]  # (replica: DiLoCo's)
+    layout = f"{'*'.join(axes)}={'*'.join(str(mesh.shape[a]) for a in axes)}={shards}"
     batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
     if batch % shards:
         raise UsageError(f"train.global_batch_size={batch} is not divisible by {layout}; use a multiple of {shards}")
@@ -232,7 +233,7 @@ class Plan:
     family: ModelFamily
     module: Any
     tx: optax.GradientTransformation
-    state: "_StatePlan"
+    state: StatePlan
     train_step: Callable  # make_block_step's (state, block) → (state, packed metrics), not compiled
     eval_step: Callable  # (state, batch) → metric sums, not compiled
     shapes: Shapes
@@ -254,7 +255,7 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     _fit_cpu_step_loop(cfg, family)
     eval_batch_size = _check_layout(cfg, mesh, dataset, family)
     tx = make_optimizer(cfg.optimizer)
-    state = _state_plan(cfg, mesh, family, module, dataset.info, tx)
+    state = state_plan(cfg, mesh, family, module, dataset.info, tx, run_hparams(cfg))
     loss_fn = make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources))
     resident_bytes = _resident_bytes(cfg, dataset, mesh)
     steps = block_steps(cfg, resident=resident_bytes > 0)
@@ -264,7 +265,7 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     if replicas_from:  # DiLoCo: the step taken by every replica alone, and the outer step
         one_step, sync_step = diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco)
         replica_axes = (diloco.REPLICA,)
-        state = _diloco_state_plan(state, mesh)
+        state = state_plan_of(*diloco.state_functions(state, mesh), state.param_layouts, state.seed, state.hparams)
     train_step = make_block_step(one_step, steps, cfg.train.steps_per_call, resident_bytes > 0)
     shapes = Shapes(
         state.abstract,
@@ -312,7 +313,7 @@ def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compile
     train_step = plan.train_step if compile_train else None
     compiled = compile_fn(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager, stages=plan.stages)
     if plan.sync_step is not None and compile_train:
-        compiled = _with_sync_step(compiled, plan)
+        compiled = diloco.with_sync_step(compiled, plan)
     order = storage_order(plan.stages, plan.family.layer_stack(cfg.model))
     if order is None:
         return compiled
@@ -320,37 +321,6 @@ def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compile
     flags = functools.partial(_stacked_leaves, plan.state.param_layouts, plan.tx)
     to_step, from_step = pipeline_layouts(order, flags, plan.state.shardings)
     return dataclasses.replace(compiled, to_step_layout=to_step, from_step_layout=from_step)
-
-
-def _with_sync_step(compiled: Compiled, plan: Plan) -> Compiled:
-    """DiLoCo's outer step, and the combination of its replicas' metrics, compiled beside the inner step."""
-    assert plan.sync_step is not None
-    shardings, replicated = plan.state.shardings, sharding.replicated(plan.mesh)
-    started = time.perf_counter()
-    sync = jax.jit(plan.sync_step, in_shardings=(shardings,), out_shardings=(shardings, replicated), donate_argnums=0)
-    program = sync.lower(plan.state.abstract).compile()
-    combine = jax.jit(diloco.combine_metrics, out_shardings=replicated)
-    return dataclasses.replace(
-        compiled,
-        sync_step=program,
-        combine_metrics=combine,
-        compile_seconds=compiled.compile_seconds + time.perf_counter() - started,
-    )
-
-
-def _diloco_state_plan(base: "_StatePlan", mesh: Mesh) -> "_StatePlan":
-    """The run's state plan with DiLoCo's replicas: each replica's parameters and inner optimizer
-    state stacked over the replica axis, the global parameters and outer momentum beside them."""
-    replicas = mesh.shape[diloco.REPLICA]
-    shardings = diloco.state_shardings(mesh, base.shardings)
-
-    def init_state(seed, hparams):
-        return diloco.from_train_state(base.init(seed, hparams), replicas)
-
-    def with_params(seed, hparams, params):
-        return diloco.from_train_state(base.init(seed, hparams).replace(params=params), replicas)
-
-    return _state_plan_of(init_state, with_params, shardings, base.param_layouts, base.seed, base.hparams)
 
 
 def _stacked_leaves(param_layouts: list, tx, state: TrainState) -> TrainState:
@@ -417,83 +387,3 @@ def build_run(cfg: Config, compile_train: bool = True) -> Run:
         # before the first has finished; accelerators keep asynchronous dispatch.
         sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
     )
-
-
-@dataclass(frozen=True)
-class _StatePlan:
-    abstract: TrainState  # ShapeDtypeStructs with their target shardings (DiLoCo: a DilocoState's)
-    shardings: TrainState  # NamedShardings
-    param_layouts: list
-    create: Callable  # (params=None) → a fresh TrainState, created already sharded (with these parameters)
-    init: Callable  # (seed, run_hparams) → a fresh TrainState: pure, not compiled (vectorize.py maps it)
-    seed: Any = None  # the config's, as init takes it
-    hparams: Any = None  # run_hparams(cfg)
-
-
-def _state_plan_of(init_state, with_params, shardings, param_layouts, seed, hparams) -> _StatePlan:
-    """A state plan from its pure init (seed, hparams) and init with given parameters (seed,
-    hparams, params): both compiled to create the state already sharded."""
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(init_state, seed, hparams),
-        shardings,
-    )
-    # Created inside jit with output shardings: no device ever holds the whole state.
-    create = jax.jit(init_state, out_shardings=shardings)
-    create_with = jax.jit(with_params, out_shardings=shardings)
-
-    def make(params=None):
-        return create(seed, hparams) if params is None else create_with(seed, hparams, params)
-
-    return _StatePlan(abstract, shardings, param_layouts, make, init_state, seed, hparams)
-
-
-def _state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx) -> _StatePlan:
-    """The train state's shapes and shardings from the model's logical axes (no allocation),
-    and a jitted init that creates it already sharded."""
-    sample = family.task.sample_input(info)
-
-    def init_state(seed, hparams) -> TrainState:
-        """Seed and hyperparameters are traced inputs: one compiled init serves every value."""
-        init_key, train_key = jax.random.split(jax.random.key(seed))
-        variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
-        params, variables = split_variables(sharding.unbox(variables))
-        opt_state = tx.init(params)
-        opt_state = opt_state._replace(
-            hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype) for k, v in opt_state.hyperparams.items()}
-        )
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            model_state=variables,
-            opt_state=opt_state,
-            rng=jax.random.key_data(train_key),
-            hparams=hparams["schedule"],
-        )
-
-    # Shapes first, no allocation: the logical axes on the abstract parameters give the layout.
-    abstract_vars = jax.eval_shape(
-        lambda: module.init({"params": jax.random.key(0), "dropout": jax.random.key(0)}, sample, train=False)
-    )
-    param_layouts = sharding.layouts(abstract_vars["params"], cfg.mesh.rules, mesh)
-    replicated = sharding.replicated(mesh)
-    param_shardings = sharding.tree_shardings(abstract_vars["params"], param_layouts, mesh)
-    abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated
-    )
-    model_state = split_variables(sharding.unbox(abstract_vars))[1]
-    hparams = run_hparams(cfg)
-    shardings = TrainState(
-        step=replicated,
-        params=param_shardings,
-        model_state=jax.tree.map(lambda _: replicated, model_state),
-        opt_state=opt_shardings,
-        rng=replicated,
-        hparams=jax.tree.map(lambda _: replicated, hparams["schedule"]),
-    )
-
-    def with_params(seed, hparams, params) -> TrainState:  # (the unused init is left out by XLA)
-        return init_state(seed, hparams).replace(params=params)
-
-    return _state_plan_of(init_state, with_params, shardings, param_layouts, np.int32(cfg.seed), hparams)

@@ -140,7 +140,7 @@ def unstacked(params, num_layers):
 def train_losses(run, steps, state=None):
     state, losses = run.compiled.to_step_layout(state or run.init_state()), []
     for step in range(steps):
-        state, metrics = run.compiled.train_step(state, run.train_input(step))
+        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
         (metrics,) = unpack_metrics(jax.device_get(metrics))
         losses.append(metrics["loss_sum"] / metrics["count"])
     return losses

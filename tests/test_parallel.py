@@ -40,8 +40,8 @@ LAYOUTS = {
 def train_losses(run, steps):
     state, losses = jax.block_until_ready(run.compiled.to_step_layout(run.init_state())), []  # (CPU collectives)
     for step in range(steps):
-        state, metrics = run.compiled.train_step(state, run.train_input(step))
-        (metrics,) = unpack_metrics(jax.device_get(metrics))  # waits: CPU collectives must not overlap steps
+        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
+        (metrics,) = unpack_metrics(jax.device_get(metrics))  # (CPU collectives must not overlap steps)
         losses.append(metrics["loss_sum"] / metrics["count"])
     return np.array(losses), run.compiled.from_step_layout(
         state
@@ -204,7 +204,7 @@ def test_steps_per_call_on_eight_devices_matches_one_step_per_call(make_config, 
     run = build_run(make_config("mnist_mlp.yaml", *args, "train.steps_per_call=4"))
     state, losses = run.compiled.to_step_layout(run.init_state()), []
     for step in range(0, 8, 4):
-        state, metrics = run.compiled.train_step(state, run.train_input(step))
+        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
         steps = unpack_metrics(jax.device_get(metrics))  # one call, four steps
         losses += [m["loss_sum"] / m["count"] for m in steps]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)

@@ -17,7 +17,7 @@ from engine.trainer import fit
 def first_steps(run, steps):
     state, losses = run.compiled.to_step_layout(run.init_state()), []
     for step in range(steps):
-        state, metrics = run.compiled.train_step(state, run.train_input(step))
+        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
         (metrics,) = unpack_metrics(jax.device_get(metrics))  # one step per call
         losses.append(metrics["loss_sum"] / metrics["count"])
     return state, losses
