@@ -165,7 +165,8 @@ def _executions(computations: dict[str, list[str]]) -> dict[str, int]:
             continue
         for line in lines:
             calls = {m.group("kind"): m.group("name") for m in CALLS.finditer(line)}
-            trips = _trip_count(computations.get(calls.get("condition", ""), []))
+            known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)  # XLA's own analysis, where given
+            trips = int(known.group(1)) if known else _trip_count(computations.get(calls.get("condition", ""), []))
             for kind, callee in calls.items():
                 callers[callee].append((name, trips if kind == "body" else 1))
             for listed in CALL_LISTS.finditer(line):

@@ -196,3 +196,21 @@ def test_diloco_mistakes_exit_2_by_key(tmp_path, args, expected):
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_collectives_in_a_scanned_loop_count_once_per_layer_on_cpu(make_config):
+    """XLA:CPU's loop conditions are not `i < constant`: the trip count comes from the loop's
+    known_trip_count. Data parallelism's gradient all-reduce covers every parameter once per step."""
+    cfg = make_config(
+        "llama_tiny.yaml",
+        "data.name=synthetic_text",
+        "data.vocab_size=64",
+        "data.seq_len=16",
+        "mesh.data=2",
+        "mesh.num_devices=2",
+    )
+    run = build_run(cfg)
+    found = hlo.program_collectives(run.compiled.program.as_text(), run.mesh.size)
+    reduced = sum(c.bytes * c.count for c in found if c.op == "all-reduce")
+    params = per_device_bytes(run.abstract_state.params)  # float32, replicated: the whole model
+    assert params <= reduced <= params + 64  # (+ the loss's and the norm's partial sums)
