@@ -4,6 +4,7 @@ run's data: byte-level text sources decode UTF-8 bytes, tokenized corpora their 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -19,9 +20,10 @@ def sample(
 ) -> str:
     """The text generated after `prompt` (the prompt itself not included)."""
     work = Path(workdir)
-    if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+    if max_tokens < 1 or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
         raise UsageError(
-            f"--max-tokens {max_tokens} must be >= 1, --temperature {temperature} >= 0 and --top-p {top_p} in (0, 1]"
+            f"--max-tokens {max_tokens} must be >= 1, --temperature {temperature} a finite number >= 0 and "
+            f"--top-p {top_p} in (0, 1]"
         )
     cfg = run_config(work)
     run = build_run(cfg, compile_train=False)

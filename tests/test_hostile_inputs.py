@@ -77,3 +77,9 @@ def test_a_header_larger_than_the_file_or_not_json_is_refused(tmp_path):
     _refused(_import(tmp_path), "model.safetensors", "not valid JSON")
     (tmp_path / "hf" / "config.json").write_text("{not json")
     _refused(_import(tmp_path), "config.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
+def test_sample_refuses_numbers_that_are_not_finite(tmp_path, flag, value):
+    proc = run_cli("sample", "--workdir", str(tmp_path / "none"), "--prompt", "x", flag, value)
+    _refused(proc, flag)
