@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 
 from engine.checkpoint import Checkpointer
-from engine.config import Config
+from engine.config import Config, read_yaml_mapping
 from engine.data import eval_batches
 from engine.errors import UsageError
 from engine.metrics import MetricWriter
@@ -115,8 +115,8 @@ def _watch(
                 _evaluate_step(run, checkpointer, step, writer, summary)
             done.add(step)
             idle_since = alive_at = time.monotonic()
-        newest = max(steps, default=0)
-        if not watch or (newest >= cfg.train.steps and not pending):
+        newest, total = max(steps, default=0), target_steps(cfg)
+        if not watch or (newest >= total and not pending):
             return 0
         if lock_holder(workdir) is not None:
             alive_at = time.monotonic()
@@ -124,7 +124,7 @@ def _watch(
             print(
                 f"error: the training run in {workdir} is not running (no trainer holds its workdir, and no "
                 f"checkpoint came for {dead_after:.0f}s); its newest checkpoint is step {newest} of "
-                f"{cfg.train.steps}. Restart training, then the evaluator",
+                f"{total}. Restart training, then the evaluator",
                 file=sys.stderr,
             )
             return 1
@@ -135,9 +135,19 @@ def _watch(
             )
             return 1
         if said != newest:
-            print(f"waiting for a checkpoint after step {newest} (training runs to step {cfg.train.steps})", flush=True)
+            print(f"waiting for a checkpoint after step {newest} (training runs to step {total})", flush=True)
             said = newest
         time.sleep(poll_seconds)
+
+
+def target_steps(cfg: Config) -> int:
+    """The step the watched run trains to: its own config.yaml's train.steps once the run has
+    written one (an evaluator started before the run holds --config's), else the config's."""
+    written = Path(cfg.workdir) / "config.yaml"
+    if not written.is_file():
+        return cfg.train.steps
+    steps = (read_yaml_mapping(written, "the run's config").get("train") or {}).get("steps", cfg.train.steps)
+    return steps if isinstance(steps, int) else cfg.train.steps
 
 
 def _evaluate_step(run: Run, checkpointer: Checkpointer, step: int, writer: MetricWriter, summary) -> None:

@@ -82,6 +82,25 @@ def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_pa
     assert "is not running" in proc.stderr and "newest checkpoint is step 20 of 30" in proc.stderr
 
 
+def test_a_watcher_started_before_the_run_follows_the_runs_own_config_once_written(make_config, tmp_path, capsys):
+    """Before: an evaluator started with --config (train.steps=20) before the run existed kept
+    its 20 after the run wrote train.steps=40, and exited 0 at step 20 with steps 30-40 never
+    evaluated."""
+    import yaml
+
+    from engine.evaluator import run_evaluator
+
+    workdir = tmp_path / "run"
+    args = ["mesh.num_devices=1", "train.steps=20", "checkpoint.every_steps=10"]
+    fit(make_config("mnist_mlp.yaml", *args, workdir=workdir))
+    written = yaml.safe_load((workdir / "config.yaml").read_text())
+    written["train"]["steps"] = 40  # the run's own config: it goes on to step 40 (and has stopped)
+    (workdir / "config.yaml").write_text(yaml.safe_dump(written))
+    watcher = make_config("mnist_mlp.yaml", *args, workdir=workdir)  # what --config gave it, before
+    assert run_evaluator(watcher, watch=True, poll_seconds=0.05, dead_after=0.5) == 1
+    assert "newest checkpoint is step 20 of 40" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_readme_serving_snippet_runs_as_written(tmp_path):
     """The export + serving commands of docs/checkpoints.md, in a fresh directory, as a user would paste them."""
