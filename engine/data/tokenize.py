@@ -85,13 +85,25 @@ def load_tokenizer(spec: str):
         raise UsageError(f"--tokenizer {spec} is not a readable tokenizers file: {e}") from None
 
 
+MAX_PIECE = 64  # characters without white space in one piece of a trained BPE's input
+
+
 def train_bpe(texts: Iterator[str], vocab_size: int):
     """A byte-level BPE (GPT-2's scheme) of `vocab_size` tokens, trained on `texts`; the
     end-of-document token is id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from tokenizers import Regex
+
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # A run of MAX_PIECE characters without white space is cut into pieces of that length first:
+    # BPE training is superlinear in a piece's length (a 4 MB one-line document never ended)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(rf"\S{{{MAX_PIECE}}}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
