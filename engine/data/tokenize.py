@@ -91,9 +91,7 @@ MAX_PIECE = 64  # characters without white space in one piece of a trained BPE's
 def train_bpe(texts: Iterator[str], vocab_size: int):
     """A byte-level BPE (GPT-2's scheme) of `vocab_size` tokens, trained on `texts`; the
     end-of-document token is id 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from tokenizers import Regex
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     # A run of MAX_PIECE characters without white space is cut into pieces of that length first:
