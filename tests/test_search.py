@@ -142,3 +142,25 @@ def test_malformed_search_fields_are_refused_by_name(tmp_path, search, extra, me
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(UsageError, match=message):
         load_sweep(path)
+
+
+@pytest.mark.slow
+def test_a_damaged_study_is_set_aside_and_rebuilt_from_the_trials_on_disk(tmp_path):
+    """Before: study.db cut to 3 kB ended every re-run in a SQLAlchemy traceback (exit 1)."""
+    import optuna
+
+    first = start_sweep(sweep_file(tmp_path, 2))
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out
+    before = {r["name"]: r["final"]["eval/loss"] for r in index(tmp_path)}
+    study = tmp_path / "sweep" / "study.db"
+    study.write_bytes(study.read_bytes()[:3000])
+    again = start_sweep(sweep_file(tmp_path, 3))
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out
+    assert "Traceback" not in out and "is damaged" in out and "rebuilt the study: 2 trials" in out
+    assert (tmp_path / "sweep" / "study.db.damaged").stat().st_size == 3000  # kept, not deleted
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("start ")] == ["trial-0002"]
+    rebuilt = optuna.load_study(study_name="sweep", storage=f"sqlite:///{study}")
+    assert [t.state.name for t in rebuilt.trials] == ["COMPLETE"] * 3
+    assert {f"trial-{t.number:04d}": t.value for t in rebuilt.trials[:2]} == before

@@ -18,6 +18,7 @@ running by a dead sweep process (no trainer holds its workdir) is trained to its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,10 +72,11 @@ def open_study(sweep: Sweep):
     sweep.directory.mkdir(parents=True, exist_ok=True)
     with open(sweep.directory / ".study.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        damaged = _set_aside_if_damaged(sweep.directory / STUDY)
         storage = optuna.storages.RDBStorage(
             f"sqlite:///{sweep.directory / STUDY}", engine_kwargs={"connect_args": {"timeout": 60}}
         )
-        return optuna.create_study(
+        study = optuna.create_study(
             storage=storage,
             study_name="sweep",
             load_if_exists=True,
@@ -82,6 +84,91 @@ def open_study(sweep: Sweep):
             pruner=pruner,
             direction="minimize" if sweep.mode == "min" else "maximize",
         )
+        if damaged:
+            _rebuild(study, sweep)
+        return study
+
+
+def _set_aside_if_damaged(path: Path) -> bool:
+    """A study database SQLite cannot read whole is moved to <path>.damaged (nothing deleted),
+    with one line saying so; True if it was."""
+    import sqlite3
+
+    if not path.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            verdict = db.execute("PRAGMA integrity_check").fetchone()[0]
+    except sqlite3.DatabaseError as e:
+        verdict = str(e)
+    if verdict == "ok":
+        return False
+    aside = path.with_name(path.name + ".damaged")
+    number = 1
+    while aside.exists():
+        aside, number = path.with_name(f"{path.name}.damaged.{number}"), number + 1
+    path.rename(aside)
+    print(
+        f"warning: {path} is damaged ({verdict}); set aside as {aside.name}, rebuilding the study from the "
+        f"trials on disk (sweep.jsonl and each trial's metrics)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
+
+
+def _distributions(search: dict) -> dict:
+    import optuna.distributions as d
+
+    made: dict[str, Any] = {}
+    for key, dist in search["params"].items():
+        kind, values = next(iter(dist.items()))
+        if kind == "choice":  # (as _suggest stores them: their JSON text)
+            made[key] = d.CategoricalDistribution([json.dumps(v) for v in values])
+        elif kind == "int_uniform":
+            made[key] = d.IntDistribution(int(values[0]), int(values[1]))
+        else:
+            made[key] = d.FloatDistribution(float(values[0]), float(values[1]), log=kind == "log_uniform")
+    return made
+
+
+def _rebuild(study, sweep: Sweep) -> None:
+    """The trials of sweep.jsonl back into a fresh study, numbered as before: a finished run as
+    complete with its final metric, a pruned one as pruned, any other as failed (its workdir and
+    checkpoints stay; a trial number is never given to a second run)."""
+    import optuna
+
+    index = sweep.directory / "sweep.jsonl"
+    records = {}
+    for line in index.read_text().splitlines() if index.is_file() else []:
+        record = json.loads(line)
+        if record.get("name", "").startswith("trial-"):
+            records[int(record["name"].split("-")[1])] = record
+    distributions = _distributions(sweep.search or {})
+    states = {"finished": optuna.trial.TrialState.COMPLETE, "pruned": optuna.trial.TrialState.PRUNED}
+    for number in range(max(records, default=-1) + 1):
+        record = records.get(number, {})
+        value = (record.get("final") or {}).get(sweep.metric)
+        state = states.get(record.get("status", ""), optuna.trial.TrialState.FAIL)
+        if state == optuna.trial.TrialState.COMPLETE and value is None:
+            state = optuna.trial.TrialState.FAIL
+        overrides = record.get("overrides") or {}
+        params = {
+            key: json.dumps(overrides[key])
+            if isinstance(dist, optuna.distributions.CategoricalDistribution)
+            else overrides[key]
+            for key, dist in distributions.items()
+            if key in overrides
+        }
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=params,
+                distributions={k: distributions[k] for k in params},
+                value=value if state == optuna.trial.TrialState.COMPLETE else None,
+                state=state,
+            )
+        )
+    print(f"rebuilt the study: {len(records)} trials from {index.name}", file=sys.stderr, flush=True)
 
 
 def _suggest(trial, key: str, dist: dict):
