@@ -88,6 +88,8 @@ class RunJob:
         state, metrics = compiled.train_step(state, block)
         self.done += self.steps_per_call
         if compiled.sync_step is not None and self.done % self.cfg.diloco.inner_steps == 0:
+            if self.sync_each_step:  # (CPU collectives: one program's must end before the next's start)
+                jax.block_until_ready(state)
             state, self.outer = compiled.sync_step(state)  # the end of a DiLoCo round
         return state, metrics
 
