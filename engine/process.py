@@ -40,6 +40,7 @@ def install(reader: bool = False) -> None:
     if _installed:
         return
     _installed = True
+    _xla_cpu_flags()
     import jax
 
     _skip_absent_tpu()
@@ -55,6 +56,35 @@ def install(reader: bool = False) -> None:
     warnings.filterwarnings(
         "ignore", message=r"coroutine 'async_serialize_from_host.*' was never awaited", category=RuntimeWarning
     )
+
+
+# XLA:CPU's concurrency-optimised scheduler can order one program's collectives differently
+# on different devices: 8 device threads on 2 cores then wait at two collectives for each other
+# until the 40 s rendezvous timeout aborts the process (seen with an fsdp=8 llama step, 1 run
+# in 2). Off, the collectives run in program order on every device. (A CPU flag: other
+# backends ignore it. Set before any backend starts; an explicit setting in XLA_FLAGS wins.)
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _xla_cpu_flags() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and _xla_knows(CPU_SCHEDULER_FLAG):
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA defines the flag (an unknown flag in XLA_FLAGS aborts the process)."""
+    import importlib.util
+    import mmap
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("jaxlib")
+    name = flag.lstrip("-").split("=")[0].encode()
+    for library in Path(spec.origin).parent.glob("*.so") if spec and spec.origin else ():
+        with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data.find(name) >= 0:
+                return True
+    return False
 
 
 def _skip_absent_tpu() -> None:
