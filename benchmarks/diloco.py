@@ -24,27 +24,17 @@ from engine import process  # noqa: E402
 
 process.install()
 
-import numpy as np  # noqa: E402
 
 from engine import hlo  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.trainer import fit  # noqa: E402
 
 
-def _replica_of(mesh, axis_name: str) -> list[int]:
-    axis = list(mesh.axis_names).index(axis_name)
-    return [int(np.unravel_index(p, mesh.devices.shape)[axis]) for p in range(mesh.size)]
-
-
 def crossing_bytes(program, mesh, axis_name: str) -> int:
     """Bytes of the collectives whose groups span more than one index of `axis_name`, per run of
     the program."""
-    replica_of = _replica_of(mesh, axis_name)
-    return sum(
-        c.bytes * c.count
-        for c in hlo.program_collectives(program.as_text(), mesh.size)
-        if c.groups is None or any(len({replica_of[d] for d in g}) > 1 for g in c.groups)  # (unread: counted)
-    )
+    found = hlo.program_collectives(program.as_text(), mesh.size)
+    return sum(c.bytes * c.count for c in hlo.crossing(found, mesh, axis_name))
 
 
 def train(overrides: list[str], workdir: str):

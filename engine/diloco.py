@@ -153,7 +153,7 @@ def make_inner_step(train_step: Callable, mesh: Mesh) -> Callable:
             opt_state=new.opt_state,
             replicas={"params": new.params, "model_state": new.model_state},
         )
-        return state, jax.tree.map(lambda m: jnp.broadcast_to(m, (replicas, *jnp.shape(m)[1:])), metrics)
+        return state, metrics  # (vmap's out_axes give every metric its replica axis)
 
     return inner_step
 

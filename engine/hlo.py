@@ -222,6 +222,14 @@ def _collective(line: str, num_devices: int, slice_of: Optional[Sequence[int]], 
     return Collective(op, size * group if op == "reduce-scatter" else size, group, dcn=crosses, groups=groups)
 
 
+def crossing(collectives: list[Collective], mesh, axis: str) -> list[Collective]:
+    """The collectives whose groups span more than one index of the mesh axis `axis` (an
+    unread group counts as crossing)."""
+    position = list(mesh.axis_names).index(axis)
+    index_of = [int(np.unravel_index(p, mesh.devices.shape)[position]) for p in range(mesh.size)]
+    return [c for c in collectives if c.groups is None or any(len({index_of[d] for d in g}) > 1 for g in c.groups)]
+
+
 def hlo_collectives(hlo: str, num_devices: int) -> list[Collective]:
     """The program's collectives (see program_collectives), one slice."""
     return program_collectives(hlo, num_devices)

@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.checkpoint import Checkpointer
 from engine.config import Config, save_config, to_yaml
-from engine.diloco import param_count
+from engine.diloco import REPLICA, Layout, param_count
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
@@ -110,10 +110,8 @@ class RunJob:
         """DiLoCo's figures: outer steps so far, the replicas' drift from the global parameters
         and the outer gradient's norm at the last exchange, the bytes exchanged per step."""
         inner = self.cfg.diloco.inner_steps
-        record = {
-            "outer_step": done // inner,
-            "exchanged_bytes_per_step": 4 * param_count(self.run.abstract_state.params) / inner,
-        }
+        layout = Layout(self.run.mesh.shape[REPLICA], inner, param_count(self.run.abstract_state.params))
+        record = {"outer_step": done // inner, "exchanged_bytes_per_step": layout.bytes_per_round / inner}
         if self.outer is not None:
             record.update({k: float(v) for k, v in jax.device_get(self.outer).items()})
         return record

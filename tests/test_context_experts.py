@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_parallel import addressable_bytes, train_losses
-from test_tokens import LLAMA_TOKENS, _corpus_files
+from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
 from conftest import run_cli
 from engine import hlo
@@ -42,17 +42,7 @@ LLAMA = [
 
 @pytest.fixture(scope="module")
 def packed_corpus(tmp_path_factory):
-    from engine.data.tokenize import tokenize
-
-    base = tmp_path_factory.mktemp("context_corpus")
-    tokenize(
-        [str(_corpus_files(base / "text", 60, seed=3))],
-        str(base / "tokens"),
-        "bpe:300",
-        eval_fraction=0.1,
-        progress=False,
-    )
-    return base / "tokens"
+    return tokenized_corpus(tmp_path_factory.mktemp("context_corpus"), seed=3)
 
 
 def assert_same_training(make_config, args, layouts, steps=4):

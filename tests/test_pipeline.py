@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from test_context_experts import LLAMA, assert_same_training
-from test_tokens import LLAMA_TOKENS, _corpus_files
+from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
 from conftest import run_cli
 from engine.errors import UsageError
@@ -43,17 +43,7 @@ def test_pipelines_alone_and_beside_other_axes_give_the_one_device_training(make
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-    from engine.data.tokenize import tokenize
-
-    base = tmp_path_factory.mktemp("pipeline_corpus")
-    tokenize(
-        [str(_corpus_files(base / "text", 60, seed=5))],
-        str(base / "tokens"),
-        "bpe:300",
-        eval_fraction=0.1,
-        progress=False,
-    )
-    return base / "tokens"
+    return tokenized_corpus(tmp_path_factory.mktemp("pipeline_corpus"), seed=5)
 
 
 @pytest.mark.slow

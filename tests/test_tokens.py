@@ -30,6 +30,21 @@ def _text(rng, words: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), words)) + "."
 
 
+def tokenized_corpus(base, seed: int, documents: int = 60):
+    """A small corpus of `documents` files under base/text, tokenized with a 300-token BPE into
+    base/tokens (10% held out); returns that directory."""
+    from engine.data.tokenize import tokenize
+
+    tokenize(
+        [str(_corpus_files(base / "text", documents, seed=seed))],
+        str(base / "tokens"),
+        "bpe:300",
+        eval_fraction=0.1,
+        progress=False,
+    )
+    return base / "tokens"
+
+
 def _corpus_files(directory, documents=40, seed=0):
     """A directory of text documents of varied lengths (one per file)."""
     rng = np.random.default_rng(seed)
