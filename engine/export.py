@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -82,10 +81,3 @@ def export_run(workdir: str, out: str) -> Path:
     )
     write_sums(out_path)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
-
-
-def run_tokenizer(work: Path, info) -> Optional[Path]:
-    """The tokenizer.json a run trained with: the copy in its workdir, else its corpus's."""
-    if (work / "tokenizer.json").is_file():
-        return work / "tokenizer.json"
-    return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None

@@ -4,21 +4,31 @@ run's data: byte-level text sources decode UTF-8 bytes, tokenized corpora their 
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 
 from engine.checkpoint import restore_newest
 from engine.errors import UsageError
-from engine.export import run_config, run_tokenizer
+from engine.export import run_config
 from engine.setup import build_run
+from engine.vocab import TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
 
 
 def sample(
-    workdir: str, prompt: str, max_tokens: int = 200, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0
+    workdir: str,
+    prompt: str,
+    max_tokens: int = 200,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    seed: int = 0,
+    stop_at_eos: bool = True,
 ) -> str:
-    """The text generated after `prompt` (the prompt itself not included)."""
+    """The text generated after `prompt` (the prompt itself not included), ending at the
+    tokenizer's end-of-text token (not included) unless `stop_at_eos` is off."""
     work = Path(workdir)
     if max_tokens < 1 or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
         raise UsageError(
@@ -38,6 +48,8 @@ def sample(
             f"data.name={cfg.data.name} gives token ids with no text decoding; sample from a run "
             f"trained on text (data.name=text, python_source or tokens)"
         )
+    check_data_tokenizer(work / TOKENIZER, info, f"the run's data (data.name={cfg.data.name})")
+    tokenizer = None
     if info.text_codec == "tokenizer":
         from tokenizers import Tokenizer
 
@@ -48,21 +60,69 @@ def sample(
                 f"corpus's tokenizer.json into {work}"
             )
         tokenizer = Tokenizer.from_file(str(path))
+        vocab, source = tokenizer.get_vocab_size(), str(path)
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     else:
+        vocab, source = 256, "UTF-8 bytes"
         encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
-        decode = lambda ids: bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")  # noqa: E731
+        decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    prompt_ids = encode(prompt)
+    if not prompt_ids:
+        raise UsageError("--prompt is empty; give at least one character of text")
+    context = context_length(work, info)
+    if len(prompt_ids) + max_tokens > context:
+        room = context - len(prompt_ids)
+        raise UsageError(
+            f"--max-tokens {max_tokens}: the prompt's {len(prompt_ids)} tokens and {max_tokens} new ones exceed the "
+            f"model's context of {context} tokens (what it was trained at); "
+            + (f"give --max-tokens {room} or less" if room > 0 else "give a shorter --prompt")
+        )
+    stops = eos_ids(work, tokenizer) if stop_at_eos else []
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
-    tokens = generate(
-        cfg.model,
-        info,
-        restored.state.params,
-        encode(prompt),
-        max_tokens,
-        temperature,
-        top_p,
-        seed,
-        jnp.dtype(cfg.train.compute_dtype),
-    )
+    with _progress(max_tokens) as bar:
+        tokens = generate(
+            cfg.model,
+            info,
+            restored.state.params,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            jnp.dtype(cfg.train.compute_dtype),
+            stop_ids=stops,
+            on_token=lambda _: bar.update(1),
+        )
+    outside = sorted({t for t in tokens if t >= vocab})
+    if outside:
+        raise UsageError(
+            f"the model generated token ids {outside[:5]} that its tokenizer ({source}, {vocab} ids) does not "
+            f"have: the model and the tokenizer do not belong together. Import a model with its tokenizer.json "
+            f"in the Hugging Face directory, or train on data tokenized for it"
+        )
+    if tokens and tokens[-1] in stops:
+        tokens = tokens[:-1]
     return decode(tokens)
+
+
+def context_length(work: Path, info) -> int:
+    """Tokens of context the model was trained at: data.seq_len, or an imported model's
+    max_position_embeddings where larger."""
+    from engine.hf import HF_CONFIG
+
+    context = int(info.seq_len)
+    if (work / HF_CONFIG).is_file():
+        imported = json.loads((work / HF_CONFIG).read_text()).get("max_position_embeddings")
+        if isinstance(imported, int):
+            context = max(context, imported)
+    return context
+
+
+def _progress(total: int):
+    """A progress bar on a terminal's stderr for generations long enough to wait for."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, unit="tok", desc="sample", file=sys.stderr, leave=False, disable=True if total < 64 else None
+    )

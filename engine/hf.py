@@ -28,9 +28,10 @@ from engine import sharding
 from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
-from engine.export import new_output_dir, run_config, run_tokenizer
-from engine.rundir import write_atomic
+from engine.export import new_output_dir, run_config
+from engine.rundir import WorkdirLock, write_atomic
 from engine.setup import build_run
+from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, check_data_tokenizer, run_tokenizer
 from models import REGISTRY
 
 INDEX = "model.safetensors.index.json"
@@ -57,7 +58,8 @@ def _inside(hf_dir: Path, file: Path) -> Path:
     root, resolved = hf_dir.resolve(), file.resolve()
     if not resolved.is_relative_to(root):
         raise UsageError(
-            f"{file} resolves to {resolved}, outside the Hugging Face directory {root}; weight files must lie inside it"
+            f"{file} resolves to {resolved}, outside the Hugging Face directory {root}; the files import-hf "
+            "reads must lie inside it"
         )
     return resolved
 
@@ -148,12 +150,22 @@ class _Reader:
 
 
 def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: Sequence[str] = ()) -> Path:
-    """Writes workdir/config.yaml and a step-0 checkpoint of the Hugging Face model in hf_dir."""
+    """Writes workdir/config.yaml, a step-0 checkpoint of the Hugging Face model in hf_dir, and
+    the model's tokenizer (tokenizer.json and its companions, where the directory has them).
+    One import per workdir at a time (its lock); nothing is written before the weights are read."""
     hf_path, work = Path(hf_dir), Path(workdir)
     if not (hf_path / "config.json").is_file():
         raise UsageError(f"{hf_path} has no config.json; give a Hugging Face model directory")
     if (work / "checkpoints").exists():
         raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
+    work.mkdir(parents=True, exist_ok=True)
+    with WorkdirLock(work, wait_seconds=0.0):
+        if (work / "checkpoints").exists():  # another import finished while this one started
+            raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
+        return _import_hf(hf_path, work, config, overrides)
+
+
+def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequence[str]) -> Path:
     try:
         hf_config = json.loads((hf_path / "config.json").read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -169,10 +181,14 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
     from engine.config import CONFIG_DIR
 
     model_overrides = [f"model.{key}={json.dumps(value)}" for key, value in model.items()]
-    # base.yaml's data is images; without a config of its own the run gets real offline text
-    data = [] if config else ["data.name=python_source"]
+    tokenizer = _inside(hf_path, hf_path / TOKENIZER) if (hf_path / TOKENIZER).is_file() else None
+    # base.yaml's data is images; without a config of its own the run gets real offline text,
+    # tokenized with the model's own tokenizer where the directory has one
+    data = [] if config else ["data.name=python_source", *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]
     cfg = load_config(config or CONFIG_DIR / "base.yaml", [*data, *model_overrides, *overrides], str(work))
     run = build_run(cfg, compile_train=False)
+    if tokenizer is not None:  # data of another tokenizer (or bytes) would train the model on ids it reads otherwise
+        check_data_tokenizer(tokenizer, run.dataset.info, f"data (data.name={cfg.data.name})")
     read = _Reader(_tensor_files(hf_path))
     params = run.abstract_state.params
     for tensor in layout.tensors(cfg.model):
@@ -186,7 +202,12 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
     if missing:
         raise RuntimeError(f"the Hugging Face mapping of model.name={name} leaves {missing} unset")
     state = run.init_state(params)  # a fresh optimizer state beside the imported weights
-    work.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        for file in (TOKENIZER, *TOKENIZER_COMPANIONS):  # the model's tokenizer, special tokens, chat template
+            if (hf_path / file).is_file():
+                write_atomic(work / file, _inside(hf_path, hf_path / file).read_text())
+        if not config:  # the written config reads the workdir's copy, which moves with the run
+            cfg.data.tokenizer = str((work / TOKENIZER).absolute())
     save_config(cfg, work / "config.yaml")
     write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
     checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)

@@ -26,6 +26,7 @@ from engine.preemption import Preempted, starting
 from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
 from engine.step import TRAIN_METRICS
+from engine.vocab import TOKENIZER, check_data_tokenizer
 from engine.watchdog import Watchdog
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state", "claim", "write_run_files"]
@@ -225,10 +226,12 @@ def _writer(cfg: Config, start: int) -> MetricWriter:
 
 
 def write_run_files(cfg: Config, info, workdir: Path) -> None:
-    """config.yaml, and the tokenizer the run's text is read back with (sample, export)."""
+    """config.yaml, and the tokenizer the run's text is read back with (sample, export); a
+    UsageError first when the workdir's model reads another tokenizer's ids (an imported model)."""
+    check_data_tokenizer(workdir / TOKENIZER, info, f"data (data.name={cfg.data.name})")
     save_config(cfg, workdir / "config.yaml")
     if info.tokenizer:
-        shutil.copyfile(info.tokenizer, workdir / "tokenizer.json")
+        shutil.copyfile(info.tokenizer, workdir / TOKENIZER)
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):

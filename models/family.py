@@ -10,7 +10,7 @@ Nothing here imports the engine; the engine reads these declarations and nothing
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import jax.numpy as jnp
 import optax
@@ -109,8 +109,21 @@ class Generate(Protocol):
     """New token ids after a prompt, with a key/value cache."""
 
     def __call__(
-        self, cfg, info, params, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int, dtype
-    ) -> list[int]: ...
+        self,
+        cfg,
+        info,
+        params,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        dtype,
+        stop_ids: Sequence[int] = (),
+        on_token: Optional[Callable[[int], None]] = None,
+    ) -> list[int]:
+        """Ends early after a token in `stop_ids` (it is included); `on_token` sees each new id."""
+        ...
 
 
 class HFLayout(Protocol):

@@ -318,12 +318,13 @@ def generate(
     top_p: float,
     seed: int,
     dtype,
+    stop_ids=(),
+    on_token=None,
 ) -> list[int]:
     """New token ids after `prompt`, with a key/value cache (models/sampling.py)."""
     param_dtype = jax.tree.leaves(params)[0].dtype
-    return sampling.generate(
-        build(cfg, info, dtype, param_dtype, decode=True), params, prompt, max_tokens, temperature, top_p, seed
-    )
+    module = build(cfg, info, dtype, param_dtype, decode=True)
+    return sampling.generate(module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, on_token)
 
 
 class LlamaFamily(Family):

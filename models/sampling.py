@@ -7,6 +7,8 @@ collection and `positions=` (models/llama.py)."""
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,9 +30,19 @@ def next_token(logits, key, temperature: float, top_p: float):
 
 
 def generate(
-    module, params, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    module,
+    params,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    on_token: Optional[Callable[[int], None]] = None,
 ) -> list[int]:
-    """`max_tokens` new token ids after `prompt`; `module` is built with its cache on (decode)."""
+    """Up to `max_tokens` new token ids after `prompt`, ending early after one in `stop_ids`
+    (kept as the last id); `on_token` sees each id as it comes. `module` is built with its
+    cache on (decode)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (a character of text)")
     total = len(prompt) + max_tokens
@@ -49,8 +61,13 @@ def generate(
         return token, updated["cache"]
 
     token, cache = step(params, cache, tokens, jnp.int32(0), jnp.int32(0))  # prefill: the whole prompt at once
+    stop = set(stop_ids)
     out = [int(token[0])]
-    for i in range(1, max_tokens):
+    for i in range(1, max_tokens + 1):
+        if on_token is not None:
+            on_token(out[-1])
+        if out[-1] in stop or i == max_tokens:
+            break
         token, cache = step(params, cache, token[:, None], jnp.int32(len(prompt) + i - 1), jnp.int32(i))
         out.append(int(token[0]))
     return out

@@ -437,3 +437,15 @@ def test_python_source_with_a_bpe_is_tokenized_once_into_the_cache(tmp_path, cap
     assert first.info.vocab_size == again.info.vocab_size == 400 and first.info.text_codec == "tokenizer"
     assert "segments" in first.train.spec and len(first.train) == len(again.train) > 0
     np.testing.assert_array_equal(first.train.sources[0][3]["tokens"], again.train.sources[0][3]["tokens"])
+
+
+def test_a_small_corpus_holds_out_one_document_and_symlinked_files_count_once(tmp_path, capsys):
+    text = _corpus_files(tmp_path / "text", documents=34)
+    (text / "again").mkdir()
+    for name in ("doc000.txt", "doc001.txt", "doc002.txt"):  # the same files again through symlinks
+        (text / "again" / name).symlink_to(text / name)
+    manifest = tokenize([str(text), str(text / "doc005.txt")], str(tmp_path / "tokens"), "bpe:300", progress=False)
+    splits = manifest["splits"]
+    assert splits["train"]["documents"] + splits["eval"]["documents"] == 34
+    assert splits["eval"]["documents"] == 1  # the default 1% of 34 documents, at least one
+    assert "the last document is held out" in capsys.readouterr().out

@@ -14,17 +14,27 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workdir", required=True, help="the training run's directory")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=200,
+        help="tokens to generate at most (default 200); prompt + max-tokens fit the model's context",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="go on past the tokenizer's end-of-text token (default: stop there)"
+    )
     return p
 
 
 def run(args, argv: list[str]) -> int:
     from engine.generate import sample
 
-    print(sample(args.workdir, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed))
+    print(
+        sample(args.workdir, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, not args.ignore_eos)
+    )
     return 0
 
 

@@ -72,11 +72,11 @@ class DataConfig:
     verify: bool = option(True, "tokens: check every shard's SHA-256 against the manifest at start")
     tokenizer: str = option(
         "bytes",
-        "python_source: bytes (ids are UTF-8 bytes) or bpe:N (a byte-level BPE of "
-        "N tokens trained on the text, tokenized once into data.cache_dir)",
+        "python_source: bytes (ids are UTF-8 bytes), bpe:N (a byte-level BPE of N tokens trained on the "
+        "text) or a tokenizer.json (an imported model's); tokenized once into data.cache_dir",
     )
     cache_dir: str = option(
-        "~/.cache/jax-engine/tokens", "python_source with bpe:N: where the tokenized corpus is kept and reused"
+        "~/.cache/jax-engine/tokens", "python_source with a tokenizer: where the tokenized corpus is kept and reused"
     )
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import math
 import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 from contract.fields import choices_of
@@ -175,8 +176,12 @@ def _fit_steps_per_call(cfg) -> None:
 def _check_sources(data) -> None:
     """data.sources: a list of {path, weight[, name]} mappings, only with data.name=tokens."""
     if not data.sources:
-        if data.tokenizer != "bytes" and not (data.tokenizer.startswith("bpe:") and data.tokenizer[4:].isdigit()):
-            raise UsageError(f"data.tokenizer={data.tokenizer!r}: use bytes or bpe:N (N ≥ 257), e.g. bpe:2048")
+        bpe = data.tokenizer.startswith("bpe:") and data.tokenizer[4:].isdigit()
+        if data.tokenizer != "bytes" and not bpe and not Path(data.tokenizer).expanduser().is_file():
+            raise UsageError(
+                f"data.tokenizer={data.tokenizer!r}: use bytes, bpe:N (N ≥ 257, e.g. bpe:2048) or the path of a "
+                "tokenizer.json"
+            )
         return
     if data.name not in MIXTURE_SOURCES:
         raise UsageError(

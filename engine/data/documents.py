@@ -22,7 +22,8 @@ def _binary(path: Path) -> bool:
 
 def input_files(paths: list[str]) -> list[Path]:
     """Files to read, in a fixed order: each path as given; a directory's files (recursive,
-    sorted, hidden and binary ones left out)."""
+    sorted, hidden and binary ones left out). A file reached twice (through a symlink, or named
+    twice) is read once, where it is first reached."""
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -41,7 +42,14 @@ def input_files(paths: list[str]) -> list[Path]:
             files += found
         else:
             raise UsageError(f"--input {raw} does not exist; give text, JSON Lines or Parquet files or directories")
-    return files
+    seen: set[Path] = set()
+    unique = []
+    for file in files:
+        real = file.resolve()
+        if real not in seen:
+            seen.add(real)
+            unique.append(file)
+    return unique
 
 
 def documents(files: list[Path], text_field: str = "text", text_unit: str = "file") -> Iterator[str]:

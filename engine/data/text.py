@@ -10,6 +10,7 @@ import numpy as np
 
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
+from engine.rundir import sha256_file
 
 
 def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -79,10 +80,14 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
 
     from engine.data.tokenize import tokenize
 
+    bpe = cfg.tokenizer.startswith("bpe:")
+    # a tokenizer file counts by its content (the same tokenizer anywhere shares one corpus)
+    tokenizer = cfg.tokenizer if bpe else sha256_file(Path(cfg.tokenizer).expanduser())
     key = hashlib.sha256(
-        repr([cfg.tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
+        repr([tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
     ).hexdigest()[:16]
-    out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{cfg.tokenizer.replace(':', '')}-{key}"
+    kind = cfg.tokenizer.replace(":", "") if bpe else "tokenizer"
+    out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{kind}-{key}"
     if not (out / "manifest.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.parent / f".{out.name}.lock", "w") as lock:

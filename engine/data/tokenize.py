@@ -35,9 +35,10 @@ from engine.data.shards import ShardWriter
 from engine.data.tokens import FORMAT
 from engine.errors import UsageError
 from engine.rundir import write_json
+from engine.vocab import END_OF_TEXT
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
-EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+EOD_CANDIDATES = END_OF_TEXT  # the first of them the tokenizer has ends each document
 SPLITS = ("train", "eval")
 _MASK64 = (1 << 64) - 1
 
@@ -345,13 +346,21 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
         bar.update(done_bytes)
     started, new_tokens, index = time.perf_counter(), 0, state["documents"]
     try:
-        for batch in _batches(stream, run.batch_bytes):
+        for batch, last in _with_last(_batches(stream, run.batch_bytes)):
             encoded = (
                 tokenizer.encode_batch_fast(batch, add_special_tokens=False)
                 if hasattr(tokenizer, "encode_batch_fast")
                 else tokenizer.encode_batch(batch, add_special_tokens=False)
             )
             is_eval = held_out(np.arange(index, index + len(batch)), settings.eval_fraction)
+            held = sum(s["documents"] for s in writers["eval"].done) + writers["eval"].documents
+            if last and settings.eval_fraction > 0 and held == 0 and not is_eval.any() and index + len(batch) > 1:
+                is_eval[-1] = True  # a small corpus: the share held out no document, so its last one is
+                print(
+                    f"tokenize: --eval-fraction {settings.eval_fraction} of {index + len(batch)} documents is "
+                    "less than one; the last document is held out for evaluation",
+                    flush=True,
+                )
             for encoding, to_eval in zip(encoded, is_eval):
                 ids = encoding.ids
                 ids.append(eod)
@@ -378,6 +387,17 @@ def _first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:
         size += len(text)
         if limit and size >= limit:
             return
+
+
+def _with_last(items: Iterator) -> Iterator[tuple]:
+    """(item, whether it is the last one)."""
+    previous, started = None, False
+    for item in items:
+        if started:
+            yield previous, False
+        previous, started = item, True
+    if started:
+        yield previous, True
 
 
 def _batches(texts: Iterator[str], batch_bytes: int) -> Iterator[list[str]]:
@@ -421,7 +441,8 @@ def main(args) -> int:
     splits = manifest["splits"]
     print(
         f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
-        f"documents, {splits['eval']['tokens']:,} held out; vocabulary {manifest['vocab_size']:,} "
+        f"documents, {splits['eval']['tokens']:,} in {splits['eval']['documents']:,} held out; "
+        f"vocabulary {manifest['vocab_size']:,} "
         f"({manifest['dtype']}); train with data.name=tokens data.path={args.out}",
         flush=True,
     )

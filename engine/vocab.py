@@ -1,0 +1,73 @@
+"""A run's tokenizer: the one file that turns its token ids into text and back.
+
+A workdir's `tokenizer.json` is the model's tokenizer: copied there from the corpus a run
+trains on, or from the Hugging Face directory a model was imported from. Data whose token
+ids mean something else (byte-level text, a corpus of another tokenizer) is refused, and
+`sample` decodes with that file only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from engine.errors import UsageError
+
+TOKENIZER = "tokenizer.json"
+# kept beside the tokenizer when a model is imported: special tokens, chat template, eos ids
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# the end-of-text tokens a sample stops at, where the tokenizer has them
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+def run_tokenizer(work: Path, info) -> Optional[Path]:
+    """The tokenizer.json a run's model reads: the copy in its workdir, else its corpus's."""
+    if (work / TOKENIZER).is_file():
+        return work / TOKENIZER
+    return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None
+
+
+def _canonical(path: Path) -> str:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).to_str()
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise UsageError(
+            f"{path} is not a readable tokenizers file ({e}); put the model's tokenizer.json there"
+        ) from None
+
+
+def check_data_tokenizer(model_tokenizer: Path, info, where: str = "data") -> None:
+    """UsageError when the model's tokenizer (a workdir's tokenizer.json, where it has one) and the
+    data's token ids disagree: byte-level text for a model with a tokenizer, or a corpus tokenized
+    by another tokenizer."""
+    if not model_tokenizer.is_file() or info.text_codec not in ("bytes", "tokenizer"):
+        return
+    fix = (
+        f"tokenize the text with the model's tokenizer (python launch.py tokenize --input TEXT... --out CORPUS "
+        f"--tokenizer {model_tokenizer}) and train with data.name=tokens data.path=CORPUS, or use data.name="
+        f"python_source data.tokenizer={model_tokenizer}"
+    )
+    if info.text_codec == "bytes":
+        raise UsageError(f"{where} gives byte-level token ids, but the model reads {model_tokenizer}'s; {fix}")
+    if _canonical(Path(info.tokenizer)) != _canonical(model_tokenizer):
+        raise UsageError(
+            f"{where} was tokenized with {info.tokenizer}, not the model's tokenizer ({model_tokenizer}); {fix}"
+        )
+
+
+def eos_ids(work: Path, tokenizer) -> list[int]:
+    """The ids a sample ends at: the imported model's eos_token_id(s) (config.json, generation_config.json)
+    and the tokenizer's end-of-text tokens."""
+    from engine.hf import HF_CONFIG
+
+    ids: set[int] = set()
+    for name in (HF_CONFIG, "generation_config.json"):
+        path = work / name
+        if path.is_file():
+            found = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(int(i) for i in (found if isinstance(found, list) else [found]) if isinstance(i, int))
+    if tokenizer is not None:
+        ids.update(i for i in (tokenizer.token_to_id(token) for token in END_OF_TEXT) if i is not None)
+    return sorted(ids)

@@ -1,0 +1,123 @@
+"""An imported model keeps its tokenizer: `import-hf` brings tokenizer.json into the workdir,
+training on ids of another tokenizer (or bytes) is refused, and `sample` decodes with the
+model's tokenizer, stops at its end-of-text token, stays within its context and refuses ids
+the tokenizer does not have."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_llama import TINY, ours_from_hf_dir, write_hf_checkpoint
+from test_tokens import tokenized_corpus
+
+from conftest import run_cli
+from engine.data import DataInfo
+from models import REGISTRY, sampling
+from models.llama import LlamaConfig
+
+QUICK = ["data.max_bytes=60000", "data.seq_len=32", "train.global_batch_size=4", "log.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A tiny random Llama in Hugging Face's layout with a BPE tokenizer.json, imported without
+    --config; → (HF dir, workdir, tokenizer, base dir)."""
+    from tokenizers import Tokenizer
+
+    base = tmp_path_factory.mktemp("imported")
+    corpus = tokenized_corpus(base / "own", seed=0)
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    hf = base / "hf"
+    write_hf_checkpoint(hf, LlamaConfig(**TINY), vocab=tokenizer.get_vocab_size())
+    shutil.copyfile(corpus / "tokenizer.json", hf / "tokenizer.json")
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    work = base / "run"
+    proc = run_cli("import-hf", str(hf), "--workdir", str(work), *QUICK)
+    assert proc.returncode == 0, proc.stderr
+    return hf, work, tokenizer, base
+
+
+def _greedy(hf, prompt_ids, max_tokens, vocab):
+    module, params = ours_from_hf_dir(hf, DataInfo("tokens", 8, 8, vocab_size=vocab, seq_len=32))
+    return sampling.greedy_without_cache(module, params, prompt_ids, max_tokens)
+
+
+def test_import_keeps_the_tokenizer_and_sample_decodes_with_it(imported):
+    hf, work, tokenizer, _ = imported
+    assert (work / "tokenizer.json").is_file() and (work / "tokenizer_config.json").is_file()
+    assert (work / "config.yaml").read_text().count(str(work / "tokenizer.json")) == 1  # data reads the model's
+    prompt = "alpha beta gamma"
+    proc = run_cli("sample", "--workdir", str(work), "--prompt", prompt, "--temperature", "0", "--max-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    ids = _greedy(hf, tokenizer.encode(prompt, add_special_tokens=False).ids, 6, tokenizer.get_vocab_size())
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    if eos in ids:  # the sample ends at the end-of-text token, which is not printed
+        ids = ids[: ids.index(eos)]
+    assert proc.stdout.rstrip("\n") == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_data_of_another_tokenizer_or_bytes_is_refused(imported):
+    _, work, _, base = imported
+    other = tokenized_corpus(base / "other", seed=1)  # a BPE trained on other text: other ids
+    common = ["--config", str(work / "config.yaml"), "--workdir", str(work), "train.steps=2"]
+    proc = run_cli(*common, "data.name=tokens", f"data.path={other}")
+    assert proc.returncode == 2 and "not the model's tokenizer" in proc.stderr, proc.stderr
+    proc = run_cli(*common, "data.tokenizer=bytes")
+    assert proc.returncode == 2 and "byte-level token ids" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (work / "checkpoints" / "2").exists()
+
+
+def test_a_corpus_tokenized_with_the_models_tokenizer_fine_tunes(imported, tmp_path):
+    _, work, _, base = imported
+    run = tmp_path / "run"
+    shutil.copytree(work, run)
+    corpus = tmp_path / "corpus"
+    text, tokenizer = str(base / "own" / "text"), str(run / "tokenizer.json")
+    proc = run_cli("tokenize", "--input", text, "--out", str(corpus), "--tokenizer", tokenizer, "--eval-fraction=0.2")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(
+        "--config", str(run / "config.yaml"), "--workdir", str(run), "data.name=tokens", f"data.path={corpus}",
+        "train.steps=2", "log.progress=false",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_sample_stays_within_the_context_and_refuses_ids_outside_the_tokenizer(imported, tmp_path):
+    hf, work, tokenizer, _ = imported
+    proc = run_cli("sample", "--workdir", str(work), "--prompt", "alpha", "--max-tokens", "100000")
+    assert proc.returncode == 2 and "context of" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # a model whose vocabulary is larger than its tokenizer's, made to prefer an id past the tokenizer's end
+    vocab = tokenizer.get_vocab_size()
+    bigger = tmp_path / "hf"
+    write_hf_checkpoint(bigger, LlamaConfig(**TINY), vocab=vocab + 8)
+    shutil.copyfile(hf / "tokenizer.json", bigger / "tokenizer.json")
+    prompt_ids = tokenizer.encode("alpha", add_special_tokens=False).ids
+    first = _greedy(bigger, prompt_ids, 1, vocab + 8)[0]
+    weights = load_file(str(bigger / "model.safetensors"))
+    weights["lm_head.weight"][vocab + 3] = 4 * weights["lm_head.weight"][first]
+    save_file(weights, str(bigger / "model.safetensors"))
+    assert _greedy(bigger, prompt_ids, 1, vocab + 8) == [vocab + 3]
+    run = tmp_path / "run"
+    assert run_cli("import-hf", str(bigger), "--workdir", str(run), *QUICK).returncode == 0
+    proc = run_cli("sample", "--workdir", str(run), "--prompt", "alpha", "--temperature", "0", "--max-tokens", "3")
+    assert proc.returncode == 2 and f"[{vocab + 3}" in proc.stderr and "do not belong together" in proc.stderr
+
+
+def test_generation_ends_after_a_stop_id():
+    info = DataInfo("tokens", 8, 8, vocab_size=61, seq_len=12)
+    family = REGISTRY["llama"]
+    cfg = LlamaConfig(**TINY)
+    module = family.build(cfg, info, jnp.float32, jnp.float32)
+    import jax
+
+    params = module.init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32), train=False)["params"]
+    decoder = family.build(cfg, info, jnp.float32, jnp.float32, decode=True)
+    full = sampling.generate(decoder, params, [1, 2, 3], 8)
+    seen = []
+    stopped = sampling.generate(decoder, params, [1, 2, 3], 8, stop_ids=[full[2]], on_token=seen.append)
+    assert stopped == full[: full.index(full[2]) + 1] == seen
+    assert len(full) == 8 and np.all(np.asarray(full) < 61)
