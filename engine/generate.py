@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Optional
 
 import jax.numpy as jnp
 
@@ -17,20 +18,24 @@ from engine.export import run_config
 from engine.setup import build_run
 from engine.vocab import TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
 
+DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)
+
 
 def sample(
     workdir: str,
     prompt: str,
-    max_tokens: int = 200,
+    max_tokens: Optional[int] = None,
     temperature: float = 0.8,
     top_p: float = 0.95,
     seed: int = 0,
     stop_at_eos: bool = True,
 ) -> str:
     """The text generated after `prompt` (the prompt itself not included), ending at the
-    tokenizer's end-of-text token (not included) unless `stop_at_eos` is off."""
+    tokenizer's end-of-text token (not included) unless `stop_at_eos` is off; `max_tokens`
+    None: 200, or fewer where the model's context ends sooner."""
     work = Path(workdir)
-    if max_tokens < 1 or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
+    bad_count = max_tokens is not None and max_tokens < 1
+    if bad_count or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
         raise UsageError(
             f"--max-tokens {max_tokens} must be >= 1, --temperature {temperature} a finite number >= 0 and "
             f"--top-p {top_p} in (0, 1]"
@@ -71,6 +76,8 @@ def sample(
     if not prompt_ids:
         raise UsageError("--prompt is empty; give at least one character of text")
     context = context_length(work, info)
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_TOKENS, context - len(prompt_ids)))
     if len(prompt_ids) + max_tokens > context:
         room = context - len(prompt_ids)
         raise UsageError(

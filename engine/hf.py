@@ -13,8 +13,10 @@ under FSDP. `launch.py export --workdir DIR --format hf --out PATH` writes the l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -29,7 +31,7 @@ from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
 from engine.export import new_output_dir, run_config
-from engine.rundir import WorkdirLock, write_atomic
+from engine.rundir import write_atomic
 from engine.setup import build_run
 from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, check_data_tokenizer, run_tokenizer
 from models import REGISTRY
@@ -158,8 +160,10 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
         raise UsageError(f"{hf_path} has no config.json; give a Hugging Face model directory")
     if (work / "checkpoints").exists():
         raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
-    work.mkdir(parents=True, exist_ok=True)
-    with WorkdirLock(work, wait_seconds=0.0):
+    from engine.trainer import claim
+
+    with contextlib.ExitStack() as closing:
+        claim(work, closing, wait_seconds=0.0, job="import-hf")
         if (work / "checkpoints").exists():  # another import finished while this one started
             raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
         return _import_hf(hf_path, work, config, overrides)
@@ -210,7 +214,11 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
             cfg.data.tokenizer = str((work / TOKENIZER).absolute())
     save_config(cfg, work / "config.yaml")
     write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
-    checkpointer = Checkpointer(work / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
+    # the checkpoint is written aside and renamed into place whole: an interrupted import leaves
+    # no checkpoints/ (re-running it starts over), a finished one is complete
+    staging = work / ".import"
+    shutil.rmtree(staging, ignore_errors=True)
+    checkpointer = Checkpointer(staging / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
     try:
         checkpointer.save(
             0,
@@ -225,6 +233,8 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
         checkpointer.wait()
     finally:
         checkpointer.close()
+    os.replace(staging / "checkpoints", work / "checkpoints")
+    staging.rmdir()
     return work
 
 

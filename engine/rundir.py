@@ -258,13 +258,16 @@ def check_sums(directory: Path) -> Optional[str]:
     return None
 
 
-class WorkdirBusy(UsageError):
-    """Another training job holds the workdir (a UsageError: exit 2); `holder` says who."""
+LOCK = ".lock"  # a directory's lock file (WorkdirLock)
 
-    def __init__(self, workdir: Path, holder: str):
+
+class WorkdirBusy(UsageError):
+    """Another job holds the workdir (a UsageError: exit 2); `holder` says who."""
+
+    def __init__(self, workdir: Path, holder: str, job: str = "training job", option: str = "--workdir"):
         super().__init__(
-            f"{workdir} is in use by another training job ({holder}); wait for it to finish or stop "
-            f"it, or give this run another --workdir"
+            f"{workdir} is in use by another {job} ({holder}); wait for it to finish or stop "
+            f"it, or give this one another {option}"
         )
         self.holder = holder
 
@@ -274,9 +277,10 @@ class WorkdirLock:
     of the job. The OS drops it when the process ends however it ends (a SIGKILL too), so no
     stale lock is ever left; the file only says who held it last."""
 
-    def __init__(self, workdir: Path, wait_seconds: float = 3.0):
-        self.path = Path(workdir) / ".lock"
+    def __init__(self, workdir: Path, wait_seconds: float = 3.0, job: str = "training job", option: str = "--workdir"):
+        self.path = Path(workdir) / LOCK
         self.wait_seconds = wait_seconds  # rides out a reader's momentary probe (lock_holder)
+        self.job, self.option = job, option  # what the error calls the holder and the directory
         self.handle: Optional[TextIO] = None
 
     def __enter__(self) -> "WorkdirLock":
@@ -297,7 +301,7 @@ class WorkdirLock:
                 handle.seek(0)
                 holder = handle.read().strip() or "unknown"
                 handle.close()
-                raise WorkdirBusy(self.path.parent, holder) from None
+                raise WorkdirBusy(self.path.parent, holder, self.job, self.option) from None
         handle.seek(0)
         handle.truncate()
         handle.write(
@@ -319,7 +323,7 @@ def lock_holder(workdir: Path) -> str | None:
     probe: a shared lock taken and dropped at once, the file neither truncated nor written."""
     import fcntl
 
-    path = Path(workdir) / ".lock"
+    path = Path(workdir) / LOCK
     try:
         with open(path) as handle:
             try:

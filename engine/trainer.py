@@ -23,7 +23,7 @@ from engine.loop import NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfini
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.preemption import Preempted, starting
-from engine.rundir import METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
+from engine.rundir import LOCK, METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
 from engine.step import TRAIN_METRICS
 from engine.vocab import TOKENIZER, check_data_tokenizer
@@ -259,13 +259,14 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     return state, start, meta
 
 
-def claim(workdir: Path, closing: contextlib.ExitStack) -> None:
-    """Takes the workdir's lock for the life of `closing`; a workdir created here is removed
-    again if the run stops before writing anything into it (a bad config or bad data)."""
+def claim(workdir: Path, closing: contextlib.ExitStack, **lock) -> None:
+    """Takes the workdir's lock for the life of `closing` (`lock`: WorkdirLock's settings); a
+    workdir created here is removed again if the job stops before writing anything into it (a
+    bad config or bad data)."""
     created = not workdir.exists()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        closing.enter_context(WorkdirLock(workdir))
+        closing.enter_context(WorkdirLock(workdir, **lock))
     except OSError as e:  # a read-only or unwritable place: said before anything is compiled
         number = storage_errno(e, workdir)
         if number is None:
@@ -274,7 +275,7 @@ def claim(workdir: Path, closing: contextlib.ExitStack) -> None:
     if created:
 
         def unused() -> None:
-            if [p.name for p in workdir.iterdir()] == [".lock"]:
+            if [p.name for p in workdir.iterdir()] == [LOCK]:
                 shutil.rmtree(workdir)
 
         closing.callback(unused)

@@ -17,8 +17,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens",
         type=int,
-        default=200,
-        help="tokens to generate at most (default 200); prompt + max-tokens fit the model's context",
+        help="tokens to generate at most (default: 200, or what the model's context leaves after the prompt); "
+        "prompt + max-tokens must fit the context",
     )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")

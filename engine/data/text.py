@@ -79,12 +79,13 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
     import hashlib
 
     from engine.data.tokenize import tokenize
+    from engine.data.tokens import FORMAT
 
     bpe = cfg.tokenizer.startswith("bpe:")
     # a tokenizer file counts by its content (the same tokenizer anywhere shares one corpus)
     tokenizer = cfg.tokenizer if bpe else sha256_file(Path(cfg.tokenizer).expanduser())
     key = hashlib.sha256(
-        repr([tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
+        repr([FORMAT, tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
     ).hexdigest()[:16]
     kind = cfg.tokenizer.replace(":", "") if bpe else "tokenizer"
     out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{kind}-{key}"

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,9 +34,9 @@ import numpy as np
 
 from engine.data.documents import documents, input_files
 from engine.data.shards import ShardWriter
-from engine.data.tokens import FORMAT
+from engine.data.tokens import FORMAT, manifest_digest
 from engine.errors import UsageError
-from engine.rundir import write_json
+from engine.rundir import LOCK, WorkdirLock, write_json
 from engine.vocab import END_OF_TEXT
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
@@ -150,10 +152,12 @@ def tokenize(
     batch_bytes: int = 1 << 22,
     progress: bool = True,
     stop_after_batches: int = 0,
+    heartbeat_seconds: float = 30.0,
 ) -> dict:
     """Tokenizes `paths` into `out` (see the module doc) → the manifest. Re-running an
     interrupted call continues it; re-running a finished one returns its manifest.
-    `stop_after_batches` (tests) interrupts after that many batches, as a signal would."""
+    `stop_after_batches` (tests) interrupts after that many batches, as a signal would. No phase
+    is silent for longer than `heartbeat_seconds`: a line says what is still going on."""
     if not 0.0 <= eval_fraction < 1.0:
         raise UsageError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
     if text_unit not in ("file", "line"):
@@ -180,7 +184,6 @@ def tokenize(
         return state["manifest"]
     if next(documents(files, text_field, text_unit), None) is None:
         raise UsageError(f"--input {' '.join(paths)} holds no non-empty documents; give files with text")
-    out_dir.mkdir(parents=True, exist_ok=True)
     stop = {"signal": 0}
 
     def on_signal(signum, frame):
@@ -188,9 +191,18 @@ def tokenize(
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _tokenize(
-            _Run(files, out_dir, settings, state, bpe_size, batch_bytes, progress, _Stopping(stop, stop_after_batches))
-        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with WorkdirLock(out_dir, wait_seconds=0.0, job="tokenize", option="--out"):  # one writer per --out
+            state = _state(out_dir, settings)  # again: another writer may have gone on meanwhile
+            if "manifest" in state:
+                return state["manifest"]
+            stopping = _Stopping(stop, stop_after_batches)
+            with Heartbeat(heartbeat_seconds) as beat:
+                manifest = _tokenize(
+                    _Run(files, out_dir, settings, state, bpe_size, batch_bytes, progress, stopping, beat)
+                )
+            (out_dir / LOCK).unlink()  # a finished corpus is only read (a late second writer finds the manifest)
+            return manifest
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -229,7 +241,7 @@ def _state(out_dir: Path, settings: Settings) -> dict:
                 "tokenizer or sizes changed); re-run it with the same arguments, or delete the directory"
             )
         return state
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and any(p.name != LOCK for p in out_dir.iterdir()):
         raise UsageError(
             f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or empty directory"
         )
@@ -248,10 +260,11 @@ class _Run:
     batch_bytes: int
     progress: bool
     stopping: _Stopping
+    beat: "Heartbeat"
 
 
 def _tokenize(run: _Run) -> dict:
-    _make_tokenizer(run.files, run.out_dir, run.settings, run.state, run.bpe_size)
+    _make_tokenizer(run.files, run.out_dir, run.settings, run.state, run.bpe_size, run.beat)
     run.stopping.check(batch_done=False)
     tokenizer = load_tokenizer(str(run.out_dir / "tokenizer.json"))
     eod_name, eod = eod_id(tokenizer, run.settings.eod_token)
@@ -269,7 +282,6 @@ def _tokenize(run: _Run) -> dict:
     }
     for writer in writers.values():
         writer.open()
-    started = time.perf_counter()
     try:
         _write_documents(run, tokenizer, eod, writers)
     except Interrupted:
@@ -297,22 +309,29 @@ def _tokenize(run: _Run) -> dict:
         "eod_id": eod,
         "dtype": dtype,
         "splits": counts,
-        "seconds": round(time.perf_counter() - started, 3),
     }
+    manifest["sha256"] = manifest_digest(manifest)
     write_json(run.out_dir / "manifest.json", manifest)  # the commit of the whole corpus
     (run.out_dir / "progress.json").unlink()
     return manifest
 
 
-def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_size: int) -> None:
+def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_size: int, beat: "Heartbeat") -> None:
     """out_dir/tokenizer.json: trained (or copied) once; a resumed run reuses it."""
     tokenizer_path = out_dir / "tokenizer.json"
     if tokenizer_path.is_file():
         return
     if bpe_size:
+        megabytes = min(sum(settings.input_sizes), settings.bpe_train_bytes) / 1e6
+        print(
+            f"tokenize: training a byte-level BPE of {bpe_size:,} tokens on {megabytes:,.1f} MB of the input",
+            flush=True,
+        )
+        beat.phase(f"training the BPE on {megabytes:,.1f} MB")
         tokenizer = train_bpe(
             _first_bytes(documents(files, settings.text_field, settings.text_unit), settings.bpe_train_bytes), bpe_size
         )
+        beat.phase("encoding")
     else:
         tokenizer = load_tokenizer(settings.tokenizer)
     tmp = tokenizer_path.with_suffix(".json.tmp")
@@ -371,6 +390,7 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
                 writer.flush()
             state.update(documents=index, splits={split: w.state() for split, w in writers.items()})
             write_json(run.out_dir / "progress.json", state)  # the commit point of this batch
+            run.beat.phase(f"encoding (document {index:,})")
             if bar is not None:
                 bar.update(sum(len(text.encode("utf-8")) for text in batch))
                 bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s")
@@ -387,6 +407,35 @@ def _first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:
         size += len(text)
         if limit and size >= limit:
             return
+
+
+class Heartbeat:
+    """A line on stderr whenever a phase has gone `seconds` without news ("tokenize: still …"):
+    no step of tokenize is silent for longer, however slow (the watchdog's idea)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.what, self.since = seconds, "starting", time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tokenize-heartbeat", daemon=True)
+
+    def phase(self, what: str) -> None:
+        self.what, self.since = what, time.monotonic()
+
+    def _watch(self) -> None:
+        last_said = time.monotonic()
+        while not self._done.wait(min(self.seconds, 1.0)):
+            now = time.monotonic()
+            if now - max(self.since, last_said) >= self.seconds:
+                print(f"tokenize: still {self.what} ({now - self.since:,.0f} s)", file=sys.stderr, flush=True)
+                last_said = now
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _with_last(items: Iterator) -> Iterator[tuple]:
@@ -422,6 +471,7 @@ def _progress_bar(total: int, enabled: bool):
 
 def main(args) -> int:
     """The `tokenize` command: exit 0 done, 2 bad input, 130/143 interrupted (re-run to go on)."""
+    started = time.perf_counter()
     try:
         manifest = tokenize(
             args.input,
@@ -443,7 +493,8 @@ def main(args) -> int:
         f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
         f"documents, {splits['eval']['tokens']:,} in {splits['eval']['documents']:,} held out; "
         f"vocabulary {manifest['vocab_size']:,} "
-        f"({manifest['dtype']}); train with data.name=tokens data.path={args.out}",
+        f"({manifest['dtype']}); {time.perf_counter() - started:,.1f} s; train with data.name=tokens "
+        f"data.path={args.out}",
         flush=True,
     )
     return 0

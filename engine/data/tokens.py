@@ -22,6 +22,7 @@ example i of training is a function of (seed, i) and the step alone resumes the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from array import array
@@ -34,7 +35,7 @@ import numpy as np
 from engine.errors import UsageError
 from engine.rundir import sha256_file
 
-FORMAT = "jax-engine-tokens/1"
+FORMAT = "jax-engine-tokens/2"  # 2: the manifest carries its own sha256
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,13 @@ class Corpus:
         return TokenStream(tokens, ends)
 
 
+def manifest_digest(manifest: dict) -> str:
+    """The SHA-256 of a manifest's content (its own `sha256` left out), which it carries: a
+    changed byte anywhere in manifest.json (a count, a checksum, the vocabulary) is found."""
+    content = {key: value for key, value in manifest.items() if key != "sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def open_corpus(path: str, verify: bool = True, where: str = "data.path") -> Corpus:
     """Reads DIR/manifest.json and checks every shard's size and (with `verify`) checksum:
     a UsageError naming the file and the fix otherwise. Nothing is loaded into memory."""
@@ -83,6 +91,11 @@ def open_corpus(path: str, verify: bool = True, where: str = "data.path") -> Cor
         raise UsageError(f"{manifest_file} is damaged ({type(e).__name__}: {e}); tokenize the corpus again") from None
     if manifest.get("format") != FORMAT:
         raise UsageError(f"{manifest_file} has format {manifest.get('format')!r}, not {FORMAT!r}; tokenize again")
+    if manifest.get("sha256") != manifest_digest(manifest):
+        raise UsageError(
+            f"{manifest_file} does not match its own checksum (the file changed or is damaged); tokenize the "
+            "corpus again into a new --out directory"
+        )
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split in manifest["splits"].values():
         for shard in split["shards"]:
