@@ -273,3 +273,12 @@ def test_a_bad_value_in_the_sweep_file_is_said_to_come_from_it(tmp_path):
     path = write_sweep(tmp_path / "bad.yaml", grid={"train.steps": ["many"]})
     proc = run_cli("sweep", str(path))
     assert proc.returncode == 2 and "from the sweep file bad.yaml" in proc.stderr, proc.stderr
+
+
+def test_the_slurm_backend_without_sbatch_is_one_line_and_exit_2(tmp_path):
+    path = write_sweep(tmp_path / "array.yaml", grid={"optimizer.learning_rate": [0.001, 0.003]})
+    env = {"PATH": os.path.dirname(sys.executable)}  # python, and no sbatch
+    proc = run_cli("sweep", str(path), "--backend", "slurm", env=env)
+    assert proc.returncode == 2 and "sbatch, which is not on PATH" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "sweep.sbatch").exists()

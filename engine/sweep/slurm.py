@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def submit_slurm(sweep: Sweep, retry_failed: bool) -> int:
     if not todo:
         print("nothing to submit: every run is finished")
         return 0
+    if shutil.which("sbatch") is None:  # before anything is written or marked submitted
+        raise UsageError(
+            "--backend slurm submits with SLURM's sbatch, which is not on PATH; run the sweep on a SLURM login "
+            "node, or use --backend local"
+        )
     script, tasks_file = sweep.directory / "sweep.sbatch", sweep.directory / "sweep.tasks.json"
     tasks = units(sweep, todo)  # each run alone, or (vectorize) groups of runs sharing a program
     write_atomic(tasks_file, json.dumps([[run.name for run in task] for task in tasks]))
