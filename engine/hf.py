@@ -33,7 +33,7 @@ from engine.errors import UsageError
 from engine.export import new_output_dir, run_config
 from engine.rundir import write_atomic
 from engine.setup import build_run
-from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, check_data_tokenizer, run_tokenizer
+from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, run_tokenizer
 from models import REGISTRY
 
 INDEX = "model.safetensors.index.json"
@@ -186,6 +186,8 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
 
     model_overrides = [f"model.{key}={json.dumps(value)}" for key, value in model.items()]
     tokenizer = _inside(hf_path, hf_path / TOKENIZER) if (hf_path / TOKENIZER).is_file() else None
+    if tokenizer is not None:
+        canonical(tokenizer)  # a damaged tokenizer.json is refused here, not met later by sample
     # base.yaml's data is images; without a config of its own the run gets real offline text,
     # tokenized with the model's own tokenizer where the directory has one
     data = [] if config else ["data.name=python_source", *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]
@@ -209,7 +211,7 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     if tokenizer is not None:
         for file in (TOKENIZER, *TOKENIZER_COMPANIONS):  # the model's tokenizer, special tokens, chat template
             if (hf_path / file).is_file():
-                write_atomic(work / file, _inside(hf_path, hf_path / file).read_text())
+                write_atomic(work / file, _json_text(_inside(hf_path, hf_path / file)))
         if not config:  # the written config reads the workdir's copy, which moves with the run
             cfg.data.tokenizer = str((work / TOKENIZER).absolute())
     save_config(cfg, work / "config.yaml")
@@ -236,6 +238,16 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     os.replace(staging / "checkpoints", work / "checkpoints")
     staging.rmdir()
     return work
+
+
+def _json_text(path: Path) -> str:
+    """The text of a JSON file, refused (UsageError) unless it parses."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is not valid JSON ({e}); the Hugging Face directory is damaged") from None
+    return text
 
 
 def _place(tensor, target: jax.ShapeDtypeStruct, read) -> jax.Array:

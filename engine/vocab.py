@@ -27,7 +27,8 @@ def run_tokenizer(work: Path, info) -> Optional[Path]:
     return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None
 
 
-def _canonical(path: Path) -> str:
+def canonical(path: Path) -> str:
+    """The tokenizer in `path` as `tokenizers` writes it; UsageError for a file it cannot read."""
     from tokenizers import Tokenizer
 
     try:
@@ -51,7 +52,7 @@ def check_data_tokenizer(model_tokenizer: Path, info, where: str = "data") -> No
     )
     if info.text_codec == "bytes":
         raise UsageError(f"{where} gives byte-level token ids, but the model reads {model_tokenizer}'s; {fix}")
-    if _canonical(Path(info.tokenizer)) != _canonical(model_tokenizer):
+    if canonical(Path(info.tokenizer)) != canonical(model_tokenizer):
         raise UsageError(
             f"{where} was tokenized with {info.tokenizer}, not the model's tokenizer ({model_tokenizer}); {fix}"
         )

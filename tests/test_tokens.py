@@ -327,9 +327,7 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
     assert losses(_train_records(killed)) == losses(records)
     # the run keeps its tokenizer: sample decodes with it, and a Hugging Face export carries it
     assert (reference / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
-    sampled = run_cli(
-        "sample", "--workdir", str(reference), "--prompt", "alpha beta", "--temperature", "0"
-    )
+    sampled = run_cli("sample", "--workdir", str(reference), "--prompt", "alpha beta", "--temperature", "0")
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     text = sampled.stdout.strip("\n")
     assert text.strip() and set(text) <= set("abcdefghijklmnopqrstuvwxyz ."), text  # the corpus's own characters

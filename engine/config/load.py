@@ -55,7 +55,9 @@ def read_yaml_mapping(path: Path, what: str) -> dict:
     """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping
     of at most MAX_YAML_VALUES values once its aliases are expanded."""
     try:
-        data = yaml.load(path.read_text(), Loader=SAFE_LOADER)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
         raise UsageError(f"{what} {path}{_yaml_place(e)} is not valid YAML: {_yaml_problem(e)}") from None
     if _too_many_values(data):
