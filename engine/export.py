@@ -3,8 +3,12 @@ serialised with jax.export (StableHLO, batch size left symbolic), for serving wi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 import jax
 import orbax.checkpoint as ocp
@@ -41,6 +45,28 @@ def new_output_dir(out: str) -> Path:
     return out_path
 
 
+@contextlib.contextmanager
+def staged(out_path: Path) -> Iterator[Path]:
+    """A hidden directory beside `out_path` to write an export into, renamed to `out_path` whole
+    when the block ends without error: an export cut short (a kill, a full disk) never leaves a
+    half-written --out, and re-running it starts over (earlier partial attempts are removed)."""
+    parent = out_path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".{out_path.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = parent / f".{out_path.name}.partial-{os.getpid()}"
+    staging.mkdir()
+    try:
+        yield staging
+        if out_path.exists():
+            out_path.rmdir()  # empty (new_output_dir); OSError if another export filled it meanwhile
+        os.replace(staging, out_path)
+    except OSError as e:
+        raise UsageError(f"--out {out_path} could not be written ({e}); choose a new directory") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def export_run(workdir: str, out: str) -> Path:
     workdir_path, out_path = Path(workdir), new_output_dir(out)
     # Gathered onto one device: the exported program is independent of the training mesh.
@@ -60,7 +86,12 @@ def export_run(workdir: str, out: str) -> Path:
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables), inputs
     )
     serialized = exported.serialize()  # before anything is written: a failure leaves no partial export
-    out_path.mkdir(parents=True, exist_ok=True)
+    with staged(out_path) as staging:
+        _write_export(staging, cfg, run, restored, variables, serialized, shape, dtype)
+    return out_path
+
+
+def _write_export(out_path: Path, cfg, run, restored, variables, serialized: bytes, shape, dtype: str) -> None:
     with ocp.StandardCheckpointer() as saver:
         saver.save(out_path / "variables", variables)
     (out_path / "forward.stablehlo").write_bytes(serialized)
@@ -80,4 +111,3 @@ def export_run(workdir: str, out: str) -> Path:
         )
     )
     write_sums(out_path)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
-    return out_path

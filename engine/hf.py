@@ -30,7 +30,7 @@ from engine import sharding
 from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
-from engine.export import new_output_dir, run_config
+from engine.export import new_output_dir, run_config, staged
 from engine.rundir import write_atomic
 from engine.setup import build_run
 from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, run_tokenizer
@@ -301,7 +301,12 @@ def export_hf(workdir: str, out: str) -> Path:
         value = np.asarray(jax.device_get(_get(restored.state.params, tensor.path)))
         layers = value if tensor.stacked else [value]
         tensors.update({name: tensor.to_hf(np.asarray(layer)) for name, layer in zip(tensor.names, layers)})
-    out_path.mkdir(parents=True, exist_ok=True)
+    with staged(out_path) as staging:
+        _write_hf(staging, work, run, tensors, hf_config)
+    return out_path
+
+
+def _write_hf(out_path: Path, work: Path, run, tensors: dict, hf_config: dict) -> None:
     _write_safetensors(tensors, out_path)
     if (work / HF_CONFIG).is_file():  # an imported model keeps what we do not model (bos/eos ids, context length)
         original = json.loads((work / HF_CONFIG).read_text())
@@ -310,8 +315,10 @@ def export_hf(workdir: str, out: str) -> Path:
     write_atomic(out_path / "config.json", json.dumps(hf_config, indent=2) + "\n")
     tokenizer = run_tokenizer(work, run.dataset.info)
     if tokenizer is not None:  # a run on a tokenized corpus: its tokenizer goes with the weights
-        shutil.copyfile(tokenizer, out_path / "tokenizer.json")
-    return out_path
+        shutil.copyfile(tokenizer, out_path / TOKENIZER)
+    for name in TOKENIZER_COMPANIONS:  # an imported model's special tokens, chat template, eos ids
+        if (work / name).is_file():
+            shutil.copyfile(work / name, out_path / name)
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:
