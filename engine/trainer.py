@@ -245,10 +245,14 @@ def initial_state(run: Run, checkpointer: Checkpointer):
         )
         if cfg.checkpoint.restore_mode == "params":
             params, _ = source.restore_params(run.abstract_state.params)
+            _say(f"starting from the parameters in {cfg.checkpoint.restore_from} at step 0")
             return run.init_state(params), 0, {}
         restored = source.restore(run.abstract_state)
         if restored is None:
             raise UsageError(f"checkpoint.restore_from={cfg.checkpoint.restore_from} holds no complete checkpoint")
+        _say(f"starting from {cfg.checkpoint.restore_from} at step {restored.step}")
+    elif restored is not None:
+        _say(f"resuming from step {restored.step} (checkpoint {checkpointer.directory / str(restored.step)})")
     state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
     if start % run.inputs.steps_per_call:
         per_call = run.inputs.steps_per_call
@@ -257,6 +261,12 @@ def initial_state(run: Run, checkpointer: Checkpointer):
             f"{per_call}; set train.steps_per_call to a divisor of {start} (e.g. 1) for this run"
         )
     return state, start, meta
+
+
+def _say(line: str) -> None:
+    """One line of the run's start, from the chief process."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def claim(workdir: Path, closing: contextlib.ExitStack, **lock) -> None:

@@ -256,7 +256,7 @@ def test_restore_onto_other_meshes_continues_the_same_run(make_config, tmp_path)
         )
 
 
-def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path):
+def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path, capsys):
     source = tmp_path / "source"
     train_briefly(make_config, source)
     cfg = make_config(
@@ -272,6 +272,7 @@ def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path):
 
     state, step, _ = initial_state(run, Checkpointer(tmp_path / "finetune" / "checkpoints", 3))
     assert step == 0 and int(state.step) == 0
+    assert f"starting from the parameters in {source}/checkpoints at step 0" in capsys.readouterr().out
     params, _ = Checkpointer(source / "checkpoints", 5, read_only=True).restore_params(run.abstract_state.params)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)

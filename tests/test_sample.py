@@ -84,6 +84,7 @@ def test_a_corpus_tokenized_with_the_models_tokenizer_fine_tunes(imported, tmp_p
         "train.steps=2", "log.progress=false",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert f"resuming from step 0 (checkpoint {run / 'checkpoints' / '0'})" in proc.stdout, proc.stdout
 
 
 def test_sample_stays_within_the_context_and_refuses_ids_outside_the_tokenizer(imported, tmp_path):

@@ -19,7 +19,8 @@ def parser() -> argparse.ArgumentParser:
     others = ", ".join(name for name in COMMANDS if name != "train")
     p = Parser(
         prog="launch.py [train]",
-        description=f"Train a model from a config file (other commands: {others}; `launch.py COMMAND "
+        description=f"Train a model from a config file: `launch.py train ...`, or `launch.py ...` with no command "
+        f"(the other commands: {others}; `launch.py COMMAND "
         "--help` for each). Overrides are dotted.key=value pairs, e.g. train.steps=500 "
         "optimizer.learning_rate=3e-4 mesh.fsdp=8 model.hidden_sizes=[256,128]; values are "
         "parsed as YAML. Re-running on a workdir with checkpoints resumes from the newest one.",
