@@ -122,7 +122,8 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
     total, per_call, per_block = cfg.train.steps, job.steps_per_call, job.steps_per_block
     batches = closing.enter_context(contextlib.closing(Prefetcher(job.block, start // per_block, cfg.data.prefetch)))
     preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
-    trace = closing.enter_context(contextlib.closing(StepTrace(cfg.log.profile_steps, start, job.workdir)))
+    trace = StepTrace(cfg.log.profile_steps, start, job.workdir, per_call)
+    closing.enter_context(contextlib.closing(trace))
     watchdog.watch(window.metrics)
     block, last_saved = None, start or None
     for step in range(start, total, per_call):

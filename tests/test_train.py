@@ -173,3 +173,17 @@ def test_profile_steps_write_a_trace_and_the_summary_says_where_the_loop_went(ma
     assert all(0 <= s <= 1 for s in shares) and 0 < sum(shares) <= 1 and summary["loop_dispatch"] > 0
     with pytest.raises(UsageError, match=r"log.profile_steps=\[6, 2\] must be"):
         make_config("mnist_mlp.yaml", "log.profile_steps=[6,2]")
+
+
+def test_the_profile_window_is_traced_from_the_call_that_holds_its_first_step(tmp_path):
+    """--profile traces steps 5..15; with 10 steps per call, the calls 0..10 and 10..20 hold them."""
+    import jax.numpy as jnp
+
+    from engine.perf import StepTrace
+
+    trace = StepTrace([5, 15], 0, tmp_path, steps_per_call=10)
+    for step in (0, 10, 20, 30):
+        trace.before(step)
+        trace.after(step + 10, jnp.ones(3) * step)
+    trace.close()
+    assert trace.traced == (0, 20)
