@@ -85,8 +85,53 @@ def test_each_optimizer_lowers_the_loss(make_config, name):
 
 
 @pytest.mark.parametrize(
+    "name, reference",
+    [
+        ("lion", lambda lr, mask: optax.lion(lr, b1=0.9, b2=0.99, weight_decay=0.1, mask=mask)),
+        ("adafactor", lambda lr, mask: optax.adafactor(lr, weight_decay_rate=0.1, weight_decay_mask=mask)),
+        ("muon", lambda lr, mask: optax.contrib.muon(lr, beta=0.9, weight_decay=0.1, weight_decay_mask=mask)),
+        ("adamw", lambda lr, mask: optax.adamw(lr, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, mask=mask)),
+    ],
+)
+@pytest.mark.parametrize("decay_on", ["all", "matrices"])
+def test_one_step_of_each_optimizer_equals_optax(name, reference, decay_on):
+    """Our optimizer (its numbers in the state) makes optax's own update, weight decay on all
+    parameters or (decay_on=matrices) not on norms' scales and biases."""
+    from engine.optim import make_optimizer
+
+    cfg = OptimizerConfig(name=name, momentum=0.9, b2=0.99, weight_decay=0.1, weight_decay_on=decay_on)
+    rng = np.random.default_rng(0)
+    params = {
+        "dense": {"kernel": rng.normal(size=(8, 4)).astype(np.float32), "bias": np.ones(4, np.float32)},
+        "norm": {"scale": np.full(4, 2.0, np.float32)},
+    }
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    ours = make_optimizer(cfg)
+    state = ours.init(params)
+    state.hyperparams["learning_rate"] = np.float32(0.01)
+    mask = {"dense": {"kernel": True, "bias": decay_on == "all"}, "norm": {"scale": decay_on == "all"}}
+    theirs = reference(0.01, mask)
+    their_state = theirs.init(params)
+    for _ in range(2):  # a second step: the state carried as optax carries it
+        got, state = ours.update(grads, state, params)
+        expected, their_state = theirs.update(grads, their_state, params)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    if decay_on == "matrices":  # the mask takes effect: a scale with zero gradient does not move
+        zero = jax.tree.map(np.zeros_like, grads)
+        moved, _ = make_optimizer(cfg).update(zero, make_optimizer(cfg).init(params), params)
+        assert not np.any(np.asarray(moved["norm"]["scale"]))
+
+
+@pytest.mark.parametrize(
     "kind, warmup, end",
-    [("constant", 0, 0.0), ("constant", 10, 0.0), ("warmup_cosine", 10, 0.1), ("warmup_linear", 4, 0.0)],
+    [
+        ("constant", 0, 0.0),
+        ("constant", 10, 0.0),
+        ("warmup_cosine", 10, 0.1),
+        ("warmup_linear", 4, 0.0),
+        ("wsd", 10, 0.1),
+    ],
 )
 def test_schedules_match_optax(kind, warmup, end):
     cfg = OptimizerConfig(learning_rate=2.0, schedule=kind, warmup_steps=warmup, end_learning_rate_factor=end)
@@ -95,12 +140,21 @@ def test_schedules_match_optax(kind, warmup, end):
         reference = optax.linear_schedule(0.0, 2.0, warmup) if warmup else optax.constant_schedule(2.0)
     elif kind == "warmup_cosine":
         reference = optax.warmup_cosine_decay_schedule(0.0, 2.0, warmup, total, 2.0 * end)
+    elif kind == "wsd":  # the default decay_fraction 0.2: stable to step 88, then down to the end
+        reference = optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, 2.0, warmup),
+                optax.constant_schedule(2.0),
+                optax.linear_schedule(2.0, 2.0 * end, 22),
+            ],
+            [warmup, 88],
+        )
     else:
         reference = optax.join_schedules(
             [optax.linear_schedule(0.0, 2.0, warmup), optax.linear_schedule(2.0, 2.0 * end, total - warmup)], [warmup]
         )
     hp = schedule_hparams(cfg, total)
-    for step in (0, 1, warmup // 2, warmup, warmup + 1, 50, 109, 110):
+    for step in (0, 1, warmup // 2, warmup, warmup + 1, 50, 87, 88, 95, 109, 110):
         assert float(learning_rate_at(kind, step, hp)) == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-6)
 
 

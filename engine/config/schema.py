@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from contract.fields import option
 from engine.axes import AXES, CONFIG_AXES, default_rules
 from engine.data.sources import SOURCES
-from engine.optimizers import OPTIMIZERS, SCHEDULES
+from engine.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -132,10 +132,16 @@ class OptimizerConfig:
     )
     warmup_steps: int = option(0, "linear warm-up from 0 to learning_rate", at_least=0)
     end_learning_rate_factor: float = option(0.0, "final rate of the decaying schedules, as a fraction of the peak")
+    decay_fraction: float = option(0.2, "wsd: the last share of the run over which the rate decays")
     momentum: float = option(0.9, "SGD momentum, or Adam's b1")
     b2: float = option(0.999, "Adam's second-moment decay")
     eps: float = option(1e-8, "Adam's epsilon")
-    weight_decay: float = option(0.0, "decoupled weight decay (adamw)", at_least=0)
+    weight_decay: float = option(0.0, "decoupled weight decay (adamw, lion, adafactor, muon)", at_least=0)
+    weight_decay_on: str = option(
+        "all",
+        "which parameters decay: all, or matrices (not norms' scales nor biases, as LLM recipes do)",
+        choices=lambda: WEIGHT_DECAY_ON,
+    )
     grad_clip_norm: float = option(0.0, "clip gradients to this global norm (0 = off)", at_least=0)
 
 
