@@ -8,6 +8,7 @@ step (and its persistent cache entry).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from engine.optimizers import OPTIMIZERS, SCHEDULES, OptimizerKind
+from engine.optimizers import NO_DECAY_LEAVES, OPTIMIZERS, SCHEDULES, OptimizerKind
 
 if TYPE_CHECKING:
     from engine.config import OptimizerConfig
@@ -24,12 +25,15 @@ if TYPE_CHECKING:
 
 def schedule_hparams(cfg: OptimizerConfig, total_steps: int) -> dict[str, np.float32]:
     """The learning-rate schedule's numbers, as float32 scalars carried in the train state."""
-    return {
+    numbers = {
         "peak_learning_rate": np.float32(cfg.learning_rate),
         "warmup_steps": np.float32(cfg.warmup_steps),
         "decay_steps": np.float32(total_steps),
         "end_factor": np.float32(cfg.end_learning_rate_factor),
     }
+    if cfg.schedule == "wsd":  # only wsd's state carries it: the other schedules' checkpoints stay as they were
+        numbers["decay_fraction"] = np.float32(cfg.decay_fraction)
+    return numbers
 
 
 def learning_rate_at(kind: str, step, hp: dict):
@@ -45,13 +49,24 @@ def optimizer_hparams(cfg: OptimizerConfig) -> dict[str, float]:
     return hp
 
 
-def _builder(kind: OptimizerKind):
+def decay_mask(params):
+    """True for the parameters weight decay applies to under optimizer.weight_decay_on=matrices:
+    all but norms' scales and biases."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY_LEAVES, params
+    )
+
+
+def _builder(kind: OptimizerKind, weight_decay_on: str = "all"):
     """optax's function with the state's numbers as named parameters (inject_hyperparams reads
     the names: those become state arrays)."""
-    build = getattr(optax, kind.optax_name)
+    build = functools.reduce(getattr, kind.optax_name.split("."), optax)
+    fixed = dict(kind.fixed)
+    if weight_decay_on == "matrices" and kind.mask_arg:
+        fixed[kind.mask_arg] = decay_mask
 
     def make(learning_rate, **hparams):
-        return build(learning_rate, **hparams, **kind.fixed)
+        return build(learning_rate, **hparams, **fixed)
 
     names = ["learning_rate", *kind.hparams]
     make.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -76,7 +91,7 @@ def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """The optimizer (with optional global-norm clipping), its numbers held in its state."""
-    build = _builder(OPTIMIZERS[cfg.name])
+    build = _builder(OPTIMIZERS[cfg.name], cfg.weight_decay_on)
 
     def clipped(grad_clip_norm=None, **hparams):
         tx = build(**hparams)

@@ -232,19 +232,22 @@ class Goodput:
 
 class StepTrace:
     """log.profile_steps=[a, b]: a jax.profiler trace of the calls that run steps a..b after
-    this process's first step, into <workdir>/profile/process_<i> (TensorBoard's profile
-    plugin or XProf read it)."""
+    this process's first step (from the call that holds step a: with train.steps_per_call > 1
+    the trace is of whole calls around the window), into <workdir>/profile/process_<i>
+    (TensorBoard's profile plugin or XProf read it)."""
 
-    def __init__(self, window, start: int, workdir: Path):
+    def __init__(self, window, start: int, workdir: Path, steps_per_call: int = 1):
         self.first: Optional[int] = start + window[0] if window else None
         self.last: int = start + window[1] if window else 0
+        self.steps_per_call = steps_per_call
         self.directory = Path(workdir) / "profile" / f"process_{jax.process_index()}"
         self.active = False
         self.traced: Optional[tuple[int, int]] = None
 
     def before(self, step: int) -> None:
         """Called before the call that starts at `step`."""
-        if self.first is not None and self.traced is None and not self.active and self.first <= step < self.last:
+        holds_first = self.first is not None and step + self.steps_per_call > self.first
+        if holds_first and self.traced is None and not self.active and step < self.last:
             self.directory.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.directory))
             self.active, self.began = True, step
