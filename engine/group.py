@@ -19,6 +19,7 @@ from engine.checkpoint import Checkpointer, InBackground
 from engine.config import Config, to_yaml
 from engine.data import eval_batches
 from engine.errors import UsageError
+from engine.evaluator import language_metrics
 from engine.loop import Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
@@ -198,7 +199,12 @@ class GroupJob:
             totals += np.array([sums["loss_sum"], sums["correct"], sums["count"]], np.float64)
         for index, trial in self._live():
             loss_sum, correct, count = totals[:, index]
-            trial.eval_metrics = {"loss": loss_sum / count, "accuracy": correct / count}
+            info = self.group.plan.dataset.info
+            trial.eval_metrics = {
+                "loss": loss_sum / count,
+                "accuracy": correct / count,
+                **language_metrics(loss_sum / count, info),
+            }
             trial.writer.write(done, "eval", trial.eval_metrics)
             trial.check(nonfinite_eval(trial.eval_metrics, done))
 

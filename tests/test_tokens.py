@@ -19,6 +19,7 @@ from engine.data import tokens as tk
 from engine.data.tokenize import Interrupted, held_out, tokenize
 from engine.errors import UsageError
 from engine.rundir import read_records
+from engine.setup import build_run
 
 WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -490,3 +491,20 @@ def test_one_writer_per_out_directory_and_no_silent_phase(tmp_path, monkeypatch,
     monkeypatch.setattr(tokenize_module, "train_bpe", slow)
     tokenize([str(text)], str(tmp_path / "out"), "bpe:300", progress=False, heartbeat_seconds=0.2)
     assert "tokenize: still training the BPE" in capsys.readouterr().err
+
+
+def test_language_model_eval_gives_perplexity_and_bits_per_byte(tmp_path, make_config):
+    import math
+
+    from engine.evaluator import evaluate
+
+    corpus = tokenized_corpus(tmp_path, seed=3, documents=30)
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    text_bytes = sum(len(p.read_text().encode()) for p in (tmp_path / "text").iterdir())
+    assert manifest["splits"]["train"]["bytes"] + manifest["splits"]["eval"]["bytes"] == text_bytes
+    cfg = make_config("llama_tiny", "data.name=tokens", f"data.path={corpus}", "data.seq_len=16", "mesh.num_devices=1")
+    run = build_run(cfg, compile_train=False)
+    metrics = evaluate(run, run.init_state())
+    assert metrics["perplexity"] == pytest.approx(math.exp(metrics["loss"]))
+    per_token = manifest["splits"]["eval"]["bytes"] / manifest["splits"]["eval"]["tokens"]
+    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2) / per_token)

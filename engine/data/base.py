@@ -23,6 +23,7 @@ class DataInfo:
     seq_len: int = 0  # tokens the model sees per example
     text_codec: str = ""  # how token ids map to text: "bytes" (ids are UTF-8 bytes), "tokenizer"; "" = not text
     tokenizer: str = ""  # text_codec "tokenizer": the tokenizer.json file
+    bytes_per_token: float = 0.0  # UTF-8 bytes of text per token of the eval split (bits per byte); 0 = unknown
     sources: tuple[str, ...] = ()  # a mixture's source names; batches carry `source` (their index)
     preprocessing: str = ""  # what was done to the stored inputs before the model saw them (export.json says it)
 

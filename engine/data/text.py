@@ -30,7 +30,15 @@ def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str, text_co
             f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
             f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len"
         )
-    info = DataInfo("tokens", len(train), len(evals), vocab_size=vocab_size, seq_len=cfg.seq_len, text_codec=text_codec)
+    info = DataInfo(
+        "tokens",
+        len(train),
+        len(evals),
+        vocab_size=vocab_size,
+        seq_len=cfg.seq_len,
+        text_codec=text_codec,
+        bytes_per_token=1.0 if text_codec == "bytes" else 0.0,
+    )
     return Dataset({"tokens": train}, {"tokens": evals}, info)
 
 
@@ -119,6 +127,13 @@ def tokens(cfg) -> Dataset:
     return _tokens_dataset(cfg, [(cfg.path, 1.0, Path(cfg.path).name)])
 
 
+def _bytes_per_token(splits: list[dict]) -> float:
+    """Text bytes per token of eval splits whose manifests count their bytes (0: one does not)."""
+    if not all(split.get("bytes") for split in splits):
+        return 0.0
+    return sum(split["bytes"] for split in splits) / sum(split["tokens"] for split in splits)
+
+
 def _tokens_dataset(cfg, sources: list[tuple[str, float, str]]) -> Dataset:
     from engine.data import tokens as tk
 
@@ -156,6 +171,7 @@ def _tokens_dataset(cfg, sources: list[tuple[str, float, str]]) -> Dataset:
         seq_len=cfg.seq_len,
         text_codec="tokenizer",
         tokenizer=str(first.tokenizer_file),
+        bytes_per_token=_bytes_per_token([corpus.manifest["splits"]["eval"] for corpus in corpora]),
         sources=tuple(name for _, _, name in sources) if mixed else (),
     )
     return Dataset(tk.Mixture(train, [w for _, w, _ in sources]), tk.eval_examples(evals), info)

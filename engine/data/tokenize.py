@@ -294,6 +294,7 @@ def _tokenize(run: _Run) -> dict:
         split: {
             "tokens": sum(s["tokens"] for s in w.done),
             "documents": sum(s["documents"] for s in w.done),
+            "bytes": run.state.get("bytes", {}).get(split, 0),
             "shards": w.done,
         }
         for split, w in writers.items()
@@ -364,6 +365,7 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
     if bar is not None:
         bar.update(done_bytes)
     started, new_tokens, index = time.perf_counter(), 0, state["documents"]
+    text_bytes = dict(state.get("bytes") or {split: 0 for split in SPLITS})  # UTF-8 bytes of each split's text
     try:
         for batch, last in _with_last(_batches(stream, run.batch_bytes)):
             encoded = (
@@ -380,15 +382,17 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
                     "less than one; the last document is held out for evaluation",
                     flush=True,
                 )
-            for encoding, to_eval in zip(encoded, is_eval):
+            for text, encoding, to_eval in zip(batch, encoded, is_eval):
                 ids = encoding.ids
                 ids.append(eod)
-                writers["eval" if to_eval else "train"].add(ids)
+                split = "eval" if to_eval else "train"
+                writers[split].add(ids)
+                text_bytes[split] += len(text.encode("utf-8"))
                 new_tokens += len(ids)
             index += len(batch)
             for writer in writers.values():
                 writer.flush()
-            state.update(documents=index, splits={split: w.state() for split, w in writers.items()})
+            state.update(documents=index, splits={split: w.state() for split, w in writers.items()}, bytes=text_bytes)
             write_json(run.out_dir / "progress.json", state)  # the commit point of this batch
             run.beat.phase(f"encoding (document {index:,})")
             if bar is not None:
