@@ -164,3 +164,24 @@ def test_a_damaged_study_is_set_aside_and_rebuilt_from_the_trials_on_disk(tmp_pa
     rebuilt = optuna.load_study(study_name="sweep", storage=f"sqlite:///{study}")
     assert [t.state.name for t in rebuilt.trials] == ["COMPLETE"] * 3
     assert {f"trial-{t.number:04d}": t.value for t in rebuilt.trials[:2]} == before
+
+
+def test_choices_are_stored_natively_and_seeds_do_not_shift():
+    """Optuna's own API reads a study's values as they are (a list choice, which optuna cannot
+    store, as its JSON text), and seed 1's trials are not seed 0's shifted by one."""
+    import optuna
+
+    from engine.sweep.search import _suggest, trial_run, trial_seed
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    trial = study.ask()
+    assert _suggest(trial, "train.global_batch_size", {"choice": [32, 64]}) in (32, 64)
+    assert _suggest(trial, "model.activation", {"choice": ["relu", "gelu"]}) in ("relu", "gelu")
+    assert _suggest(trial, "model.hidden_sizes", {"choice": [[16], [64, 64]]}) in ([16], [64, 64])
+    stored = study.trials[0].params
+    assert isinstance(stored["train.global_batch_size"], int) and stored["model.activation"] in ("relu", "gelu")
+    assert stored["model.hidden_sizes"] in ("[16]", "[64, 64]")
+    overrides = trial_run(trial).overrides
+    assert overrides["model.hidden_sizes"] in ([16], [64, 64]) and isinstance(overrides["train.global_batch_size"], int)
+    seeds = {(seed, n): trial_seed(seed, n) for seed in (0, 1) for n in range(5)}
+    assert len(set(seeds.values())) == 10 and seeds[(1, 0)] != seeds[(0, 1)]

@@ -40,6 +40,16 @@ CLAIM_SECONDS = 60.0  # a trial asked for this recently, with no run status yet,
 STOP = threading.Event()  # this sweep process was told to stop: the running trial saves and stops too
 
 
+TPE_STARTUP = 10  # optuna's TPESampler samples this many trials at random before modelling
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """The sampler's seed for trial `number` of a study seeded with `seed`."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+
+
 def make_sampler(search: dict, seed: int):
     import optuna
 
@@ -123,8 +133,8 @@ def _distributions(search: dict) -> dict:
     made: dict[str, Any] = {}
     for key, dist in search["params"].items():
         kind, values = next(iter(dist.items()))
-        if kind == "choice":  # (as _suggest stores them: their JSON text)
-            made[key] = d.CategoricalDistribution([json.dumps(v) for v in values])
+        if kind == "choice":  # (as _suggest stores them)
+            made[key] = d.CategoricalDistribution(choices_as_stored(values))
         elif kind == "int_uniform":
             made[key] = d.IntDistribution(int(values[0]), int(values[1]))
         else:
@@ -154,9 +164,7 @@ def _rebuild(study, sweep: Sweep) -> None:
             state = optuna.trial.TrialState.FAIL
         overrides = record.get("overrides") or {}
         params = {
-            key: json.dumps(overrides[key])
-            if isinstance(dist, optuna.distributions.CategoricalDistribution)
-            else overrides[key]
+            key: json.dumps(overrides[key]) if _json_choices(dist) else overrides[key]
             for key, dist in distributions.items()
             if key in overrides
         }
@@ -171,11 +179,29 @@ def _rebuild(study, sweep: Sweep) -> None:
     print(f"rebuilt the study: {len(records)} trials from {index.name}", file=sys.stderr, flush=True)
 
 
+SCALARS = (type(None), bool, int, float, str)  # what optuna stores as a categorical choice
+
+
+def choices_as_stored(values: list) -> list:
+    """A choice's values as the study stores them: themselves when every one is a number, string,
+    bool or null (optuna's own API reads them back as they are); otherwise (lists, e.g. hidden
+    sizes, which optuna cannot store) each one's JSON text."""
+    if all(isinstance(v, SCALARS) for v in values):
+        return list(values)
+    return [json.dumps(v) for v in values]
+
+
+def _json_choices(distribution) -> bool:
+    """The categorical distribution holds JSON texts of lists or mappings (choices_as_stored)."""
+    choices = getattr(distribution, "choices", None)
+    return bool(choices) and all(isinstance(c, str) and c[:1] in "[{" for c in choices)
+
+
 def _suggest(trial, key: str, dist: dict):
     kind, values = next(iter(dist.items()))
-    if kind == "choice":  # lists (e.g. hidden sizes) travel as their YAML text
-        chosen = trial.suggest_categorical(key, [json.dumps(v) for v in values])
-        return json.loads(chosen)
+    if kind == "choice":
+        chosen = trial.suggest_categorical(key, choices_as_stored(values))
+        return json.loads(chosen) if _json_choices(trial.distributions[key]) else chosen
     if kind == "int_uniform":
         return trial.suggest_int(key, int(values[0]), int(values[1]))
     return trial.suggest_float(key, float(values[0]), float(values[1]), log=kind == "log_uniform")
@@ -185,7 +211,10 @@ def trial_run(trial) -> RunSpec:
     """A trial's run: its name and the values it trains with."""
     return RunSpec(
         f"trial-{trial.number:04d}",
-        {k: json.loads(v) if isinstance(v, str) and v[:1] in "[{" else v for k, v in trial.params.items()},
+        {
+            key: json.loads(value) if _json_choices(trial.distributions.get(key)) else value
+            for key, value in trial.params.items()
+        },
     )
 
 
@@ -308,8 +337,9 @@ def _next_trial(sweep: Sweep, study):
         time.sleep(2.0)
     trial = study.ask()
     # trial n's values come from (seed, n): the same in one process or several (each process's
-    # sampler would otherwise draw the same startup values as every other)
-    study.sampler = make_sampler(search, search.get("seed", 0) + trial.number)
+    # sampler would otherwise draw the same startup values as every other); hashed together, so
+    # that seed 1's trials are not seed 0's shifted by one
+    study.sampler = make_sampler(search, trial_seed(search.get("seed", 0), trial.number))
     for key, dist in search["params"].items():
         _suggest(trial, key, dist)
     print(f"start {trial_run(trial).name} {trial_run(trial).overrides}", flush=True)
@@ -320,6 +350,13 @@ def run_search(sweep: Sweep) -> int:
     """Trials until the study has search.trials of them; 0 when none is left to start here
     (others may still run in other sweep processes), 143 if stopped."""
     study = open_study(sweep)
+    search = sweep.search or {}
+    if search.get("sampler", "tpe") == "tpe" and search.get("trials", 0) <= TPE_STARTUP:
+        print(
+            f"note: TPE draws its first {TPE_STARTUP} trials at random (optuna's n_startup_trials); with "
+            f"search.trials={search.get('trials')} this search is random sampling",
+            flush=True,
+        )
     STOP.clear()
     previous = {sig: signal.signal(sig, lambda signum, frame: STOP.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
