@@ -363,6 +363,13 @@ class Throughput:
         }
 
 
+def _short(summary: dict) -> str:
+    """Why goodput is low in a short run: start-up and compilation are most of its time."""
+    if summary["goodput"] >= 0.5 or summary["wall_seconds"] >= 120:
+        return ""
+    return " (a short run: start-up, compilation and evaluation weigh more than they will in a long one)"
+
+
 def summary_text(summary: dict) -> str:
     """The run summary (Goodput.summary + Throughput.summary) as one paragraph for the console."""
     badput = ", ".join(f"{k.removeprefix('badput_')} {v:.1%}" for k, v in summary.items() if k.startswith("badput_"))
@@ -373,7 +380,9 @@ def summary_text(summary: dict) -> str:
         f"summary: time to first step {summary['time_to_first_step']:.1f}s (compile "
         f"{summary['compile_seconds']:.1f}s), mean step {summary['mean_step_seconds'] * 1e3:.2f} ms, data wait "
         f"{summary['data_wait_seconds']:.2f}s, checkpoint blocking {summary['checkpoint_blocking_seconds']:.2f}s; "
-        f"goodput {summary['goodput']:.1%} (badput: {badput}){mfu}; loop: dispatch {summary['loop_dispatch']:.0%}, "
+        f"goodput {summary['goodput']:.1%}: {summary['goodput'] * summary['wall_seconds']:.1f}s of training "
+        f"steps in a {summary['wall_seconds']:.1f}s process{_short(summary)} (badput: {badput}){mfu}; loop: "
+        f"dispatch {summary['loop_dispatch']:.0%}, "
         f"waiting for data {summary['loop_data_wait']:.0%}, for the device {summary['loop_device_wait']:.0%}, "
         f"other {other:.0%}{profile}"
     )

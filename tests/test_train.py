@@ -1,6 +1,7 @@
 """End to end through launch.py: the default job, its outputs, and failure exits."""
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -93,6 +94,7 @@ def test_summary_line_reports_time_goodput_and_mfu(tmp_path):
     train = [r for r in read_jsonl(tmp_path / "s" / "metrics.jsonl") if r["split"] == "train"]
     assert all(r["tflops_per_device"] > 0 and 0 < r["mfu"] < 1 for r in train)
     assert "goodput" in proc.stdout  # printed at the end
+    assert re.search(r"goodput [0-9.]+%: [0-9.]+s of training steps in a [0-9.]+s process", proc.stdout)
 
 
 def test_non_finite_loss_stops_with_the_step_named(tmp_path):

@@ -16,7 +16,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="a sweep directory, or run workdirs")
     p.add_argument("--metric", help="split/name to rank by (default: the sweep's, else eval/loss)")
     p.add_argument("--mode", choices=("min", "max"), help="best is min or max (default: the sweep's)")
-    p.add_argument("--out", help="where to write the report (default: the sweep directory, else .)")
+    p.add_argument(
+        "--out",
+        help="where to write the report (default: the sweep directory, else the directory holding the workdirs)",
+    )
     return p
 
 
