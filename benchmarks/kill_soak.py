@@ -140,6 +140,9 @@ class Export(Soak):
     def argv(self, out):
         return ["export", "--workdir", str(self.run), "--out", str(out)]
 
+    def done_codes(self):
+        return (0, 2)  # 2: killed after the export was in place ("--out exists"): nothing is overwritten
+
     def result(self, out):
         import numpy as np
         import orbax.checkpoint as ocp
