@@ -14,6 +14,10 @@ from engine.judge import Judged
 from engine.rundir import METRICS, append_line, read_records
 
 
+# what a plain (not a terminal's) train line shows of a train record, every log.every_steps
+PLAIN_TRAIN_KEYS = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu")
+
+
 class MetricWriter:
     """Writes each metrics record to every sink; on other processes it does nothing."""
 
@@ -41,7 +45,7 @@ class MetricWriter:
         workdir = Path(workdir)
         if tensorboard:
             self.summary = _fresh_event_file(workdir, read_records(self.jsonl_path))
-        if progress:
+        if progress and sys.stderr.isatty():  # not a terminal (a log file, a pipe): plain lines instead
             # smoothing=0: the rate is steps since the clock started / time since (see advance)
             self.bar = tqdm(
                 total=total_steps,
@@ -81,10 +85,11 @@ class MetricWriter:
                 self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
             else:
                 self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
-        elif split != "train":
+        else:
+            shown = {k: v for k, v in values.items() if split != "train" or k in PLAIN_TRAIN_KEYS}
             print(
                 f"{self.prefix}step {step} {split}: "
-                + " ".join(f"{k}={v:.4g}" for k, v in values.items() if isinstance(v, (int, float))),
+                + " ".join(f"{k}={v:.4g}" for k, v in shown.items() if isinstance(v, (int, float))),
                 flush=True,
             )
 

@@ -74,9 +74,10 @@ def test_summary_line_reports_time_goodput_and_mfu(tmp_path):
         str(tmp_path / "s"),
         "train.steps=40",
         "log.every_steps=20",
-        "log.progress=false",
-    )
+    )  # log.progress on, but the output is not a terminal: plain lines, no progress-bar frames
     assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^step 20 train: loss=[0-9.]+ accuracy=", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^step 40 train: loss=", proc.stdout, re.M) and "\r" not in proc.stderr
     summary = read_jsonl(tmp_path / "s" / "metrics.jsonl")[-1]
     assert summary["split"] == "summary" and summary["step"] == 40
     assert 0 < summary["goodput"] < 1 and summary["mean_step_seconds"] > 0
