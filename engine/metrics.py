@@ -13,7 +13,6 @@ from tqdm import tqdm
 from engine.judge import Judged
 from engine.rundir import METRICS, append_line, read_records
 
-
 # what a plain (not a terminal's) train line shows of a train record, every log.every_steps
 PLAIN_TRAIN_KEYS = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu")
 

@@ -508,3 +508,11 @@ def test_language_model_eval_gives_perplexity_and_bits_per_byte(tmp_path, make_c
     assert metrics["perplexity"] == pytest.approx(math.exp(metrics["loss"]))
     per_token = manifest["splits"]["eval"]["bytes"] / manifest["splits"]["eval"]["tokens"]
     assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2) / per_token)
+
+
+def test_the_shipped_language_model_configs_share_one_stdlib_corpus(make_config):
+    from engine.data.text import _stdlib_files, stdlib_corpus_dir
+
+    llama, gpt = (make_config(name).data for name in ("llama_tiny", "gpt_small"))
+    files = _stdlib_files(llama.max_bytes)
+    assert stdlib_corpus_dir(llama, files) == stdlib_corpus_dir(gpt, _stdlib_files(gpt.max_bytes))

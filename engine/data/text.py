@@ -80,13 +80,11 @@ def python_source(cfg) -> Dataset:
     return _token_dataset(tokens[: cfg.max_bytes], cfg, 256, f"the Python library at {stdlib}", text_codec="bytes")
 
 
-def _stdlib_corpus(cfg, files: list[Path]) -> Path:
-    """The tokenized corpus of `files` in the cache (made on first use; a lock keeps two
-    processes from making it at once)."""
-    import fcntl
+def stdlib_corpus_dir(cfg, files: list[Path]) -> Path:
+    """Where the tokenized corpus of `files` is kept in data.cache_dir: one directory per
+    tokenizer (a file by its content), held-out share and files, whichever config asks."""
     import hashlib
 
-    from engine.data.tokenize import tokenize
     from engine.data.tokens import FORMAT
 
     bpe = cfg.tokenizer.startswith("bpe:")
@@ -96,7 +94,17 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
         repr([FORMAT, tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
     ).hexdigest()[:16]
     kind = cfg.tokenizer.replace(":", "") if bpe else "tokenizer"
-    out = Path(cfg.cache_dir).expanduser() / f"python-stdlib-{kind}-{key}"
+    return Path(cfg.cache_dir).expanduser() / f"python-stdlib-{kind}-{key}"
+
+
+def _stdlib_corpus(cfg, files: list[Path]) -> Path:
+    """The tokenized corpus of `files` in the cache (made on first use; a lock keeps two
+    processes from making it at once)."""
+    import fcntl
+
+    from engine.data.tokenize import tokenize
+
+    out = stdlib_corpus_dir(cfg, files)
     if not (out / "manifest.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.parent / f".{out.name}.lock", "w") as lock:
