@@ -19,6 +19,7 @@ from engine.config import Config, load_config
 from engine.errors import UsageError
 from engine.rundir import write_sums
 from engine.setup import build_run
+from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, run_tokenizer
 
 SINGLE_DEVICE = [
     *(f"mesh.{axis}=1" for axis in CONFIG_AXES),
@@ -79,19 +80,26 @@ def export_run(workdir: str, out: str) -> Path:
     def forward(variables, inputs):
         return module.apply(variables, inputs, train=False)
 
-    shape, dtype = task.export_input(run.dataset.info)  # one example, as the model family says
-    (batch,) = jax.export.symbolic_shape("batch")
-    inputs = jax.ShapeDtypeStruct((batch, *shape), dtype)
+    shape, dtype, constraints = task.export_input(run.dataset.info)  # one example, as the model family says
+    dims = jax.export.symbolic_shape(", ".join(["batch", *map(str, shape)]), constraints=constraints)
+    inputs = jax.ShapeDtypeStruct(dims, dtype)
     exported = jax.export.export(jax.jit(forward))(
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables), inputs
     )
     serialized = exported.serialize()  # before anything is written: a failure leaves no partial export
     with staged(out_path) as staging:
-        _write_export(staging, cfg, run, restored, variables, serialized, shape, dtype)
+        _write_export(staging, cfg, run, restored, variables, serialized, (shape, dtype, constraints))
+        tokenizer = run_tokenizer(workdir_path, run.dataset.info)
+        if tokenizer is not None:  # a language model's text goes in and out through it
+            for name, source in ((TOKENIZER, tokenizer), *((n, workdir_path / n) for n in TOKENIZER_COMPANIONS)):
+                if source.is_file():
+                    shutil.copyfile(source, staging / name)
+        write_sums(staging)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
 
 
-def _write_export(out_path: Path, cfg, run, restored, variables, serialized: bytes, shape, dtype: str) -> None:
+def _write_export(out_path: Path, cfg, run, restored, variables, serialized: bytes, signature: tuple) -> None:
+    shape, dtype, constraints = signature
     with ocp.StandardCheckpointer() as saver:
         saver.save(out_path / "variables", variables)
     (out_path / "forward.stablehlo").write_bytes(serialized)
@@ -101,6 +109,7 @@ def _write_export(out_path: Path, cfg, run, restored, variables, serialized: byt
                 "model": cfg.model.name,
                 "step": restored.step,
                 "input_shape": ["batch", *shape],
+                "input_constraints": list(constraints),
                 "input_dtype": dtype,
                 "preprocessing": run.dataset.info.preprocessing or "none: the data source's values as stored",
                 "variables": "variables/",
@@ -110,4 +119,3 @@ def _write_export(out_path: Path, cfg, run, restored, variables, serialized: byt
             indent=2,
         )
     )
-    write_sums(out_path)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving

@@ -25,9 +25,10 @@ class Classification:
         """A one-example input for shape inference (init)."""
         return jnp.zeros((1, *info.input_shape), jnp.float32)
 
-    def export_input(self, info) -> tuple[tuple[int, ...], str]:
-        """(shape of one example, dtype) of what the exported forward function takes."""
-        return tuple(map(int, info.input_shape)), "float32"
+    def export_input(self, info) -> tuple[tuple[int | str, ...], str, tuple[str, ...]]:
+        """(shape of one example, dtype, constraints) of what the exported forward function takes:
+        a dimension given by name is symbolic (jax.export), bounded by the constraints."""
+        return tuple(map(int, info.input_shape)), "float32", ()
 
     def tokens_per_example(self, info) -> int:
         return 0
@@ -59,8 +60,9 @@ class NextToken:
     def sample_input(self, info):
         return jnp.zeros((1, info.seq_len), jnp.int32)
 
-    def export_input(self, info) -> tuple[tuple[int, ...], str]:
-        return (int(info.seq_len),), "int32"
+    def export_input(self, info) -> tuple[tuple[int | str, ...], str, tuple[str, ...]]:
+        # any length up to the context the model was trained at
+        return ("seq",), "int32", (f"seq <= {int(info.seq_len)}",)
 
     def tokens_per_example(self, info) -> int:
         return int(info.seq_len)
@@ -98,7 +100,7 @@ class Task(Protocol):
     data_kind: str  # the DataInfo.kind it trains on
 
     def sample_input(self, info) -> Any: ...
-    def export_input(self, info) -> tuple[tuple[int, ...], str]: ...
+    def export_input(self, info) -> tuple[tuple[int | str, ...], str, tuple[str, ...]]: ...
     def tokens_per_example(self, info) -> int: ...
     def model_inputs(self, batch) -> tuple[Any, Any, dict]: ...
     def target_weights(self, batch) -> Any: ...

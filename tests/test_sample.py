@@ -122,3 +122,27 @@ def test_generation_ends_after_a_stop_id():
     stopped = sampling.generate(decoder, params, [1, 2, 3], 8, stop_ids=[full[2]], on_token=seen.append)
     assert stopped == full[: full.index(full[2]) + 1] == seen
     assert len(full) == 8 and np.all(np.asarray(full) < 61)
+
+
+def test_a_language_models_serving_export_takes_any_length_and_carries_the_tokenizer(imported, tmp_path):
+    import jax
+    import orbax.checkpoint as ocp
+
+    hf, work, tokenizer, _ = imported
+    out = tmp_path / "served"
+    proc = run_cli("export", "--workdir", str(work), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "tokenizer.json").read_bytes() == (work / "tokenizer.json").read_bytes()
+    meta = json.loads((out / "export.json").read_text())
+    assert meta["input_shape"] == ["batch", "seq"] and meta["input_constraints"] == ["seq <= 32"]
+    forward = jax.export.deserialize((out / "forward.stablehlo").read_bytes())
+    with ocp.StandardCheckpointer() as reader:
+        variables = reader.restore(out / "variables")
+    module, params = ours_from_hf_dir(hf, DataInfo("tokens", 8, 8, vocab_size=tokenizer.get_vocab_size(), seq_len=32))
+    for batch, length in ((1, 5), (2, 32)):
+        tokens = np.random.default_rng(length).integers(0, tokenizer.get_vocab_size(), (batch, length))
+        served = forward.call(variables, jnp.asarray(tokens, jnp.int32))
+        ours = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
+        np.testing.assert_allclose(np.asarray(served), np.asarray(ours), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="refining shapes"):  # past the context the model was trained at
+        forward.call(variables, jnp.zeros((1, 33), jnp.int32))
