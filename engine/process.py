@@ -47,6 +47,7 @@ def install(reader: bool = False) -> None:
     jax.monitoring.register_event_listener(_count_cache_event)
     logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
     logging.getLogger("absl").addFilter(_DropStorageFaultLogs())
+    logging.getLogger("absl").addFilter(_DropReadOnlyNotice())
     if reader:
         logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's per-read "read only" warnings
     if not isinstance(sys.stderr, _WithoutClosedLoopTracebacks):
@@ -192,6 +193,14 @@ class _DropStorageFaultLogs(logging.Filter):
             return True
         text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
         return not any(fault in text for fault in STORAGE_TEXTS)
+
+
+class _DropReadOnlyNotice(logging.Filter):
+    """Orbax warns "Given directory is read only" whenever checkpoints are opened to be read (a
+    run starting from checkpoint.restore_from, an evaluator): nothing is wrong, so it is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
 
 
 class _WithoutClosedLoopTracebacks:

@@ -190,3 +190,18 @@ def test_the_profile_window_is_traced_from_the_call_that_holds_its_first_step(tm
         trace.after(step + 10, jnp.ones(3) * step)
     trace.close()
     assert trace.traced == (0, 20)
+
+
+def test_a_run_started_from_another_says_so_without_orbax_read_only_noise(tmp_path):
+    common = ["--config", "configs/mnist_mlp.yaml", "log.progress=false", "log.tensorboard=false"]
+    assert run_cli(*common, "--workdir", str(tmp_path / "a"), "train.steps=5").returncode == 0
+    proc = run_cli(
+        *common,
+        "--workdir",
+        str(tmp_path / "b"),
+        "train.steps=8",
+        f"checkpoint.restore_from={tmp_path / 'a'}/checkpoints",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"starting from the parameters in {tmp_path / 'a'}/checkpoints at step 0" in proc.stdout, proc.stdout
+    assert "read only" not in proc.stderr, proc.stderr
