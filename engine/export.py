@@ -98,7 +98,9 @@ def export_run(workdir: str, out: str) -> Path:
     return out_path
 
 
-def _write_export(out_path: Path, cfg, run, restored, variables, serialized: bytes, signature: tuple) -> None:
+def _write_export(
+    out_path: Path, cfg, run, restored, variables, serialized: bytes | bytearray, signature: tuple
+) -> None:
     shape, dtype, constraints = signature
     with ocp.StandardCheckpointer() as saver:
         saver.save(out_path / "variables", variables)

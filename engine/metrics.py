@@ -79,11 +79,11 @@ class MetricWriter:
         if split == "summary":  # the trainer prints its own one-paragraph summary
             return
         if self.bar is not None:
-            shown = {k: values[k] for k in ("loss", "accuracy") if k in values}
+            brief: dict[str, Any] = {k: values[k] for k in ("loss", "accuracy") if k in values}
             if split == "train":
-                self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+                self.bar.set_postfix({k: f"{v:.4g}" for k, v in brief.items()}, refresh=False)
             else:
-                self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+                self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in brief.items()))
         else:
             shown = {k: v for k, v in values.items() if split != "train" or k in PLAIN_TRAIN_KEYS}
             print(

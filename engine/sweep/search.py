@@ -193,7 +193,7 @@ def choices_as_stored(values: list) -> list:
 
 def _json_choices(distribution) -> bool:
     """The categorical distribution holds JSON texts of lists or mappings (choices_as_stored)."""
-    choices = getattr(distribution, "choices", None)
+    choices = getattr(distribution, "choices", None) or ()
     return bool(choices) and all(isinstance(c, str) and c[:1] in "[{" for c in choices)
 
 
