@@ -8,7 +8,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax.numpy as jnp
 
@@ -29,16 +29,19 @@ def sample(
     top_p: float = 0.95,
     seed: int = 0,
     stop_at_eos: bool = True,
-) -> str:
-    """The text generated after `prompt` (the prompt itself not included), ending at the
-    tokenizer's end-of-text token (not included) unless `stop_at_eos` is off; `max_tokens`
-    None: 200, or fewer where the model's context ends sooner."""
+    num_samples: int = 1,
+    stop_strings: Sequence[str] = (),
+) -> list[str]:
+    """`num_samples` texts generated after `prompt` (the prompt itself not included), drawn
+    together in one batch. Each ends at the tokenizer's end-of-text token (not included) unless
+    `stop_at_eos` is off, and before the first of `stop_strings` it contains; `max_tokens` None:
+    200, or fewer where the model's context ends sooner."""
     work = Path(workdir)
-    bad_count = max_tokens is not None and max_tokens < 1
+    bad_count = (max_tokens is not None and max_tokens < 1) or num_samples < 1 or "" in stop_strings
     if bad_count or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
         raise UsageError(
-            f"--max-tokens {max_tokens} must be >= 1, --temperature {temperature} a finite number >= 0 and "
-            f"--top-p {top_p} in (0, 1]"
+            f"--max-tokens {max_tokens} and --num-samples {num_samples} must be >= 1, --temperature "
+            f"{temperature} a finite number >= 0, --top-p {top_p} in (0, 1] and each --stop non-empty"
         )
     cfg = run_config(work)
     run = build_run(cfg, compile_train=False)
@@ -87,8 +90,18 @@ def sample(
         )
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
+    rows: list[list[int]] = [[] for _ in range(num_samples)]
+
+    def on_step(ids: list[int]) -> Optional[list[bool]]:
+        bar.update(1)
+        for row, new in zip(rows, ids):
+            row.append(new)
+        if not stop_strings:
+            return None
+        return [any(stop in decode([t for t in row if t < vocab]) for stop in stop_strings) for row in rows]
+
     with _progress(max_tokens) as bar:
-        tokens = generate(
+        samples = generate(
             cfg.model,
             info,
             restored.state.params,
@@ -99,18 +112,23 @@ def sample(
             seed,
             jnp.dtype(cfg.train.compute_dtype),
             stop_ids=stops,
-            on_token=lambda _: bar.update(1),
+            num_samples=num_samples,
+            on_step=on_step,
         )
-    outside = sorted({t for t in tokens if t >= vocab})
+    outside = sorted({t for tokens in samples for t in tokens if t >= vocab})
     if outside:
         raise UsageError(
             f"the model generated token ids {outside[:5]} that its tokenizer ({source}, {vocab} ids) does not "
             f"have: the model and the tokenizer do not belong together. Import a model with its tokenizer.json "
             f"in the Hugging Face directory, or train on data tokenized for it"
         )
-    if tokens and tokens[-1] in stops:
-        tokens = tokens[:-1]
-    return decode(tokens)
+    return [_cut(decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), stop_strings) for tokens in samples]
+
+
+def _cut(text: str, stop_strings: Sequence[str]) -> str:
+    """`text` up to the first of `stop_strings` in it (not included)."""
+    ends = [text.find(stop) for stop in stop_strings if stop in text]
+    return text[: min(ends)] if ends else text
 
 
 def context_length(work: Path, info) -> int:

@@ -108,7 +108,7 @@ class Task(Protocol):
 
 
 class Generate(Protocol):
-    """New token ids after a prompt, with a key/value cache."""
+    """Continuations of a prompt, with a key/value cache."""
 
     def __call__(
         self,
@@ -122,9 +122,11 @@ class Generate(Protocol):
         seed: int,
         dtype,
         stop_ids: Sequence[int] = (),
-        on_token: Optional[Callable[[int], None]] = None,
-    ) -> list[int]:
-        """Ends early after a token in `stop_ids` (it is included); `on_token` sees each new id."""
+        num_samples: int = 1,
+        on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
+    ) -> list[list[int]]:
+        """`num_samples` lists of new ids (models/sampling.py generate_samples: a sample ends after
+        an id in `stop_ids`, or where `on_step`, seeing each step's ids, says so)."""
         ...
 
 

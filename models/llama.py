@@ -319,12 +319,15 @@ def generate(
     seed: int,
     dtype,
     stop_ids=(),
-    on_token=None,
-) -> list[int]:
-    """New token ids after `prompt`, with a key/value cache (models/sampling.py)."""
+    num_samples: int = 1,
+    on_step=None,
+) -> list[list[int]]:
+    """Continuations of `prompt`, with a key/value cache (models/sampling.py)."""
     param_dtype = jax.tree.leaves(params)[0].dtype
     module = build(cfg, info, dtype, param_dtype, decode=True)
-    return sampling.generate(module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, on_token)
+    return sampling.generate_samples(
+        module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step
+    )
 
 
 class LlamaFamily(Family):

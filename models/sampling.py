@@ -43,17 +43,40 @@ def generate(
     """Up to `max_tokens` new token ids after `prompt`, ending early after one in `stop_ids`
     (kept as the last id); `on_token` sees each id as it comes. `module` is built with its
     cache on (decode)."""
+    each = None if on_token is None else (lambda ids: on_token(ids[0]))
+    return generate_samples(module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, 1, each)[0]
+
+
+def generate_samples(
+    module,
+    params,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    num_samples: int = 1,
+    on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
+) -> list[list[int]]:
+    """`num_samples` continuations of `prompt`, drawn together (one batch, one jitted step per
+    token; at temperature 0 they are equal). A sample ends after an id in `stop_ids` (kept as its
+    last id), or where `on_step` — given each step's new ids, one per sample — answers True for
+    it (e.g. a stop string was met); generation ends when every sample has ended."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (a character of text)")
     total = len(prompt) + max_tokens
-    tokens = jnp.asarray([prompt], jnp.int32)  # [1, prompt]
-    shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, total), jnp.int32), train=False))
+    tokens = jnp.asarray([prompt] * num_samples, jnp.int32)  # [samples, prompt]
+    shapes = jax.eval_shape(
+        lambda: module.init(jax.random.key(0), jnp.zeros((num_samples, total), jnp.int32), train=False)
+    )
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
     base_key = jax.random.key(seed)
 
     @jax.jit
     def step(params, cache, tokens, start, index):
         positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.broadcast_to(positions, tokens.shape)
         logits, updated = module.apply(
             {"params": params, "cache": cache}, tokens, train=False, positions=positions, mutable=["cache"]
         )
@@ -62,14 +85,19 @@ def generate(
 
     token, cache = step(params, cache, tokens, jnp.int32(0), jnp.int32(0))  # prefill: the whole prompt at once
     stop = set(stop_ids)
-    out = [int(token[0])]
+    out: list[list[int]] = [[] for _ in range(num_samples)]
+    ended = [False] * num_samples
     for i in range(1, max_tokens + 1):
-        if on_token is not None:
-            on_token(out[-1])
-        if out[-1] in stop or i == max_tokens:
+        ids = [int(t) for t in jax.device_get(token)]
+        for row, new in enumerate(ids):
+            if not ended[row]:
+                out[row].append(new)
+                ended[row] = new in stop
+        told = on_step(ids) if on_step is not None else None
+        ended = [e or bool(t) for e, t in zip(ended, told or [False] * num_samples)]
+        if all(ended) or i == max_tokens:
             break
         token, cache = step(params, cache, token[:, None], jnp.int32(len(prompt) + i - 1), jnp.int32(i))
-        out.append(int(token[0]))
     return out
 
 

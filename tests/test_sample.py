@@ -146,3 +146,23 @@ def test_a_language_models_serving_export_takes_any_length_and_carries_the_token
         np.testing.assert_allclose(np.asarray(served), np.asarray(ours), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="refining shapes"):  # past the context the model was trained at
         forward.call(variables, jnp.zeros((1, 33), jnp.int32))
+
+
+def test_several_samples_in_one_batch_and_stop_strings(imported):
+    hf, work, tokenizer, _ = imported
+    prompt = "alpha beta gamma"
+    ids = _greedy(hf, tokenizer.encode(prompt, add_special_tokens=False).ids, 12, tokenizer.get_vocab_size())
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    greedy = tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=False)
+    common = ["sample", "--workdir", str(work), "--prompt", prompt, "--max-tokens", "12"]
+    proc = run_cli(*common, "--temperature", "0", "--num-samples", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"=== sample 1 ===\n{greedy}\n=== sample 2 ===\n{greedy}\n"  # greedy: equal samples
+    stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 2]
+    assert len(stop) == 2, greedy
+    proc = run_cli(*common, "--temperature", "0", "--stop", stop)
+    assert proc.returncode == 0 and proc.stdout == greedy[: greedy.find(stop)] + "\n", (proc.stdout, greedy, stop)
+    proc = run_cli(*common, "--temperature", "1.5", "--top-p", "1", "--num-samples", "3", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    drawn = [part.split(" ===\n", 1)[1] for part in proc.stdout.split("=== sample ")[1:]]
+    assert len(drawn) == 3 and len(set(drawn)) > 1, drawn  # drawn apart, in one batch

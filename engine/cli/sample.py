@@ -26,15 +26,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ignore-eos", action="store_true", help="go on past the tokenizer's end-of-text token (default: stop there)"
     )
+    p.add_argument(
+        "--num-samples", type=int, default=1, metavar="N", help="N continuations, drawn together in one batch"
+    )
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end a sample before TEXT (repeatable)")
     return p
 
 
 def run(args, argv: list[str]) -> int:
     from engine.generate import sample
 
-    print(
-        sample(args.workdir, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, not args.ignore_eos)
+    texts = sample(
+        args.workdir,
+        args.prompt,
+        args.max_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        not args.ignore_eos,
+        args.num_samples,
+        args.stop,
     )
+    if len(texts) == 1:
+        print(texts[0])
+    else:
+        for number, text in enumerate(texts, 1):
+            print(f"=== sample {number} ===\n{text}")
     return 0
 
 
