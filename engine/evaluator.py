@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,18 +36,11 @@ def evaluate(run: Run, state) -> dict[str, float]:
         for name in totals:  # device_get above is a host sync per batch
             totals[name] += float(sums[name])
     loss = totals["loss_sum"] / totals["count"]
-    return {"loss": loss, "accuracy": totals["correct"] / totals["count"], **language_metrics(loss, run.dataset.info)}
-
-
-def language_metrics(loss: float, info) -> dict[str, float]:
-    """A language model's eval loss (nats per token) as perplexity and, where the text's bytes per
-    token are known (byte-level text; corpora tokenized by this version), bits per byte."""
-    if info.kind != "tokens":
-        return {}
-    metrics = {"perplexity": math.exp(min(loss, 700.0))}
-    if info.bytes_per_token:
-        metrics["bits_per_byte"] = loss / (math.log(2) * info.bytes_per_token)
-    return metrics
+    return {
+        "loss": loss,
+        "accuracy": totals["correct"] / totals["count"],
+        **run.model.family.task.eval_metrics(loss, run.dataset.info),
+    }
 
 
 def evaluated_steps(metrics_path: Path) -> set[int]:

@@ -16,7 +16,7 @@ from engine.checkpoint import restore_newest
 from engine.errors import UsageError
 from engine.export import run_config
 from engine.setup import build_run
-from engine.vocab import TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
+from engine.vocab import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
 
 DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)
 
@@ -45,49 +45,11 @@ def sample(
         )
     cfg = run_config(work)
     run = build_run(cfg, compile_train=False)
-    family, info = run.model.family, run.dataset.info
-    generate = family.generator()
-    if generate is None:
-        raise UsageError(
-            f"model.name={cfg.model.name} does not generate text; train a language model such as model.name=llama"
-        )
-    if info.text_codec not in ("bytes", "tokenizer"):
-        raise UsageError(
-            f"data.name={cfg.data.name} gives token ids with no text decoding; sample from a run "
-            f"trained on text (data.name=text, python_source or tokens)"
-        )
+    generate, info = _generator(cfg, run), run.dataset.info
     check_data_tokenizer(work / TOKENIZER, info, f"the run's data (data.name={cfg.data.name})")
-    tokenizer = None
-    if info.text_codec == "tokenizer":
-        from tokenizers import Tokenizer
-
-        path = run_tokenizer(work, info)
-        if path is None:
-            raise UsageError(
-                f"{work} has no tokenizer.json and its corpus's ({info.tokenizer}) is gone; copy the "
-                f"corpus's tokenizer.json into {work}"
-            )
-        tokenizer = Tokenizer.from_file(str(path))
-        vocab, source = tokenizer.get_vocab_size(), str(path)
-        encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    else:
-        vocab, source = 256, "UTF-8 bytes"
-        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
-        decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    tokenizer, vocab, source, encode, decode = _codec(work, info)
     prompt_ids = encode(prompt)
-    if not prompt_ids:
-        raise UsageError("--prompt is empty; give at least one character of text")
-    context = context_length(work, info)
-    if max_tokens is None:
-        max_tokens = max(1, min(DEFAULT_TOKENS, context - len(prompt_ids)))
-    if len(prompt_ids) + max_tokens > context:
-        room = context - len(prompt_ids)
-        raise UsageError(
-            f"--max-tokens {max_tokens}: the prompt's {len(prompt_ids)} tokens and {max_tokens} new ones exceed the "
-            f"model's context of {context} tokens (what it was trained at); "
-            + (f"give --max-tokens {room} or less" if room > 0 else "give a shorter --prompt")
-        )
+    max_tokens = _budget(len(prompt_ids), max_tokens, context_length(work, info))
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
     rows: list[list[int]] = [[] for _ in range(num_samples)]
@@ -115,6 +77,43 @@ def sample(
             num_samples=num_samples,
             on_step=on_step,
         )
+    _check_ids(samples, vocab, source)
+    return [_cut(decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), stop_strings) for tokens in samples]
+
+
+def _generator(cfg, run):
+    """The run's family's text generator; UsageError for a model or data that makes no text."""
+    generate = run.model.family.generator()
+    if generate is None:
+        raise UsageError(
+            f"model.name={cfg.model.name} does not generate text; train a language model such as model.name=llama"
+        )
+    if run.dataset.info.text_codec not in ("bytes", "tokenizer"):
+        raise UsageError(
+            f"data.name={cfg.data.name} gives token ids with no text decoding; sample from a run "
+            f"trained on text (data.name=text, python_source or tokens)"
+        )
+    return generate
+
+
+def _budget(prompt: int, max_tokens: Optional[int], context: int) -> int:
+    """New tokens to generate after a prompt of `prompt` tokens, within the model's context."""
+    if not prompt:
+        raise UsageError("--prompt is empty; give at least one character of text")
+    if max_tokens is None:
+        return max(1, min(DEFAULT_TOKENS, context - prompt))
+    if prompt + max_tokens > context:
+        room = context - prompt
+        raise UsageError(
+            f"--max-tokens {max_tokens}: the prompt's {prompt} tokens and {max_tokens} new ones exceed the "
+            f"model's context of {context} tokens (what it was trained at); "
+            + (f"give --max-tokens {room} or less" if room > 0 else "give a shorter --prompt")
+        )
+    return max_tokens
+
+
+def _check_ids(samples: list[list[int]], vocab: int, source: str) -> None:
+    """UsageError for generated ids the tokenizer does not have (nothing is printed wrong)."""
     outside = sorted({t for tokens in samples for t in tokens if t >= vocab})
     if outside:
         raise UsageError(
@@ -122,7 +121,25 @@ def sample(
             f"have: the model and the tokenizer do not belong together. Import a model with its tokenizer.json "
             f"in the Hugging Face directory, or train on data tokenized for it"
         )
-    return [_cut(decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), stop_strings) for tokens in samples]
+
+
+def _codec(work: Path, info):
+    """(tokenizer or None, ids it has, its name, text → ids, ids → text) of the run's model."""
+    if info.text_codec != "tokenizer":
+        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
+        return None, 256, "UTF-8 bytes", encode, lambda ids: bytes(ids).decode("utf-8", errors="replace")
+    from tokenizers import Tokenizer
+
+    path = run_tokenizer(work, info)
+    if path is None:
+        raise UsageError(
+            f"{work} has no tokenizer.json and its corpus's ({info.tokenizer}) is gone; copy the "
+            f"corpus's tokenizer.json into {work}"
+        )
+    tokenizer = Tokenizer.from_file(str(path))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    return tokenizer, tokenizer.get_vocab_size(), str(path), encode, decode
 
 
 def _cut(text: str, stop_strings: Sequence[str]) -> str:
@@ -134,8 +151,6 @@ def _cut(text: str, stop_strings: Sequence[str]) -> str:
 def context_length(work: Path, info) -> int:
     """Tokens of context the model was trained at: data.seq_len, or an imported model's
     max_position_embeddings where larger."""
-    from engine.hf import HF_CONFIG
-
     context = int(info.seq_len)
     if (work / HF_CONFIG).is_file():
         imported = json.loads((work / HF_CONFIG).read_text()).get("max_position_embeddings")

@@ -19,7 +19,6 @@ from engine.checkpoint import Checkpointer, InBackground
 from engine.config import Config, to_yaml
 from engine.data import eval_batches
 from engine.errors import UsageError
-from engine.evaluator import language_metrics
 from engine.loop import Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
@@ -203,7 +202,7 @@ class GroupJob:
             trial.eval_metrics = {
                 "loss": loss_sum / count,
                 "accuracy": correct / count,
-                **language_metrics(loss_sum / count, info),
+                **self.group.plan.family.task.eval_metrics(loss_sum / count, info),
             }
             trial.writer.write(done, "eval", trial.eval_metrics)
             trial.check(nonfinite_eval(trial.eval_metrics, done))

@@ -33,11 +33,10 @@ from engine.errors import UsageError
 from engine.export import new_output_dir, run_config, staged
 from engine.rundir import write_atomic
 from engine.setup import build_run
-from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, run_tokenizer
+from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, run_tokenizer
 from models import REGISTRY
 
 INDEX = "model.safetensors.index.json"
-HF_CONFIG = "hf_config.json"  # the imported config.json, kept in the workdir
 SHARD_BYTES = 2 * 1024**3  # largest safetensors file written by export
 
 
@@ -216,8 +215,14 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
             cfg.data.tokenizer = str((work / TOKENIZER).absolute())
     save_config(cfg, work / "config.yaml")
     write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
-    # the checkpoint is written aside and renamed into place whole: an interrupted import leaves
-    # no checkpoints/ (re-running it starts over), a finished one is complete
+    _save_step_zero(work, cfg, state, hf_path)
+    return work
+
+
+def _save_step_zero(work: Path, cfg, state, hf_path: Path) -> None:
+    """The imported state as the run's checkpoint at step 0, written aside and renamed into place
+    whole: an interrupted import leaves no checkpoints/ (re-running it starts over), a finished
+    one is complete."""
     staging = work / ".import"
     shutil.rmtree(staging, ignore_errors=True)
     checkpointer = Checkpointer(staging / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
@@ -237,7 +242,6 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
         checkpointer.close()
     os.replace(staging / "checkpoints", work / "checkpoints")
     staging.rmdir()
-    return work
 
 
 def _json_text(path: Path) -> str:

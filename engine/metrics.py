@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -39,6 +40,7 @@ class MetricWriter:
         self.bar: Optional[tqdm] = None
         self.summary = None
         self.jsonl_path = Path(workdir) / METRICS
+        self.console = True  # stdout has a reader (see _say)
         if not enabled:
             return
         workdir = Path(workdir)
@@ -86,10 +88,9 @@ class MetricWriter:
                 self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in brief.items()))
         else:
             shown = {k: v for k, v in values.items() if split != "train" or k in PLAIN_TRAIN_KEYS}
-            print(
+            self._say(
                 f"{self.prefix}step {step} {split}: "
-                + " ".join(f"{k}={v:.4g}" for k, v in shown.items() if isinstance(v, (int, float))),
-                flush=True,
+                + " ".join(f"{k}={v:.4g}" for k, v in shown.items() if isinstance(v, (int, float)))
             )
 
     def message(self, text: str) -> None:
@@ -98,7 +99,18 @@ class MetricWriter:
         if self.bar is not None:
             self.bar.write(text)
         else:
-            print(self.prefix + text, flush=True)
+            self._say(self.prefix + text)
+
+    def _say(self, line: str) -> None:
+        """A console line, while there is a console: when the reader of stdout is gone (a
+        launcher killed, a closed pipe) the run goes on, its records still in metrics.jsonl."""
+        if not self.console:
+            return
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            self.console = False
+            sys.stdout = open(os.devnull, "w")  # nor does the interpreter's last flush fail on it
 
     def close(self) -> None:
         if self.judged is not None:

@@ -14,6 +14,7 @@ from typing import Optional
 from engine.errors import UsageError
 
 TOKENIZER = "tokenizer.json"
+HF_CONFIG = "hf_config.json"  # an imported model's config.json, kept in its workdir (eos ids, context)
 # kept beside the tokenizer when a model is imported: special tokens, chat template, eos ids
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # the end-of-text tokens a sample stops at, where the tokenizer has them
@@ -61,8 +62,6 @@ def check_data_tokenizer(model_tokenizer: Path, info, where: str = "data") -> No
 def eos_ids(work: Path, tokenizer) -> list[int]:
     """The ids a sample ends at: the imported model's eos_token_id(s) (config.json, generation_config.json)
     and the tokenizer's end-of-text tokens."""
-    from engine.hf import HF_CONFIG
-
     ids: set[int] = set()
     for name in (HF_CONFIG, "generation_config.json"):
         path = work / name

@@ -113,3 +113,33 @@ class Watchdog:
             f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow",
             1,
         )
+
+
+class Heartbeat:
+    """A line on stderr whenever a phase has gone `seconds` without news ("tokenize: still …"):
+    no step of a long command (tokenize) is silent for longer, however slow. It only speaks;
+    the Watchdog above also stops a run that hangs."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.what, self.since = seconds, "starting", time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tokenize-heartbeat", daemon=True)
+
+    def phase(self, what: str) -> None:
+        self.what, self.since = what, time.monotonic()
+
+    def _watch(self) -> None:
+        last_said = time.monotonic()
+        while not self._done.wait(min(self.seconds, 1.0)):
+            now = time.monotonic()
+            if now - max(self.since, last_said) >= self.seconds:
+                print(f"tokenize: still {self.what} ({now - self.since:,.0f} s)", file=sys.stderr, flush=True)
+                last_said = now
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()

@@ -10,6 +10,7 @@ Nothing here imports the engine; the engine reads these declarations and nothing
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import jax.numpy as jnp
@@ -45,6 +46,10 @@ class Classification:
         """The module's output → (float32 loss per target, argmax == target)."""
         logits = out.astype(jnp.float32)  # the loss is always computed in float32
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets), jnp.argmax(logits, -1) == targets
+
+    def eval_metrics(self, loss: float, info) -> dict[str, float]:
+        """Eval metrics beyond loss and accuracy, from the eval loss."""
+        return {}
 
 
 class NextToken:
@@ -93,6 +98,14 @@ class NextToken:
     def losses(self, out, targets):
         return out  # (losses, hits) from the module's fused loss
 
+    def eval_metrics(self, loss: float, info) -> dict[str, float]:
+        """The eval loss (nats per token) as perplexity and, where the text's bytes per token are
+        known (byte-level text; corpora tokenized by this version), bits per byte."""
+        metrics = {"perplexity": math.exp(min(loss, 700.0))}
+        if info.bytes_per_token:
+            metrics["bits_per_byte"] = loss / (math.log(2) * info.bytes_per_token)
+        return metrics
+
 
 class Task(Protocol):
     """What a batch holds and how the loss is made from it (Classification, NextToken)."""
@@ -105,6 +118,7 @@ class Task(Protocol):
     def model_inputs(self, batch) -> tuple[Any, Any, dict]: ...
     def target_weights(self, batch) -> Any: ...
     def losses(self, out, targets) -> tuple[Any, Any]: ...
+    def eval_metrics(self, loss: float, info) -> dict[str, float]: ...
 
 
 class Generate(Protocol):

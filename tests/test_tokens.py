@@ -375,7 +375,7 @@ def test_each_process_reads_only_its_rows_of_the_global_batch(two_corpora):
         (["data.sources=[{path: /a}]"], "needs data.name=tokens, not python_source"),
         (["data.name=tokens", "data.path=/a", "data.sources=[{path: /b}]"], "not both"),
         (["data.name=tokens"], "set data.path"),
-        (["data.tokenizer=bpe"], "use bytes or bpe:N"),
+        (["data.tokenizer=bpe"], "use bytes, bpe:N"),
     ],
 )
 def test_malformed_token_data_settings_are_refused_by_key(tmp_path, overrides, message):

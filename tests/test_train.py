@@ -44,7 +44,8 @@ def test_default_job_reaches_95_percent_and_writes_its_outputs(tmp_path):
     assert train[-1]["loss"] < 0.5 * train[0]["loss"]  # the loss falls
     assert all({"step", "loss", "accuracy", "steps_per_sec", "examples_per_sec"} <= r.keys() for r in train)
     assert [r["step"] for r in train] == list(range(100, 1501, 100))
-    assert "step/s" in proc.stderr  # the progress bar
+    assert "step 1500 train: loss=" in proc.stdout  # not a terminal: plain lines, no progress bar
+    assert "step/s" not in proc.stderr
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     assert config["model"]["name"] == "mlp" and config["workdir"] == str(workdir)
     scalars = read_tensorboard_scalars(workdir)
@@ -205,3 +206,23 @@ def test_a_run_started_from_another_says_so_without_orbax_read_only_noise(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert f"starting from the parameters in {tmp_path / 'a'}/checkpoints at step 0" in proc.stdout, proc.stdout
     assert "read only" not in proc.stderr, proc.stderr
+
+
+def test_a_terminal_gets_a_progress_bar_and_a_pipe_plain_lines(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from engine.metrics import MetricWriter
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stderr, bar in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        writer = MetricWriter(tmp_path, enabled=True, total_steps=10, start_step=0, progress=True, tensorboard=False)
+        writer.write(5, "train", {"loss": 1.25, "examples_per_sec": 3.0})
+        writer.close()
+        assert (writer.bar is not None) == bar
+        printed = capsys.readouterr().out
+        assert ("step 5 train: loss=1.25" in printed) != bar and "examples_per_sec" not in printed

@@ -110,3 +110,37 @@ def _parquet(file: Path, text_field: str) -> Iterator[str]:
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text.strip():
                 yield text
+
+
+def with_last(items: Iterator) -> Iterator[tuple]:
+    """(item, whether it is the last one)."""
+    previous, started = None, False
+    for item in items:
+        if started:
+            yield previous, False
+        previous, started = item, True
+    if started:
+        yield previous, True
+
+
+def batches(texts: Iterator[str], batch_bytes: int) -> Iterator[list[str]]:
+    """Lists of texts of about `batch_bytes` characters."""
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:
+    """The texts until `limit` characters have been given (0: all)."""
+    size = 0
+    for text in texts:
+        yield text
+        size += len(text)
+        if limit and size >= limit:
+            return

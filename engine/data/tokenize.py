@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,12 +30,13 @@ from typing import Iterator
 
 import numpy as np
 
-from engine.data.documents import documents, input_files
+from engine.data.documents import batches, documents, first_bytes, input_files, with_last
 from engine.data.shards import ShardWriter
 from engine.data.tokens import FORMAT, manifest_digest
 from engine.errors import UsageError
 from engine.rundir import LOCK, WorkdirLock, write_json
 from engine.vocab import END_OF_TEXT
+from engine.watchdog import Heartbeat
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPEs this command trains
 EOD_CANDIDATES = END_OF_TEXT  # the first of them the tokenizer has ends each document
@@ -167,18 +166,9 @@ def tokenize(
     files = input_files(paths)
     out_dir = Path(out).expanduser()
     bpe_size = _bpe_size(tokenizer_spec, vocab_size)
-    settings = Settings(
-        [str(f.resolve()) for f in files],
-        [f.stat().st_size for f in files],
-        tokenizer_spec if bpe_size else str(Path(tokenizer_spec).expanduser().resolve()),
-        vocab_size,
-        eval_fraction,
-        text_field,
-        text_unit,
-        shard_tokens,
-        bpe_train_bytes if bpe_size else 0,
-        eod_token,
-    )
+    spec = tokenizer_spec if bpe_size else str(Path(tokenizer_spec).expanduser().resolve())
+    sizes = (vocab_size, eval_fraction, text_field, text_unit, shard_tokens, bpe_train_bytes if bpe_size else 0)
+    settings = Settings([str(f.resolve()) for f in files], [f.stat().st_size for f in files], spec, *sizes, eod_token)
     state = _state(out_dir, settings)
     if "manifest" in state:
         return state["manifest"]
@@ -196,11 +186,10 @@ def tokenize(
             state = _state(out_dir, settings)  # again: another writer may have gone on meanwhile
             if "manifest" in state:
                 return state["manifest"]
-            stopping = _Stopping(stop, stop_after_batches)
             with Heartbeat(heartbeat_seconds) as beat:
-                manifest = _tokenize(
-                    _Run(files, out_dir, settings, state, bpe_size, batch_bytes, progress, stopping, beat)
-                )
+                stopping = _Stopping(stop, stop_after_batches)
+                run = _Run(files, out_dir, settings, state, bpe_size, batch_bytes, progress, stopping, beat)
+                manifest = _tokenize(run)
             (out_dir / LOCK).unlink()  # a finished corpus is only read (a late second writer finds the manifest)
             return manifest
     finally:
@@ -330,7 +319,7 @@ def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_s
         )
         beat.phase(f"training the BPE on {megabytes:,.1f} MB")
         tokenizer = train_bpe(
-            _first_bytes(documents(files, settings.text_field, settings.text_unit), settings.bpe_train_bytes), bpe_size
+            first_bytes(documents(files, settings.text_field, settings.text_unit), settings.bpe_train_bytes), bpe_size
         )
         beat.phase("encoding")
     else:
@@ -367,7 +356,7 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
     started, new_tokens, index = time.perf_counter(), 0, state["documents"]
     text_bytes = dict(state.get("bytes") or {split: 0 for split in SPLITS})  # UTF-8 bytes of each split's text
     try:
-        for batch, last in _with_last(_batches(stream, run.batch_bytes)):
+        for batch, last in with_last(batches(stream, run.batch_bytes)):
             encoded = (
                 tokenizer.encode_batch_fast(batch, add_special_tokens=False)
                 if hasattr(tokenizer, "encode_batch_fast")
@@ -402,67 +391,6 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
     finally:
         if bar is not None:
             bar.close()
-
-
-def _first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:
-    size = 0
-    for text in texts:
-        yield text
-        size += len(text)
-        if limit and size >= limit:
-            return
-
-
-class Heartbeat:
-    """A line on stderr whenever a phase has gone `seconds` without news ("tokenize: still …"):
-    no step of tokenize is silent for longer, however slow (the watchdog's idea)."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.what, self.since = seconds, "starting", time.monotonic()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="tokenize-heartbeat", daemon=True)
-
-    def phase(self, what: str) -> None:
-        self.what, self.since = what, time.monotonic()
-
-    def _watch(self) -> None:
-        last_said = time.monotonic()
-        while not self._done.wait(min(self.seconds, 1.0)):
-            now = time.monotonic()
-            if now - max(self.since, last_said) >= self.seconds:
-                print(f"tokenize: still {self.what} ({now - self.since:,.0f} s)", file=sys.stderr, flush=True)
-                last_said = now
-
-    def __enter__(self) -> "Heartbeat":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-
-def _with_last(items: Iterator) -> Iterator[tuple]:
-    """(item, whether it is the last one)."""
-    previous, started = None, False
-    for item in items:
-        if started:
-            yield previous, False
-        previous, started = item, True
-    if started:
-        yield previous, True
-
-
-def _batches(texts: Iterator[str], batch_bytes: int) -> Iterator[list[str]]:
-    batch, size = [], 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= batch_bytes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
 
 
 def _progress_bar(total: int, enabled: bool):
