@@ -19,7 +19,7 @@ from engine.config import Config, load_config
 from engine.errors import UsageError
 from engine.rundir import write_sums
 from engine.setup import build_run
-from engine.vocab import TOKENIZER, TOKENIZER_COMPANIONS, run_tokenizer
+from engine.vocab import copy_tokenizer
 
 SINGLE_DEVICE = [
     *(f"mesh.{axis}=1" for axis in CONFIG_AXES),
@@ -89,11 +89,7 @@ def export_run(workdir: str, out: str) -> Path:
     serialized = exported.serialize()  # before anything is written: a failure leaves no partial export
     with staged(out_path) as staging:
         _write_export(staging, cfg, run, restored, variables, serialized, (shape, dtype, constraints))
-        tokenizer = run_tokenizer(workdir_path, run.dataset.info)
-        if tokenizer is not None:  # a language model's text goes in and out through it
-            for name, source in ((TOKENIZER, tokenizer), *((n, workdir_path / n) for n in TOKENIZER_COMPANIONS)):
-                if source.is_file():
-                    shutil.copyfile(source, staging / name)
+        copy_tokenizer(workdir_path, run.dataset.info, staging)  # a language model's text goes in and out by it
         write_sums(staging)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
 

@@ -53,6 +53,7 @@ def sample(
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
     rows: list[list[int]] = [[] for _ in range(num_samples)]
+    tail = 4 * max(map(len, stop_strings), default=0) + 4  # a stop string's tokens: ≤ 4 per character
 
     def on_step(ids: list[int]) -> Optional[list[bool]]:
         bar.update(1)
@@ -60,7 +61,7 @@ def sample(
             row.append(new)
         if not stop_strings:
             return None
-        return [any(stop in decode([t for t in row if t < vocab]) for stop in stop_strings) for row in rows]
+        return [any(stop in decode([t for t in row[-tail:] if t < vocab]) for stop in stop_strings) for row in rows]
 
     with _progress(max_tokens) as bar:
         samples = generate(

@@ -33,7 +33,7 @@ from engine.errors import UsageError
 from engine.export import new_output_dir, run_config, staged
 from engine.rundir import write_atomic
 from engine.setup import build_run
-from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, run_tokenizer
+from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, copy_tokenizer
 from models import REGISTRY
 
 INDEX = "model.safetensors.index.json"
@@ -317,12 +317,7 @@ def _write_hf(out_path: Path, work: Path, run, tensors: dict, hf_config: dict) -
         kept = {k: v for k, v in original.items() if k not in hf_config or k == "max_position_embeddings"}
         hf_config = {**hf_config, **kept}
     write_atomic(out_path / "config.json", json.dumps(hf_config, indent=2) + "\n")
-    tokenizer = run_tokenizer(work, run.dataset.info)
-    if tokenizer is not None:  # a run on a tokenized corpus: its tokenizer goes with the weights
-        shutil.copyfile(tokenizer, out_path / TOKENIZER)
-    for name in TOKENIZER_COMPANIONS:  # an imported model's special tokens, chat template, eos ids
-        if (work / name).is_file():
-            shutil.copyfile(work / name, out_path / name)
+    copy_tokenizer(work, run.dataset.info, out_path)  # the tokenizer goes with the weights
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], out: Path) -> None:

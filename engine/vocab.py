@@ -8,6 +8,7 @@ ids mean something else (byte-level text, a corpus of another tokenizer) is refu
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -26,6 +27,17 @@ def run_tokenizer(work: Path, info) -> Optional[Path]:
     if (work / TOKENIZER).is_file():
         return work / TOKENIZER
     return Path(info.tokenizer) if info.tokenizer and Path(info.tokenizer).is_file() else None
+
+
+def copy_tokenizer(work: Path, info, out: Path) -> None:
+    """The run's tokenizer into an export `out`, with an imported model's companions (special
+    tokens, chat template, eos ids) where the workdir has them."""
+    tokenizer = run_tokenizer(work, info)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / TOKENIZER)
+    for name in TOKENIZER_COMPANIONS:
+        if (work / name).is_file():
+            shutil.copyfile(work / name, out / name)
 
 
 def canonical(path: Path) -> str:

@@ -139,7 +139,7 @@ class Generate(Protocol):
         num_samples: int = 1,
         on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
     ) -> list[list[int]]:
-        """`num_samples` lists of new ids (models/sampling.py generate_samples: a sample ends after
+        """`num_samples` lists of new ids (models/sampling.py generate: a sample ends after
         an id in `stop_ids`, or where `on_step`, seeing each step's ids, says so)."""
         ...
 

@@ -325,7 +325,7 @@ def generate(
     """Continuations of `prompt`, with a key/value cache (models/sampling.py)."""
     param_dtype = jax.tree.leaves(params)[0].dtype
     module = build(cfg, info, dtype, param_dtype, decode=True)
-    return sampling.generate_samples(
+    return sampling.generate(
         module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step
     )
 

@@ -38,24 +38,6 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     stop_ids: Sequence[int] = (),
-    on_token: Optional[Callable[[int], None]] = None,
-) -> list[int]:
-    """Up to `max_tokens` new token ids after `prompt`, ending early after one in `stop_ids`
-    (kept as the last id); `on_token` sees each id as it comes. `module` is built with its
-    cache on (decode)."""
-    each = None if on_token is None else (lambda ids: on_token(ids[0]))
-    return generate_samples(module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, 1, each)[0]
-
-
-def generate_samples(
-    module,
-    params,
-    prompt: list[int],
-    max_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop_ids: Sequence[int] = (),
     num_samples: int = 1,
     on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
 ) -> list[list[int]]:

@@ -117,9 +117,11 @@ def test_generation_ends_after_a_stop_id():
 
     params = module.init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32), train=False)["params"]
     decoder = family.build(cfg, info, jnp.float32, jnp.float32, decode=True)
-    full = sampling.generate(decoder, params, [1, 2, 3], 8)
+    (full,) = sampling.generate(decoder, params, [1, 2, 3], 8)
     seen = []
-    stopped = sampling.generate(decoder, params, [1, 2, 3], 8, stop_ids=[full[2]], on_token=seen.append)
+    (stopped,) = sampling.generate(
+        decoder, params, [1, 2, 3], 8, stop_ids=[full[2]], on_step=lambda ids: seen.append(ids[0])
+    )
     assert stopped == full[: full.index(full[2]) + 1] == seen
     assert len(full) == 8 and np.all(np.asarray(full) < 61)
 

@@ -363,8 +363,8 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
                 else tokenizer.encode_batch(batch, add_special_tokens=False)
             )
             is_eval = held_out(np.arange(index, index + len(batch)), settings.eval_fraction)
-            held = sum(s["documents"] for s in writers["eval"].done) + writers["eval"].documents
-            if last and settings.eval_fraction > 0 and held == 0 and not is_eval.any() and index + len(batch) > 1:
+            small = last and settings.eval_fraction > 0 and index + len(batch) > 1
+            if small and not is_eval.any() and not _held(writers):
                 is_eval[-1] = True  # a small corpus: the share held out no document, so its last one is
                 print(
                     f"tokenize: --eval-fraction {settings.eval_fraction} of {index + len(batch)} documents is "
@@ -391,6 +391,11 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
     finally:
         if bar is not None:
             bar.close()
+
+
+def _held(writers: dict) -> int:
+    """Documents written to the held-out split so far."""
+    return sum(s["documents"] for s in writers["eval"].done) + writers["eval"].documents
 
 
 def _progress_bar(total: int, enabled: bool):
