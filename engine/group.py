@@ -26,6 +26,7 @@ from engine.preemption import starting
 from engine.rundir import METRICS, drop_records_after
 from engine.setup import with_config_hparams
 from engine.step import TRAIN_METRICS, weights_of
+from engine.trackers import open_trackers
 from engine.trainer import claim, write_run_files
 from engine.vectorize import Group, TooBig, build_group, check_fits
 from engine.watchdog import Watchdog
@@ -126,6 +127,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_sto
                 progress=False,
                 tensorboard=cfg.log.tensorboard,
                 name=workdir.name,
+                trackers=open_trackers(cfg),
             )
         )
     )

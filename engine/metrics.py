@@ -1,4 +1,5 @@
-"""Metric output on process 0: a tqdm progress bar, metrics.jsonl and TensorBoard events."""
+"""Metric output on process 0: a tqdm progress bar, metrics.jsonl, TensorBoard events and the
+experiment trackers of log.trackers (engine/trackers.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from tqdm import tqdm
 
 from engine.judge import Judged
 from engine.rundir import METRICS, append_line, read_records
+from engine.trackers import Tracker, numbers
 
 # what a plain (not a terminal's) train line shows of a train record, every log.every_steps
 PLAIN_TRAIN_KEYS = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu")
@@ -32,10 +34,12 @@ class MetricWriter:
         tensorboard: bool,
         name: str = "",
         judged: Optional[Judged] = None,
+        trackers: Sequence[Tracker] = (),
     ):
         """name: printed before each line (the runs of a vectorised group share one output);
-        judged: a search trial's pipe to its sweep, asked after each train and eval record."""
-        self.enabled, self.judged = enabled, judged
+        judged: a search trial's pipe to its sweep, asked after each train and eval record;
+        trackers: W&B and MLflow runs, given every record (engine/trackers.py)."""
+        self.enabled, self.judged, self.trackers = enabled, judged, list(trackers)
         self.prefix = f"{name}: " if name else ""
         self.bar: Optional[tqdm] = None
         self.summary = None
@@ -76,6 +80,8 @@ class MetricWriter:
         if self.summary is not None:
             _add_scalars(self.summary, step, split, values)
             self.summary.flush()
+        for tracker in self.trackers:
+            tracker.log(step, split, numbers(values))
         if self.judged is not None and split in ("train", "eval"):
             self.judged.ask(record)
         if split == "summary":  # the trainer prints its own one-paragraph summary
@@ -119,6 +125,8 @@ class MetricWriter:
             self.bar.close()
         if self.summary is not None:
             self.summary.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _add_scalars(summary, step: int, split: str, values: dict) -> None:

@@ -26,6 +26,7 @@ from engine.preemption import Preempted, starting
 from engine.rundir import LOCK, METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
 from engine.setup import Run, build_run, with_config_hparams
 from engine.step import TRAIN_METRICS
+from engine.trackers import open_trackers
 from engine.vocab import TOKENIZER, check_data_tokenizer
 from engine.watchdog import Watchdog
 
@@ -222,6 +223,7 @@ def _writer(cfg: Config, start: int) -> MetricWriter:
         progress=cfg.log.progress,
         tensorboard=cfg.log.tensorboard,
         judged=Judged.from_env() if chief else None,
+        trackers=open_trackers(cfg) if chief else (),
     )
 
 

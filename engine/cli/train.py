@@ -78,9 +78,11 @@ def run(args, argv: list[str]) -> int:
     from engine.cli import STARTED
     from engine.config import load_config
     from engine.distributed import initialize, parse_tf_config
+    from engine.trackers import check_installed
 
     profile = ["log.profile_steps=[5,15]"] if args.profile else []
     cfg = load_config(args.config, profile + args.overrides + _distributed_overrides(args), args.workdir)
+    check_installed(cfg)  # before anything is written
     tf_config = os.environ.get("TF_CONFIG")
     if tf_config and parse_tf_config(tf_config).kind == "evaluator":
         from engine.evaluator import run_evaluator

@@ -276,6 +276,17 @@ class LogConfig:
     every_steps: int = option(50, "metrics to the console, metrics.jsonl and TensorBoard every N steps", at_least=1)
     progress: bool = option(True, "a progress bar on the console")
     tensorboard: bool = option(True, "TensorBoard event files in the workdir")
+    trackers: list[str] = option(
+        [],
+        "experiment trackers beside TensorBoard, e.g. [wandb, mlflow] (pip install 'jax-train-engine[trackers]'); "
+        "W&B offline unless WANDB_MODE is set, MLflow in TRACKING_DIR/mlflow.db unless MLFLOW_TRACKING_URI is",
+        choices=("wandb", "mlflow"),
+    )
+    project: str = option("jax-engine", "the W&B project and MLflow experiment of log.trackers")
+    group: str = option("", "the W&B group and MLflow tag 'group' of the run (a sweep sets its own name)")
+    tracking_dir: str = option(
+        "", 'TRACKING_DIR, where trackers keep local files ("" = the workdir; a sweep sets its directory)'
+    )
     profile_steps: list[int] = option(
         [],
         "[a, b]: a jax.profiler trace of steps a..b after this process's first "

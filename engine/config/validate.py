@@ -68,8 +68,9 @@ def _declared(node, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, 
 
 def _check_declared(key: str, f: dataclasses.Field, value: Any) -> None:
     choices = choices_of(f)
-    if choices is not None and value not in choices:
-        raise UsageError(choice_message(key, value, choices))
+    for each in value if isinstance(value, list) and choices is not None else [value]:
+        if choices is not None and each not in choices:
+            raise UsageError(choice_message(key, each, choices))
     at_least, above = f.metadata.get("at_least"), f.metadata.get("above")
     if at_least is not None and value < at_least:
         raise UsageError(f"{key}={value} must be {'positive' if at_least == 1 else f'{at_least} or more'}")

@@ -37,6 +37,7 @@ import yaml
 
 from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
+from engine.trackers import check_installed, mlflow_uri, prepare_store
 
 SWEEP_KEYS = {
     "base",
@@ -96,6 +97,8 @@ class Sweep:
             "--workdir",
             str(self.workdir(run)),
             "log.progress=false",
+            f"log.group={self.directory.name}",  # trackers group the trials by sweep
+            f"log.tracking_dir={self.directory}",  # and keep one store for them all
             *(f"{key}={format_value(value)}" for key, value in values.items()),
         ]
 
@@ -376,5 +379,11 @@ def _search_probes(search: dict) -> list[RunSpec]:
 def validate_runs(sweep: Sweep) -> None:
     """Loads every run's config before any run starts; the first bad one stops the sweep.
     A search loads its ranges' ends and each choice."""
+    stores = {}
     for run in _search_probes(sweep.search) if sweep.search else sweep.runs:
-        sweep.config(run)
+        cfg = sweep.config(run)
+        check_installed(cfg)
+        if "mlflow" in cfg.log.trackers:
+            stores[(mlflow_uri(cfg), cfg.log.project)] = cfg
+    for cfg in stores.values():  # made once here, not by trials starting together
+        prepare_store(cfg)
