@@ -89,6 +89,40 @@ def test_tokenize_reads_text_json_lines_and_parquet(tmp_path):
         assert tokenizer.decode(ids[:-1]) == text
 
 
+def test_tokenize_reads_a_hugging_face_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(3)
+    texts = [_text(rng, int(rng.integers(3, 40))) for _ in range(30)]
+    rows = {"id": list(range(30)), "content": texts}
+    # two shards (the order is state.json's), and a DatasetDict whose train split is read
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"), num_shards=2)
+    whole = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows)})
+    whole["test"] = whole["test"].select([0])
+    whole.save_to_disk(str(tmp_path / "dd"))
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
+    for name in ("ds", "dd", "same.jsonl"):
+        tokenize([str(tmp_path / name)], str(tmp_path / f"out_{name}"), "bpe:300", text_field="content", progress=False)
+    reference = tk.open_corpus(str(tmp_path / "out_same.jsonl"))
+    for name in ("ds", "dd"):
+        corpus = tk.open_corpus(str(tmp_path / f"out_{name}"))
+        for split in ("train", "eval"):
+            got, want = corpus.stream(split), reference.stream(split)
+            assert np.array_equal(got.read(0, got.doc_ends[-1]), want.read(0, want.doc_ends[-1]))
+            assert np.array_equal(got.doc_ends, want.doc_ends)
+    proc = run_cli(
+        "tokenize", "--input", str(tmp_path / "ds"), "--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"
+    )
+    assert (
+        proc.returncode == 2 and "no column 'text' (columns: ['id', 'content']); pass --text-field NAME" in proc.stderr
+    )
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test"]}')
+    proc = run_cli(
+        "tokenize", "--input", str(tmp_path / "dd"), "--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"
+    )
+    assert proc.returncode == 2 and f"e.g. --input {tmp_path / 'dd' / 'test'}" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_held_out_documents_are_a_fixed_fraction_by_index():
     chosen = held_out(np.arange(200_000), 0.05)
     assert abs(chosen.mean() - 0.05) < 0.003

@@ -20,8 +20,8 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         required=True,
         metavar="PATH",
-        help="text files (a file is a document; see --text-unit), .jsonl records, .parquet rows, or "
-        "directories of them",
+        help="text files (a file is a document; see --text-unit), .jsonl records, .parquet rows, a Hugging "
+        "Face datasets directory (save_to_disk; a DatasetDict's train split), or directories of them",
     )
     p.add_argument("--out", required=True, help="the corpus directory to write")
     p.add_argument(
@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="F",
         help="share of documents held out for evaluation (default 0.01)",
     )
-    p.add_argument("--text-field", default="text", help="the JSON Lines field / Parquet column of the text")
+    p.add_argument("--text-field", default="text", help="the JSON Lines field / Parquet or datasets column of the text")
     p.add_argument(
         "--text-unit",
         choices=("file", "line"),

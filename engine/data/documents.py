@@ -1,5 +1,6 @@
 """The documents of a corpus to tokenize: plain text files (one document per file or per line),
-JSON Lines records and Parquet rows, from files or directories read recursively in sorted order."""
+JSON Lines records, Parquet rows and the rows of a Hugging Face `datasets` directory
+(`save_to_disk`: Arrow files), from files or directories read recursively in sorted order."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 def _binary(path: Path) -> bool:
     """A file that is neither Parquet nor text (a NUL byte in its first 8 KiB: .pyc, images, …)."""
-    if path.suffix.lower() == ".parquet":
+    if path.suffix.lower() in (".parquet", ".arrow"):
         return False
     with open(path, "rb") as f:
         return b"\0" in f.read(8192)
@@ -29,6 +30,8 @@ def input_files(paths: list[str]) -> list[Path]:
         path = Path(raw).expanduser()
         if path.is_file():
             files.append(path)
+        elif path.is_dir() and (hf := hf_dataset_files(path)) is not None:
+            files += hf
         elif path.is_dir():
             found = sorted(
                 p
@@ -60,6 +63,8 @@ def documents(files: list[Path], text_field: str = "text", text_unit: str = "fil
             yield from _jsonl(file, text_field)
         elif suffix == ".parquet":
             yield from _parquet(file, text_field)
+        elif suffix == ".arrow":
+            yield from _arrow(file, text_field)
         elif text_unit == "line":
             with open(file, encoding="utf-8", errors="replace") as f:
                 for line in f:
@@ -108,6 +113,62 @@ def _parquet(file: Path, text_field: str) -> Iterator[str]:
         )
     for batch in table.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+def hf_dataset_files(path: Path) -> list[Path] | None:
+    """The Arrow files of a Hugging Face `datasets` directory written by save_to_disk, in row
+    order (its state.json lists them); a DatasetDict's `train` split (DIR/SPLIT for another);
+    None for any other directory."""
+    if (path / "dataset_dict.json").is_file():
+        splits = _json_file(path / "dataset_dict.json").get("splits", [])
+        if "train" not in splits:
+            raise UsageError(
+                f"--input {path} is a Hugging Face DatasetDict without a train split (splits: {splits}); "
+                f"give one split's directory, e.g. --input {path / (splits[0] if splits else 'SPLIT')}"
+            )
+        path = path / "train"
+    if not (path / "state.json").is_file() or not (path / "dataset_info.json").is_file():
+        return None
+    files = [path / entry["filename"] for entry in _json_file(path / "state.json").get("_data_files", [])]
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise UsageError(f"--input {path}: the Hugging Face dataset's Arrow files {missing or '(none)'} are missing")
+    return files
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not valid JSON ({e}); is the dataset directory complete?") from None
+    if not isinstance(found, dict):
+        raise UsageError(f"{path} holds {type(found).__name__}, not the JSON object `datasets` writes")
+    return found
+
+
+def _arrow(file: Path, text_field: str) -> Iterator[str]:
+    """Rows of an Arrow file: the IPC stream format `datasets` writes, or the IPC file format."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(file)))
+    except pa.ArrowInvalid:
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(file)))  # type: ignore[assignment]
+        except pa.ArrowInvalid as e:
+            raise UsageError(f"{file} is not a readable Arrow file: {e}") from None
+    if text_field not in reader.schema.names:
+        raise UsageError(f"{file}: no column {text_field!r} (columns: {reader.schema.names}); pass --text-field NAME")
+    column = reader.schema.get_field_index(text_field)
+    batches = (
+        reader
+        if isinstance(reader, pa.ipc.RecordBatchStreamReader)
+        else map(reader.get_batch, range(reader.num_record_batches))
+    )
+    for batch in batches:
+        for text in batch.column(column).to_pylist():
             if isinstance(text, str) and text.strip():
                 yield text
 
