@@ -23,7 +23,7 @@ DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (t
 
 def sample(
     workdir: str,
-    prompt: str,
+    prompts: Sequence[str],
     max_tokens: Optional[int] = None,
     temperature: float = 0.8,
     top_p: float = 0.95,
@@ -32,10 +32,10 @@ def sample(
     num_samples: int = 1,
     stop_strings: Sequence[str] = (),
 ) -> list[str]:
-    """`num_samples` texts generated after `prompt` (the prompt itself not included), drawn
-    together in one batch. Each ends at the tokenizer's end-of-text token (not included) unless
-    `stop_at_eos` is off, and before the first of `stop_strings` it contains; `max_tokens` None:
-    200, or fewer where the model's context ends sooner."""
+    """`num_samples` texts generated after each of `prompts` (the prompt itself not included),
+    prompt by prompt, all drawn together in one batch. Each ends at the tokenizer's end-of-text
+    token (not included) unless `stop_at_eos` is off, and before the first of `stop_strings` it
+    contains; `max_tokens` None: 200, or fewer where the model's context ends sooner."""
     work = Path(workdir)
     bad_count = (max_tokens is not None and max_tokens < 1) or num_samples < 1 or "" in stop_strings
     if bad_count or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
@@ -48,11 +48,13 @@ def sample(
     generate, info = _generator(cfg, run), run.dataset.info
     check_data_tokenizer(work / TOKENIZER, info, f"the run's data (data.name={cfg.data.name})")
     tokenizer, vocab, source, encode, decode = _codec(work, info)
-    prompt_ids = encode(prompt)
-    max_tokens = _budget(len(prompt_ids), max_tokens, context_length(work, info))
+    if not prompts:
+        raise UsageError("no prompt: give --prompt TEXT, or --prompts FILE with one prompt per line")
+    prompt_ids = [encode(prompt) for prompt in prompts]
+    max_tokens = _budget([len(ids) for ids in prompt_ids], max_tokens, context_length(work, info))
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
-    rows: list[list[int]] = [[] for _ in range(num_samples)]
+    rows: list[list[int]] = [[] for _ in range(num_samples * len(prompts))]
     tail = 4 * max(map(len, stop_strings), default=0) + 4  # a stop string's tokens: ≤ 4 per character
 
     def on_step(ids: list[int]) -> Optional[list[bool]]:
@@ -97,16 +99,18 @@ def _generator(cfg, run):
     return generate
 
 
-def _budget(prompt: int, max_tokens: Optional[int], context: int) -> int:
-    """New tokens to generate after a prompt of `prompt` tokens, within the model's context."""
-    if not prompt:
-        raise UsageError("--prompt is empty; give at least one character of text")
+def _budget(lengths: list[int], max_tokens: Optional[int], context: int) -> int:
+    """New tokens to generate after prompts of `lengths` tokens, within the model's context."""
+    if not all(lengths):
+        raise UsageError(f"prompt {lengths.index(0) + 1} is empty; give at least one character of text")
+    prompt = max(lengths)
     if max_tokens is None:
         return max(1, min(DEFAULT_TOKENS, context - prompt))
     if prompt + max_tokens > context:
         room = context - prompt
         raise UsageError(
-            f"--max-tokens {max_tokens}: the prompt's {prompt} tokens and {max_tokens} new ones exceed the "
+            f"--max-tokens {max_tokens}: the {'longest ' if len(lengths) > 1 else ''}prompt's {prompt} tokens "
+            f"and {max_tokens} new ones exceed the "
             f"model's context of {context} tokens (what it was trained at); "
             + (f"give --max-tokens {room} or less" if room > 0 else "give a shorter --prompt")
         )

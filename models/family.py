@@ -122,14 +122,14 @@ class Task(Protocol):
 
 
 class Generate(Protocol):
-    """Continuations of a prompt, with a key/value cache."""
+    """Continuations of prompts, with a key/value cache."""
 
     def __call__(
         self,
         cfg,
         info,
         params,
-        prompt: list[int],
+        prompts: list[list[int]],
         max_tokens: int,
         temperature: float,
         top_p: float,
@@ -139,8 +139,9 @@ class Generate(Protocol):
         num_samples: int = 1,
         on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
     ) -> list[list[int]]:
-        """`num_samples` lists of new ids (models/sampling.py generate: a sample ends after
-        an id in `stop_ids`, or where `on_step`, seeing each step's ids, says so)."""
+        """`num_samples` lists of new ids per prompt, prompt by prompt (models/sampling.py
+        generate: a sample ends after an id in `stop_ids`, or where `on_step`, seeing each
+        step's ids, says so)."""
         ...
 
 

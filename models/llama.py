@@ -111,7 +111,7 @@ class Attention(nn.Module):
         if context:  # context parallelism: all keys and values on every device (an all-gather); queries stay split
             k, v = (constrain(t, ("batch", None, "kv_heads", "kv")) for t in (k, v))
         if self.decode:
-            k, v, mask = self._cached(k, v, positions)
+            k, v, mask = self._cached(k, v, segment_ids)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         elif segment_ids is not None:  # packed documents: causal and within the query's document
             length = x.shape[1]
@@ -128,19 +128,31 @@ class Attention(nn.Module):
             x.shape[-1], axis=(-2, -1), kernel_init=normal_kernel(("heads", "kv", "embed")), name="out", **dense
         )(y)
 
-    def _cached(self, k, v, positions):
-        """Writes this call's keys and values into the cache at `positions` (contiguous from
-        the cache's fill level) → (all cached keys, values, mask [batch, 1, new, max_len])."""
+    def _cached(self, k, v, segment_ids):
+        """Writes this call's keys and values into the cache's next slots (the cache keeps its
+        own fill level, `cache_index`) → (all cached keys, values, mask [batch, 1, new, slots]).
+        A query sees the filled slots up to its own whose segment id is its own: a batch of
+        prompts of different lengths, left-padded with segment 0, attends to no padding (RoPE
+        positions, given apart from slots, start at 0 at each prompt's first token)."""
         cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # sized by the first call
         cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        cached_segment = self.variable("cache", "cached_segment", jnp.zeros, k.shape[:2], jnp.int32)
+        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
         if self.is_initializing():
             return k, v, jnp.ones((k.shape[0], 1, k.shape[1], k.shape[1]), bool)
-        start = positions[0, 0]
+        if segment_ids is None:
+            segment_ids = jnp.ones(k.shape[:2], jnp.int32)
+        start, new = index.value, k.shape[1]
         cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
         cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
-        key_positions = jnp.arange(cached_k.value.shape[1])
-        mask = key_positions[None, None, None, :] <= positions[:, None, :, None]  # causal, and only what is filled
-        return cached_k.value, cached_v.value, mask
+        cached_segment.value = jax.lax.dynamic_update_slice_in_dim(
+            cached_segment.value, segment_ids.astype(jnp.int32), start, axis=1
+        )
+        index.value = start + new
+        slots = jnp.arange(cached_k.value.shape[1])
+        causal = slots[None, :] <= (start + jnp.arange(new))[:, None]  # [new, slots]: and only what is filled
+        same = cached_segment.value[:, None, :] == segment_ids[:, :, None]  # [batch, new, slots]
+        return cached_k.value, cached_v.value, (causal[None] & same)[:, None]
 
 
 class Block(nn.Module):
@@ -205,8 +217,9 @@ class Llama(nn.Module):
     def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None, segment_ids=None):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab] (compute dtype); with targets:
         (per-token float32 cross-entropy, argmax == target). positions [batch, seq] default to
-        0, 1, …; with decode they must continue from the cache's fill level. segment_ids
-        [batch, seq] (packed documents): a token attends only to earlier tokens of its segment."""
+        0, 1, …; with decode they are RoPE positions only (the cache keeps its own fill level).
+        segment_ids [batch, seq] (packed documents; with decode, 0 marks a prompt's left padding):
+        a token attends only to earlier tokens of its segment."""
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -312,7 +325,7 @@ def generate(
     cfg: LlamaConfig,
     info,
     params,
-    prompt: list[int],
+    prompts: list[list[int]],
     max_tokens: int,
     temperature: float,
     top_p: float,
@@ -322,11 +335,11 @@ def generate(
     num_samples: int = 1,
     on_step=None,
 ) -> list[list[int]]:
-    """Continuations of `prompt`, with a key/value cache (models/sampling.py)."""
+    """Continuations of each of `prompts`, with a key/value cache (models/sampling.py)."""
     param_dtype = jax.tree.leaves(params)[0].dtype
     module = build(cfg, info, dtype, param_dtype, decode=True)
     return sampling.generate(
-        module, params, prompt, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step
+        module, params, prompts, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step
     )
 
 

@@ -32,7 +32,7 @@ def next_token(logits, key, temperature: float, top_p: float):
 def generate(
     module,
     params,
-    prompt: list[int],
+    prompts: list[list[int]],
     max_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -41,34 +41,46 @@ def generate(
     num_samples: int = 1,
     on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
 ) -> list[list[int]]:
-    """`num_samples` continuations of `prompt`, drawn together (one batch, one jitted step per
-    token; at temperature 0 they are equal). A sample ends after an id in `stop_ids` (kept as its
-    last id), or where `on_step` — given each step's new ids, one per sample — answers True for
-    it (e.g. a stop string was met); generation ends when every sample has ended."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token (a character of text)")
-    total = len(prompt) + max_tokens
-    tokens = jnp.asarray([prompt] * num_samples, jnp.int32)  # [samples, prompt]
+    """`num_samples` continuations of each of `prompts`, drawn together (one batch, one jitted
+    step per token; at temperature 0 a prompt's are equal), prompt by prompt: sample j of
+    prompt i is row i * num_samples + j. Prompts of different lengths are left-padded with
+    segment 0, which no token attends to, and each one's positions start at 0, so a prompt
+    gives what it gives alone. A sample ends after an id in `stop_ids` (kept as its last id),
+    or where `on_step` — given each step's new ids, one per row — answers True for it (e.g. a
+    stop string was met); generation ends when every sample has ended."""
+    if not prompts or not all(prompts):
+        raise ValueError("a prompt is empty: give at least one token (a character of text)")
+    rows = [prompt for prompt in prompts for _ in range(num_samples)]
+    width = max(map(len, rows))
+    pads = np.asarray([width - len(row) for row in rows], np.int32)
+    tokens = jnp.asarray([[0] * pad + row for pad, row in zip(pads, rows)], jnp.int32)  # [rows, width]
+    segments = (np.arange(width)[None, :] >= pads[:, None]).astype(np.int32)
+    positions = np.maximum(np.arange(width)[None, :] - pads[:, None], 0).astype(np.int32)
     shapes = jax.eval_shape(
-        lambda: module.init(jax.random.key(0), jnp.zeros((num_samples, total), jnp.int32), train=False)
+        lambda: module.init(jax.random.key(0), jnp.zeros((len(rows), width + max_tokens), jnp.int32), train=False)
     )
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
     base_key = jax.random.key(seed)
 
     @jax.jit
-    def step(params, cache, tokens, start, index):
-        positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        positions = jnp.broadcast_to(positions, tokens.shape)
+    def step(params, cache, tokens, positions, segments, index):
         logits, updated = module.apply(
-            {"params": params, "cache": cache}, tokens, train=False, positions=positions, mutable=["cache"]
+            {"params": params, "cache": cache},
+            tokens,
+            train=False,
+            positions=positions,
+            segment_ids=segments,
+            mutable=["cache"],
         )
         token = next_token(logits[:, -1].astype(jnp.float32), jax.random.fold_in(base_key, index), temperature, top_p)
         return token, updated["cache"]
 
-    token, cache = step(params, cache, tokens, jnp.int32(0), jnp.int32(0))  # prefill: the whole prompt at once
+    # prefill: every prompt at once
+    token, cache = step(params, cache, tokens, jnp.asarray(positions), jnp.asarray(segments), jnp.int32(0))
+    lengths, ones = jnp.asarray([len(row) for row in rows], jnp.int32)[:, None], jnp.ones((len(rows), 1), jnp.int32)
     stop = set(stop_ids)
-    out: list[list[int]] = [[] for _ in range(num_samples)]
-    ended = [False] * num_samples
+    out: list[list[int]] = [[] for _ in rows]
+    ended = [False] * len(rows)
     for i in range(1, max_tokens + 1):
         ids = [int(t) for t in jax.device_get(token)]
         for row, new in enumerate(ids):
@@ -76,10 +88,10 @@ def generate(
                 out[row].append(new)
                 ended[row] = new in stop
         told = on_step(ids) if on_step is not None else None
-        ended = [e or bool(t) for e, t in zip(ended, told or [False] * num_samples)]
+        ended = [e or bool(t) for e, t in zip(ended, told or [False] * len(rows))]
         if all(ended) or i == max_tokens:
             break
-        token, cache = step(params, cache, token[:, None], jnp.int32(len(prompt) + i - 1), jnp.int32(i))
+        token, cache = step(params, cache, token[:, None], lengths + i - 1, ones, jnp.int32(i))
     return out
 
 

@@ -181,10 +181,10 @@ def test_greedy_generation_with_the_cache_equals_argmax_without_it():
     module, params, tokens = init(cfg)
     prompt = [int(t) for t in tokens[0, :5]]
     decoder = REGISTRY["llama"].build(cfg, INFO, jnp.float32, jnp.float32, decode=True)
-    cached = sampling.generate(decoder, params, prompt, 8, temperature=0.0)[0]
+    cached = sampling.generate(decoder, params, [prompt], 8, temperature=0.0)[0]
     assert cached == sampling.greedy_without_cache(module, params, prompt, 8)
-    assert cached == sampling.generate(decoder, params, prompt, 8, temperature=0.0)[0]
-    hot = [sampling.generate(decoder, params, prompt, 8, temperature=1.5, top_p=0.9, seed=s)[0] for s in (0, 0, 1)]
+    assert cached == sampling.generate(decoder, params, [prompt], 8, temperature=0.0)[0]
+    hot = [sampling.generate(decoder, params, [prompt], 8, temperature=1.5, top_p=0.9, seed=s)[0] for s in (0, 0, 1)]
     assert hot[0] == hot[1] != hot[2]  # a seed gives one text; another seed another
 
 

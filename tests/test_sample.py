@@ -117,10 +117,10 @@ def test_generation_ends_after_a_stop_id():
 
     params = module.init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32), train=False)["params"]
     decoder = family.build(cfg, info, jnp.float32, jnp.float32, decode=True)
-    (full,) = sampling.generate(decoder, params, [1, 2, 3], 8)
+    (full,) = sampling.generate(decoder, params, [[1, 2, 3]], 8)
     seen = []
     (stopped,) = sampling.generate(
-        decoder, params, [1, 2, 3], 8, stop_ids=[full[2]], on_step=lambda ids: seen.append(ids[0])
+        decoder, params, [[1, 2, 3]], 8, stop_ids=[full[2]], on_step=lambda ids: seen.append(ids[0])
     )
     assert stopped == full[: full.index(full[2]) + 1] == seen
     assert len(full) == 8 and np.all(np.asarray(full) < 61)
@@ -168,3 +168,51 @@ def test_several_samples_in_one_batch_and_stop_strings(imported):
     assert proc.returncode == 0, proc.stderr
     drawn = [part.split(" ===\n", 1)[1] for part in proc.stdout.split("=== sample ")[1:]]
     assert len(drawn) == 3 and len(set(drawn)) > 1, drawn  # drawn apart, in one batch
+
+
+def test_prompts_of_different_lengths_in_one_batch_each_give_what_they_give_alone():
+    info = DataInfo("tokens", 8, 8, vocab_size=61, seq_len=24)
+    family = REGISTRY["llama"]
+    cfg = LlamaConfig(**TINY)
+    module = family.build(cfg, info, jnp.float32, jnp.float32)
+    import jax
+
+    params = module.init(jax.random.key(1), jnp.zeros((1, 24), jnp.int32), train=False)["params"]
+    decoder = family.build(cfg, info, jnp.float32, jnp.float32, decode=True)
+    prompts = [[5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42, 43, 44]]
+    together = sampling.generate(decoder, params, prompts, 8, num_samples=2)
+    alone = [sampling.greedy_without_cache(module, params, prompt, 8) for prompt in prompts]
+    assert together == [alone[0], alone[0], alone[1], alone[1], alone[2], alone[2]]
+    assert len({tuple(a) for a in alone}) == 3  # three different continuations
+
+
+def test_sample_prompts_file_and_chat_template(imported, tmp_path):
+    hf, work, tokenizer, _ = imported
+    prompts = ["alpha beta gamma", "delta", "omega psi chi phi upsilon tau"]
+    (tmp_path / "prompts.txt").write_text(prompts[0] + "\n\n" + "\n".join(prompts[1:]) + "\n")
+    common = ["sample", "--workdir", str(work), "--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    proc = run_cli(*common, "--prompts", str(tmp_path / "prompts.txt"))
+    assert proc.returncode == 0, proc.stderr
+    vocab = tokenizer.get_vocab_size()
+    want = [
+        tokenizer.decode(_greedy(hf, tokenizer.encode(p).ids, 6, vocab), skip_special_tokens=False) for p in prompts
+    ]
+    assert proc.stdout == "".join(f"=== prompt {i} ===\n{text}\n" for i, text in enumerate(want, 1))
+
+    chat = tmp_path / "chat"  # the imported run, its tokenizer now with a chat template
+    shutil.copytree(work, chat)
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+    (chat / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "bos_token": {"content": "alpha"}, "chat_template": template})
+    )
+    rendered = "alphas:be brief<|endoftext|>u:delta<|endoftext|>a:"
+    common = ["sample", "--workdir", str(chat), "--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    by_hand = run_cli(*common, "--prompt", rendered)
+    proc = run_cli(*common, "--prompt", "delta", "--chat", "--system", "be brief")
+    assert by_hand.returncode == 0 and proc.returncode == 0, proc.stderr
+    assert proc.stdout == by_hand.stdout
+    plain = run_cli("sample", "--workdir", str(work), "--prompt", "delta", "--chat")
+    assert plain.returncode == 2 and "has no chat template" in plain.stderr and "Traceback" not in plain.stderr

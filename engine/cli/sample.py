@@ -1,4 +1,5 @@
-"""`launch.py sample --workdir DIR --prompt TEXT`: text from a run's newest checkpoint."""
+"""`launch.py sample --workdir DIR --prompt TEXT | --prompts FILE [--chat]`: text from a run's
+newest checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +14,20 @@ def parser() -> argparse.ArgumentParser:
         description="Generate text from a run's newest checkpoint (key/value cache; greedy at temperature 0).",
     )
     p.add_argument("--workdir", required=True, help="the training run's directory")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the text to continue")
+    given.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="a UTF-8 file of prompts, one per line (blank lines skipped), continued together in one batch",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="put each prompt as a user's message through the model's chat template (an imported model's "
+        "tokenizer_config.json or chat_template.jinja), ready for the assistant's reply",
+    )
+    p.add_argument("--system", default="", metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -36,9 +50,16 @@ def parser() -> argparse.ArgumentParser:
 def run(args, argv: list[str]) -> int:
     from engine.generate import sample
 
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
+    if args.chat:
+        from pathlib import Path
+
+        from engine.vocab import chat_prompt
+
+        prompts = [chat_prompt(Path(args.workdir), prompt, args.system) for prompt in prompts]
     texts = sample(
         args.workdir,
-        args.prompt,
+        prompts,
         args.max_tokens,
         args.temperature,
         args.top_p,
@@ -49,10 +70,28 @@ def run(args, argv: list[str]) -> int:
     )
     if len(texts) == 1:
         print(texts[0])
-    else:
-        for number, text in enumerate(texts, 1):
-            print(f"=== sample {number} ===\n{text}")
+        return 0
+    for number, text in enumerate(texts):
+        prompt, drawn = divmod(number, args.num_samples)
+        names = ([f"prompt {prompt + 1}"] if len(prompts) > 1 else []) + (
+            [f"sample {drawn + 1}"] if args.num_samples > 1 else []
+        )
+        print(f"=== {', '.join(names)} ===\n{text}")
     return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    from engine.errors import UsageError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\r\n") for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--prompts {path}: cannot be read as UTF-8 text ({e})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise UsageError(f"--prompts {path} holds no prompt; write one prompt per line")
+    return prompts
 
 
 COMMAND = Command(parser, run)
