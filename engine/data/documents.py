@@ -156,7 +156,7 @@ def _arrow(file: Path, text_field: str) -> Iterator[str]:
         reader = pa.ipc.open_stream(pa.memory_map(str(file)))
     except pa.ArrowInvalid:
         try:
-            reader = pa.ipc.open_file(pa.memory_map(str(file)))  # type: ignore[assignment]
+            reader = pa.ipc.open_file(pa.memory_map(str(file)))
         except pa.ArrowInvalid as e:
             raise UsageError(f"{file} is not a readable Arrow file: {e}") from None
     if text_field not in reader.schema.names:
