@@ -174,3 +174,31 @@ class LMHead(nn.Module):
         """x [batch, seq, embed], targets [batch, seq] → (losses float32, correct bool), [batch, seq]."""
         chunk = 0 if chunk >= targets.shape[1] else chunk
         return fused_cross_entropy(x, self.kernel, targets, jnp.dtype(self.dtype), chunk)
+
+
+def kv_cache(module: nn.Module, k, v, segment_ids):
+    """A decoding attention layer's key/value cache, in `module`'s `cache` collection: writes
+    this call's keys and values into the cache's next slots (the cache keeps its own fill
+    level, `cache_index`) → (all cached keys, values, mask [batch, 1, new, slots]). A query
+    sees the filled slots up to its own whose segment id is its own: a batch of prompts of
+    different lengths, left-padded with segment 0, attends to no padding (positions, given
+    apart from slots, start at 0 at each prompt's first token: models/sampling.py)."""
+    cached_k = module.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # sized by the first call
+    cached_v = module.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+    cached_segment = module.variable("cache", "cached_segment", jnp.zeros, k.shape[:2], jnp.int32)
+    index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    if module.is_initializing():
+        return k, v, jnp.ones((k.shape[0], 1, k.shape[1], k.shape[1]), bool)
+    if segment_ids is None:
+        segment_ids = jnp.ones(k.shape[:2], jnp.int32)
+    start, new = index.value, k.shape[1]
+    cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
+    cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
+    cached_segment.value = jax.lax.dynamic_update_slice_in_dim(
+        cached_segment.value, segment_ids.astype(jnp.int32), start, axis=1
+    )
+    index.value = start + new
+    slots = jnp.arange(cached_k.value.shape[1])
+    causal = slots[None, :] <= (start + jnp.arange(new))[:, None]  # [new, slots]: and only what is filled
+    same = cached_segment.value[:, None, :] == segment_ids[:, :, None]  # [batch, new, slots]
+    return cached_k.value, cached_v.value, (causal[None] & same)[:, None]

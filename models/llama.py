@@ -31,7 +31,7 @@ from contract.activations import activation_splits, constrain, stage_plan
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
 from models.family import Family, NextToken
-from models.layers import LMHead, fused_cross_entropy, normal_kernel, param_init
+from models.layers import LMHead, fused_cross_entropy, kv_cache, normal_kernel, param_init
 from models.moe import MoE
 from models.pipeline import run_pipeline
 from models.transformer import REMAT_POLICIES
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         if context:  # context parallelism: all keys and values on every device (an all-gather); queries stay split
             k, v = (constrain(t, ("batch", None, "kv_heads", "kv")) for t in (k, v))
         if self.decode:
-            k, v, mask = self._cached(k, v, segment_ids)
+            k, v, mask = kv_cache(self, k, v, segment_ids)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         elif segment_ids is not None:  # packed documents: causal and within the query's document
             length = x.shape[1]
@@ -127,32 +127,6 @@ class Attention(nn.Module):
         return nn.DenseGeneral(
             x.shape[-1], axis=(-2, -1), kernel_init=normal_kernel(("heads", "kv", "embed")), name="out", **dense
         )(y)
-
-    def _cached(self, k, v, segment_ids):
-        """Writes this call's keys and values into the cache's next slots (the cache keeps its
-        own fill level, `cache_index`) → (all cached keys, values, mask [batch, 1, new, slots]).
-        A query sees the filled slots up to its own whose segment id is its own: a batch of
-        prompts of different lengths, left-padded with segment 0, attends to no padding (RoPE
-        positions, given apart from slots, start at 0 at each prompt's first token)."""
-        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # sized by the first call
-        cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-        cached_segment = self.variable("cache", "cached_segment", jnp.zeros, k.shape[:2], jnp.int32)
-        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        if self.is_initializing():
-            return k, v, jnp.ones((k.shape[0], 1, k.shape[1], k.shape[1]), bool)
-        if segment_ids is None:
-            segment_ids = jnp.ones(k.shape[:2], jnp.int32)
-        start, new = index.value, k.shape[1]
-        cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k, start, axis=1)
-        cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v, start, axis=1)
-        cached_segment.value = jax.lax.dynamic_update_slice_in_dim(
-            cached_segment.value, segment_ids.astype(jnp.int32), start, axis=1
-        )
-        index.value = start + new
-        slots = jnp.arange(cached_k.value.shape[1])
-        causal = slots[None, :] <= (start + jnp.arange(new))[:, None]  # [new, slots]: and only what is filled
-        same = cached_segment.value[:, None, :] == segment_ids[:, :, None]  # [batch, new, slots]
-        return cached_k.value, cached_v.value, (causal[None] & same)[:, None]
 
 
 class Block(nn.Module):
@@ -321,26 +295,8 @@ def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
     return (6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_width * tokens) * tokens
 
 
-def generate(
-    cfg: LlamaConfig,
-    info,
-    params,
-    prompts: list[list[int]],
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    dtype,
-    stop_ids=(),
-    num_samples: int = 1,
-    on_step=None,
-) -> list[list[int]]:
-    """Continuations of each of `prompts`, with a key/value cache (models/sampling.py)."""
-    param_dtype = jax.tree.leaves(params)[0].dtype
-    module = build(cfg, info, dtype, param_dtype, decode=True)
-    return sampling.generate(
-        module, params, prompts, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step
-    )
+# continuations of prompts, with a key/value cache (models/sampling.py)
+generate = sampling.cached_generator(build)
 
 
 class LlamaFamily(Family):

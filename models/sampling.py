@@ -95,6 +95,29 @@ def generate(
     return out
 
 
+def cached_generator(build: Callable) -> Callable:
+    """A family's generator (models/family.py Generate) from its `build(..., decode=True)`."""
+
+    def generate_with(
+        cfg,
+        info,
+        params,
+        prompts: list[list[int]],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        dtype,
+        stop_ids: Sequence[int] = (),
+        num_samples: int = 1,
+        on_step=None,
+    ) -> list[list[int]]:
+        module = build(cfg, info, dtype, jax.tree.leaves(params)[0].dtype, decode=True)
+        return generate(module, params, prompts, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step)
+
+    return generate_with
+
+
 def greedy_without_cache(module, params, prompt: list[int], max_tokens: int) -> list[int]:
     """The reference: the whole sequence through the model again for every new token (argmax)."""
     sequence = list(prompt)

@@ -1,5 +1,6 @@
 """A GPT-style decoder-only language model: token + learned position embeddings, pre-norm
-blocks of causal self-attention (jax.nn.dot_product_attention) and an MLP, optional remat."""
+blocks of causal self-attention (jax.nn.dot_product_attention) and an MLP, optional remat.
+`decode=True` runs with a key/value cache for generation (models/sampling.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from contract.activations import constrain
+from models import sampling
 from models.configs import ModelError, TransformerConfig
 from models.family import Family, NextToken
-from models.layers import Dropout, LMHead, dense, param_init
+from models.layers import Dropout, LMHead, dense, kv_cache, param_init
 
 REMAT_POLICIES = {
     "none": None,
@@ -36,6 +38,7 @@ class Block(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation
+    decode: bool = False  # use and fill the key/value cache (generation)
 
     @nn.compact
     def __call__(self, x, example_ids, train: bool, dropout_rate=None, segment_ids=None):
@@ -55,7 +58,10 @@ class Block(nn.Module):
             for name in ("query", "key", "value")
         )
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
-        if segment_ids is None:
+        if self.decode:
+            k, v, mask = kv_cache(self, k, v, segment_ids)
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        elif segment_ids is None:
             y = jax.nn.dot_product_attention(  # [b, s, h, kv]
                 q,
                 k,
@@ -103,6 +109,7 @@ class Transformer(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     attention: str = "xla"
     loss_chunk: int = 0
+    decode: bool = False
 
     @nn.compact
     def __call__(
@@ -118,7 +125,8 @@ class Transformer(nn.Module):
     ):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab]; with targets [batch, seq]:
         (per-token cross-entropy, argmax == target), from the fused loss of LMHead. Packed
-        documents give positions [batch, seq] (< max_len) and segment_ids [batch, seq]."""
+        documents give positions [batch, seq] (< max_len) and segment_ids [batch, seq]; with
+        decode, segment 0 marks a prompt's left padding (models/layers.py kv_cache)."""
         seq = tokens.shape[1]
         embed = nn.Embed(
             self.vocab_size,
@@ -148,6 +156,7 @@ class Transformer(nn.Module):
                 self.dtype,
                 self.param_dtype,
                 self.attention,
+                self.decode,
                 name=f"block_{i}",
             )(x, example_ids, train, dropout_rate, segment_ids)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
@@ -155,7 +164,7 @@ class Transformer(nn.Module):
         return head(x) if targets is None else head.loss(x, targets, self.loss_chunk)
 
 
-def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None, decode: bool = False) -> nn.Module:
     attention = cfg.attention
     if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -178,7 +187,12 @@ def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None
         param_dtype,
         attention,
         cfg.loss_chunk,
+        decode,
     )
+
+
+# continuations of prompts, with a key/value cache (models/sampling.py)
+generate = sampling.cached_generator(build)
 
 
 def flops_per_example(cfg: TransformerConfig, info, num_params: int) -> float:
@@ -204,6 +218,9 @@ class TransformerFamily(Family):
 
     def remat(self, cfg) -> str:
         return cfg.remat
+
+    def generator(self):
+        return generate
 
     def takes_packed_documents(self) -> bool:
         return True

@@ -170,10 +170,13 @@ def test_several_samples_in_one_batch_and_stop_strings(imported):
     assert len(drawn) == 3 and len(set(drawn)) > 1, drawn  # drawn apart, in one batch
 
 
-def test_prompts_of_different_lengths_in_one_batch_each_give_what_they_give_alone():
+@pytest.mark.parametrize("name", ["llama", "transformer"])
+def test_prompts_of_different_lengths_in_one_batch_each_give_what_they_give_alone(name):
+    from models.configs import TransformerConfig
+
     info = DataInfo("tokens", 8, 8, vocab_size=61, seq_len=24)
-    family = REGISTRY["llama"]
-    cfg = LlamaConfig(**TINY)
+    family = REGISTRY[name]
+    cfg = LlamaConfig(**TINY) if name == "llama" else TransformerConfig(num_layers=2, d_model=32, mlp_dim=64)
     module = family.build(cfg, info, jnp.float32, jnp.float32)
     import jax
 
@@ -216,3 +219,15 @@ def test_sample_prompts_file_and_chat_template(imported, tmp_path):
     assert proc.stdout == by_hand.stdout
     plain = run_cli("sample", "--workdir", str(work), "--prompt", "delta", "--chat")
     assert plain.returncode == 2 and "has no chat template" in plain.stderr and "Traceback" not in plain.stderr
+
+
+def test_a_gpt_run_samples(tmp_path):
+    work = tmp_path / "gpt"
+    quick = ["data.name=python_source", "data.tokenizer=bytes", "data.max_bytes=40000", "train.steps=3"]
+    tiny = ["model.num_layers=1", "model.d_model=32", "model.mlp_dim=64", "log.tensorboard=false"]
+    assert run_cli("--config", "gpt_small", "--workdir", str(work), *quick, *tiny).returncode == 0
+    common = ["sample", "--workdir", str(work), "--prompt", "def ", "--max-tokens", "5", "--temperature", "0"]
+    proc = run_cli(*common, "--num-samples", "2")
+    assert proc.returncode == 0, proc.stderr
+    first, second = (part.split(" ===\n", 1)[1] for part in proc.stdout.split("=== sample ")[1:])
+    assert first == second and len(first.encode()) >= 1
