@@ -37,19 +37,12 @@ def sample(
     token (not included) unless `stop_at_eos` is off, and before the first of `stop_strings` it
     contains; `max_tokens` None: 200, or fewer where the model's context ends sooner."""
     work = Path(workdir)
-    bad_count = (max_tokens is not None and max_tokens < 1) or num_samples < 1 or "" in stop_strings
-    if bad_count or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
-        raise UsageError(
-            f"--max-tokens {max_tokens} and --num-samples {num_samples} must be >= 1, --temperature "
-            f"{temperature} a finite number >= 0, --top-p {top_p} in (0, 1] and each --stop non-empty"
-        )
+    _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings)
     cfg = run_config(work)
     run = build_run(cfg, compile_train=False)
     generate, info = _generator(cfg, run), run.dataset.info
     check_data_tokenizer(work / TOKENIZER, info, f"the run's data (data.name={cfg.data.name})")
     tokenizer, vocab, source, encode, decode = _codec(work, info)
-    if not prompts:
-        raise UsageError("no prompt: give --prompt TEXT, or --prompts FILE with one prompt per line")
     prompt_ids = [encode(prompt) for prompt in prompts]
     max_tokens = _budget([len(ids) for ids in prompt_ids], max_tokens, context_length(work, info))
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
@@ -84,6 +77,15 @@ def sample(
     return [_cut(decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), stop_strings) for tokens in samples]
 
 
+def _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings) -> None:
+    bad_count = (max_tokens is not None and max_tokens < 1) or num_samples < 1 or "" in stop_strings
+    if bad_count or not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1:
+        raise UsageError(
+            f"--max-tokens {max_tokens} and --num-samples {num_samples} must be >= 1, --temperature "
+            f"{temperature} a finite number >= 0, --top-p {top_p} in (0, 1] and each --stop non-empty"
+        )
+
+
 def _generator(cfg, run):
     """The run's family's text generator; UsageError for a model or data that makes no text."""
     generate = run.model.family.generator()
@@ -101,6 +103,8 @@ def _generator(cfg, run):
 
 def _budget(lengths: list[int], max_tokens: Optional[int], context: int) -> int:
     """New tokens to generate after prompts of `lengths` tokens, within the model's context."""
+    if not lengths:
+        raise UsageError("no prompt: give --prompt TEXT, or --prompts FILE with one prompt per line")
     if not all(lengths):
         raise UsageError(f"prompt {lengths.index(0) + 1} is empty; give at least one character of text")
     prompt = max(lengths)

@@ -42,20 +42,14 @@ def generate(
     on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
 ) -> list[list[int]]:
     """`num_samples` continuations of each of `prompts`, drawn together (one batch, one jitted
-    step per token; at temperature 0 a prompt's are equal), prompt by prompt: sample j of
-    prompt i is row i * num_samples + j. Prompts of different lengths are left-padded with
-    segment 0, which no token attends to, and each one's positions start at 0, so a prompt
-    gives what it gives alone. A sample ends after an id in `stop_ids` (kept as its last id),
-    or where `on_step` — given each step's new ids, one per row — answers True for it (e.g. a
-    stop string was met); generation ends when every sample has ended."""
+    step per token), prompt by prompt: sample j of prompt i is row i * num_samples + j; a
+    prompt gives what it gives alone (left_padded). A sample ends after an id in `stop_ids`
+    (kept), or where `on_step`, given each step's ids, answers True for it (a stop string)."""
     if not prompts or not all(prompts):
         raise ValueError("a prompt is empty: give at least one token (a character of text)")
     rows = [prompt for prompt in prompts for _ in range(num_samples)]
-    width = max(map(len, rows))
-    pads = np.asarray([width - len(row) for row in rows], np.int32)
-    tokens = jnp.asarray([[0] * pad + row for pad, row in zip(pads, rows)], jnp.int32)  # [rows, width]
-    segments = (np.arange(width)[None, :] >= pads[:, None]).astype(np.int32)
-    positions = np.maximum(np.arange(width)[None, :] - pads[:, None], 0).astype(np.int32)
+    tokens, positions, segments = left_padded(rows)
+    width = tokens.shape[1]
     shapes = jax.eval_shape(
         lambda: module.init(jax.random.key(0), jnp.zeros((len(rows), width + max_tokens), jnp.int32), train=False)
     )
@@ -76,7 +70,7 @@ def generate(
         return token, updated["cache"]
 
     # prefill: every prompt at once
-    token, cache = step(params, cache, tokens, jnp.asarray(positions), jnp.asarray(segments), jnp.int32(0))
+    token, cache = step(params, cache, tokens, positions, segments, jnp.int32(0))
     lengths, ones = jnp.asarray([len(row) for row in rows], jnp.int32)[:, None], jnp.ones((len(rows), 1), jnp.int32)
     stop = set(stop_ids)
     out: list[list[int]] = [[] for _ in rows]
@@ -93,6 +87,17 @@ def generate(
             break
         token, cache = step(params, cache, token[:, None], lengths + i - 1, ones, jnp.int32(i))
     return out
+
+
+def left_padded(rows: list[list[int]]):
+    """(tokens, positions, segment ids) [rows, longest] of prompts padded on the left: the
+    padding is segment 0 at position 0, each prompt segment 1 with positions from 0."""
+    width = max(map(len, rows))
+    pads = np.asarray([width - len(row) for row in rows], np.int32)[:, None]
+    tokens = np.asarray([[0] * int(pad) + row for pad, row in zip(pads[:, 0], rows)], np.int32)
+    segments = (np.arange(width)[None, :] >= pads).astype(np.int32)
+    positions = np.maximum(np.arange(width)[None, :] - pads, 0).astype(np.int32)
+    return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
 
 
 def cached_generator(build: Callable) -> Callable:
