@@ -301,10 +301,10 @@ def export_hf(workdir: str, out: str) -> Path:
         raise UsageError(str(e)) from None
     restored = restore_newest(work, run.abstract_state, cfg, "export")
     tensors = {}
-    for tensor in layout.tensors(cfg.model):
-        value = np.asarray(jax.device_get(_get(restored.state.params, tensor.path)))
+    for tensor in layout.tensors(cfg.model):  # a tensor reads a parameter, or a module's (GPT-2's fused qkv)
+        value = jax.device_get(_get(restored.state.params, tensor.path))
         layers = value if tensor.stacked else [value]
-        tensors.update({name: tensor.to_hf(np.asarray(layer)) for name, layer in zip(tensor.names, layers)})
+        tensors.update({name: np.asarray(tensor.to_hf(layer)) for name, layer in zip(tensor.names, layers)})
     with staged(out_path) as staging:
         _write_hf(staging, work, run, tensors, hf_config)
     return out_path

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from contract.activations import constrain
-from models import sampling
+from models import gpt2_hf, sampling
 from models.configs import ModelError, TransformerConfig
 from models.family import Family, NextToken
 from models.layers import Dropout, LMHead, dense, kv_cache, param_init
@@ -221,6 +221,9 @@ class TransformerFamily(Family):
 
     def generator(self):
         return generate
+
+    def hf_layout(self):
+        return gpt2_hf
 
     def takes_packed_documents(self) -> bool:
         return True

@@ -231,3 +231,30 @@ def test_a_gpt_run_samples(tmp_path):
     assert proc.returncode == 0, proc.stderr
     first, second = (part.split(" ===\n", 1)[1] for part in proc.stdout.split("=== sample ")[1:])
     assert first == second and len(first.encode()) >= 1
+
+
+def test_a_gpt_run_exports_in_gpt2_layout_that_transformers_loads(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from engine.checkpoint import restore_newest
+    from engine.export import run_config
+    from engine.setup import build_run
+
+    work = tmp_path / "gpt"
+    quick = ["data.name=python_source", "data.tokenizer=bytes", "data.max_bytes=40000", "data.seq_len=16"]
+    tiny = ["model.num_layers=2", "model.d_model=32", "model.mlp_dim=64", "log.tensorboard=false", "train.steps=3"]
+    assert run_cli("--config", "gpt_small", "--workdir", str(work), *quick, *tiny).returncode == 0
+    proc = run_cli("export", "--workdir", str(work), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    cfg = run_config(work)
+    run = build_run(cfg, compile_train=False)
+    params = restore_newest(work, run.abstract_state, cfg, "test").state.params
+    tokens = np.random.default_rng(5).integers(0, 256, (2, 16))
+    module = REGISTRY["transformer"].build(cfg.model, run.dataset.info, jnp.float32, jnp.float32)
+    ours = np.asarray(module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False))
+    reference = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = reference(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    again = run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(tmp_path / "back"))
+    assert again.returncode == 2 and "exported, not imported" in again.stderr
