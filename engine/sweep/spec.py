@@ -97,8 +97,8 @@ class Sweep:
             "--workdir",
             str(self.workdir(run)),
             "log.progress=false",
-            f"log.group={self.directory.name}",  # trackers group the trials by sweep
-            f"log.tracking_dir={self.directory}",  # and keep one store for them all
+            f"log.group={format_value(self.directory.name)}",  # trackers group the trials by sweep
+            f"log.tracking_dir={format_value(str(self.directory))}",  # and keep one store for them all
             *(f"{key}={format_value(value)}" for key, value in values.items()),
         ]
 
