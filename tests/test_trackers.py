@@ -98,7 +98,7 @@ def test_a_sweep_logs_one_tracker_run_per_trial_grouped_by_sweep(tmp_path):
         yaml.safe_dump(
             {
                 "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
-                "overrides": {"train.steps": 10, "log.every_steps": 5, "log.trackers": ["mlflow"]},
+                "overrides": {"train.steps": 10, "log.every_steps": 5, "log.trackers": ["mlflow", "wandb"]},
                 "directory": str(tmp_path / "lr"),
                 "grid": {"optimizer.learning_rate": [0.001, 0.003]},
                 "metric": "eval/accuracy",
@@ -115,6 +115,14 @@ def test_a_sweep_logs_one_tracker_run_per_trial_grouped_by_sweep(tmp_path):
     for run in runs:
         jsonl = train_losses(tmp_path / "lr" / run.info.run_name)
         assert run.data.metrics["train/loss"] == pytest.approx(jsonl[10], rel=1e-6)
+    wandb_runs = [  # W&B: one offline run per trial in the sweep's directory, its group the sweep's name
+        record.run
+        for path in (tmp_path / "lr" / "wandb").glob("offline-run-*/run-*.wandb")
+        for kind, record in wandb_records(path)
+        if kind == "run"
+    ]
+    assert sorted(r.display_name for r in wandb_runs) == ["learning_rate=0.001", "learning_rate=0.003"]
+    assert {r.run_group for r in wandb_runs} == {"lr"}
 
 
 def test_a_tracker_that_is_not_installed_is_a_usage_error(tmp_path):
