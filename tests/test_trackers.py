@@ -57,7 +57,7 @@ def train_losses(workdir):
     return {step: r["loss"] for step, r in records(workdir, "train").items()}
 
 
-def test_wandb_and_mlflow_follow_a_run_and_its_resume(tmp_path):
+def test_wandb_and_mlflow_follow_a_run_and_its_resume(tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     args = ["--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[wandb,mlflow]", *FAST[1:]]
     first = run_cli(*args, "train.steps=10")
@@ -67,7 +67,8 @@ def test_wandb_and_mlflow_follow_a_run_and_its_resume(tmp_path):
     losses = train_losses(workdir)
     assert sorted(losses) == [5, 10, 15, 20]
 
-    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow.db'}")
+    # (not mlflow.set_tracking_uri: it also sets the variable for every process started later)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["jax-engine"], output_format="list")
     client = mlflow.tracking.MlflowClient()
     assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_name == "run"
