@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine.errors import UsageError
-from engine.rundir import write_json
+from engine.rundir import read_json, write_json
 
 TRACKERS = ("wandb", "mlflow")
-INSTALL = {"wandb": "wandb>=0.17", "mlflow": "mlflow-skinny>=2.10"}
+INSTALL = {"wandb": "wandb>=0.19", "mlflow": "mlflow-skinny>=2.19"}  # as pyproject.toml's [trackers]
 IDS = "trackers.json"  # WORKDIR/trackers.json: {tracker: its run id}
 
 
@@ -41,8 +41,7 @@ class Tracker(Protocol):
 def check_installed(cfg) -> None:
     """UsageError naming the install command when a tracker of log.trackers is not installed."""
     for name in cfg.log.trackers:
-        module = "mlflow" if name == "mlflow" else name
-        if importlib.util.find_spec(module) is None:
+        if importlib.util.find_spec(name) is None:
             raise UsageError(
                 f"log.trackers lists {name}, which is not installed: "
                 f"pip install '{INSTALL[name]}' (or pip install 'jax-train-engine[trackers]')"
@@ -59,7 +58,7 @@ def open_trackers(cfg) -> list[Tracker]:
         return []
     check_installed(cfg)
     ids_path = Path(cfg.workdir) / IDS
-    ids = json.loads(ids_path.read_text()) if ids_path.exists() else {}
+    ids = read_json(ids_path) or {}  # missing, or damaged (set aside): new tracker runs
     made: list[Tracker] = []
     for name in cfg.log.trackers:
         tracker = _WandB(cfg, ids.get(name)) if name == "wandb" else _MLflow(cfg, ids.get(name))

@@ -91,8 +91,8 @@ def eos_ids(work: Path, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def chat_prompt(work: Path, text: str, system: str = "") -> str:
-    """`text` as a user's message (after `system`'s, if given) through the tokenizer's chat
+def chat_prompts(work: Path, texts: list[str], system: str = "") -> list[str]:
+    """Each of `texts` as a user's message (after `system`'s, if given) through the tokenizer's chat
     template (WORKDIR/chat_template.jinja, or tokenizer_config.json's chat_template), ready for
     the assistant's reply, as transformers' apply_chat_template renders it; UsageError where the
     model has none."""
@@ -115,10 +115,14 @@ def chat_prompt(work: Path, text: str, system: str = "") -> str:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    first = [{"role": "system", "content": system}] if system else []
     special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
+        compiled = env.from_string(template)
+        return [
+            compiled.render(messages=[*first, {"role": "user", "content": text}], add_generation_prompt=True, **special)
+            for text in texts
+        ]
     except TemplateError as e:
         raise UsageError(f"--chat: the model's chat template refused the messages: {e}") from None
 

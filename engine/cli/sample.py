@@ -54,9 +54,9 @@ def run(args, argv: list[str]) -> int:
     if args.chat:
         from pathlib import Path
 
-        from engine.vocab import chat_prompt
+        from engine.vocab import chat_prompts
 
-        prompts = [chat_prompt(Path(args.workdir), prompt, args.system) for prompt in prompts]
+        prompts = chat_prompts(Path(args.workdir), prompts, args.system)
     texts = sample(
         args.workdir,
         prompts,

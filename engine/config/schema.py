@@ -16,6 +16,7 @@ from contract.fields import option
 from engine.axes import AXES, CONFIG_AXES, default_rules
 from engine.data.sources import SOURCES
 from engine.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
+from engine.trackers import TRACKERS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -280,7 +281,7 @@ class LogConfig:
         [],
         "experiment trackers beside TensorBoard, e.g. [wandb, mlflow] (pip install 'jax-train-engine[trackers]'); "
         "W&B offline unless WANDB_MODE is set, MLflow in TRACKING_DIR/mlflow.db unless MLFLOW_TRACKING_URI is",
-        choices=("wandb", "mlflow"),
+        choices=TRACKERS,
     )
     project: str = option("jax-engine", "the W&B project and MLflow experiment of log.trackers")
     group: str = option("", "the W&B group and MLflow tag 'group' of the run (a sweep sets its own name)")
