@@ -96,9 +96,9 @@ def _open(
     watchdog: Watchdog,
     goodput: Goodput,
 ) -> Started:
+    starting("loading data and compiling")
     for cfg in cfgs:
         claim(Path(cfg.workdir), closing)
-    starting("loading data and compiling")
     group = build_group(cfgs)
     check_fits(group)
     goodput.compile_seconds = group.compiled.compile_seconds

@@ -6,6 +6,7 @@ import contextlib
 import signal
 import socket
 import threading
+from typing import Optional
 
 from engine.errors import exit_now
 
@@ -61,10 +62,11 @@ def _end_at_once(reader: socket.socket) -> None:
         exit_now(f"{how} while {phase}: nothing new to save; re-run the same command to resume", 128 + data[0])
 
 
-def starting(phase: str, cleanup=None) -> None:
-    """Names what start-up does now (for that one line); `cleanup` runs if a signal ends it."""
+def starting(phase: Optional[str], cleanup=None) -> None:
+    """Names what start-up does now (for that one line; None: unchanged); `cleanup` runs if a
+    signal ends it."""
     if _startup["phase"] is not None:  # only while note_signals watches
-        _startup["phase"] = phase
+        _startup["phase"] = phase or _startup["phase"]
         if cleanup is not None:
             _startup["cleanups"].append(cleanup)
 

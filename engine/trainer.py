@@ -170,9 +170,9 @@ def _open(
     the process at once (launched from the command line: engine.preemption.note_signals);
     there is nothing new to save."""
     workdir, is_chief = Path(cfg.workdir), jax.process_index() == 0
+    starting("loading data and compiling")  # named first: the lock file is the sign it started
     if is_chief:  # one job per workdir: claimed before compiling and before anything is written
         claim(workdir, closing)
-    starting("loading data and compiling")
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
@@ -276,6 +276,14 @@ def claim(workdir: Path, closing: contextlib.ExitStack, **lock) -> None:
     workdir created here is removed again if the job stops before writing anything into it (a
     bad config or bad data)."""
     created = not workdir.exists()
+    if created:
+
+        def unused() -> None:
+            if [p.name for p in workdir.iterdir()] == [LOCK]:
+                shutil.rmtree(workdir)
+
+        # also when a signal ends start-up: registered before the lock file can be seen
+        starting(None, cleanup=unused)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         closing.enter_context(WorkdirLock(workdir, **lock))
@@ -285,10 +293,4 @@ def claim(workdir: Path, closing: contextlib.ExitStack, **lock) -> None:
             raise
         raise storage_error(workdir, number, "claiming the workdir") from None
     if created:
-
-        def unused() -> None:
-            if [p.name for p in workdir.iterdir()] == [LOCK]:
-                shutil.rmtree(workdir)
-
         closing.callback(unused)
-        starting("starting", cleanup=unused)  # also when a signal ends start-up
