@@ -80,24 +80,50 @@ def export_run(workdir: str, out: str) -> Path:
     def forward(variables, inputs):
         return module.apply(variables, inputs, train=False)
 
-    shape, dtype, constraints = task.export_input(run.dataset.info)  # one example, as the model family says
-    dims = jax.export.symbolic_shape(", ".join(["batch", *map(str, shape)]), constraints=constraints)
-    inputs = jax.ShapeDtypeStruct(dims, dtype)
+    signature = task.export_input(run.dataset.info)  # one example, as the model family says
     exported = jax.export.export(jax.jit(forward))(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables), inputs
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables), symbolic_inputs(signature)
     )
     serialized = exported.serialize()  # before anything is written: a failure leaves no partial export
     with staged(out_path) as staging:
-        _write_export(staging, cfg, run, restored, variables, serialized, (shape, dtype, constraints))
+        _write_export(staging, cfg, run, restored, variables, serialized, signature)
         copy_tokenizer(workdir_path, run.dataset.info, staging)  # a language model's text goes in and out by it
+        _copy_preprocessing(run.dataset.info, staging)
         write_sums(staging)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
 
 
-def _write_export(
-    out_path: Path, cfg, run, restored, variables, serialized: bytes | bytearray, signature: tuple
-) -> None:
+def symbolic_inputs(signature):
+    """The family's export_input → ShapeDtypeStructs with a symbolic batch (a dict of inputs
+    shares one `batch`)."""
+    named = signature if isinstance(signature, dict) else {"": signature}
+    scope = jax.export.SymbolicScope([c for _, _, constraints in named.values() for c in constraints])
+    out = {
+        name: jax.ShapeDtypeStruct(
+            jax.export.symbolic_shape(", ".join(["batch", *map(str, shape)]), scope=scope), dtype
+        )
+        for name, (shape, dtype, _) in named.items()
+    }
+    return out if isinstance(signature, dict) else out[""]
+
+
+def _signature_json(signature) -> dict:
+    if isinstance(signature, dict):
+        inputs = {name: {"shape": ["batch", *shape], "dtype": dtype} for name, (shape, dtype, _) in signature.items()}
+        return {"inputs": inputs, "input_constraints": [c for _, _, cs in signature.values() for c in cs]}
     shape, dtype, constraints = signature
+    return {"input_shape": ["batch", *shape], "input_constraints": list(constraints), "input_dtype": dtype}
+
+
+def _copy_preprocessing(info, out_path: Path) -> None:
+    """A table's preprocessing as data (preprocessing.json) and the code that applies it."""
+    if info.preprocessing_data:
+        (out_path / "preprocessing.json").write_text(info.preprocessing_data)
+    for file in info.serving_files:
+        shutil.copyfile(file, out_path / Path(file).name)
+
+
+def _write_export(out_path: Path, cfg, run, restored, variables, serialized: bytes | bytearray, signature) -> None:
     with ocp.StandardCheckpointer() as saver:
         saver.save(out_path / "variables", variables)
     (out_path / "forward.stablehlo").write_bytes(serialized)
@@ -106,9 +132,7 @@ def _write_export(
             {
                 "model": cfg.model.name,
                 "step": restored.step,
-                "input_shape": ["batch", *shape],
-                "input_constraints": list(constraints),
-                "input_dtype": dtype,
+                **_signature_json(signature),
                 "preprocessing": run.dataset.info.preprocessing or "none: the data source's values as stored",
                 "variables": "variables/",
                 "forward": "forward.stablehlo",

@@ -23,7 +23,7 @@ from engine.loop import NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfini
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.preemption import Preempted, starting
-from engine.rundir import LOCK, METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error
+from engine.rundir import LOCK, METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error, write_atomic
 from engine.setup import Run, build_run, with_config_hparams
 from engine.step import TRAIN_METRICS
 from engine.trackers import open_trackers
@@ -231,9 +231,27 @@ def write_run_files(cfg: Config, info, workdir: Path) -> None:
     """config.yaml, and the tokenizer the run's text is read back with (sample, export); a
     UsageError first when the workdir's model reads another tokenizer's ids (an imported model)."""
     check_data_tokenizer(workdir / TOKENIZER, info, f"data (data.name={cfg.data.name})")
+    check_preprocessing(workdir / PREPROCESSING, info)
     save_config(cfg, workdir / "config.yaml")
+    if info.preprocessing_data:
+        write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
     if info.tokenizer:
         shutil.copyfile(info.tokenizer, workdir / TOKENIZER)
+
+
+PREPROCESSING = "preprocessing.json"  # a table's vocabularies, boundaries and statistics (engine/data/table.py)
+
+
+def check_preprocessing(recorded: Path, info) -> None:
+    """UsageError when the workdir's run was trained on inputs preprocessed otherwise (a table
+    whose vocabularies or statistics changed since): its weights would read other ids."""
+    if not recorded.is_file() or recorded.read_text() == info.preprocessing_data:
+        return
+    raise UsageError(
+        f"{recorded} (the vocabularies, boundaries and statistics this run was trained with) differs "
+        "from what the data gives now (the data or data.features changed); train on the data it "
+        "started with, or give a new --workdir"
+    )
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):

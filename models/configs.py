@@ -217,10 +217,29 @@ class LlamaConfig:
         return self.head_dim or self.d_model // self.num_heads
 
 
+@dataclass
+class TabularConfig:
+    hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
+    name: str = option("tabular", "the model family")
+    hidden_sizes: list[int] = option([64, 32], "deep part: width of each hidden layer of the MLP")
+    dropout_rate: float = option(0.0, "deep part: dropout after each hidden layer")
+    wide: bool = option(True, "a linear part over the indicator and crossed features (wide & deep)")
+    deep: bool = option(True, "an MLP over the numeric and embedding features")
+
+    def validate(self):
+        if min(self.hidden_sizes, default=1) <= 0:
+            raise ModelError(f"model.hidden_sizes={self.hidden_sizes} must be positive widths")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+        if not (self.wide or self.deep):
+            raise ModelError("model.wide and model.deep are both false: the model would read nothing; set one")
+
+
 CONFIGS: dict[str, type] = {
     "mlp": MLPConfig,
     "cnn": CNNConfig,
     "resnet": ResNetConfig,
     "transformer": TransformerConfig,
     "llama": LlamaConfig,
+    "tabular": TabularConfig,
 }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models import cnn, llama, mlp, resnet, transformer
+from models import cnn, llama, mlp, resnet, tabular, transformer
 from models.family import ModelFamily
 
 REGISTRY: dict[str, ModelFamily] = {
@@ -11,4 +11,5 @@ REGISTRY: dict[str, ModelFamily] = {
     "resnet": resnet.FAMILY,
     "transformer": transformer.FAMILY,
     "llama": llama.FAMILY,
+    "tabular": tabular.FAMILY,
 }

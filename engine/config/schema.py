@@ -79,6 +79,23 @@ class DataConfig:
     cache_dir: str = option(
         "~/.cache/jax-engine/tokens", "python_source with a tokenizer: where the tokenized corpus is kept and reused"
     )
+    label: str = option("", "table: the label column")
+    target: str = option(
+        "classification",
+        "table: classification (the label's values are the classes) or regression (a number)",
+        choices=("classification", "regression"),
+    )
+    classes: list[Any] = option(
+        [],
+        "table, classification: the classes in order (a label outside them is an error); "
+        "[] = the label's values, sorted",
+    )
+    weight: str = option("", 'table: a column of per-row loss weights ("" = every row counts 1)')
+    features: list[Any] = option(
+        [],
+        "table: the feature columns, [{name: age, kind: numeric, normalize: zscore}, ...]: numeric, "
+        "bucketized, categorical, crossed, indicator, embedding (docs/data.md#tables)",
+    )
 
 
 @dataclass

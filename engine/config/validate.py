@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 from contract.fields import choices_of
 from engine.axes import CONFIG_AXES, MESH_AXES
+from engine.data.features import entries
 from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES
 from engine.data.text import source_name
 from engine.errors import UsageError
@@ -50,6 +51,7 @@ def validate(cfg) -> None:
     if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     _check_sources(cfg.data)
+    _check_table(cfg.data)
     try:
         cfg.model.validate()
     except ValueError as e:  # the model family's message names the key and the fix
@@ -172,6 +174,21 @@ def _fit_steps_per_call(cfg) -> None:
             file=sys.stderr,
         )
         cfg.train.steps_per_call = fits
+
+
+def _check_table(data) -> None:
+    """A table's label and feature columns, checked before any data is read."""
+    if data.name != "table":
+        if data.features or data.label:
+            raise UsageError(
+                f"data.features and data.label describe a table: they need data.name=table, not {data.name}"
+            )
+        return
+    if not data.label:
+        raise UsageError("data.name=table needs data.label=COLUMN (the column the model predicts)")
+    if not data.features:
+        raise UsageError("data.name=table needs data.features: [{name: COLUMN, kind: numeric}, ...]")
+    entries(data.features)
 
 
 def _check_sources(data) -> None:

@@ -14,7 +14,7 @@ SPLIT_SEED = 20240521  # the held-out split is fixed, whatever the run's seed
 
 @dataclass(frozen=True)
 class DataInfo:
-    kind: str  # "image" (image, label) or "tokens" (tokens)
+    kind: str  # "image" (image, label), "tokens" (tokens) or "table" (numeric, ids, label[, weight])
     num_train: int
     num_eval: int
     input_shape: tuple[int, ...] = ()  # image: [height, width, channels]
@@ -26,6 +26,10 @@ class DataInfo:
     bytes_per_token: float = 0.0  # UTF-8 bytes of text per token of the eval split (bits per byte); 0 = unknown
     sources: tuple[str, ...] = ()  # a mixture's source names; batches carry `source` (their index)
     preprocessing: str = ""  # what was done to the stored inputs before the model saw them (export.json says it)
+    # the preprocessing as data (JSON: a table's vocabularies, boundaries, statistics), kept as
+    # the workdir's and the export's preprocessing.json; "" = none
+    preprocessing_data: str = ""
+    serving_files: tuple[str, ...] = ()  # files an export carries to apply that preprocessing (preprocess.py)
 
 
 @dataclass(frozen=True)

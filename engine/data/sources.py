@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset, existing_dir
+from engine.data.table import table
 from engine.data.text import python_source, synthetic_text, text, tokens
 from engine.errors import UsageError
 
@@ -273,9 +274,10 @@ SOURCES = {
     "synthetic_text": synthetic_text,
     "python_source": python_source,
     "tokens": tokens,
+    "table": table,
 }
 
-FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens")  # the sources that read data.path
+FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table")  # the sources that read data.path
 MIXTURE_SOURCES = ("tokens",)  # the sources that read a weighted mixture from data.sources
 
 

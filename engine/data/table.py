@@ -1,0 +1,198 @@
+"""`data.name=table`: rows of a CSV or Parquet file (or a glob of them) with a label column,
+turned into a tabular model's inputs by the feature columns of `data.features`
+(engine/data/features.py).
+
+- `data.path`: a file, a glob, or `PACKAGE:PATH` (a file shipped inside an installed Python
+  package, e.g. `palmerpenguins:data/penguins.csv`).
+- `data.label` (the label column), `data.target` (classification: the label's values are
+  the classes, in `data.classes` order if given, else sorted; regression: a number),
+  `data.weight` (an optional per-row weight column).
+- The held-out rows are a fixed share (`data.eval_fraction`, whatever the seed).
+
+What the train split decides (statistics, quantiles, vocabularies) is computed once and
+cached beside the data (`.NAME.features-KEY.json`; KEY: a SHA-256 of the files' bytes and of
+the spec), or under ~/.cache/jax-engine/tables where that directory is not writable or
+belongs to the Python installation. The run records it as `preprocessing.json` in its
+workdir (a resume refuses data whose preprocessing changed) and export copies it.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.data import features as feature_columns
+from engine.data import preprocess
+from engine.data.base import SPLIT_SEED, DataInfo, Dataset
+from engine.errors import UsageError
+from engine.rundir import write_atomic
+
+CACHE = Path("~/.cache/jax-engine/tables")
+
+
+def table(cfg) -> Dataset:
+    """The rows of data.path as {numeric, ids, label[, weight]} arrays (engine/data/preprocess.py)."""
+    features = feature_columns.entries(cfg.features)
+    files = table_files(cfg.path)
+    columns, origin = _read(
+        files, [*feature_columns.columns_read(features), cfg.label, *([cfg.weight] * bool(cfg.weight))]
+    )
+    rows = len(origin)
+    order = np.random.default_rng(SPLIT_SEED).permutation(rows)
+    n_eval = max(1, int(round(rows * cfg.eval_fraction)))
+    if rows - n_eval < 1:
+        raise UsageError(f"{files[0]}: {rows} row(s) leave none to train on after holding out {n_eval}; add rows")
+    splits = {"train": order[n_eval:], "eval": order[:n_eval]}
+    train = {name: _take(values, splits["train"]) for name, values in columns.items()}
+    spec = _cached_fit(cfg, files, features, (train, splits["train"]), columns, origin)
+    arrays = {}
+    for split, index in splits.items():
+        part = {name: _take(values, index) for name, values in columns.items()}
+        arrays[split] = _named(functools.partial(_inputs, cfg, part, spec), files, origin, index)
+    info = DataInfo(
+        "table",
+        len(splits["train"]),
+        len(splits["eval"]),
+        (len(spec["numeric"]), sum(f["slots"] for f in spec["ids"])),
+        num_classes=len(spec["label"].get("classes") or ()),
+        preprocessing="the feature columns of data.features (preprocessing.json, applied by preprocess.py)",
+        preprocessing_data=json.dumps(spec, indent=1),
+        serving_files=(preprocess.__file__,),
+    )
+    return Dataset(arrays["train"], arrays["eval"], info)
+
+
+def _inputs(cfg, part: dict, spec: dict) -> dict[str, np.ndarray]:
+    arrays = preprocess.transform(part, spec)
+    arrays["label"] = preprocess.labels(part[cfg.label], spec)
+    if cfg.weight:
+        arrays["weight"] = preprocess.numbers(part[cfg.weight], cfg.weight, None).astype(np.float32)
+    return arrays
+
+
+def table_files(path: str | None) -> list[Path]:
+    """data.path → the CSV or Parquet files it names, sorted."""
+    if not path:
+        raise UsageError("data.name=table reads a CSV or Parquet file: set data.path=FILE (or a glob)")
+    package, _, inside = path.partition(":")
+    if inside and not Path(path).exists() and package.isidentifier():
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise UsageError(f"data.path={path}: no installed package {package!r}; pip install {package}")
+        path = str(Path(next(iter(spec.submodule_search_locations))) / inside)
+    files = sorted(Path(p) for p in glob.glob(os.path.expanduser(path))) if glob.has_magic(path) else [Path(path)]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise UsageError(f"data.path={path} names no file; give a CSV or Parquet file, or a glob of them")
+    for file in files:
+        if file.suffix.lower() not in (".csv", ".parquet", ".pq"):
+            raise UsageError(f"{file}: a table is a .csv or .parquet file")
+    return files
+
+
+def _read(files: list[Path], wanted: list[str]) -> tuple[dict[str, Any], np.ndarray]:
+    """The wanted columns of every file, concatenated (numbers as float64 arrays, NaN where
+    missing; text as object arrays, None where missing), and each row's (file, row) origin."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    parts: dict[str, list] = {name: [] for name in wanted}
+    origin = []
+    for i, file in enumerate(files):
+        if file.stat().st_size == 0:
+            raise UsageError(f"{file} is empty; a table needs a header row and data rows")
+        try:
+            data = pq.read_table(file) if file.suffix.lower() != ".csv" else pacsv.read_csv(file)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise UsageError(f"{file} is not a readable {file.suffix[1:]} table: {e}") from None
+        missing = [name for name in wanted if name not in data.column_names]
+        if missing:
+            raise UsageError(
+                f"{file} has no column {missing[0]!r} (named in data.features, data.label or data.weight); "
+                f"its columns: {', '.join(data.column_names)}"
+            )
+        if data.num_rows == 0:
+            raise UsageError(f"{file} has a header but no rows")
+        for name in wanted:
+            column = data.column(name)
+            numeric = pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+            parts[name].append(
+                column.to_numpy().astype(np.float64) if numeric else np.array(column.to_pylist(), object)
+            )
+        origin.append(np.stack([np.full(data.num_rows, i), np.arange(data.num_rows)], axis=1))
+    columns = {name: _join(chunks) for name, chunks in parts.items()}
+    return columns, np.concatenate(origin)
+
+
+def _join(chunks: list[np.ndarray]) -> np.ndarray:
+    if all(c.dtype == np.float64 for c in chunks):
+        return np.concatenate(chunks)
+    return np.concatenate([c.astype(object) for c in chunks])  # text in one file, numbers in another
+
+
+def _take(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    return values[index]
+
+
+def _named(make, files: list[Path], origin: np.ndarray, index: np.ndarray):
+    """make() with a BadCell (row r of these rows) named by its file, line and column."""
+    try:
+        return make()
+    except preprocess.BadCell as e:
+        file_index, row = origin[index[e.row]]
+        file = files[file_index]
+        place = f"line {row + 2}" if file.suffix.lower() == ".csv" else f"row {row}"  # a CSV's header is line 1
+        raise UsageError(f"{file}: {place}, column {e.column!r}: {e.problem}") from None
+
+
+def _cached_fit(cfg, files, features, train: tuple[dict, np.ndarray], columns, origin) -> dict:
+    """feature_columns.fit over the train rows (their columns, their indices), kept in a file
+    keyed by the data and the spec."""
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    settings = [features, cfg.label, cfg.target, list(cfg.classes), cfg.eval_fraction, cfg.weight]
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    key = digest.hexdigest()
+    cache = _cache_file(files[0], key)
+    if cache.is_file():
+        kept = json.loads(cache.read_text())
+        if kept.get("key") == key:
+            return kept["spec"]
+    spec = _named(lambda: feature_columns.fit(features, train[0], columns), files, origin, train[1])
+    spec["label"] = _label_spec(cfg, columns[cfg.label], files, origin, np.arange(len(origin)))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(cache, json.dumps({"key": key, "files": [str(f) for f in files], "spec": spec}, indent=1))
+    return spec
+
+
+def _label_spec(cfg, values: np.ndarray, files, origin, index) -> dict:
+    if cfg.target == "regression":
+        _named(lambda: preprocess.numbers(values, cfg.label, None), files, origin, index)
+        return {"column": cfg.label, "classes": []}
+    present = [preprocess.as_text(v) for v in values if not preprocess.is_missing(v)]
+    classes = [preprocess.as_text(c) for c in cfg.classes] or sorted(set(present))
+    if len(classes) < 2:
+        raise UsageError(f"data.label={cfg.label}: {len(classes)} class(es); a classifier needs 2 or more")
+    spec = {"column": cfg.label, "classes": classes}
+    _named(lambda: preprocess.labels(values, {"label": spec}), files, origin, index)
+    return spec
+
+
+def _cache_file(first: Path, key: str) -> Path:
+    directory = first.resolve().parent
+    installed = any(directory.is_relative_to(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix})
+    if installed or not os.access(directory, os.W_OK):
+        return CACHE.expanduser() / f"{first.stem}.features-{key[:16]}.json"
+    return directory / f".{first.name}.features-{key[:16]}.json"
