@@ -6,16 +6,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 
 class Constrainer(Protocol):
     """(activation, logical axes) → the activation pinned to its layout; `splits` says how many
-    devices each logical activation axis is split over ("seq": the context axis)."""
+    devices each logical activation axis is split over ("seq": the context axis). For code that
+    runs per device (jax.shard_map): `mesh`, `spec(shape, logical)` the PartitionSpec an
+    activation gets, and `vmapped` the mesh axes (size > 1) the step is vmapped over, under
+    which such code cannot run."""
 
     splits: dict[str, int]
+    mesh: Any
+    vmapped: tuple[str, ...]
 
     def __call__(self, x, logical: tuple[Optional[str], ...]): ...
+
+    def spec(self, shape: tuple[int, ...], logical: tuple[Optional[str], ...]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,11 @@ def constrain(x, axes: tuple[Optional[str], ...]):
     """Asks that activation `x` be laid out by its logical axes, e.g. ("batch", "seq", "embed")."""
     apply = _constrainer.get()
     return x if apply is None else apply(x, axes)
+
+
+def current_layout() -> Optional[Constrainer]:
+    """The layout of the step being traced; None outside one (eager calls, generation)."""
+    return _constrainer.get()
 
 
 def activation_splits(logical: str) -> int:

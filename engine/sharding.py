@@ -18,7 +18,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engine.axes import ACTIVATION_AXES, BATCH_AXES, LENIENT_LOGICAL, STRICT_AXES, expert_batch_axes
+from engine.axes import (
+    ACTIVATION_AXES,
+    BATCH_AXES,
+    LENIENT_LOGICAL,
+    STRICT_AXES,
+    VMAPPED_AXES,
+    expert_batch_axes,
+)
 from engine.errors import UsageError
 
 
@@ -133,11 +140,13 @@ class ActivationLayout:
     def __init__(self, mesh: Mesh, exclude: tuple[str, ...] = ()):
         self.mesh, self.exclude = mesh, exclude
         self.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}
+        self.vmapped = tuple(a for a in VMAPPED_AXES if mesh.shape.get(a, 1) > 1)
+
+    def spec(self, shape, logical) -> PartitionSpec:
+        return activation_spec(shape, logical, self.mesh, self.exclude)
 
     def __call__(self, x, logical):
-        return jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, activation_spec(x.shape, logical, self.mesh, self.exclude))
-        )
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(x.shape, logical)))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
