@@ -161,6 +161,21 @@ class LlamaConfig:
         "never drops",
         at_least=0,
     )
+    moe_dispatch: str = option(
+        "onehot",
+        "how routed tokens reach their experts: onehot (GShard's einsums over capacity slots) or "
+        "ragged (tokens sorted by expert, grouped matmuls: jax.lax.ragged_dot; nothing is dropped "
+        "but what overflows expert_buffer_factor under mesh.expert > 1)",
+        choices=("onehot", "ragged"),
+    )
+    expert_buffer_factor: float = option(
+        2.0,
+        "ragged dispatch over mesh.expert = S devices: each device sends each expert shard at "
+        "most ceil(factor * A / S) of its A token-to-expert assignments (A = its tokens x "
+        "experts_per_token; a balanced routing needs factor 1); the rest skip the expert "
+        "(counted in metrics.jsonl); factor >= S, or 0, never drops",
+        at_least=0,
+    )
     router_aux_loss_coef: float = option(
         0.01, "weight of the load-balancing loss (Switch Transformer's) in the objective", at_least=0
     )

@@ -12,8 +12,9 @@ Context parallelism (`mesh.context`): activations are split along the sequence; 
 attention layer all-gathers the keys and values of the whole sequence (small under
 grouped-query attention) while every device keeps its own queries, so each device computes
 an equal share of the masked score matrix. Mixture of experts (`num_experts`): top-k routed
-SwiGLU experts with a capacity per expert, dispatched by one-hot einsums (GShard): with
-the experts split over `mesh.expert` the dispatch and return are all-to-alls.
+SwiGLU experts, dispatched by one-hot einsums with a capacity per expert (GShard), or
+(`moe_dispatch=ragged`) sorted by expert through grouped matmuls, dropless: with the experts
+split over `mesh.expert` the dispatch and return are all-to-alls (models/moe.py).
 
 `decode=True` runs with a key/value cache (the `cache` collection): a prompt fills it, then
 each call appends one position (see models/sampling.py).
@@ -314,7 +315,8 @@ class LlamaFamily(Family):
         return {"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"}
 
     def formula_only(self, cfg) -> str:
-        # XLA would count every expert's capacity slots and the dispatch einsums
+        # XLA would count every expert's capacity slots and the dispatch einsums (one-hot), or
+        # every expert's product with every routed row (ragged: XLA:CPU's dense lowering)
         return "a mixture of experts counts its active experts only" if cfg.num_experts else ""
 
     def generator(self):

@@ -1,6 +1,8 @@
-"""Mixture-of-experts layers of the Llama family: top-k routing with a capacity per expert,
-dispatched by one-hot einsums (GShard): with the experts split over the expert mesh axis,
-the dispatch and the return are all-to-alls. An optional shared expert every token goes through."""
+"""Mixture-of-experts layers of the Llama family: top-k routing, then one of two dispatches
+(model.moe_dispatch). onehot: a capacity per expert, one-hot einsums (GShard); with the experts
+split over the expert mesh axis the dispatch and the return are all-to-alls. ragged: tokens
+sorted by expert through grouped matmuls, nothing dropped (models/moe_ragged.py). An optional
+shared expert every token goes through."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 from contract.activations import constrain
 from models.configs import LlamaConfig
 from models.layers import normal_kernel
+from models.moe_ragged import ragged_experts
 
 
 class SharedExpert(nn.Module):
@@ -39,19 +42,28 @@ def expert_capacity(cfg: LlamaConfig, seq_len: int) -> int:
     return max(1, min(seq_len, math.ceil(wanted)))
 
 
-def route(cfg: LlamaConfig, logits, capacity: int):
-    """Top-k routing of each sequence's tokens → (dispatch [b, s, experts, capacity] 0/1,
-    combine [b, s, experts, capacity] gate weights, load-balancing loss, assignments dropped).
-    Expert slots are filled in token order (a token's choices in the order of its gates):
-    whether a token keeps an expert depends on earlier tokens only, as a causal model needs
-    (filling all first choices first, as encoders do, would let later tokens push earlier
-    ones out)."""
-    batch, seq, experts = logits.shape
-    k = cfg.experts_per_token
+def gate(cfg: LlamaConfig, logits):
+    """Top-k routing of each token, shared by both dispatches → (gates [b, s, k], chosen experts
+    [b, s, k] int32, load-balancing loss)."""
+    experts, k = logits.shape[-1], cfg.experts_per_token
     probs = jax.nn.softmax(logits, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
     gates, chosen = jax.lax.top_k(probs, k)  # [b, s, k]
     if k > 1:  # the chosen experts' gates sum to 1 (Mixtral, DeepSeek-V3)
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    # Switch Transformer's loss, per sequence: experts * sum_e (share of assignments to e) * (mean gate of e)
+    share = jnp.mean(jnp.sum(jax.nn.one_hot(chosen, experts), axis=2), axis=1) / k  # [b, e]
+    mean_prob = jnp.mean(probs / jnp.sum(probs, axis=-1, keepdims=True), axis=1)  # [b, e]
+    balance = experts * jnp.mean(jnp.sum(share * mean_prob, axis=-1))
+    return gates, chosen, balance
+
+
+def slots(gates, chosen, experts: int, capacity: int):
+    """The one-hot dispatch of top-k choices → (dispatch [b, s, experts, capacity] 0/1, combine
+    [b, s, experts, capacity] gate weights, assignments dropped). Expert slots are filled in
+    token order (a token's choices in the order of its gates): whether a token keeps an expert
+    depends on earlier tokens only, as a causal model needs (filling all first choices first, as
+    encoders do, would let later tokens push earlier ones out)."""
+    batch, seq, k = chosen.shape
     choice = jax.nn.one_hot(chosen, experts, dtype=jnp.int32)  # [b, s, k, e]
     in_order = choice.reshape(batch, seq * k, experts)  # token 0's choices, token 1's, ...
     slot = (jnp.cumsum(in_order, axis=1) - 1).reshape(batch, seq, k, experts)
@@ -60,11 +72,7 @@ def route(cfg: LlamaConfig, logits, capacity: int):
     placed = jax.nn.one_hot(jnp.where(kept, slot, capacity), capacity, dtype=jnp.float32)  # [b, s, k, c] (0 if dropped)
     dispatch = jnp.einsum("bske,bskc->bsec", choice.astype(jnp.float32), placed)
     combine = jnp.einsum("bske,bskc,bsk->bsec", choice.astype(jnp.float32), placed, gates)
-    # Switch Transformer's loss, per sequence: experts * sum_e (share of assignments to e) * (mean gate of e)
-    share = jnp.mean(jnp.sum(choice, axis=2), axis=1) / k  # [b, e]
-    mean_prob = jnp.mean(probs / jnp.sum(probs, axis=-1, keepdims=True), axis=1)  # [b, e]
-    balance = experts * jnp.mean(jnp.sum(share * mean_prob, axis=-1))
-    return dispatch, combine, balance, jnp.sum(1 - kept)
+    return dispatch, combine, jnp.sum(1 - kept)
 
 
 class MoE(nn.Module):
@@ -82,11 +90,7 @@ class MoE(nn.Module):
         hidden, experts = cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
         router = self.param("router", normal_kernel(("embed", None)), (width, experts), self.param_dtype)
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router.astype(jnp.float32))
-        # generating (a cache, calls of one token): no token is dropped
-        dispatch, combine, balance, dropped = route(cfg, logits, seq if self.decode else expert_capacity(cfg, seq))
-        self.sow("aux", "aux_loss", cfg.router_aux_loss_coef * balance)
-        self.sow("aux", "routed", jnp.asarray(batch * seq * cfg.experts_per_token, jnp.float32))
-        self.sow("aux", "dropped", dropped.astype(jnp.float32))
+        gates, chosen, balance = gate(cfg, logits)
         weight = {
             name: self.param(name, normal_kernel(axes), shape, self.param_dtype).astype(self.dtype)
             for name, axes, shape in (
@@ -95,16 +99,31 @@ class MoE(nn.Module):
                 ("down", ("expert", "mlp", "embed"), (experts, hidden, width)),
             )
         }
-        # tokens to their experts: with the experts split over mesh.expert, an all-to-all
-        routed = jnp.einsum("bsec,bsd->becd", dispatch.astype(self.dtype), x.astype(self.dtype))
-        routed = constrain(routed, ("expert_batch", "expert", None, None))
-        h = nn.silu(jnp.einsum("becd,edf->becf", routed, weight["gate"])) * jnp.einsum(
-            "becd,edf->becf", routed, weight["up"]
-        )
-        h = constrain(h, ("expert_batch", "expert", None, "mlp"))
-        out = constrain(jnp.einsum("becf,efd->becd", h, weight["down"]), ("expert_batch", "expert", None, None))
-        out = constrain(out, ("batch", None, None, None))  # and back (an all-to-all)
-        y = jnp.einsum("becd,bsec->bsd", out, combine.astype(self.dtype))
+        if cfg.moe_dispatch == "ragged":
+            y, dropped = ragged_experts(x.astype(self.dtype), chosen, gates, weight, cfg.expert_buffer_factor)
+        else:  # generating (a cache, calls of one token): no token is dropped
+            capacity = seq if self.decode else expert_capacity(cfg, seq)
+            y, dropped = onehot_experts(x.astype(self.dtype), chosen, gates, weight, capacity)
+        self.sow("aux", "aux_loss", cfg.router_aux_loss_coef * balance)
+        self.sow("aux", "routed", jnp.asarray(batch * seq * cfg.experts_per_token, jnp.float32))
+        self.sow("aux", "dropped", jnp.asarray(dropped, jnp.float32))
         if cfg.shared_expert:
             y = y + SharedExpert(hidden, self.dtype, self.param_dtype, name="shared")(x)
         return y
+
+
+def onehot_experts(x, chosen, gates, weight: dict, capacity: int):
+    """x [b, s, d] through the experts `weight` (gate, up, down: [e, ...]) by one-hot einsums →
+    (y [b, s, d], assignments dropped); with the experts split over mesh.expert the dispatch and
+    the return are all-to-alls."""
+    experts = weight["gate"].shape[0]
+    dispatch, combine, dropped = slots(gates, chosen, experts, capacity)
+    routed = jnp.einsum("bsec,bsd->becd", dispatch.astype(x.dtype), x)
+    routed = constrain(routed, ("expert_batch", "expert", None, None))
+    h = nn.silu(jnp.einsum("becd,edf->becf", routed, weight["gate"])) * jnp.einsum(
+        "becd,edf->becf", routed, weight["up"]
+    )
+    h = constrain(h, ("expert_batch", "expert", None, "mlp"))
+    out = constrain(jnp.einsum("becf,efd->becd", h, weight["down"]), ("expert_batch", "expert", None, None))
+    out = constrain(out, ("batch", None, None, None))  # and back (an all-to-all)
+    return jnp.einsum("becd,bsec->bsd", out, combine.astype(x.dtype)), dropped
