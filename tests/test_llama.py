@@ -350,8 +350,12 @@ def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [[], ["model.num_experts=4", "model.experts_per_token=2", "model.expert_capacity_factor=1.0"]],
-    ids=["dense", "moe"],
+    [
+        [],
+        ["model.num_experts=4", "model.experts_per_token=2", "model.expert_capacity_factor=1.0"],
+        ["model.num_experts=4", "model.experts_per_token=2", "model.moe_dispatch=ragged"],
+    ],
+    ids=["dense", "moe", "moe-ragged"],
 )
 def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     """Exact resume holds for scanned (stacked) parameters too, and for a mixture of experts
