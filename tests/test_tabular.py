@@ -20,8 +20,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli
 
+from conftest import ROOT, run_cli
 from engine.data import features, preprocess
 
 ROWS = """age,city,tags,income,label
@@ -214,3 +214,109 @@ def test_eight_devices_with_the_tables_sharded_give_the_one_device_losses(make_c
     eight, _ = train_losses(run, 12)
     assert one[-1] < one[0]
     np.testing.assert_allclose(eight, one, rtol=2e-5)
+
+
+def test_export_serves_raw_rows_with_the_trainers_eval_accuracy_and_the_readme_snippet_runs(tmp_path):
+    """The export's preprocess.py on the held-out rows as raw text (the CSV's cells, "NA" as
+    None) gives the eval accuracy the trainer logged; the README's snippet runs as written."""
+    from engine.data.base import SPLIT_SEED
+    from engine.data.table import table_files
+
+    assert run_cli("--config", str(ROOT / "configs" / PENGUINS), "log.progress=false", cwd=tmp_path).returncode == 0
+    proc = run_cli("export", "--workdir", "runs/penguins_wide_deep", "--out", "runs/penguins_export", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    export = tmp_path / "runs" / "penguins_export"
+    assert json.loads((export / "export.json").read_text())["inputs"]["ids"] == {
+        "shape": ["batch", 5],
+        "dtype": "int32",
+    }
+    readme = (
+        (ROOT / "README.md")
+        .read_text()
+        .split("<!-- table serving snippet: tests/test_tabular.py runs it as written -->")[1]
+    )
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['Gentoo', 'Chinstrap', 'Adelie']"
+
+    rows = list(csv.DictReader(table_files("palmerpenguins:data/penguins.csv")[0].read_text().splitlines()))
+    held_out = np.random.default_rng(SPLIT_SEED).permutation(len(rows))[:86]
+    records = [{k: (None if v == "NA" else v) for k, v in rows[i].items()} for i in held_out]
+    serve = (
+        "import json, sys; import numpy as np, jax, orbax.checkpoint as ocp; from pathlib import Path; "
+        "e = Path(sys.argv[1]); sys.path.insert(0, str(e)); import preprocess; "
+        "spec = json.loads((e / 'preprocessing.json').read_text()); records = json.load(sys.stdin); "
+        "f = jax.export.deserialize(bytearray((e / 'forward.stablehlo').read_bytes())); "
+        "v = ocp.StandardCheckpointer().restore(e / 'variables'); "
+        "p = np.argmax(f.call(v, preprocess.rows(records, spec)), -1); "
+        "print(json.dumps([spec['label']['classes'][i] for i in p]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", serve, str(export)],
+        input=json.dumps(records),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    served = np.mean([p == r["species"] for p, r in zip(json.loads(proc.stdout), records)])
+    logged = [
+        json.loads(line) for line in (tmp_path / "runs/penguins_wide_deep/metrics.jsonl").read_text().splitlines()
+    ]
+    assert served == pytest.approx([r for r in logged if r["split"] == "eval"][-1]["accuracy"], abs=1e-9)
+
+
+BAD = {
+    "an unseen column": (ROWS, ["data.features=[{name: height, kind: numeric}]"], "has no column 'height'"),
+    "a non-numeric cell": (
+        ROWS.replace("35,london", "3S,london"),
+        [],
+        "line 3, column 'age': non-numeric value '3S' in a numeric feature",
+    ),
+    "a label outside the classes": (
+        ROWS.replace("55,tokyo,a,,no", "55,tokyo,a,,maybe"),
+        ["data.classes=['yes','no']"],
+        "line 5, column 'label': label 'maybe' is not one of the classes ['yes', 'no']",
+    ),
+    "an empty file": ("", [], "is empty; a table needs a header row and data rows"),
+    "a NaN with no missing: rule": (
+        ROWS,
+        ["data.features=[{name: income, kind: numeric}]"],
+        "line 5, column 'income': missing value (NaN or empty); say how to fill it with missing:",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_data_is_one_line_naming_the_file_row_and_column_and_exit_2(tmp_path, case):
+    text, overrides, message = BAD[case]
+    table = tmp_path / "people.csv"
+    table.write_text(text)
+    args = ["data.path=" + str(table), "data.label=label", "data.eval_fraction=0.2"]
+    features = "data.features=[{name: age, kind: numeric}, {name: income, kind: numeric, missing: 0}]"
+    workdir = tmp_path / "run"
+    proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", str(workdir), *args, features, *overrides)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert message in proc.stderr and (case == "an unseen column" or str(table) in proc.stderr), proc.stderr
+    assert not workdir.exists()  # nothing left behind
+
+
+def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
+    table = tmp_path / "people.csv"
+    body = ROWS.split("\n", 1)[1]
+    table.write_text(ROWS + body * 3)
+    args = [
+        "data.path=" + str(table),
+        "data.label=label",
+        "data.features=[{name: age, kind: numeric, normalize: zscore}, {name: city, kind: categorical}, "
+        "{name: city_embedding, kind: embedding, source: city, dimension: 2}]",
+        "train.global_batch_size=8",
+        "log.progress=false",
+    ]
+    workdir = str(tmp_path / "run")
+    assert run_cli("--config", f"configs/{PENGUINS}", "--workdir", workdir, *args, "train.steps=4").returncode == 0
+    table.write_text(ROWS + body * 3 + "30,rome,a,10,no\n30,rome,a,10,no\n")  # a new city, new statistics
+    proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", workdir, *args, "train.steps=8")
+    assert proc.returncode == 2 and "preprocessing.json" in proc.stderr and "differs" in proc.stderr, proc.stderr

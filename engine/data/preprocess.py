@@ -61,7 +61,8 @@ def numbers(values: Sequence[Any] | np.ndarray, column: str, fill: Any) -> np.nd
         out = values.astype(np.float64)
         bad = np.flatnonzero(~np.isfinite(out))
         if bad.size and fill is None:
-            raise BadCell(int(bad[0]), column, f"value {out[bad[0]]}; say how to fill it with missing:")
+            what = "missing value (NaN or empty)" if np.isnan(out[bad[0]]) else f"value {out[bad[0]]}"
+            raise BadCell(int(bad[0]), column, f"{what}; say how to fill it with missing:")
         out[bad] = fill if bad.size else 0.0
         return out
     out = np.empty(len(values), np.float64)
