@@ -34,7 +34,7 @@ ROWS = """age,city,tags,income,label
 SPEC = [
     {"name": "age", "kind": "numeric", "normalize": "zscore"},
     {"name": "income", "kind": "numeric", "normalize": "minmax", "missing": "mean"},
-    {"name": "age_bucket", "kind": "bucketized", "column": "age", "boundaries": [30, 50]},
+    {"name": "age_bucket", "kind": "bucketized", "column": "age", "boundaries": [35, 50]},
     {"name": "city", "kind": "categorical", "vocabulary": ["paris", "london"], "oov_buckets": 2},
     {"name": "city_hashed", "kind": "categorical", "column": "city", "hash_buckets": 5},
     {"name": "tags", "kind": "categorical", "separator": "|", "missing": "oov"},
@@ -63,7 +63,7 @@ def test_each_feature_kind_turns_five_rows_into_the_numbers_worked_by_hand():
     income = (np.array([1000, 2000, 3000, 2750, 5000]) - 1000) / 4000  # the missing one: mean 2750
     np.testing.assert_allclose(inputs["numeric"], np.stack([age, income], 1), rtol=1e-6)
     ids = {f["name"]: inputs["ids"][:, f["offset"] : f["offset"] + f["slots"]] for f in spec["ids"]}
-    assert ids["age_bucket"][:, 0].tolist() == [0, 1, 1, 2, 2]  # [30, 50): 1, 50 and over: 2
+    assert ids["age_bucket"][:, 0].tolist() == [0, 1, 1, 2, 2]  # [35, 50): 1 (35 itself too), 50 and over: 2
     # vocabulary [paris, london], 2 out-of-vocabulary buckets after it
     city = [0, 1, 0, 2 + blake("tokyo") % 2, 2 + blake("berlin") % 2]
     assert ids["city"][:, 0].tolist() == city
