@@ -320,3 +320,36 @@ def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
     table.write_text(ROWS + body * 3 + "30,rome,a,10,no\n30,rome,a,10,no\n")  # a new city, new statistics
     proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", workdir, *args, "train.steps=8")
     assert proc.returncode == 2 and "preprocessing.json" in proc.stderr and "differs" in proc.stderr, proc.stderr
+
+
+def test_a_regression_head_predicts_body_mass_better_than_the_mean_and_reports_rmse(tmp_path):
+    """data.target=regression: one output, squared error; the eval record carries rmse (grams
+    here), which must beat the spread of the label itself (predicting the mean: ~800 g)."""
+    features = (
+        "data.features=[{name: flipper_length_mm, kind: numeric, normalize: zscore, missing: mean}, "
+        "{name: bill_depth_mm, kind: numeric, normalize: zscore, missing: mean}, "
+        "{name: species, kind: categorical}, {name: species_onehot, kind: indicator, source: species}, "
+        "{name: sex, kind: categorical, missing: oov}, "
+        "{name: sex_embedding, kind: embedding, source: sex, dimension: 2}]"
+    )
+    workdir = tmp_path / "run"
+    args = ["data.label=body_mass_g", "data.target=regression", features, "optimizer.learning_rate=0.05"]
+    proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", str(workdir), *args, "train.steps=600")
+    assert proc.returncode == 2 and "body_mass_g" in proc.stderr and "missing value" in proc.stderr, proc.stderr
+    table = tmp_path / "penguins.csv"  # the two birds without measurements left out
+    rows = [line for line in PENGUINS_CSV().splitlines() if ",NA,NA,NA,NA," not in line]
+    table.write_text("\n".join(rows) + "\n")
+    proc = run_cli(
+        "--config", f"configs/{PENGUINS}", "--workdir", str(workdir), *args, "train.steps=600", f"data.path={table}"
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if r["split"] == "eval"][-1]
+    assert final["rmse"] == pytest.approx(math.sqrt(final["loss"]))
+    assert final["rmse"] < 400, final  # the label's own standard deviation is ~800 g
+
+
+def PENGUINS_CSV() -> str:
+    from engine.data.table import table_files
+
+    return table_files("palmerpenguins:data/penguins.csv")[0].read_text()
