@@ -69,13 +69,13 @@ def test_ragged_over_expert_axes_gives_the_losses_of_dropless_onehot_on_one_devi
             ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", *RAGGED],
             ["mesh.data=1", "mesh.expert=8", *RAGGED],
         ],
-        steps=2,
+        steps=3,
     )
     assert_same_training(
         make_config,
         [*args, "model.shared_expert=true", "model.router=sigmoid", "model.scan_layers=false", "model.moe_interval=2"],
         [["mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2", *RAGGED]],
-        steps=2,
+        steps=3,
     )
 
 
