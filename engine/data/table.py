@@ -52,11 +52,11 @@ def table(cfg) -> Dataset:
     if rows - n_eval < 1:
         raise UsageError(f"{files[0]}: {rows} row(s) leave none to train on after holding out {n_eval}; add rows")
     splits = {"train": order[n_eval:], "eval": order[:n_eval]}
-    train = {name: _take(values, splits["train"]) for name, values in columns.items()}
+    train = {name: values[splits["train"]] for name, values in columns.items()}
     spec = _cached_fit(cfg, files, features, (train, splits["train"]), columns, origin)
     arrays = {}
     for split, index in splits.items():
-        part = {name: _take(values, index) for name, values in columns.items()}
+        part = {name: values[index] for name, values in columns.items()}
         arrays[split] = _named(functools.partial(_inputs, cfg, part, spec), files, origin, index)
     info = DataInfo(
         "table",
@@ -140,10 +140,6 @@ def _join(chunks: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([c.astype(object) for c in chunks])  # text in one file, numbers in another
 
 
-def _take(values: np.ndarray, index: np.ndarray) -> np.ndarray:
-    return values[index]
-
-
 def _named(make, files: list[Path], origin: np.ndarray, index: np.ndarray):
     """make() with a BadCell (row r of these rows) named by its file, line and column."""
     try:
@@ -167,8 +163,11 @@ def _cached_fit(cfg, files, features, train: tuple[dict, np.ndarray], columns, o
     key = digest.hexdigest()
     cache = _cache_file(files[0], key)
     if cache.is_file():
-        kept = json.loads(cache.read_text())
-        if kept.get("key") == key:
+        try:
+            kept = json.loads(cache.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            kept = {}  # a damaged cache is fitted again and rewritten
+        if isinstance(kept, dict) and kept.get("key") == key:
             return kept["spec"]
     spec = _named(lambda: feature_columns.fit(features, train[0], columns), files, origin, train[1])
     spec["label"] = _label_spec(cfg, columns[cfg.label], files, origin, np.arange(len(origin)))
