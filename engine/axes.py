@@ -136,7 +136,7 @@ STRICT_AXES = tuple(axis.name for axis in AXES if axis.strict)
 # grouped-query K/V heads fewer than the tensor devices are replicated (as Megatron does), not refused
 LENIENT_LOGICAL = ("kv_heads",)
 # logical parameter axes no axis shards by default (users may add rules for them)
-UNSHARDED_LOGICAL = ("kv", "classes")
+UNSHARDED_LOGICAL = ("kv", "classes", "lora")  # lora: an adapter's rank (models/projection.py)
 
 
 def default_rules() -> dict[str, list[str]]:

@@ -27,9 +27,11 @@ import orbax.checkpoint as ocp
 
 from engine.distributed import barrier
 from engine.errors import UsageError
+from engine.finetune import BaseWeights, base_weights, with_frozen, without_frozen
 from engine.process import distributed_client_barriers_on
 from engine.rundir import SUMS, check_sums, write_sums
 from engine.sharding import path_name
+from engine.step import FROZEN
 
 # A copy of every array, made on the devices where it lives (the jit keeps each sharding).
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
@@ -107,8 +109,10 @@ class Checkpointer:
         timeout_seconds: int = 600,
         staging: str = "host",
         verify: bool = True,
+        base: Optional[BaseWeights] = None,
     ):
         self.directory = Path(directory).absolute()
+        self.base = base  # a fine-tuning run's frozen base: not saved, read from its own checkpoint
         self.read_only, self.timeout_seconds, self.verify = read_only, timeout_seconds, verify
         # process 0 hashes each completed step's files (SHA256SUMS) while training goes on
         self._hashing = ThreadPoolExecutor(1, "checkpoint-sums") if verify and not read_only else None
@@ -161,6 +165,8 @@ class Checkpointer:
         make; one more state's worth of device memory until it is written).
         staging="host_sync": orbax copies the arrays off the devices before this returns."""
         self._saving.join()  # one save at a time, in step order; raises a background save's error
+        if self.base is not None:  # the adapters and the base's identity, not the base
+            state, meta = without_frozen(state), {**meta, "base": self.base.identity}
         if self._sums:  # the previous step's checksums are written before this save's clean-up may delete it
             self.manager.wait_until_finished()  # (orbax's save would wait here too); raises a failed save's error
             self._join_sums()
@@ -253,6 +259,14 @@ class Checkpointer:
         steps = [step] if step is not None else list(reversed(self.steps()))
         if not steps:
             return None
+        if self.base is not None:
+            restored = self._restore(without_frozen(abstract_state), steps, step)
+            self.base.check(restored.meta.get("base"), f"{self.directory}/{restored.step}")
+            frozen = self.base.load(abstract_state.model_state[FROZEN])
+            return restored._replace(state=with_frozen(restored.state, frozen))
+        return self._restore(abstract_state, steps, step)
+
+    def _restore(self, abstract_state, steps: list[int], step: Optional[int]) -> Restored:
         failures, damaged = [], {}
         for candidate in steps:
             try:
@@ -365,7 +379,11 @@ def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Re
     """The newest readable checkpoint of the run in `workdir` (its config `cfg`), opened
     read-only (the export, sample and evaluator commands); UsageError if it has none."""
     checkpointer = Checkpointer(
-        Path(workdir) / "checkpoints", cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify
+        Path(workdir) / "checkpoints",
+        cfg.checkpoint.keep,
+        read_only=True,
+        verify=cfg.checkpoint.verify,
+        base=base_weights(cfg),
     )
     try:
         restored = checkpointer.restore(abstract_state)

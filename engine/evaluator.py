@@ -15,6 +15,7 @@ from engine.checkpoint import Checkpointer
 from engine.config import Config, read_yaml_mapping
 from engine.data import eval_batches
 from engine.errors import UsageError
+from engine.finetune import base_weights
 from engine.metrics import MetricWriter
 from engine.rundir import METRICS, lock_holder, read_records
 from engine.setup import Run, build_run
@@ -73,7 +74,13 @@ def run_evaluator(
         )
         checkpointer = closing.enter_context(
             contextlib.closing(
-                Checkpointer(directory, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify)
+                Checkpointer(
+                    directory,
+                    cfg.checkpoint.keep,
+                    read_only=True,
+                    verify=cfg.checkpoint.verify,
+                    base=base_weights(cfg),
+                )
             )
         )
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile

@@ -19,6 +19,7 @@ from engine.checkpoint import Checkpointer, InBackground
 from engine.config import Config, to_yaml
 from engine.data import eval_batches
 from engine.errors import UsageError
+from engine.finetune import base_weights
 from engine.loop import Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
 from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
@@ -139,6 +140,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_sto
                 timeout_seconds=cfg.distributed.barrier_timeout,
                 staging="host_sync",
                 verify=cfg.checkpoint.verify,
+                base=base_weights(cfg),
             )
         )
     )  # the slice saved is a copy already (Saves)

@@ -23,7 +23,8 @@ import optax
 from jax.sharding import Mesh
 
 from contract.activations import ONE_STAGE, StagePlan
-from engine import diloco, sharding
+from contract.adapters import adapting
+from engine import diloco, finetune, sharding
 from engine.axes import BY_NAME, CONFIG_AXES, AxisContext, check_axes
 from engine.backends import PMAP_AXIS, Compiled, Shapes, compile_jit, compile_pmap
 from engine.config import Config
@@ -204,9 +205,10 @@ def build_model(cfg: Config, info, pmap_axis: Optional[str] = None):
     """(family, flax module) of cfg.model; a model's ValueError is the user's (exit 2)."""
     family = REGISTRY[cfg.model.name]
     try:
-        module = family.build(
-            cfg.model, info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype), pmap_axis
-        )
+        with adapting(finetune.adaptation(cfg, family.projections())):
+            module = family.build(
+                cfg.model, info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype), pmap_axis
+            )
     except ValueError as e:
         raise UsageError(str(e)) from None
     return family, module

@@ -13,9 +13,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from engine import sharding
+from engine import finetune, sharding
 from engine.config import Config
-from engine.step import TrainState, split_variables
+from engine.step import FROZEN, TrainState, split_variables
 from models import ModelFamily
 
 
@@ -52,12 +52,16 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     """The train state's shapes and shardings from the model's logical axes (no allocation),
     and a jitted init that creates it already sharded."""
     sample = family.task.sample_input(info)
+    lora, projections = finetune.lora_on(cfg), family.projections()
 
     def init_state(seed, hparams) -> TrainState:
         """Seed and hyperparameters are traced inputs: one compiled init serves every value."""
         init_key, train_key = jax.random.split(jax.random.key(seed))
         variables = module.init({"params": init_key, "dropout": init_key}, sample, train=False)
         params, variables = split_variables(sharding.unbox(variables))
+        if lora:  # only the adapters train; the rest is the frozen base (engine/finetune.py)
+            params, base = finetune.split(params)
+            variables = {**variables, FROZEN: finetune.quantize_base(base, projections, cfg.finetune.base_dtype)}
         opt_state = tx.init(params)
         opt_state = opt_state._replace(
             hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype) for k, v in opt_state.hyperparams.items()}
@@ -78,15 +82,25 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     param_layouts = sharding.layouts(abstract_vars["params"], cfg.mesh.rules, mesh)
     replicated = sharding.replicated(mesh)
     param_shardings = sharding.tree_shardings(abstract_vars["params"], param_layouts, mesh)
-    abstract_opt = jax.eval_shape(tx.init, sharding.unbox(abstract_vars["params"]))
+    abstract_params = sharding.unbox(abstract_vars["params"])
+    model_state = split_variables(sharding.unbox(abstract_vars))[1]
+    state_shardings = jax.tree.map(lambda _: replicated, model_state)
+    if lora:
+        (abstract_params, abstract_base), (param_shardings, base_shardings) = map(
+            finetune.split, (abstract_params, param_shardings)
+        )
+        frozen = jax.eval_shape(
+            lambda b: finetune.quantize_base(b, projections, cfg.finetune.base_dtype), abstract_base
+        )
+        state_shardings[FROZEN] = finetune.frozen_shardings(frozen, base_shardings)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
         tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated
     )
-    model_state = split_variables(sharding.unbox(abstract_vars))[1]
     shardings = TrainState(
         step=replicated,
         params=param_shardings,
-        model_state=jax.tree.map(lambda _: replicated, model_state),
+        model_state=state_shardings,
         opt_state=opt_shardings,
         rng=replicated,
         hparams=jax.tree.map(lambda _: replicated, hparams["schedule"]),

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from engine.optim import learning_rate_at
 
@@ -50,8 +51,8 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
         target_weights = task.target_weights(batch)
         if target_weights is not None:
             weights = weights * target_weights
-        variables = {"params": params, **model_state}
-        mutable = [*(model_state if train else ()), AUX_COLLECTION]
+        variables = model_variables(params, model_state)
+        mutable = [*(c for c in model_state if train and c != FROZEN), AUX_COLLECTION]
         model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
         out, collections = module.apply(
             variables,
@@ -63,7 +64,7 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
             **model_hparams,
             **extra,
         )
-        new_model_state = split_variables(collections)[1] if train else model_state
+        new_model_state = {**model_state, **split_variables(collections)[1]} if train else model_state
         aux = _aux_totals(collections.get(AUX_COLLECTION, {}))
         losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
         count = jnp.sum(weights)
@@ -89,6 +90,20 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
 
 
 AUX_COLLECTION = "aux"  # what a model sows while it runs (models/llama.py's MoE): not state
+# the model state's frozen parameters (LoRA's base, engine/finetune.py): they join the trained
+# ones (the state's `params`, the adapters) in the model's `params`, and get no gradient
+FROZEN = "frozen"
+
+
+def model_variables(params, model_state) -> dict:
+    """The flax variables of (params, model_state): a fine-tuned model's frozen base and its
+    trained adapters make one `params` tree."""
+    if FROZEN not in model_state:
+        return {"params": params, **model_state}
+    merged = {**flatten_dict(model_state[FROZEN]), **flatten_dict(params)}
+    return {"params": unflatten_dict(merged), **{k: v for k, v in model_state.items() if k != FROZEN}}
+
+
 AUX = ("aux_loss", "routed", "dropped")  # the values models may sow there
 
 

@@ -18,6 +18,7 @@ from engine.diloco import REPLICA, Layout, param_count
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.evaluator import evaluate
+from engine.finetune import base_weights, with_frozen
 from engine.judge import Judged
 from engine.loop import NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
@@ -25,7 +26,7 @@ from engine.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.preemption import Preempted, starting
 from engine.rundir import LOCK, METRICS, WorkdirLock, drop_records_after, storage_errno, storage_error, write_atomic
 from engine.setup import Run, build_run, with_config_hparams
-from engine.step import TRAIN_METRICS
+from engine.step import FROZEN, TRAIN_METRICS
 from engine.trackers import open_trackers
 from engine.vocab import TOKENIZER, check_data_tokenizer
 from engine.watchdog import Watchdog
@@ -209,6 +210,7 @@ def _checkpointer(cfg: Config) -> Checkpointer:
         staging=cfg.checkpoint.staging,
         timeout_seconds=cfg.distributed.barrier_timeout,
         verify=cfg.checkpoint.verify,
+        base=base_weights(cfg),
     )
 
 
@@ -274,6 +276,10 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     elif restored is not None:
         _say(f"resuming from step {restored.step} (checkpoint {checkpointer.directory / str(restored.step)})")
     state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
+    if restored is None and checkpointer.base is not None:  # a fresh fine-tuning run: its frozen base
+        state = with_frozen(state, checkpointer.base.load(run.abstract_state.model_state[FROZEN]))
+        step = checkpointer.base.identity["step"]
+        _say(f"fine-tuning LoRA adapters on the frozen base {cfg.finetune.base} (its step {step})")
     if start % run.inputs.steps_per_call:
         per_call = run.inputs.steps_per_call
         raise UsageError(

@@ -192,6 +192,7 @@ class ModelFamily(Protocol):
     def num_experts(self, cfg) -> int: ...
     def layer_stack(self, cfg) -> int: ...
     def loops_fast_on_cpu(self) -> bool: ...
+    def projections(self) -> Mapping[str, tuple[int, int]]: ...
 
 
 class Family:
@@ -262,3 +263,9 @@ class Family:
     def loops_fast_on_cpu(self) -> bool:
         """XLA:CPU runs its steps as fast inside a device-side loop (train.steps_per_call > 1)."""
         return True
+
+    def projections(self) -> Mapping[str, tuple[int, int]]:
+        """The named projections (models/projection.py) that take LoRA adapters, a quantised
+        base and quantised matmuls: name → (contracted input axes, output axes) of its kernel,
+        which may have a leading stacked-layers axis ({}: fine-tuning is not supported)."""
+        return {}

@@ -29,12 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from contract.activations import activation_splits, constrain, stage_plan
+from contract.adapters import NO_ADAPTATION, Adaptation, current_adaptation
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
 from models.family import Family, NextToken
-from models.layers import LMHead, fused_cross_entropy, kv_cache, normal_kernel, param_init
+from models.layers import LMHead, fused_cross_entropy, kv_cache, param_init
 from models.moe import MoE
 from models.pipeline import run_pipeline
+from models.projection import Projection
 from models.transformer import REMAT_POLICIES
 
 
@@ -87,18 +89,17 @@ class Attention(nn.Module):
     param_dtype: jnp.dtype
     implementation: str
     decode: bool = False
+    adapt: Adaptation = NO_ADAPTATION
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
         cfg, width = self.cfg, self.cfg.head_width
-        dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
-        q = nn.DenseGeneral(
-            (cfg.num_heads, width), kernel_init=normal_kernel(("embed", "heads", "kv")), name="query", **dense
-        )(x)  # [batch, seq, heads, kv]
+        dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "adapt": self.adapt}
+        q = Projection((cfg.num_heads, width), ("embed", "heads", "kv"), name="query", **dense)(
+            x
+        )  # [batch, seq, heads, kv]
         k, v = (
-            nn.DenseGeneral(
-                (cfg.kv_heads, width), kernel_init=normal_kernel(("embed", "kv_heads", "kv")), name=name, **dense
-            )(x)
+            Projection((cfg.kv_heads, width), ("embed", "kv_heads", "kv"), name=name, **dense)(x)
             for name in ("key", "value")
         )  # [batch, seq, kv_heads, kv]
         if cfg.qk_norm:
@@ -125,9 +126,7 @@ class Attention(nn.Module):
                 q, k, v, is_causal=True, implementation="xla" if context else self.implementation
             )
         y = constrain(y, ("batch", "seq", "heads", "kv"))
-        return nn.DenseGeneral(
-            x.shape[-1], axis=(-2, -1), kernel_init=normal_kernel(("heads", "kv", "embed")), name="out", **dense
-        )(y)
+        return Projection((x.shape[-1],), ("heads", "kv", "embed"), inputs=2, name="out", **dense)(y)
 
 
 class Block(nn.Module):
@@ -137,6 +136,7 @@ class Block(nn.Module):
     implementation: str
     decode: bool = False
     moe: bool = False  # a mixture-of-experts layer (else a dense MLP)
+    adapt: Adaptation = NO_ADAPTATION
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -144,7 +144,7 @@ class Block(nn.Module):
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
         x = constrain(
             x
-            + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode, name="attn")(
+            + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode, self.adapt, name="attn")(
                 y, positions, segment_ids
             ),
             ("batch", "seq", None),
@@ -153,11 +153,11 @@ class Block(nn.Module):
         if self.moe:
             y = MoE(cfg, self.dtype, self.param_dtype, self.decode, name="moe")(y)
         else:  # SwiGLU
-            dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
-            gate = nn.Dense(cfg.mlp_dim, kernel_init=normal_kernel(("embed", "mlp")), name="gate", **dense)(y)
-            up = nn.Dense(cfg.mlp_dim, kernel_init=normal_kernel(("embed", "mlp")), name="up", **dense)(y)
+            dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "adapt": self.adapt}
+            gate = Projection((cfg.mlp_dim,), ("embed", "mlp"), name="gate", **dense)(y)
+            up = Projection((cfg.mlp_dim,), ("embed", "mlp"), name="up", **dense)(y)
             y = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
-            y = nn.Dense(x.shape[-1], kernel_init=normal_kernel(("mlp", "embed")), name="down", **dense)(y)
+            y = Projection((x.shape[-1],), ("mlp", "embed"), name="down", **dense)(y)
         return constrain(x + y, ("batch", "seq", None))
 
 
@@ -169,6 +169,7 @@ class ScannedBlock(nn.Module):
     param_dtype: jnp.dtype
     implementation: str
     decode: bool = False
+    adapt: Adaptation = NO_ADAPTATION
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -176,7 +177,14 @@ class ScannedBlock(nn.Module):
         if self.cfg.remat != "none":
             block = nn.remat(Block, policy=REMAT_POLICIES[self.cfg.remat])
         return block(
-            self.cfg, self.dtype, self.param_dtype, self.implementation, self.decode, self.cfg.is_moe(0), name="block"
+            self.cfg,
+            self.dtype,
+            self.param_dtype,
+            self.implementation,
+            self.decode,
+            self.cfg.is_moe(0),
+            self.adapt,
+            name="block",
         )(x, positions, segment_ids), None
 
 
@@ -187,6 +195,7 @@ class Llama(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation
     decode: bool = False  # use and fill the key/value cache (generation)
+    adapt: Adaptation = NO_ADAPTATION  # LoRA adapters, quantised matmuls (models/projection.py)
 
     @nn.compact
     def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None, segment_ids=None):
@@ -214,19 +223,26 @@ class Llama(nn.Module):
             layers = nn.scan(
                 ScannedBlock,
                 variable_axes={"params": 0, "cache": 0, "aux": 0},
-                split_rngs={"params": True},
+                split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, name="layers")(
+            x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, self.adapt, name="layers")(
                 x, positions, segment_ids
             )
         else:
             block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
             for i in range(cfg.num_layers):
                 x = block(
-                    cfg, self.dtype, self.param_dtype, self.attention, self.decode, cfg.is_moe(i), name=f"layer_{i}"
+                    cfg,
+                    self.dtype,
+                    self.param_dtype,
+                    self.attention,
+                    self.decode,
+                    cfg.is_moe(i),
+                    self.adapt,
+                    name=f"layer_{i}",
                 )(x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
         if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
@@ -238,7 +254,7 @@ class Llama(nn.Module):
     def _pipelined(self, x, positions, segment_ids, plan):
         """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""
         cfg = self.cfg
-        block = Block(cfg, self.dtype, self.param_dtype, self.attention, False, False)
+        block = Block(cfg, self.dtype, self.param_dtype, self.attention, False, False, self.adapt)
 
         def layer(params, h, pos, seg):
             return block.apply({"params": params}, h, pos, seg)
@@ -278,7 +294,7 @@ def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, deco
             f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
             f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0"
         )
-    return Llama(cfg, vocab, dtype, param_dtype, attention, decode)
+    return Llama(cfg, vocab, dtype, param_dtype, attention, decode, current_adaptation())
 
 
 def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
@@ -295,6 +311,17 @@ def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
     tokens = info.seq_len
     return (6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_width * tokens) * tokens
 
+
+# the projections fine-tuning adapts (contract/adapters.py names them): (input axes, output axes)
+PROJECTIONS = {
+    "query": (1, 2),
+    "key": (1, 2),
+    "value": (1, 2),
+    "out": (2, 1),
+    "gate": (1, 1),
+    "up": (1, 1),
+    "down": (1, 1),
+}
 
 # continuations of prompts, with a key/value cache (models/sampling.py)
 generate = sampling.cached_generator(build)
@@ -339,6 +366,9 @@ class LlamaFamily(Family):
 
     def layer_stack(self, cfg) -> int:
         return cfg.num_layers if cfg.scan_layers else 0
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        return PROJECTIONS
 
 
 FAMILY = LlamaFamily()

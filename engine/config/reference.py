@@ -58,6 +58,9 @@ def _constraint(f: dataclasses.Field) -> str:
 def _rows(cls, prefix: str) -> list[str]:
     rows = []
     for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            rows += _rows(f.default_factory, f"{prefix}{f.name}.")  # a nested section (finetune.lora)
+            continue
         default = _default(f)
         if f.name == "rules":
             default = "see docs/parallelism.md"

@@ -133,6 +133,12 @@ class TrainConfig:
     nan_policy: str = option(
         "stop", "what a NaN or infinite loss does: stop (exit 1, naming the step) or warn", choices=("stop", "warn")
     )
+    matmul_dtype: str = option(
+        "none",
+        "the projections' matmuls on quantised operands (qwix, per-channel scales, straight-through "
+        "gradients): fp8 (e4m3; gradients e5m2) or int8; none: compute_dtype. Llama-family models",
+        choices=("none", "fp8", "int8"),
+    )
     eager: bool = option(False, "run the step without jit, op by op (slow; for debugging, like TF eager)")
     compilation_cache_dir: str = option(
         "~/.cache/jax-engine/xla", 'JAX\'s persistent compilation cache ("" = off): a relaunch skips XLA compilation'
@@ -260,6 +266,42 @@ class DilocoConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = option(0, "adapter rank r (0 = no LoRA: every parameter trains)", at_least=0)
+    alpha: float = option(16.0, "the adapters' scale is alpha / rank", above=0.0)
+    dropout: float = option(0.0, "dropout on the adapters' input (training only)", at_least=0.0)
+    targets: list[str] = option(
+        ["attention"],
+        "projections that get adapters: attention, mlp, all, names (query, key, value, out, gate, up, "
+        "down), Hugging Face's (q_proj, …) or globs over them",
+    )
+    init: str = option(
+        "gaussian",
+        "A's initialiser: gaussian (std 1/rank) or kaiming (uniform, PEFT's default); B starts at zero",
+        choices=("gaussian", "kaiming"),
+    )
+
+
+@dataclass
+class FinetuneConfig:
+    """LoRA adapters on a frozen base (QLoRA with a quantised one): only the adapters train and are
+    checkpointed (docs/language-models.md, Fine-tuning)."""
+
+    base: str = option(
+        "",
+        "the workdir (e.g. import-hf's) whose newest checkpoint's parameters are the frozen base; "
+        '"" = the model\'s own seeded initialisation (then the checkpoints hold it)',
+    )
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    base_dtype: str = option(
+        "none",
+        "the frozen base's projections stored quantised, dequantised per matmul (QLoRA): int8, nf4 "
+        "(blocks of 64) or fp8 (e4m3); none: train.param_dtype",
+        choices=("none", "int8", "nf4", "fp8"),
+    )
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = option(
         0, "save every N steps (0 = only at the end; a save always happens at the end and on SIGTERM)", at_least=0
@@ -351,6 +393,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     diloco: DilocoConfig = dataclasses.field(default_factory=DilocoConfig)
+    finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)

@@ -48,6 +48,7 @@ def validate(cfg) -> None:
         cfg.optimizer.warmup_steps = cfg.train.steps
     _check_mesh(cfg.mesh)
     _check_diloco(cfg)
+    _check_finetune(cfg.finetune)
     if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     _check_sources(cfg.data)
@@ -151,6 +152,25 @@ def _check_diloco(cfg) -> None:
             )
     if not cfg.diloco.outer_momentum < 1.0:
         raise UsageError(f"diloco.outer_momentum={cfg.diloco.outer_momentum} must be in [0, 1), e.g. 0.9")
+
+
+def _check_finetune(finetune) -> None:
+    """A frozen base (finetune.base, a quantised base_dtype) needs adapters to train."""
+    lora = finetune.lora
+    if lora.rank == 0:
+        for key, value, unset in (
+            ("finetune.base", finetune.base, ""),
+            ("finetune.base_dtype", finetune.base_dtype, "none"),
+        ):
+            if value != unset:
+                raise UsageError(
+                    f"{key}={value} freezes the base, but finetune.lora.rank=0 leaves nothing to train; set "
+                    f"finetune.lora.rank > 0 (e.g. 8), or leave {key} unset to train every parameter"
+                )
+    if not lora.dropout < 1.0:
+        raise UsageError(f"finetune.lora.dropout={lora.dropout} must be in [0, 1), e.g. 0.05")
+    if not lora.targets:
+        raise UsageError("finetune.lora.targets is empty; name the projections to adapt, e.g. [attention]")
 
 
 def _fit_steps_per_call(cfg) -> None:
