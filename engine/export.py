@@ -19,7 +19,9 @@ from engine.config import Config, load_config
 from engine.errors import UsageError
 from engine.rundir import write_sums
 from engine.setup import build_run
+from engine.step import model_variables
 from engine.vocab import copy_tokenizer
+from models.projection import dequantized, is_quantised
 
 SINGLE_DEVICE = [
     *(f"mesh.{axis}=1" for axis in CONFIG_AXES),
@@ -74,7 +76,8 @@ def export_run(workdir: str, out: str) -> Path:
     cfg = run_config(workdir_path)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
     restored = restore_newest(workdir_path, run.abstract_state, cfg, "export")
-    variables = {"params": restored.state.params, **restored.state.model_state}
+    variables = model_variables(restored.state.params, restored.state.model_state)
+    variables["params"] = jax.tree.map(dequantized, variables["params"], is_leaf=is_quantised)  # (a QLoRA base)
     module, task = run.model.module, run.model.family.task
 
     def forward(variables, inputs):

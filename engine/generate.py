@@ -12,10 +12,13 @@ from typing import Optional, Sequence
 
 import jax.numpy as jnp
 
+from contract.adapters import adapting
+from engine import finetune
 from engine.checkpoint import restore_newest
 from engine.errors import UsageError
 from engine.export import run_config
 from engine.setup import build_run
+from engine.step import model_variables
 from engine.vocab import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
 
 DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)
@@ -58,11 +61,11 @@ def sample(
             return None
         return [any(stop in decode([t for t in row[-tail:] if t < vocab]) for stop in stop_strings) for row in rows]
 
-    with _progress(max_tokens) as bar:
+    with _progress(max_tokens) as bar, adapting(finetune.adaptation(cfg, run.model.family.projections())):
         samples = generate(
             cfg.model,
             info,
-            restored.state.params,
+            model_variables(restored.state.params, restored.state.model_state)["params"],
             prompt_ids,
             max_tokens,
             temperature,

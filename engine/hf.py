@@ -31,8 +31,11 @@ from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
 from engine.export import new_output_dir, run_config, staged
+from engine.finetune import lora_on
+from engine.hf_adapters import adapter_tensors, merged, write_peft
 from engine.rundir import write_atomic
 from engine.setup import build_run
+from engine.step import model_variables
 from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, copy_tokenizer
 from models import REGISTRY
 
@@ -286,8 +289,9 @@ def _set(tree, path, value):
     return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
-def export_hf(workdir: str, out: str) -> Path:
-    """The newest checkpoint of the run in workdir, as a Hugging Face model directory."""
+def export_hf(workdir: str, out: str, merge: bool = False) -> Path:
+    """The newest checkpoint of the run in workdir, as a Hugging Face model directory; of a
+    LoRA run, its adapters as a PEFT directory, or (`merge`) folded into the base."""
     work, out_path = Path(workdir), new_output_dir(out)
     cfg = run_config(work)
     family = REGISTRY[cfg.model.name]
@@ -299,10 +303,21 @@ def export_hf(workdir: str, out: str) -> Path:
         hf_config = layout.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if merge and not lora_on(cfg):
+        raise UsageError(f"--merge folds LoRA adapters into the base, but {work} trained none (finetune.lora.rank=0)")
     restored = restore_newest(work, run.abstract_state, cfg, "export")
+    params = model_variables(restored.state.params, restored.state.model_state)["params"]
+    if lora_on(cfg) and not merge:
+        peft_tensors, targets = adapter_tensors(params, layout.tensors(cfg.model))
+        with staged(out_path) as staging:
+            write_peft(staging, cfg, peft_tensors, targets)
+            copy_tokenizer(work, run.dataset.info, staging)
+        return out_path
+    if lora_on(cfg):
+        params = merged(params, family.projections(), cfg.finetune.lora.alpha / cfg.finetune.lora.rank)
     tensors = {}
     for tensor in layout.tensors(cfg.model):  # a tensor reads a parameter, or a module's (GPT-2's fused qkv)
-        value = jax.device_get(_get(restored.state.params, tensor.path))
+        value = jax.device_get(_get(params, tensor.path))
         layers = value if tensor.stacked else [value]
         tensors.update({name: np.asarray(tensor.to_hf(layer)) for name, layer in zip(tensor.names, layers)})
     with staged(out_path) as staging:

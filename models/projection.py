@@ -66,6 +66,10 @@ def quantize_kernel(w, inputs: int, outputs: int, base_dtype: str):
     return PackedNF4(codes[..., 0::2] | (codes[..., 1::2] << 4), q.scale)
 
 
+def is_quantised(value) -> bool:
+    return isinstance(value, (PackedNF4, qwix.QArray))
+
+
 def dequantized(kernel):
     """A stored kernel as an array (a frozen base's may be quantised)."""
     if isinstance(kernel, PackedNF4):

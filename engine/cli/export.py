@@ -21,14 +21,27 @@ def parser() -> argparse.ArgumentParser:
         help="jax: variables + jax.export StableHLO (default); hf: a Hugging Face model directory "
         "(config.json + safetensors) for model families that have one",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="--format hf of a LoRA run: fold the adapters into the base (a plain checkpoint); without it, "
+        "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)",
+    )
     return p
 
 
 def run(args, argv: list[str]) -> int:
     if args.format == "hf":
-        from engine.hf import export_hf as export_run
-    else:
-        from engine.export import export_run
+        from engine.hf import export_hf
+
+        print(f"exported to {export_hf(args.workdir, args.out, merge=args.merge)}")
+        return 0
+    if args.merge:
+        from engine.errors import UsageError
+
+        raise UsageError("--merge goes with --format hf (the default export keeps the adapters as parameters)")
+    from engine.export import export_run
+
     print(f"exported to {export_run(args.workdir, args.out)}")
     return 0
 
