@@ -167,6 +167,11 @@ def _check_finetune(finetune) -> None:
                     f"{key}={value} freezes the base, but finetune.lora.rank=0 leaves nothing to train; set "
                     f"finetune.lora.rank > 0 (e.g. 8), or leave {key} unset to train every parameter"
                 )
+    if finetune.base and not (Path(finetune.base).expanduser() / "checkpoints").is_dir():
+        raise UsageError(
+            f"finetune.base={finetune.base} holds no checkpoints/ directory; give the workdir of `launch.py "
+            f"import-hf` (or of a finished run) whose weights are the base"
+        )
     if not lora.dropout < 1.0:
         raise UsageError(f"finetune.lora.dropout={lora.dropout} must be in [0, 1), e.g. 0.05")
     if not lora.targets:

@@ -1,0 +1,227 @@
+"""Fine-tuning published weights (engine/finetune.py): LoRA adapters on a frozen base start at
+the base's logits and are all that trains and is checkpointed; QLoRA bases (int8, nf4) stay
+close to the float base in a quarter and an eighth of its memory; the merged export loads in
+transformers and the adapter directory in peft with the engine's logits; layouts over 8
+devices give the one-device losses; resume is exact; bad settings exit 2 naming the key."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+from test_llama import TINY, transformers_logits, write_hf_checkpoint
+from test_parallel import train_losses
+
+from conftest import ROOT, run_cli
+from engine.checkpoint import restore_newest
+from engine.config import load_config
+from engine.finetune import base_weights, with_frozen
+from engine.rundir import read_records
+from engine.setup import build_run
+from engine.step import FROZEN, model_variables
+from models.llama import PROJECTIONS, LlamaConfig
+from models.projection import is_quantised
+
+DATA = [
+    "data.name=synthetic_text",
+    "data.vocab_size=256",
+    "data.seq_len=12",
+    "data.num_examples=64",
+    "train.global_batch_size=8",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "train.steps_per_call=1",
+]
+LORA = ["finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=[all]", "optimizer.learning_rate=0.02"]
+TOKENS = np.random.default_rng(4).integers(0, 256, (2, 12))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(HF dir, engine workdir): a tiny random Llama in Hugging Face's layout, imported."""
+    root = tmp_path_factory.mktemp("finetune")
+    write_hf_checkpoint(root / "hf", LlamaConfig(**TINY), vocab=256)
+    proc = run_cli("import-hf", str(root / "hf"), "--workdir", str(root / "base"), *DATA)
+    assert proc.returncode == 0, proc.stderr
+    return root / "hf", root / "base"
+
+
+def config(base_dir, workdir, *overrides):
+    return load_config(base_dir / "config.yaml", [*DATA, f"finetune.base={base_dir}", *LORA, *overrides], str(workdir))
+
+
+def logits(run, state):
+    variables = model_variables(state.params, state.model_state)
+    return np.asarray(run.model.module.apply(variables, jnp.asarray(TOKENS, jnp.int32), train=False))
+
+
+def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base, tmp_path):
+    _, base_dir = base
+    plain_cfg = load_config(base_dir / "config.yaml", DATA, str(base_dir))
+    plain = build_run(plain_cfg, compile_train=False)
+    base_state = restore_newest(base_dir, plain.abstract_state, plain_cfg, "read").state
+    cfg = config(base_dir, tmp_path / "lora")
+    run = build_run(cfg, compile_train=False)
+    frozen = base_weights(cfg).load(run.abstract_state.model_state[FROZEN])
+    start = with_frozen(run.init_state(), frozen)
+    np.testing.assert_array_equal(logits(run, start), logits(plain, base_state))  # B = 0: the base's forward
+
+    proc = run_cli(
+        "--config",
+        str(base_dir / "config.yaml"),
+        "--workdir",
+        str(tmp_path / "lora"),
+        *config_args(base_dir),
+        "train.steps=3",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"fine-tuning LoRA adapters on the frozen base {base_dir}" in proc.stdout
+    trained = restore_newest(tmp_path / "lora", run.abstract_state, cfg, "read")
+    base_leaves = flatten_dict(base_state.params)
+    for path, value in flatten_dict(trained.state.model_state[FROZEN]).items():  # the base, bit for bit
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(base_leaves[path]), err_msg=str(path))
+    adapters = flatten_dict(trained.state.params)
+    assert {p[-1] for p in adapters} == {"lora_a", "lora_b"}
+    assert {p[-2] for p in adapters} == set(PROJECTIONS)  # targets=[all]
+    assert all(np.abs(np.asarray(v)).max() > 0 for p, v in adapters.items() if p[-1] == "lora_b")  # trained
+    assert not np.allclose(logits(run, trained.state), logits(plain, base_state))
+    # the optimizer's state is the adapters' (Adam: two moments each), nothing of the base
+    moments = [leaf for leaf in jax.tree.leaves(trained.state.opt_state) if np.ndim(leaf) > 0]
+    assert sorted(m.shape for m in moments) == sorted(2 * [v.shape for v in adapters.values()])
+    # the checkpoint holds the adapters and the base's identity, not the base
+    step_dir = tmp_path / "lora" / "checkpoints" / "3"
+    saved = json.loads((step_dir / "meta" / "metadata").read_text())
+    assert saved["base"]["path"] == str(base_dir) and len(saved["base"]["sha256"]) == 64
+    state_tree = json.loads((step_dir / "state" / "_METADATA").read_text())["tree_metadata"]
+    assert not any("frozen" in key for key in state_tree)
+    assert any("lora_b" in key for key in state_tree)
+
+
+def config_args(base_dir):
+    return [*DATA, f"finetune.base={base_dir}", *LORA]
+
+
+def test_merged_export_loads_in_transformers_and_the_adapters_in_peft(base, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    hf, base_dir = base
+    work = tmp_path / "lora"
+    proc = run_cli(
+        "--config", str(base_dir / "config.yaml"), "--workdir", str(work), *config_args(base_dir), "train.steps=3"
+    )
+    assert proc.returncode == 0, proc.stderr
+    cfg = config(base_dir, work)
+    run = build_run(cfg, compile_train=False)
+    ours = logits(run, restore_newest(work, run.abstract_state, cfg, "read").state)
+    proc = run_cli("export", "--workdir", str(work), "--format", "hf", "--merge", "--out", str(tmp_path / "merged"))
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(transformers_logits(tmp_path / "merged", TOKENS), ours, rtol=1e-4, atol=1e-4)
+    proc = run_cli("export", "--workdir", str(work), "--format", "hf", "--out", str(tmp_path / "adapter"))
+    assert proc.returncode == 0, proc.stderr
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8 and "q_proj" in adapter["target_modules"]
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32), tmp_path / "adapter"
+    )
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(TOKENS)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+WIDE = [  # projections of 128 inputs (two nf4 blocks), so that their kernels dominate the base
+    "model.name=llama", *DATA, "model.num_layers=2", "model.d_model=128", "model.num_heads=4",
+    "model.num_kv_heads=2", "model.mlp_dim=256", *LORA,
+]  # fmt: skip
+
+
+def projection_bytes(run) -> int:
+    """Per device, the frozen base's projection kernels as the compiled memory analysis counts them."""
+    frozen = flatten_dict(run.abstract_state.model_state[FROZEN])
+    kernels = [v for p, v in frozen.items() if p[-1] == "kernel" and p[-2] in PROJECTIONS]
+    compiled = jax.jit(lambda ks: sum(jnp.sum(jax.tree.leaves(k)[0]) for k in ks)).lower(kernels).compile()
+    return compiled.memory_analysis().argument_size_in_bytes
+
+
+@pytest.mark.parametrize("dtype, tolerance, share", [("int8", 0.02, (0.25, 0.27)), ("nf4", 0.15, (0.125, 0.145))])
+def test_a_quantised_base_stays_close_to_the_float_base_in_a_fraction_of_its_memory(
+    make_config, dtype, tolerance, share
+):
+    """The seeded base, float and quantised (the same draw): logits within `tolerance` of the
+    logits' spread, and the projections in `share` of their float32 bytes (scales included)."""
+    float_run = build_run(make_config("llama_tiny.yaml", *WIDE), compile_train=False)
+    quant_run = build_run(make_config("llama_tiny.yaml", *WIDE, f"finetune.base_dtype={dtype}"), compile_train=False)
+    assert any(is_quantised(v) for v in flatten_dict(quant_run.init_state().model_state[FROZEN]).values())
+    exact, approx = logits(float_run, float_run.init_state()), logits(quant_run, quant_run.init_state())
+    error = np.abs(approx - exact).max() / (exact.max() - exact.min())
+    assert 0 < error < tolerance, error
+    ratio = projection_bytes(quant_run) / projection_bytes(float_run)
+    assert share[0] <= ratio <= share[1], ratio
+
+
+def test_lora_over_fsdp_and_tensor_gives_the_one_device_losses(base, make_config):
+    _, base_dir = base
+    args = [f"finetune.base={base_dir}", *LORA, "finetune.base_dtype=int8", "train.matmul_dtype=int8"]
+    common = [f"model.{k}={v}" for k, v in TINY.items()] + ["model.name=llama", *DATA, *args]
+    one, _ = train_losses(_fine_tune_run(make_config, common, "mesh.num_devices=1"), 4)
+    eight, _ = train_losses(_fine_tune_run(make_config, common, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), 4)
+    assert np.ptp(one) > 1e-3  # the adapters train (the loss moves)
+    np.testing.assert_allclose(eight, one, rtol=2e-5)
+
+
+def _fine_tune_run(make_config, common, *layout):
+    cfg = make_config("llama_tiny.yaml", *common, *layout)
+    run = build_run(cfg)
+    frozen = base_weights(cfg).load(run.abstract_state.model_state[FROZEN])
+    init = run.init_state
+    run.init_state = lambda *a: with_frozen(init(*a), frozen)  # (what the trainer does at a fresh start)
+    return run
+
+
+def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base, tmp_path):
+    _, imported = base
+    base_dir = tmp_path / "base"
+    shutil.copytree(imported, base_dir)
+    common = ["--config", str(base_dir / "config.yaml"), *config_args(base_dir), "finetune.lora.dropout=0.1"]
+    common += ["log.every_steps=1", "checkpoint.every_steps=2"]
+    assert run_cli(*common, "--workdir", str(tmp_path / "straight"), "train.steps=4").returncode == 0
+    assert run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=2").returncode == 0
+    proc = run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=4")
+    assert proc.returncode == 0 and "resuming from step 2" in proc.stdout, proc.stderr
+
+    def losses(work):
+        return [(r["step"], r["loss"]) for r in read_records(work / "metrics.jsonl") if r["split"] == "train"]
+
+    assert len(losses(tmp_path / "straight")) == 4
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    # the base trains one more step: a new checkpoint, another checksum; the adapters' run refuses it
+    more = run_cli("--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, "train.steps=1")
+    assert more.returncode == 0, more.stderr
+    proc = run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=6")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"finetune.base={base_dir}: the base changed since" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["finetune.lora.targets=[qkv]"], "finetune.lora.targets: 'qkv' matches no projection"),
+        (["finetune.lora.rank=-1"], "finetune.lora.rank"),
+        (["finetune.lora.rank=0", "finetune.base_dtype=nf4"], "finetune.base_dtype=nf4 freezes the base"),
+        (["model.name=mlp", "data.name=digits"], "finetune.lora.rank: model.name=mlp has no named projections"),
+        (["finetune.base=/nonexistent/run"], "finetune.base=/nonexistent/run"),
+    ],
+    ids=["targets", "rank", "rank-0", "family", "base"],
+)
+def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path, overrides, named):
+    args = ["--config", str(ROOT / "configs" / "llama_tiny.yaml"), "--workdir", str(tmp_path / "run"), *DATA]
+    proc = run_cli(*args, "finetune.lora.rank=4", *overrides, "train.steps=1")
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
