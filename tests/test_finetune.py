@@ -5,6 +5,7 @@ transformers and the adapter directory in peft with the engine's logits; layouts
 devices give the one-device losses; resume is exact; bad settings exit 2 naming the key."""
 
 import json
+import shlex
 import shutil
 
 import jax
@@ -225,3 +226,29 @@ def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path, overr
     assert proc.returncode == 2, proc.stderr
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
+    """README's fine-tuning lines, as written, on a tiny random Llama with a BPE tokenizer (only
+    paths replaced, and quick settings added: a short run on little text)."""
+    from test_tokens import tokenized_corpus
+    from tokenizers import Tokenizer
+
+    corpus = tokenized_corpus(tmp_path / "own", seed=0)
+    hf = tmp_path / "hf"
+    write_hf_checkpoint(
+        hf, LlamaConfig(**TINY), vocab=Tokenizer.from_file(str(corpus / "tokenizer.json")).get_vocab_size()
+    )
+    shutil.copyfile(corpus / "tokenizer.json", hf / "tokenizer.json")
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- fine-tuning recipe:")[1].split("```bash\n")[1].split("```")[0]
+    quick = {"import-hf": QUICK_TEXT, "--config": [*QUICK_TEXT, "train.steps=2"], "sample": ["--max-tokens", "4"]}
+    for line in block.strip().splitlines():
+        line = line.replace("HF_DIR", str(hf)).replace("TEXT_DIR", str(tmp_path / "own" / "text"))
+        args = [a.replace("runs/", f"{tmp_path}/runs/") for a in shlex.split(line)[2:]]
+        proc = run_cli(*args, *quick.get(args[0], []), cwd=tmp_path)
+        assert proc.returncode == 0, (line, proc.stderr)
+    assert (tmp_path / "runs" / "lora_merged" / "model.safetensors").is_file()
+
+
+QUICK_TEXT = ["data.max_bytes=60000", "data.seq_len=32", "train.global_batch_size=4", "log.tensorboard=false"]
