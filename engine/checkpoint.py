@@ -262,7 +262,7 @@ class Checkpointer:
         if self.base is not None:
             restored = self._restore(without_frozen(abstract_state), steps, step)
             self.base.check(restored.meta.get("base"), f"{self.directory}/{restored.step}")
-            frozen = self.base.load(abstract_state.model_state[FROZEN])
+            frozen = load_base(self.base, abstract_state.model_state[FROZEN])
             return restored._replace(state=with_frozen(restored.state, frozen))
         return self._restore(abstract_state, steps, step)
 
@@ -392,6 +392,20 @@ def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Re
     if restored is None:
         raise UsageError(f"{workdir}/checkpoints holds no complete checkpoint to {purpose}")
     return restored
+
+
+def load_base(base: BaseWeights, abstract_frozen):
+    """A fine-tuning run's frozen base: the parameters of finetune.base's newest checkpoint,
+    quantised as finetune.base_dtype says, in the shardings of `abstract_frozen`."""
+    assert base.identity["sha256"]  # (a base without checkpoints: this raises the error naming finetune.base)
+    source = Checkpointer(base.checkpoints, 1, read_only=True, verify=base.cfg.checkpoint.verify)
+    try:
+        params, _ = source.restore_params(base.plain(abstract_frozen))
+    except UsageError as e:
+        raise UsageError(f"finetune.base={base.cfg.finetune.base}: {e}") from None
+    finally:
+        source.close()
+    return base.quantised(params, abstract_frozen)
 
 
 def _restore_args(target, partial: bool = False) -> ocp.args.PyTreeRestore:

@@ -133,27 +133,20 @@ class BaseWeights:
             self._identity = {"path": str(self.directory), "step": steps[-1], "sha256": _digest(step_dir)}
         return self._identity
 
-    def load(self, abstract_frozen):
-        """The base parameters from their checkpoint, quantised as finetune.base_dtype says, in
-        the shardings of `abstract_frozen` (the train state's)."""
-        from engine.checkpoint import Checkpointer  # (it imports this module)
-
+    def plain(self, abstract_frozen):
+        """The base's parameters as its checkpoint holds them (train.param_dtype, unquantised),
+        in shardings like those of `abstract_frozen` (the train state's)."""
         dtype = jnp.dtype(self.cfg.train.param_dtype)
 
         def plain(leaf):
             return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=_first_sharding(leaf))
 
-        abstract = jax.tree.map(plain, abstract_frozen, is_leaf=lambda x: isinstance(x, QUANTISED))
-        assert self.identity["sha256"]  # (no checkpoint: this raises the error naming finetune.base)
-        source = Checkpointer(self.checkpoints, 1, read_only=True, verify=self.cfg.checkpoint.verify)
-        try:
-            params, _ = source.restore_params(abstract)
-        except UsageError as e:
-            raise UsageError(f"finetune.base={self.cfg.finetune.base}: {e}") from None
-        finally:
-            source.close()
-        base_dtype = self.cfg.finetune.base_dtype
+        return jax.tree.map(plain, abstract_frozen, is_leaf=lambda x: isinstance(x, QUANTISED))
+
+    def quantised(self, params, abstract_frozen):
+        """The base's parameters quantised as finetune.base_dtype says, in the state's shardings."""
         shardings = jax.tree.map(lambda x: x.sharding, abstract_frozen)
+        base_dtype = self.cfg.finetune.base_dtype
         return jax.jit(lambda p: quantize_base(p, self.projections, base_dtype), out_shardings=shardings)(params)
 
     def check(self, recorded: Optional[dict], where: str) -> None:

@@ -85,14 +85,10 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     abstract_params = sharding.unbox(abstract_vars["params"])
     model_state = split_variables(sharding.unbox(abstract_vars))[1]
     state_shardings = jax.tree.map(lambda _: replicated, model_state)
-    if lora:
-        (abstract_params, abstract_base), (param_shardings, base_shardings) = map(
-            finetune.split, (abstract_params, param_shardings)
+    if lora:  # the adapters' shapes and shardings; the frozen base's
+        abstract_params, param_shardings, state_shardings[FROZEN] = finetune.split_plan(
+            abstract_params, param_shardings, projections, cfg.finetune.base_dtype
         )
-        frozen = jax.eval_shape(
-            lambda b: finetune.quantize_base(b, projections, cfg.finetune.base_dtype), abstract_base
-        )
-        state_shardings[FROZEN] = finetune.frozen_shardings(frozen, base_shardings)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
         tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated

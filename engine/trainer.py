@@ -12,7 +12,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, load_base
 from engine.config import Config, save_config, to_yaml
 from engine.diloco import REPLICA, Layout, param_count
 from engine.distributed import barrier
@@ -277,7 +277,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
         _say(f"resuming from step {restored.step} (checkpoint {checkpointer.directory / str(restored.step)})")
     state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
     if restored is None and checkpointer.base is not None:  # a fresh fine-tuning run: its frozen base
-        state = with_frozen(state, checkpointer.base.load(run.abstract_state.model_state[FROZEN]))
+        state = with_frozen(state, load_base(checkpointer.base, run.abstract_state.model_state[FROZEN]))
         step = checkpointer.base.identity["step"]
         _say(f"fine-tuning LoRA adapters on the frozen base {cfg.finetune.base} (its step {step})")
     if start % run.inputs.steps_per_call:

@@ -17,7 +17,7 @@ from test_llama import TINY, transformers_logits, write_hf_checkpoint
 from test_parallel import train_losses
 
 from conftest import ROOT, run_cli
-from engine.checkpoint import restore_newest
+from engine.checkpoint import load_base, restore_newest
 from engine.config import load_config
 from engine.finetune import base_weights, with_frozen
 from engine.rundir import read_records
@@ -66,7 +66,7 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     base_state = restore_newest(base_dir, plain.abstract_state, plain_cfg, "read").state
     cfg = config(base_dir, tmp_path / "lora")
     run = build_run(cfg, compile_train=False)
-    frozen = base_weights(cfg).load(run.abstract_state.model_state[FROZEN])
+    frozen = load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN])
     start = with_frozen(run.init_state(), frozen)
     np.testing.assert_array_equal(logits(run, start), logits(plain, base_state))  # B = 0: the base's forward
 
@@ -179,7 +179,7 @@ def test_lora_over_fsdp_and_tensor_gives_the_one_device_losses(base, make_config
 def _fine_tune_run(make_config, common, *layout):
     cfg = make_config("llama_tiny.yaml", *common, *layout)
     run = build_run(cfg)
-    frozen = base_weights(cfg).load(run.abstract_state.model_state[FROZEN])
+    frozen = load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN])
     init = run.init_state
     run.init_state = lambda *a: with_frozen(init(*a), frozen)  # (what the trainer does at a fresh start)
     return run
