@@ -129,6 +129,11 @@ def _check_group(cfgs: list[Config]) -> None:
         raise UsageError("vectorize trains a group in one process; run the sweep without --local-processes")
     for cfg in cfgs:
         check_vectorizable(cfg, f"run {cfg.workdir}")
+        if cfg.finetune.base:  # (each trial would hold a copy of the base; not built)
+            raise UsageError(
+                f"run {cfg.workdir}: finetune.base is not vectorised; run the sweep without vectorize "
+                f"(each trial trains in its own process)"
+            )
         differs = shape_differences(cfgs[0], cfg)
         if differs:
             raise UsageError(
