@@ -92,6 +92,15 @@ def frozen_shardings(abstract_frozen, base_shardings):
     return jax.tree_util.tree_map_with_path(shard, abstract_frozen)
 
 
+def split_plan(abstract_params, param_shardings, projections, base_dtype: str) -> tuple[Any, Any, Any]:
+    """(the adapters' shapes, their shardings, the frozen base's shardings) of a model's."""
+    (abstract_adapters, abstract_base), (adapter_shardings, base_shardings) = map(
+        split, (abstract_params, param_shardings)
+    )
+    frozen = jax.eval_shape(lambda b: quantize_base(b, projections, base_dtype), abstract_base)
+    return abstract_adapters, adapter_shardings, frozen_shardings(frozen, base_shardings)
+
+
 def _size(mesh, axes) -> int:
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     size = 1

@@ -146,7 +146,8 @@ def projection_bytes(run) -> int:
     """Per device, the frozen base's projection kernels as the compiled memory analysis counts them."""
     frozen = flatten_dict(run.abstract_state.model_state[FROZEN])
     kernels = [v for p, v in frozen.items() if p[-1] == "kernel" and p[-2] in PROJECTIONS]
-    compiled = jax.jit(lambda ks: sum(jnp.sum(jax.tree.leaves(k)[0]) for k in ks)).lower(kernels).compile()
+    compiled = jax.jit(lambda ks: sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(ks)))
+    compiled = compiled.lower(kernels).compile()  # (every leaf used: codes and scales)
     return compiled.memory_analysis().argument_size_in_bytes
 
 
