@@ -113,6 +113,7 @@ class Checkpointer:
     ):
         self.directory = Path(directory).absolute()
         self.base = base  # a fine-tuning run's frozen base: not saved, read from its own checkpoint
+        self._frozen = None  # read-only (eval, export, sample): the base read once, for every restore
         self.read_only, self.timeout_seconds, self.verify = read_only, timeout_seconds, verify
         # process 0 hashes each completed step's files (SHA256SUMS) while training goes on
         self._hashing = ThreadPoolExecutor(1, "checkpoint-sums") if verify and not read_only else None
@@ -262,7 +263,11 @@ class Checkpointer:
         if self.base is not None:
             restored = self._restore(without_frozen(abstract_state), steps, step)
             self.base.check(restored.meta.get("base"), f"{self.directory}/{restored.step}")
-            frozen = load_base(self.base, abstract_state.model_state[FROZEN])
+            frozen = (
+                self._frozen if self._frozen is not None else load_base(self.base, abstract_state.model_state[FROZEN])
+            )
+            if self.read_only:  # (a training state is donated to its step: nothing may keep its arrays)
+                self._frozen = frozen
             return restored._replace(state=with_frozen(restored.state, frozen))
         return self._restore(abstract_state, steps, step)
 

@@ -14,6 +14,7 @@ a base that changed.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -102,11 +103,7 @@ def split_plan(abstract_params, param_shardings, projections, base_dtype: str) -
 
 
 def _size(mesh, axes) -> int:
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    size = 1
-    for name in names:
-        size *= mesh.shape[name]
-    return size
+    return math.prod(mesh.shape[name] for name in ((axes,) if isinstance(axes, str) else axes))
 
 
 def without_frozen(state):

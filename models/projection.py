@@ -37,7 +37,7 @@ class PackedNF4:
     """An nf4 kernel with two 4-bit codes per byte along its last axis (XLA:CPU keeps uint4
     arrays a byte per code, so qwix's uint4 qvalue would take 1/4 of float32, not 1/8)."""
 
-    codes: jax.Array  # uint8 [..., last / 2]
+    codes: jax.Array  # uint8 [..., last / 2]: the first half of the last axis low, the second high
     scale: jax.Array  # qwix's per-block scales
 
     @property
@@ -45,8 +45,9 @@ class PackedNF4:
         return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
     def unpack(self) -> qwix.QArray:
-        pairs = jnp.stack([self.codes & 15, self.codes >> 4], axis=-1)
-        return qwix.QArray(pairs.reshape(self.shape).astype(jnp.uint4), self.scale, qtype="nf4")
+        # halves joined along the last axis: no trailing axis of 2, which TPU tiling pads 64-fold
+        codes = jnp.concatenate([self.codes & 15, self.codes >> 4], axis=-1)
+        return qwix.QArray(codes.astype(jnp.uint4), self.scale, qtype="nf4")
 
 
 def quantize_kernel(w, inputs: int, outputs: int, base_dtype: str):
@@ -63,7 +64,8 @@ def quantize_kernel(w, inputs: int, outputs: int, base_dtype: str):
     if w.shape[-1] % 2:
         return q  # (an odd last axis: a byte per code)
     codes = q.qvalue.astype(jnp.uint8)
-    return PackedNF4(codes[..., 0::2] | (codes[..., 1::2] << 4), q.scale)
+    half = w.shape[-1] // 2
+    return PackedNF4(codes[..., :half] | (codes[..., half:] << 4), q.scale)
 
 
 def is_quantised(value) -> bool:

@@ -17,6 +17,7 @@ from test_llama import TINY, transformers_logits, write_hf_checkpoint
 from test_parallel import train_losses
 
 from conftest import ROOT, run_cli
+from engine import checkpoint
 from engine.checkpoint import load_base, restore_newest
 from engine.config import load_config
 from engine.finetune import base_weights, with_frozen
@@ -59,7 +60,7 @@ def logits(run, state):
     return np.asarray(run.model.module.apply(variables, jnp.asarray(TOKENS, jnp.int32), train=False))
 
 
-def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base, tmp_path):
+def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base, tmp_path, monkeypatch):
     _, base_dir = base
     plain_cfg = load_config(base_dir / "config.yaml", DATA, str(base_dir))
     plain = build_run(plain_cfg, compile_train=False)
@@ -99,6 +100,12 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     state_tree = json.loads((step_dir / "state" / "_METADATA").read_text())["tree_metadata"]
     assert not any("frozen" in key for key in state_tree)
     assert any("lora_b" in key for key in state_tree)
+    # a reader of the run's checkpoints (the evaluator, export) reads the base once for all of them
+    reads = []
+    monkeypatch.setattr(checkpoint, "load_base", lambda *a: reads.append(a) or load_base(*a))
+    reader = checkpoint.Checkpointer(tmp_path / "lora" / "checkpoints", 3, read_only=True, base=base_weights(cfg))
+    again = [reader.restore(run.abstract_state, step=s).state for s in (3, 3)]
+    assert len(reads) == 1 and np.allclose(logits(run, again[1]), logits(run, trained.state))
 
 
 def config_args(base_dir):
