@@ -14,6 +14,7 @@ import jax
 from engine.checkpoint import Checkpointer
 from engine.config import Config, read_yaml_mapping
 from engine.data import eval_batches
+from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
 from engine.finetune import base_weights
 from engine.metrics import MetricWriter
@@ -84,6 +85,7 @@ def run_evaluator(
             )
         )
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
+        recorded_preprocessing(workdir, run.dataset.info, "evaluate")  # (a table: the data it trained on)
         watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
         writer = closing.enter_context(
             contextlib.closing(

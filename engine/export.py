@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 from engine.axes import CONFIG_AXES
 from engine.checkpoint import restore_newest
 from engine.config import Config, load_config
+from engine.data.recorded import PREPROCESSING, recorded_preprocessing
 from engine.errors import UsageError
 from engine.rundir import write_sums
 from engine.setup import build_run
@@ -75,6 +76,7 @@ def export_run(workdir: str, out: str) -> Path:
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = run_config(workdir_path)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
+    preprocessing = recorded_preprocessing(workdir_path, run.dataset.info)
     restored = restore_newest(workdir_path, run.abstract_state, cfg, "export")
     variables = model_variables(restored.state.params, restored.state.model_state)
     variables["params"] = jax.tree.map(dequantized, variables["params"], is_leaf=is_quantised)  # (a QLoRA base)
@@ -91,7 +93,7 @@ def export_run(workdir: str, out: str) -> Path:
     with staged(out_path) as staging:
         _write_export(staging, cfg, run, restored, variables, serialized, signature)
         copy_tokenizer(workdir_path, run.dataset.info, staging)  # a language model's text goes in and out by it
-        _copy_preprocessing(run.dataset.info, staging)
+        _copy_preprocessing(preprocessing, run.dataset.info, staging)
         write_sums(staging)  # last: `sha256sum -c SHA256SUMS` in PATH checks every file before serving
     return out_path
 
@@ -118,10 +120,11 @@ def _signature_json(signature) -> dict:
     return {"input_shape": ["batch", *shape], "input_constraints": list(constraints), "input_dtype": dtype}
 
 
-def _copy_preprocessing(info, out_path: Path) -> None:
-    """A table's preprocessing as data (preprocessing.json) and the code that applies it."""
-    if info.preprocessing_data:
-        (out_path / "preprocessing.json").write_text(info.preprocessing_data)
+def _copy_preprocessing(preprocessing: bytes, info, out_path: Path) -> None:
+    """A table's preprocessing as data (the run's preprocessing.json, byte for byte) and the
+    code that applies it."""
+    if preprocessing:
+        (out_path / PREPROCESSING).write_bytes(preprocessing)
     for file in info.serving_files:
         shutil.copyfile(file, out_path / Path(file).name)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.checkpoint import Checkpointer, load_base
 from engine.config import Config, save_config, to_yaml
+from engine.data.recorded import PREPROCESSING, check_preprocessing
 from engine.diloco import REPLICA, Layout, param_count
 from engine.distributed import barrier
 from engine.errors import UsageError
@@ -239,21 +240,6 @@ def write_run_files(cfg: Config, info, workdir: Path) -> None:
         write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
     if info.tokenizer:
         shutil.copyfile(info.tokenizer, workdir / TOKENIZER)
-
-
-PREPROCESSING = "preprocessing.json"  # a table's vocabularies, boundaries and statistics (engine/data/table.py)
-
-
-def check_preprocessing(recorded: Path, info) -> None:
-    """UsageError when the workdir's run was trained on inputs preprocessed otherwise (a table
-    whose vocabularies or statistics changed since): its weights would read other ids."""
-    if not recorded.is_file() or recorded.read_text() == info.preprocessing_data:
-        return
-    raise UsageError(
-        f"{recorded} (the vocabularies, boundaries and statistics this run was trained with) differs "
-        "from what the data gives now (the data or data.features changed); train on the data it "
-        "started with, or give a new --workdir"
-    )
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):

@@ -322,6 +322,123 @@ def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
     assert proc.returncode == 2 and "preprocessing.json" in proc.stderr and "differs" in proc.stderr, proc.stderr
 
 
+HOSTILE = {  # (the table's bytes, data.features, what the one line says)
+    "a cell that is not UTF-8": (
+        ROWS.encode().replace(b"london", b"lond\xffn"),
+        "[{name: age, kind: numeric}, {name: city, kind: categorical}, {name: c, kind: indicator, source: city}]",
+        "line 3, column 'city': b'lond\\xffn' is not UTF-8 text",
+    ),
+    "a column named twice": (
+        ROWS.replace("age,city,tags,income", "age,city,tags,age").encode(),
+        "[{name: age, kind: numeric}]",
+        "column(s) named 'age' more than once",
+    ),
+    "a number beyond float32": (
+        ROWS.replace("35,london", "1e308,london").encode(),
+        "[{name: age, kind: numeric, normalize: zscore}]",
+        "line 3, column 'age': value 1e+308 is beyond float32's range",
+    ),
+    "boundaries that are text": (
+        ROWS.encode(),
+        "[{name: b, kind: bucketized, column: age, boundaries: [a, b]}, {name: i, kind: indicator, source: b}]",
+        "boundaries=['a', 'b'] must be a non-empty ascending list of numbers",
+    ),
+    "quantiles beyond the rows": (
+        ROWS.encode(),
+        "[{name: b, kind: bucketized, column: age, quantiles: 1000}, {name: i, kind: indicator, source: b}]",
+        "quantiles=1000 exceeds the train split's 4 values",
+    ),
+    "a billion quantiles": (
+        ROWS.encode(),
+        "[{name: b, kind: bucketized, column: age, quantiles: 1000000000}, {name: i, kind: indicator, source: b}]",
+        "quantiles=1000000000 must be an integer from 2 to 65536",
+    ),
+    "crossed buckets beyond int32": (
+        ROWS.encode(),
+        "[{name: c, kind: categorical, column: city}, {name: t, kind: categorical, column: tags}, "
+        "{name: x, kind: crossed, features: [c, t], hash_buckets: 1000000000000}]",
+        "hash_buckets=1000000000000 must be from 1 to",
+    ),
+    "crossed buckets of 0": (
+        ROWS.encode(),
+        "[{name: c, kind: categorical, column: city}, {name: t, kind: categorical, column: tags}, "
+        "{name: x, kind: crossed, features: [c, t], hash_buckets: 0}]",
+        "hash_buckets=0 must be from 1 to",
+    ),
+    "an embedding no device holds": (
+        ROWS.encode(),
+        "[{name: c, kind: categorical, column: city}, {name: e, kind: embedding, source: c, dimension: 1000000000}]",
+        "the train state needs",
+    ),
+}
+
+
+def test_hostile_tables_and_features_are_one_line_exit_2_and_leave_nothing(tmp_path):
+    """Each case in one process (tests/fuzz_cli.py): exit 2, one line naming the problem, no
+    traceback, no workdir left behind; sizes that cannot fit are refused before allocation."""
+    cases = []
+    for i, (name, (data, spec, message)) in enumerate(HOSTILE.items()):
+        table = tmp_path / f"t{i}" / "people.csv"
+        table.parent.mkdir()
+        table.write_bytes(data)
+        args = [f"data.path={table}", "data.label=label", "data.eval_fraction=0.2", f"data.features={spec}"]
+        argv = ["--config", str(ROOT / "configs" / PENGUINS), "--workdir", str(table.parent / "run"), *args]
+        cases.append({"name": name, "message": message, "workdir": str(table.parent / "run"), "argv": argv})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fuzz_cli.py"), str(tmp_path / "cases.json"), str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for result in json.loads((tmp_path / "out.json").read_text()):
+        where = f"{result['name']}: {result['stderr']} {result['escaped']}"
+        assert result["code"] == 2 and not result["escaped"], where
+        assert result["message"] in result["stderr"], where
+        assert len(result["stderr"].strip().splitlines()) == 1, where
+        assert not Path(result["workdir"]).exists(), where
+
+
+def test_an_edited_feature_cache_is_fitted_again_and_the_export_ships_the_runs_preprocessing(tmp_path):
+    """A feature cache whose spec was edited is not trusted (one line, fitted again); an export
+    after the data changed exits 2 naming the difference, and after it is restored ships the
+    workdir's preprocessing.json byte for byte."""
+    table = tmp_path / "people.csv"
+    body = ROWS.split("\n", 1)[1]
+    table.write_text(ROWS + body * 3)
+    args = [
+        "data.path=" + str(table),
+        "data.label=label",
+        "data.features=[{name: age, kind: numeric, normalize: zscore}, {name: city, kind: categorical}, "
+        "{name: city_embedding, kind: embedding, source: city, dimension: 2}]",
+        "train.global_batch_size=8",
+        "log.progress=false",
+        "train.steps=2",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_cli("--config", f"configs/{PENGUINS}", "--workdir", str(first), *args).returncode == 0
+    (cache,) = tmp_path.glob(".people.csv.features-*.json")
+    kept = json.loads(cache.read_text())
+    kept["spec"]["numeric"][0]["shift"] = 1e6  # a hand edit
+    cache.write_text(json.dumps(kept))
+    proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", str(second), *args)
+    assert proc.returncode == 0, proc.stderr
+    assert f"the feature cache {cache} is damaged or edited; fitting the features again" in proc.stderr
+    assert (second / "preprocessing.json").read_bytes() == (first / "preprocessing.json").read_bytes()
+
+    table.write_text(ROWS + body * 3 + "30,rome,a,10,no\n")  # a new city, new statistics
+    proc = run_cli("export", "--workdir", str(first), "--out", str(tmp_path / "export"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "(ids[0] (city).size: 5 recorded, 6 now;" in proc.stderr, proc.stderr
+    assert not (tmp_path / "export").exists()
+    table.write_text(ROWS + body * 3)
+    proc = run_cli("export", "--workdir", str(first), "--out", str(tmp_path / "export"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "export" / "preprocessing.json").read_bytes() == (first / "preprocessing.json").read_bytes()
+
+
 def test_a_regression_head_predicts_body_mass_better_than_the_mean_and_reports_rmse(tmp_path):
     """data.target=regression: one output, squared error; the eval record carries rmse (grams
     here), which must beat the spread of the label itself (predicting the mean: ~800 g)."""

@@ -49,6 +49,11 @@ KEYS = {
 IDS = ("bucketized", "categorical", "crossed")  # kinds that make ids
 MISSING_TEXT = "<missing>"  # categorical `missing: oov`: a value no vocabulary computed here holds
 MAX_ID = 2**31 - 1
+MAX_QUANTILES = 65536  # a bucketized feature's buckets from quantiles (more cannot differ on real data)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def entries(features: Sequence[Any]) -> list[dict]:
@@ -86,10 +91,13 @@ def _check_entry(entry: dict, where: str, before: Mapping[str, dict]) -> None:
         bounds, quantiles = entry.get("boundaries"), entry.get("quantiles")
         if (bounds is None) == (quantiles is None):
             raise UsageError(f"{where}: give boundaries: [..] or quantiles: N (not both)")
-        if bounds is not None and (not bounds or list(bounds) != sorted(set(bounds))):
+        numbers_only = isinstance(bounds, list) and all(_is_number(b) for b in bounds)
+        if bounds is not None and (not numbers_only or not bounds or list(bounds) != sorted(set(bounds))):
             raise UsageError(f"{where}: boundaries={bounds} must be a non-empty ascending list of numbers")
-        if quantiles is not None and (not isinstance(quantiles, int) or quantiles < 2):
-            raise UsageError(f"{where}: quantiles={quantiles!r} must be an integer >= 2 (the buckets made)")
+        if quantiles is not None and (not isinstance(quantiles, int) or not 2 <= quantiles <= MAX_QUANTILES):
+            raise UsageError(
+                f"{where}: quantiles={quantiles!r} must be an integer from 2 to {MAX_QUANTILES} (the buckets made)"
+            )
     if kind == "categorical":
         given = [k for k in ("vocabulary", "vocabulary_file", "min_count", "hash_buckets") if k in entry]
         if len(given) > 1:
@@ -98,9 +106,11 @@ def _check_entry(entry: dict, where: str, before: Mapping[str, dict]) -> None:
             if key in entry and (not isinstance(entry[key], int) or not 1 <= entry[key] <= MAX_ID // 2):
                 raise UsageError(f"{where}: {key}={entry[key]!r} must be a positive integer")
     if kind == "crossed":
-        names = entry.get("features")
-        if not isinstance(names, list) or len(names) < 2 or not isinstance(entry.get("hash_buckets"), int):
+        names, buckets = entry.get("features"), entry.get("hash_buckets")
+        if not isinstance(names, list) or len(names) < 2 or not isinstance(buckets, int) or isinstance(buckets, bool):
             raise UsageError(f"{where}: a crossed feature needs features: [a, b, ...] (2 or more) and hash_buckets: N")
+        if not 1 <= buckets <= MAX_ID // 2:
+            raise UsageError(f"{where}: hash_buckets={buckets} must be from 1 to {MAX_ID // 2} (ids are int32)")
         for name in names:
             if before.get(name, {}).get("kind") not in ("categorical", "bucketized"):
                 raise UsageError(f"{where}: {name!r} must name a categorical or bucketized feature listed before it")
@@ -191,12 +201,22 @@ def _numeric_stats(f: Mapping, values: Sequence) -> dict:
     if how != "none" and present.size:
         low, high = (np.mean(present), np.std(present)) if how == "zscore" else (np.min(present), np.ptp(present))
         shift, scale = float(low), float(1.0 / high) if high > 0 else 1.0
+    if not (math.isfinite(shift) and math.isfinite(scale) and scale > 0):
+        raise UsageError(
+            f"data.features ({f['name']}): the {how} statistics of column {f.get('column', f['name'])!r} are not "
+            f"finite (shift {shift}, scale {scale}); its values span too wide a range: remove the outliers"
+        )
     return {"fill": fill, "shift": shift, "scale": scale, "normalize": how}
 
 
 def _quantiles(values: np.ndarray, buckets: int) -> list[float]:
     if not values.size:
         raise UsageError("data.features: a bucketized feature's column has no values to take quantiles of")
+    if buckets > values.size:
+        raise UsageError(
+            f"data.features: quantiles={buckets} exceeds the train split's {values.size} values of the column; "
+            "use fewer buckets"
+        )
     cuts = np.quantile(values, np.linspace(0, 1, buckets + 1)[1:-1])
     return [float(c) for c in np.unique(cuts)]
 
@@ -237,3 +257,33 @@ def _vocabulary_file(path: Path, name: str) -> list[str]:
     if not words:
         raise UsageError(f"data.features ({name}): vocabulary_file {path} holds no values (one per line)")
     return words
+
+
+def first_difference(recorded: Any, now: Any, where: str = "") -> str:
+    """Where two resolved specs (parsed preprocessing.json) first differ, with both values:
+    'numeric[0].shift: 0.455 recorded, 1.791 now' ("" when equal)."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        for key in sorted(recorded.keys() | now.keys(), key=str):
+            named = f"{where}.{key}" if where else str(key)
+            if key not in recorded or key not in now:
+                was, now_is = ("present", "absent") if key in recorded else ("absent", "present")
+                return f"{named}: {was} recorded, {now_is} now"
+            found = first_difference(recorded[key], now[key], named)
+            if found:
+                return found
+        return ""
+    if isinstance(recorded, list) and isinstance(now, list) and len(recorded) == len(now):
+        for i, (a, b) in enumerate(zip(recorded, now)):
+            name = f" ({a['name']})" if isinstance(a, dict) and "name" in a else ""
+            found = first_difference(a, b, f"{where}[{i}]{name}")
+            if found:
+                return found
+        return ""
+    if recorded == now:
+        return ""
+    return f"{where}: {_short(recorded)} recorded, {_short(now)} now"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

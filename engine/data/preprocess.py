@@ -31,6 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the model reads numbers as float32
+
 
 class BadCell(ValueError):
     """A value the spec cannot take: `row` (0-based, in the rows given) and `column` name it."""
@@ -56,7 +58,8 @@ def as_text(value: Any) -> str:
 
 
 def numbers(values: Sequence[Any] | np.ndarray, column: str, fill: Any) -> np.ndarray:
-    """float64 values of a numeric column, the missing ones `fill` (BadCell if there is none)."""
+    """float64 values of a numeric column, the missing ones `fill` (BadCell if there is none, or
+    for a value beyond float32's range, which the model's inputs are)."""
     if isinstance(values, np.ndarray) and values.dtype.kind in "biuf":  # a column read as numbers
         out = values.astype(np.float64)
         bad = np.flatnonzero(~np.isfinite(out))
@@ -64,7 +67,7 @@ def numbers(values: Sequence[Any] | np.ndarray, column: str, fill: Any) -> np.nd
             what = "missing value (NaN or empty)" if np.isnan(out[bad[0]]) else f"value {out[bad[0]]}"
             raise BadCell(int(bad[0]), column, f"{what}; say how to fill it with missing:")
         out[bad] = fill if bad.size else 0.0
-        return out
+        return _within_float32(out, column)
     out = np.empty(len(values), np.float64)
     for row, value in enumerate(values):
         if is_missing(value):
@@ -80,6 +83,13 @@ def numbers(values: Sequence[Any] | np.ndarray, column: str, fill: Any) -> np.nd
             if fill is None:
                 raise BadCell(row, column, f"value {value!r}; say how to fill it with missing:")
             out[row] = fill
+    return _within_float32(out, column)
+
+
+def _within_float32(out: np.ndarray, column: str) -> np.ndarray:
+    huge = np.flatnonzero(np.abs(out) > FLOAT32_MAX)
+    if huge.size:
+        raise BadCell(int(huge[0]), column, f"value {out[huge[0]]:g} is beyond float32's range (±{FLOAT32_MAX:.3g})")
     return out
 
 

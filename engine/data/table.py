@@ -115,6 +115,9 @@ def _read(files: list[Path], wanted: list[str]) -> tuple[dict[str, Any], np.ndar
             data = pq.read_table(file) if file.suffix.lower() != ".csv" else pacsv.read_csv(file)
         except (pa.ArrowInvalid, OSError) as e:
             raise UsageError(f"{file} is not a readable {file.suffix[1:]} table: {e}") from None
+        twice = sorted({name for name in wanted if data.column_names.count(name) > 1})
+        if twice:
+            raise UsageError(f"{file} has {len(twice)} column(s) named {twice[0]!r} more than once; rename them")
         missing = [name for name in wanted if name not in data.column_names]
         if missing:
             raise UsageError(
@@ -126,12 +129,33 @@ def _read(files: list[Path], wanted: list[str]) -> tuple[dict[str, Any], np.ndar
         for name in wanted:
             column = data.column(name)
             numeric = pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
-            parts[name].append(
-                column.to_numpy().astype(np.float64) if numeric else np.array(column.to_pylist(), object)
-            )
+            values = column.to_numpy().astype(np.float64) if numeric else np.array(column.to_pylist(), object)
+            if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+                _refuse_bytes(file, name, values)  # (pyarrow reads a text column with a non-UTF-8 cell as bytes)
+            parts[name].append(values)
         origin.append(np.stack([np.full(data.num_rows, i), np.arange(data.num_rows)], axis=1))
     columns = {name: _join(chunks) for name, chunks in parts.items()}
     return columns, np.concatenate(origin)
+
+
+def _refuse_bytes(file: Path, name: str, values: np.ndarray) -> None:
+    """UsageError naming the first cell of a bytes column that is not UTF-8 text (a table's
+    categories are text: bytes would each become their own unseen category when served)."""
+    for row, value in enumerate(values):
+        if value is None:
+            continue
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(
+                f"{file}: {_place(file, row)}, column {name!r}: {bytes(value[:40])!r} is not UTF-8 text; "
+                "save the table as UTF-8"
+            ) from None
+    raise UsageError(f"{file}: column {name!r} holds binary values, not text or numbers; a feature reads one of those")
+
+
+def _place(file: Path, row: int) -> str:
+    return f"line {row + 2}" if file.suffix.lower() == ".csv" else f"row {row}"  # a CSV's header is line 1
 
 
 def _join(chunks: list[np.ndarray]) -> np.ndarray:
@@ -147,8 +171,7 @@ def _named(make, files: list[Path], origin: np.ndarray, index: np.ndarray):
     except preprocess.BadCell as e:
         file_index, row = origin[index[e.row]]
         file = files[file_index]
-        place = f"line {row + 2}" if file.suffix.lower() == ".csv" else f"row {row}"  # a CSV's header is line 1
-        raise UsageError(f"{file}: {place}, column {e.column!r}: {e.problem}") from None
+        raise UsageError(f"{file}: {_place(file, row)}, column {e.column!r}: {e.problem}") from None
 
 
 def _cached_fit(cfg, files, features, train: tuple[dict, np.ndarray], columns, origin) -> dict:
@@ -162,18 +185,37 @@ def _cached_fit(cfg, files, features, train: tuple[dict, np.ndarray], columns, o
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     key = digest.hexdigest()
     cache = _cache_file(files[0], key)
-    if cache.is_file():
-        try:
-            kept = json.loads(cache.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            kept = {}  # a damaged cache is fitted again and rewritten
-        if isinstance(kept, dict) and kept.get("key") == key:
-            return kept["spec"]
+    kept = _cached_spec(cache, key)
+    if kept is not None:
+        return kept
     spec = _named(lambda: feature_columns.fit(features, train[0], columns), files, origin, train[1])
     spec["label"] = _label_spec(cfg, columns[cfg.label], files, origin, np.arange(len(origin)))
     cache.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(cache, json.dumps({"key": key, "files": [str(f) for f in files], "spec": spec}, indent=1))
+    record = {"key": key, "files": [str(f) for f in files], "spec": spec, "spec_sha256": _spec_digest(spec)}
+    write_atomic(cache, json.dumps(record, indent=1))
     return spec
+
+
+def _spec_digest(spec) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _cached_spec(cache: Path, key: str) -> dict | None:
+    """The spec a cache file holds when it is the one fitted for `key` and matches its checksum;
+    None (fit again) otherwise, with one line saying why when the file is damaged or was edited."""
+    if not cache.is_file():
+        return None
+    try:
+        kept = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        kept, problem = None, f"unreadable ({type(e).__name__})"
+    else:
+        intact = isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("spec"), dict)
+        problem = "" if intact and kept.get("spec_sha256") == _spec_digest(kept["spec"]) else "damaged or edited"
+    if problem:
+        print(f"warning: the feature cache {cache} is {problem}; fitting the features again", file=sys.stderr)
+        return None
+    return kept["spec"]
 
 
 def _label_spec(cfg, values: np.ndarray, files, origin, index) -> dict:
