@@ -366,15 +366,25 @@ class Checkpointer:
         if not steps:
             raise UsageError(f"checkpoint.restore_from={self.directory} holds no complete checkpoint")
         step = steps[-1]
+        mismatch = self._verify(step)  # a base or starting point is checked as a resume is
+        if mismatch:
+            raise UsageError(
+                f"checkpoint {self.directory}/{step} is damaged: {mismatch}; restore it from a copy, "
+                "or name another checkpoint"
+            )
         problems = self._param_mismatches(step, abstract_params)
         if problems:
             raise UsageError(
                 f"checkpoint.restore_from={self.directory} (step {step}) does not fit this model: "
                 + "; ".join(problems)
             )
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=_restore_args({"params": abstract_params}, partial=True))
-        )
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=_restore_args({"params": abstract_params}, partial=True))
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:  # orbax's and tensorstore's read failures
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+            raise UsageError(f"checkpoint {self.directory}/{step} is unreadable ({reason}); name another") from None
         params = restored["state"]["params"]
         check_shardings(params, abstract_params)
         return params, step

@@ -36,7 +36,7 @@ from engine.perf import StepCost, enable_compilation_cache, step_cost
 from engine.pipeline import layouts as pipeline_layouts
 from engine.pipeline import stage_plan, storage_order
 from engine.process import compile_cache_events
-from engine.state import StatePlan, state_plan, state_plan_of
+from engine.state import StatePlan, check_fits, state_plan, state_plan_of
 from engine.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step
 from engine.tpu import chip_of
 from models import REGISTRY, ModelFamily
@@ -358,13 +358,16 @@ def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> S
     )
 
 
-def build_run(cfg: Config, compile_train: bool = True) -> Run:
+def build_run(cfg: Config, compile_train: bool = True, check_memory: bool = True) -> Run:
     """Builds and compiles a run from shapes alone; no state is allocated until init_state().
 
-    compile_train=False (the evaluator, export) skips compiling the train step: train_step is None."""
+    compile_train=False (the evaluator, export) skips compiling the train step: train_step is None.
+    check_memory=False (--dry-run, which reports sizes) builds a state too large for a device."""
     cache_before = dict(compile_cache_events)
     plan = plan_run(cfg)
     mesh, shapes = plan.mesh, plan.shapes
+    if check_memory:  # (a plan for a pod reports what does not fit itself)
+        check_fits(plan.state.abstract, device_memory_bytes(mesh))
     compiled = compile_plan(cfg, plan, compile_train)
     inputs = Inputs(
         train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),

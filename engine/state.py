@@ -15,6 +15,8 @@ from jax.sharding import Mesh
 
 from engine import finetune, sharding
 from engine.config import Config
+from engine.errors import UsageError
+from engine.hlo import human_bytes
 from engine.step import FROZEN, TrainState, split_variables
 from models import ModelFamily
 
@@ -106,3 +108,22 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
         return init_state(seed, hparams).replace(params=params)
 
     return state_plan_of(init_state, with_params, shardings, param_layouts, np.int32(cfg.seed), hparams)
+
+
+def check_fits(abstract_state, room: int) -> None:
+    """UsageError when one device's share of the train state alone exceeds `room` bytes (its
+    memory): a size that cannot fit (a LoRA rank, an embedding's dimension, a hash table) is
+    refused from shapes, before anything is allocated or written."""
+    sizes = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        sizes.append((int(np.prod(shard, dtype=np.int64)) * getattr(leaf.dtype, "itemsize", 4), path, leaf.shape))
+    total = sum(size for size, _, _ in sizes)
+    if total <= room:
+        return
+    size, path, shape = max(sizes, key=lambda s: s[0])
+    raise UsageError(
+        f"the train state needs {human_bytes(total)} per device, more than a device's {human_bytes(room)} "
+        f"(the largest part: {sharding.path_name(path)} {list(shape)}, {human_bytes(size)}); make the setting "
+        "that sizes it smaller, or shard it over more devices (mesh.fsdp)"
+    )

@@ -217,6 +217,34 @@ def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base
     assert f"finetune.base={base_dir}: the base changed since" in proc.stderr, proc.stderr
 
 
+def _flip(path, count=64):
+    data = bytearray(path.read_bytes())
+    for i in range(min(count, len(data))):
+        data[len(data) // 2 + i - min(count, len(data)) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["data", "_sharding"])
+def test_a_damaged_base_is_refused_naming_finetune_base(base, tmp_path, damage):
+    """A base checkpoint whose files changed on disk: the adapters' run (and sample, export,
+    eval, which read the base the same way) exit 2 naming finetune.base, never train on it."""
+    _, imported = base
+    base_dir = tmp_path / "base"
+    shutil.copytree(imported, base_dir)
+    (step,) = [p for p in (base_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    files = [p for p in (step / "state").rglob("*") if p.is_file()]
+    target = (
+        next(p for p in files if p.name == "_sharding")
+        if damage == "_sharding"
+        else max(files, key=lambda p: p.stat().st_size)
+    )
+    _flip(target)
+    cfg = config(base_dir, tmp_path / "lora")
+    run = build_run(cfg, compile_train=False)
+    with pytest.raises(checkpoint.UsageError, match=f"finetune.base={base_dir}: checkpoint .* is damaged"):
+        load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN])
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -225,15 +253,16 @@ def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base
         (["finetune.lora.rank=0", "finetune.base_dtype=nf4"], "finetune.base_dtype=nf4 freezes the base"),
         (["model.name=mlp", "data.name=digits"], "finetune.lora.rank: model.name=mlp has no named projections"),
         (["finetune.base=/nonexistent/run"], "finetune.base=/nonexistent/run"),
+        (["finetune.lora.rank=1000000000"], "the train state needs"),
     ],
-    ids=["targets", "rank", "rank-0", "family", "base"],
+    ids=["targets", "rank", "rank-0", "family", "base", "rank-too-large"],
 )
 def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path, overrides, named):
     args = ["--config", str(ROOT / "configs" / "llama_tiny.yaml"), "--workdir", str(tmp_path / "run"), *DATA]
     proc = run_cli(*args, "finetune.lora.rank=4", *overrides, "train.steps=1")
     assert proc.returncode == 2, proc.stderr
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()  # nothing left behind: no config.yaml, tokenizer.json, checkpoints/
 
 
 def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
