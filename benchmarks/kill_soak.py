@@ -3,9 +3,10 @@
 re-run must end with exit 0 and give the uninterrupted result: byte-identical files
 (tokenize; the Hugging Face export of an imported model; a serving export's program) and
 bit-identical parameters and losses (a vectorised group's per-trial metrics and exported
-weights). Prints one line per command with its counts.
+weights; a LoRA fine-tuning run's and a table run's recorded losses after resuming). Prints
+one line per command with its counts.
 
-    python benchmarks/kill_soak.py --kills 20 [--only tokenize,import-hf,export,group,search]
+    python benchmarks/kill_soak.py --kills 20 [--only tokenize,import-hf,export,group,search,lora,table]
 """
 
 from __future__ import annotations
@@ -200,7 +201,54 @@ class Search(Sweep):
     }
 
 
-SOAKS = {cls.name: cls for cls in (Tokenize, ImportHF, Export, Group, Search)}
+class Training(Soak):
+    """A training run killed and re-run on its workdir: it resumes, and its recorded losses
+    (train and eval, each step once) equal the uninterrupted run's bit for bit."""
+
+    common = ["train.steps=40", "checkpoint.every_steps=5", "log.every_steps=1", "eval.every_steps=10",
+              "log.progress=false", "log.tensorboard=false"]  # fmt: skip
+
+    def result(self, out):
+        import json
+
+        from engine.rundir import read_records
+
+        records = read_records(out / "metrics.jsonl")
+        losses = [(r["split"], r["step"], r["loss"]) for r in records if r["split"] in ("train", "eval")]
+        assert len({(split, step) for split, step, _ in losses}) == len(losses), "a step recorded twice"
+        return hashlib.sha256(json.dumps(losses).encode()).hexdigest()
+
+
+class Lora(Training):
+    name = "lora"
+
+    def __init__(self, base: Path):
+        super().__init__(base)
+        from test_llama import TINY, write_hf_checkpoint
+
+        from models.llama import LlamaConfig
+
+        write_hf_checkpoint(base / "hf", LlamaConfig(**TINY), vocab=256)
+        self.data = ["data.name=synthetic_text", "data.vocab_size=256", "data.seq_len=16", "data.num_examples=256",
+                     "train.global_batch_size=8"]  # fmt: skip
+        proc = finish("import-hf", str(base / "hf"), "--workdir", str(base / "imported"), *self.data)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def argv(self, out):
+        lora = ["finetune.lora.rank=4", "finetune.lora.targets=[all]", "finetune.lora.dropout=0.1",
+                f"finetune.base={self.base / 'imported'}", "optimizer.learning_rate=0.01"]  # fmt: skip
+        config = str(self.base / "imported" / "config.yaml")
+        return ["--config", config, "--workdir", str(out), *self.data, *lora, *self.common]
+
+
+class Table(Training):
+    name = "table"
+
+    def argv(self, out):
+        return ["--config", "penguins_wide_deep", "--workdir", str(out), "train.steps_per_call=1", *self.common]
+
+
+SOAKS = {cls.name: cls for cls in (Tokenize, ImportHF, Export, Group, Search, Lora, Table)}
 
 
 def soak(kind: type[Soak], kills: int, seed: int) -> str:
