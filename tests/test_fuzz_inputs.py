@@ -164,3 +164,78 @@ def test_damaged_inputs_keep_the_exit_code_contract(tmp_path):
     refused = [r for r in results if r["code"] == 2]
     assert len(refused) > len(results) // 2  # most damage is bad input, said in one line
     assert all(len(r["stderr"].strip().splitlines()) >= 1 for r in refused)
+
+
+def run_in_one_process(tmp_path, cases: list[dict], timeout: int = 600) -> list[dict]:
+    """Each case's exit code, stderr and any escaped exception, all run by tests/fuzz_cli.py in one process."""
+    cases_file, results_file = tmp_path / "cases.json", tmp_path / "results.json"
+    cases_file.write_text(json.dumps(cases))
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fuzz_cli.py"), str(cases_file), str(results_file)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(results_file.read_text())
+
+
+def broken_contract(results: list[dict]) -> list:
+    return [
+        (r["argv"][:3], r["code"], r["escaped"] or r["stderr"][-400:])
+        for r in results
+        if r["escaped"] or r["code"] not in CONTRACT or "Traceback" in r["stderr"]
+    ]
+
+
+def test_damaged_tables_feature_caches_and_run_records_keep_the_exit_code_contract(tmp_path):
+    """A table's CSV and Parquet files, its feature cache and a finished run's
+    preprocessing.json, damaged: every command ends 0, 1 or 2, never with a traceback."""
+    rng = np.random.default_rng(4321)
+    header, *rows = ["age,city,income,label"] + [
+        f"{20 + i},{'paris london tokyo'.split()[i % 3]},{i}.5,{i % 2}" for i in range(24)
+    ]
+    data = tmp_path / "table"
+    data.mkdir()
+    (data / "people.csv").write_text("\n".join([header, *rows]) + "\n")
+    columns = list(zip(*(row.split(",") for row in rows)))
+    numbers = {name: [float(v) for v in columns[i]] for i, name in ((0, "age"), (2, "income"))}
+    table = pa.table({**numbers, "city": list(columns[1]), "label": [int(v) for v in columns[3]]})
+    pq.write_table(table, data / "people.parquet")
+    spec = (
+        "data.features=[{name: age, kind: numeric, normalize: zscore}, {name: income, kind: bucketized, quantiles: 3},"
+        " {name: city, kind: categorical}, {name: city_x, kind: crossed, features: [city, income], hash_buckets: 8},"
+        " {name: e, kind: embedding, source: city, dimension: 2}]"
+    )
+    table_args = ["--config", "penguins_wide_deep", "data.label=label", spec, "train.steps=2", "log.progress=false"]
+    table_args += ["train.global_batch_size=8", "train.steps_per_call=1"]
+    made = run_cli(*table_args, f"data.path={data / 'people.csv'}", "--workdir", str(tmp_path / "trained"))
+    assert made.returncode == 0, made.stderr
+    (cache,) = data.glob(".people.csv.features-*.json")
+    cases = []
+
+    def variants(directory: Path, name: str) -> list[Path]:
+        made = []
+        for i, bad in enumerate(damaged((directory / name).read_bytes(), rng)):
+            target = tmp_path / "cases" / f"{name}-{i}"
+            shutil.copytree(directory, target)
+            (target / name).write_bytes(bad)
+            made.append(target)
+        return made
+
+    for name in ("people.csv", "people.parquet", cache.name):
+        for i, copy in enumerate(variants(data, name)):
+            table = copy / ("people.csv" if name == cache.name else name)
+            work = str(tmp_path / "runs" / f"{name}-{i}")
+            cases.append({"argv": [*table_args, f"data.path={table}", "--workdir", work, "--dry-run"]})
+    for i, copy in enumerate(variants(tmp_path / "trained", "preprocessing.json")):
+        cases.append({"argv": ["export", "--workdir", str(copy), "--out", str(tmp_path / "exports" / str(i))]})
+
+    results = run_in_one_process(tmp_path, cases)
+    assert len(results) == len(cases) == 20
+    assert not broken_contract(results), broken_contract(results)
+    exports = results[-VARIANTS:]
+    assert all(r["code"] == 2 and "preprocessing.json" in r["stderr"] for r in exports), exports
