@@ -83,6 +83,7 @@ class RunJob:
         self.config_text = to_yaml(cfg)  # once: it takes ~0.1 s
         self.done = start  # steps dispatched
         self.outer = None  # DiLoCo: the last outer step's metrics (still on the device)
+        self.warned_drops = False  # a mixture of experts' dropped assignments: said once on the console
 
     def block(self, index: int):
         return self.run.train_block(index)
@@ -105,6 +106,13 @@ class RunJob:
         losses = step_losses(host, window.start)
         self._nonfinite(nonfinite_loss(losses))
         record = train_record(host, window, self.run.dataset.info.sources, self.rates)
+        if record.get("moe_dropped_tokens") and not self.warned_drops:  # said once a run: metrics.jsonl has each
+            self.warned_drops = True
+            self.writer.message(
+                f"warning: the experts dropped {record['moe_dropped_tokens']:.0f} token-to-expert assignments "
+                f"({record['moe_dropped_fraction']:.1%}) by step {done}: they skip their expert (model."
+                "expert_capacity_factor for onehot, model.expert_buffer_factor for ragged; 0 drops nothing)"
+            )
         if self.run.compiled.sync_step is not None:
             record.update(self._outer_record(done))
         self.writer.write(done, "train", record)

@@ -164,16 +164,17 @@ class LlamaConfig:
     moe_dispatch: str = option(
         "onehot",
         "how routed tokens reach their experts: onehot (GShard's einsums over capacity slots) or "
-        "ragged (tokens sorted by expert, grouped matmuls: jax.lax.ragged_dot; nothing is dropped "
-        "but what overflows expert_buffer_factor under mesh.expert > 1)",
+        "ragged (tokens sorted by expert, grouped matmuls: jax.lax.ragged_dot; dropless unless "
+        "expert_buffer_factor bounds the buffers under mesh.expert > 1)",
         choices=("onehot", "ragged"),
     )
     expert_buffer_factor: float = option(
-        2.0,
-        "ragged dispatch over mesh.expert = S devices: each device sends each expert shard at "
-        "most ceil(factor * A / S) of its A token-to-expert assignments (A = its tokens x "
-        "experts_per_token; a balanced routing needs factor 1); the rest skip the expert "
-        "(counted in metrics.jsonl); factor >= S, or 0, never drops",
+        0.0,
+        "ragged dispatch over mesh.expert = S devices: 0 (the default) or >= S never drops (buffers "
+        "of all A token-to-expert assignments); a factor in (0, S) bounds each device's buffer per "
+        "expert shard to ceil(factor * A / S) assignments (A = its tokens x experts_per_token; a "
+        "balanced routing needs factor 1), saving memory: the rest skip the expert (counted in "
+        "metrics.jsonl, warned on the console)",
         at_least=0,
     )
     router_aux_loss_coef: float = option(

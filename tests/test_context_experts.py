@@ -103,13 +103,15 @@ def test_moe_over_expert_axes_matches_one_device(make_config):
 
 
 @pytest.mark.slow
-def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path):
+def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path, capsys):
     common = [*LLAMA, *MOE, "train.steps=4", "log.every_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0"]
     fit(
         make_config(
             "llama_tiny", *common, "mesh.num_devices=1", "model.expert_capacity_factor=0.5", workdir=tmp_path / "0.5"
         )
     )
+    warned = [line for line in capsys.readouterr().out.splitlines() if "warning: the experts dropped" in line]
+    assert len(warned) == 1 and "model.expert_capacity_factor" in warned[0], warned  # said once, not per log line
     # the dropless run split over context and experts: its readers (export) run on one device
     fit(
         make_config(
@@ -129,6 +131,7 @@ def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path
         assert 0.01 * 0.5 < record["moe_aux_loss"] < 0.01 * 8  # coef x E * sum(f * P): 1 when balanced, 8 at worst
     assert all(r["moe_dropped_fraction"] > 0.3 for r in tight)  # half the room of a balanced routing
     assert all(r["moe_dropped_tokens"] == 0 for r in dropless)
+    assert "warning: the experts dropped" not in capsys.readouterr().out
     proc = run_cli("export", "--workdir", str(tmp_path / "0"), "--out", str(tmp_path / "exported"))
     assert proc.returncode == 0 and (tmp_path / "exported").exists(), proc.stderr
     # no Hugging Face layout for experts: refused before anything is written

@@ -99,12 +99,12 @@ def test_a_skewed_routing_drops_nothing_ragged_and_the_excess_onehot(make_config
     """16 sequences of 16 tokens, 2 layers, every token to experts 0 and 1 of 8: 1024
     assignments. One-hot at capacity factor 1.25 keeps ceil(1.25 * 16 * 2 / 8) = 5 per
     expert per sequence, dropping 2 * (16 - 5) per sequence and layer. Ragged drops nothing on
-    one device, nor over expert 2 with the default buffers (room for 2 x 64 / 2: every
+    one device, nor over expert 2 or 4 with the default buffers (factor 0: room for every
     assignment); with factor 1 each device (2 sequences: 64 assignments) sends at most 64 / S
     to the shard holding experts 0 and 1, and the rest overflow."""
     onehot = skewed_first_step(make_config, "mesh.num_devices=1", "model.expert_capacity_factor=1.25")
     assert onehot["routed"] == 1024 and onehot["dropped"] == 2 * 16 * 2 * (16 - 5)
-    for layout in (["mesh.num_devices=1"], ["mesh.data=4", "mesh.expert=2"]):
+    for layout in (["mesh.num_devices=1"], ["mesh.data=4", "mesh.expert=2"], ["mesh.data=2", "mesh.expert=4"]):
         ragged = skewed_first_step(make_config, *layout, *RAGGED)
         assert ragged["routed"] == 1024 and ragged["dropped"] == 0, layout
     for shards, data in ((2, 4), (4, 2)):
