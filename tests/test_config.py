@@ -182,6 +182,19 @@ def test_config_files_that_expand_or_point_nowhere_are_refused_by_name(tmp_path,
         load_config("mnist_mlp", ["seed=-1"], str(tmp_path / "run"))
 
 
+def test_extends_names_a_shipped_config_by_bare_name_from_anywhere(tmp_path):
+    """A user's own file extends a shipped config by bare name, as --config takes it; a name
+    that is neither a file nor shipped lists the shipped ones, base.yaml included."""
+    (tmp_path / "mine").mkdir()
+    for base in ("base", "base.yaml", "mnist_mlp"):
+        (tmp_path / "mine" / "run.yaml").write_text(f"extends: {base}\nmodel: {{name: mlp}}\ntrain: {{steps: 7}}\n")
+        cfg = load_config(tmp_path / "mine" / "run.yaml", [], str(tmp_path / "run"))
+        assert cfg.train.steps == 7, base
+    (tmp_path / "mine" / "run.yaml").write_text("extends: nowhere\n")
+    with pytest.raises(UsageError, match=r"does not exist; shipped configs \(also by bare name\): base.yaml, "):
+        load_config(tmp_path / "mine" / "run.yaml", [], str(tmp_path / "run"))
+
+
 def _never(*args, **kwargs):
     raise AssertionError("the YAML alias bomb reached OmegaConf")
 

@@ -1,9 +1,10 @@
 """Loading a run's configuration: YAML files (with `extends:`) + dotted overrides, merged over
 the schema by OmegaConf (types checked there), then validated (validate.py).
 
-A config file may name another with `extends: other.yaml` (a path relative to the file);
-the base is loaded first and the file's keys are merged over it. The `model` section's
-schema is the chosen model's own dataclass (see models/), so each model has typed keys.
+A config file may name another with `extends: other.yaml` (a path relative to the file, or
+a shipped config's bare name: `extends: base`); the base is loaded first and the file's keys
+are merged over it. The `model` section's schema is the chosen model's own dataclass (see
+models/), so each model has typed keys.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if "\x00" in str(path):
         raise UsageError(f"config file {str(path)!r}: a path cannot hold a NUL character")
     if not path.is_file():
-        raise UsageError(f"config file {path} does not exist; shipped configs: {', '.join(shipped_configs())}")
+        names = ", ".join(shipped_configs(with_base=True))
+        raise UsageError(f"config file {path} does not exist; shipped configs (also by bare name): {names}")
     if path in seen:
         raise UsageError(f"config {path} extends itself through {' -> '.join(map(str, seen))}")
     data = read_yaml_mapping(path, "config file")
@@ -100,7 +102,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise UsageError(
             f"config file {path}: extends: {base!r} must be the path of one config file, e.g. extends: base.yaml"
         )
-    merged = _read_yaml((path.parent / base).resolve(), seen + (path,))
+    merged = _read_yaml(config_file(base, path.parent), seen + (path,))
     return _deep_merge(merged, data)
 
 
@@ -114,8 +116,20 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def shipped_configs() -> list[str]:
-    return sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name != "base.yaml")
+def shipped_configs(with_base: bool = False) -> list[str]:
+    """The configs in configs/ (base.yaml, which only others extend, with `with_base`)."""
+    return sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if with_base or p.name != "base.yaml")
+
+
+def config_file(name: str | os.PathLike, directory: Path = Path(".")) -> Path:
+    """A config's file: `name` relative to `directory`, else the shipped config of that bare
+    name (with or without .yaml), as --config and `extends:` both take it."""
+    path = directory / name
+    if not path.is_file() and Path(name).name == str(name):
+        for shipped in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
+            if shipped.is_file():
+                return shipped.resolve()
+    return path.resolve()
 
 
 def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -228,11 +242,8 @@ def load_config(
     override_source: str = "the command line",
 ) -> Config:
     """Config file + `a.b=value` overrides → validated Config; UsageError says what is wrong."""
-    path = Path(config_path)
-    for shipped in (CONFIG_DIR / path, CONFIG_DIR / f"{path}.yaml"):  # a name of configs/, with or without .yaml
-        if not path.is_file() and shipped.is_file():
-            path = shipped
-    raw = _read_yaml(path.resolve())
+    path = config_file(config_path)
+    raw = _read_yaml(path)
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise UsageError(f"override '{item}' is not of the form dotted.key=value, e.g. train.steps=100")
