@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from engine.distributed import barrier
 from engine.errors import UsageError
-from engine.finetune import BaseWeights, base_weights, with_frozen, without_frozen
+from engine.finetune import BaseWeights, adapters_only, base_weights, with_frozen, without_frozen
 from engine.process import distributed_client_barriers_on
 from engine.rundir import SUMS, check_sums, write_sums
 from engine.sharding import path_name
@@ -245,6 +245,14 @@ class Checkpointer:
 
     def _check_compatible(self, step: int, abstract_state) -> None:
         problems = self._param_mismatches(step, abstract_state.params)
+        if problems and adapters_only(abstract_state.params):
+            saved = self.manager.item_metadata(step)["state"]["params"]
+            if not adapters_only(saved, any_of=True):
+                workdir = self.directory.parent
+                raise UsageError(
+                    f"{workdir} holds a model's full weights (checkpoint {step}), and finetune.lora trains "
+                    f"adapters on a frozen base: fine-tune in a new workdir with finetune.base={workdir}"
+                )
         if problems:
             raise UsageError(
                 f"checkpoint {self.directory}/{step} does not fit this model's config: "

@@ -198,3 +198,9 @@ def base_weights(cfg) -> Optional[BaseWeights]:
     from models import REGISTRY
 
     return BaseWeights(cfg, REGISTRY[cfg.model.name].projections())
+
+
+def adapters_only(params, any_of: bool = False) -> bool:
+    """Whether every (any_of: any) parameter of `params` is a LoRA adapter's (lora_a, lora_b)."""
+    names = ["/".join(map(str, path)).endswith(("lora_a", "lora_b")) for path in flatten_dict(params)]
+    return bool(names) and (any(names) if any_of else all(names))

@@ -245,6 +245,15 @@ def test_a_damaged_base_is_refused_naming_finetune_base(base, tmp_path, damage):
         load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN])
 
 
+def test_lora_in_the_imports_own_workdir_says_in_one_line_to_use_a_new_one(base, tmp_path):
+    _, imported = base
+    base_dir = tmp_path / "base"
+    shutil.copytree(imported, base_dir)
+    proc = run_cli("--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, *LORA, "train.steps=1")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"fine-tune in a new workdir with finetune.base={base_dir}" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [
