@@ -17,7 +17,7 @@ from engine.rundir import METRICS, append_line, read_records
 from engine.trackers import Tracker, numbers
 
 # what a plain (not a terminal's) train line shows of a train record, every log.every_steps
-PLAIN_TRAIN_KEYS = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu")
+PLAIN_TRAIN_KEYS = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu", "outer_step", "drift")
 
 
 class MetricWriter:
@@ -41,6 +41,7 @@ class MetricWriter:
         trackers: W&B and MLflow runs, given every record (engine/trackers.py)."""
         self.enabled, self.judged, self.trackers = enabled, judged, list(trackers)
         self.prefix = f"{name}: " if name else ""
+        self.total_steps = total_steps
         self.bar: Optional[tqdm] = None
         self.summary = None
         self.jsonl_path = Path(workdir) / METRICS
@@ -97,6 +98,7 @@ class MetricWriter:
             self._say(
                 f"{self.prefix}step {step} {split}: "
                 + " ".join(f"{k}={v:.4g}" for k, v in shown.items() if isinstance(v, (int, float)))
+                + (_eta(self.total_steps - step, values.get("steps_per_sec")) if split == "train" else "")
             )
 
     def message(self, text: str) -> None:
@@ -107,7 +109,7 @@ class MetricWriter:
         else:
             self._say(self.prefix + text)
 
-    def _say(self, line: str) -> None:
+    def _say(self, line: str) -> None:  # (off a terminal: the lines a log file keeps)
         """A console line, while there is a console: when the reader of stdout is gone (a
         launcher killed, a closed pipe) the run goes on, its records still in metrics.jsonl."""
         if not self.console:
@@ -164,3 +166,12 @@ def _plain(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _eta(steps_left: int, steps_per_sec: Any) -> str:
+    """' eta=1h02m' for the steps left at the window's rate (the progress bar's ETA, for plain lines)."""
+    if steps_left <= 0 or not isinstance(steps_per_sec, (int, float)) or steps_per_sec <= 0:
+        return ""
+    minutes, seconds = divmod(int(round(steps_left / steps_per_sec)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f" eta={hours}h{minutes:02d}m" if hours else f" eta={minutes}m{seconds:02d}s"

@@ -17,6 +17,7 @@ from engine.config import Config, save_config, to_yaml
 from engine.data.recorded import PREPROCESSING, check_preprocessing
 from engine.diloco import REPLICA, Layout, param_count
 from engine.distributed import barrier
+from engine.dryrun import startup_lines
 from engine.errors import UsageError
 from engine.evaluator import evaluate
 from engine.finetune import base_weights, with_frozen
@@ -204,6 +205,9 @@ def _open(
         meta.get("window"),  # the log window a checkpoint cut in two
         len(TRAIN_METRICS) + len(run.dataset.info.sources),
     )
+    if start < cfg.train.steps:
+        for line in startup_lines(run):
+            writer.message(line)
     if run.inputs.resident_bytes and start < cfg.train.steps:
         writer.message(
             f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
@@ -234,7 +238,7 @@ def _writer(cfg: Config, start: int) -> MetricWriter:
         progress=cfg.log.progress,
         tensorboard=cfg.log.tensorboard,
         judged=Judged.from_env() if chief else None,
-        trackers=open_trackers(cfg) if chief else (),
+        trackers=open_trackers(cfg) if chief and start < cfg.train.steps else (),  # (finished: nothing to log)
     )
 
 

@@ -165,6 +165,8 @@ def test_two_processes_holding_one_replica_each_equal_one_process_holding_both(t
         timeout=400,
     )
     assert one.returncode == 0, one.stderr[-3000:]
+    assert "DiLoCo: 2 replicas, each 4 steps alone per round" in one.stdout  # said at the start
+    assert "outer_step=" in one.stdout and "drift=" in one.stdout  # and on the console's train lines
     a, b = dict(losses(tmp_path / "two")), dict(losses(tmp_path / "one"))
     assert sorted(a) == list(range(1, 13)) == sorted(b)
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(a)], rtol=1e-5)

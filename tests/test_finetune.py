@@ -81,6 +81,7 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     )
     assert proc.returncode == 0, proc.stderr
     assert f"fine-tuning LoRA adapters on the frozen base {base_dir}" in proc.stdout
+    assert f"fine-tuning: base {base_dir} frozen in float32" in proc.stdout and "LoRA rank 4 on all" in proc.stdout
     trained = restore_newest(tmp_path / "lora", run.abstract_state, cfg, "read")
     base_leaves = flatten_dict(base_state.params)
     for path, value in flatten_dict(trained.state.model_state[FROZEN]).items():  # the base, bit for bit

@@ -118,6 +118,7 @@ def test_a_killed_pipelined_run_resumes_bit_identically(tmp_path):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     reference = run_cli(*args, "--workdir", str(tmp_path / "reference"), env=env, timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "pipeline: 4 stages (circular, 2 repeats)" in reference.stdout, reference.stdout[:2000]
     import subprocess
     import sys
     import time
