@@ -27,13 +27,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from engine import sharding
+from engine.chat import JINJA_FILE, check_imported_template
 from engine.checkpoint import Checkpointer, restore_newest
 from engine.config import load_config, save_config, to_yaml
 from engine.errors import UsageError
 from engine.export import new_output_dir, run_config, staged
 from engine.finetune import lora_on
 from engine.hf_adapters import adapter_tensors, merged, write_peft
-from engine.rundir import write_atomic
+from engine.rundir import LOCK, write_atomic
 from engine.setup import build_run
 from engine.step import model_variables
 from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, copy_tokenizer
@@ -156,7 +157,7 @@ class _Reader:
 def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: Sequence[str] = ()) -> Path:
     """Writes workdir/config.yaml, a step-0 checkpoint of the Hugging Face model in hf_dir, and
     the model's tokenizer (tokenizer.json and its companions, where the directory has them).
-    One import per workdir at a time (its lock); nothing is written before the weights are read."""
+    One import per workdir at a time (its lock); a failed import leaves the workdir as it found it."""
     hf_path, work = Path(hf_dir), Path(workdir)
     if not (hf_path / "config.json").is_file():
         raise UsageError(f"{hf_path} has no config.json; give a Hugging Face model directory")
@@ -164,11 +165,19 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
         raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
     from engine.trainer import claim
 
+    # the lock file this import adds to an existing workdir goes again if it fails (claim itself
+    # removes a workdir it created)
+    lock_of_ours = work.is_dir() and not (work / LOCK).exists()
     with contextlib.ExitStack() as closing:
         claim(work, closing, wait_seconds=0.0, job="import-hf")
-        if (work / "checkpoints").exists():  # another import finished while this one started
-            raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
-        return _import_hf(hf_path, work, config, overrides)
+        try:
+            if (work / "checkpoints").exists():  # another import finished while this one started
+                raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
+            return _import_hf(hf_path, work, config, overrides)
+        except BaseException:
+            if lock_of_ours:  # removed while still held, as claim removes a workdir it created
+                (work / LOCK).unlink(missing_ok=True)
+            raise
 
 
 def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequence[str]) -> Path:
@@ -188,8 +197,10 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
 
     model_overrides = [f"model.{key}={json.dumps(value)}" for key, value in model.items()]
     tokenizer = _inside(hf_path, hf_path / TOKENIZER) if (hf_path / TOKENIZER).is_file() else None
+    kept = _tokenizer_files(hf_path) if tokenizer is not None else {}
     if tokenizer is not None:
         canonical(tokenizer)  # a damaged tokenizer.json is refused here, not met later by sample
+        check_imported_template(hf_path)  # so is a chat template that fails or reaches a bound (engine/chat.py)
     # base.yaml's data is images; without a config of its own the run gets real offline text,
     # tokenized with the model's own tokenizer where the directory has one
     data = [] if config else ["data.name=python_source", *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]
@@ -210,24 +221,46 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     if missing:
         raise RuntimeError(f"the Hugging Face mapping of model.name={name} leaves {missing} unset")
     state = run.init_state(params)  # a fresh optimizer state beside the imported weights
-    if tokenizer is not None:
-        for file in (TOKENIZER, *TOKENIZER_COMPANIONS):  # the model's tokenizer, special tokens, chat template
-            if (hf_path / file).is_file():
-                write_atomic(work / file, _json_text(_inside(hf_path, hf_path / file)))
-        if not config:  # the written config reads the workdir's copy, which moves with the run
-            cfg.data.tokenizer = str((work / TOKENIZER).absolute())
-    save_config(cfg, work / "config.yaml")
-    write_atomic(work / HF_CONFIG, json.dumps(hf_config, indent=2) + "\n")  # token ids, names: kept for export
-    _save_step_zero(work, cfg, state, hf_path)
+    if tokenizer is not None and not config:  # the written config reads the workdir's copy, which moves with the run
+        cfg.data.tokenizer = str((work / TOKENIZER).absolute())
+    _write_import(work, {**kept, HF_CONFIG: json.dumps(hf_config, indent=2) + "\n"}, cfg, state, hf_path)
     return work
 
 
-def _save_step_zero(work: Path, cfg, state, hf_path: Path) -> None:
-    """The imported state as the run's checkpoint at step 0, written aside and renamed into place
-    whole: an interrupted import leaves no checkpoints/ (re-running it starts over), a finished
-    one is complete."""
+def _tokenizer_files(hf_path: Path) -> dict[str, str]:
+    """The tokenizer files import-hf keeps (tokenizer, special tokens, chat template): name → text,
+    each read from inside hf_path and checked (JSON, or a UTF-8 template)."""
+    kept = {}
+    for name in (TOKENIZER, *TOKENIZER_COMPANIONS):
+        if (hf_path / name).is_file():
+            path = _inside(hf_path, hf_path / name)
+            try:
+                kept[name] = path.read_bytes().decode("utf-8") if name == JINJA_FILE else _json_text(path)
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{path} is not UTF-8 text ({e}); save the chat template as UTF-8") from None
+    return kept
+
+
+def _write_import(work: Path, files: dict[str, str], cfg, state, hf_path: Path) -> None:
+    """`files` (name → text), config.yaml and the step-0 checkpoint, written into work/.import and
+    moved into place once all are written, the checkpoint last: a failed import leaves none of them
+    (re-running it starts over), a finished one is complete."""
     staging = work / ".import"
     shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        for name, text in files.items():  # the tokenizer, token ids, names: kept for sample and export
+            write_atomic(staging / name, text)
+        save_config(cfg, staging / "config.yaml")
+        _save_step_zero(staging, cfg, state, hf_path)
+        for name in [*files, "config.yaml", "checkpoints"]:
+            os.replace(staging / name, work / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_step_zero(staging: Path, cfg, state, hf_path: Path) -> None:
+    """The imported state as the run's checkpoint at step 0, in staging/checkpoints."""
     checkpointer = Checkpointer(staging / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
     try:
         checkpointer.save(
@@ -243,8 +276,6 @@ def _save_step_zero(work: Path, cfg, state, hf_path: Path) -> None:
         checkpointer.wait()
     finally:
         checkpointer.close()
-    os.replace(staging / "checkpoints", work / "checkpoints")
-    staging.rmdir()
 
 
 def _json_text(path: Path) -> str:

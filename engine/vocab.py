@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +21,7 @@ TOKENIZER_COMPANIONS = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
-    "chat_template.jinja",  # newer transformers keep the chat template apart from tokenizer_config.json
+    "chat_template.jinja",  # transformers 5 keeps the chat template apart (engine/chat.py reads and renders it)
 )
 # the end-of-text tokens a sample stops at, where the tokenizer has them
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -84,51 +83,14 @@ def eos_ids(work: Path, tokenizer) -> list[int]:
     for name in (HF_CONFIG, "generation_config.json"):
         path = work / name
         if path.is_file():
-            found = json.loads(path.read_text()).get("eos_token_id")
+            try:
+                settings = json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                raise UsageError(
+                    f"{path} is not valid JSON ({e}); import the model again, or remove the file"
+                ) from None
+            found = settings.get("eos_token_id") if isinstance(settings, dict) else None
             ids.update(int(i) for i in (found if isinstance(found, list) else [found]) if isinstance(i, int))
     if tokenizer is not None:
         ids.update(i for i in (tokenizer.token_to_id(token) for token in END_OF_TEXT) if i is not None)
     return sorted(ids)
-
-
-def chat_prompts(work: Path, texts: list[str], system: str = "") -> list[str]:
-    """Each of `texts` as a user's message (after `system`'s, if given) through the tokenizer's chat
-    template (WORKDIR/chat_template.jinja, or tokenizer_config.json's chat_template), ready for
-    the assistant's reply, as transformers' apply_chat_template renders it; UsageError where the
-    model has none."""
-    config_path = work / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    template = (work / "chat_template.jinja").read_text() if (work / "chat_template.jinja").is_file() else None
-    template = template or config.get("chat_template")
-    if isinstance(template, list):  # several named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if not isinstance(template, str):
-        raise UsageError(
-            f"--chat: {work} has no chat template (no chat_template.jinja, nor chat_template in "
-            f"tokenizer_config.json); import the model from a Hugging Face directory that has one, or leave out --chat"
-        )
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
-    first = [{"role": "system", "content": system}] if system else []
-    special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    try:
-        compiled = env.from_string(template)
-        return [
-            compiled.render(messages=[*first, {"role": "user", "content": text}], add_generation_prompt=True, **special)
-            for text in texts
-        ]
-    except TemplateError as e:
-        raise UsageError(f"--chat: the model's chat template refused the messages: {e}") from None
-
-
-def _token_text(token) -> str:
-    """A special token as tokenizer_config.json gives it: a string, or {"content": ...}."""
-    if isinstance(token, dict):
-        return str(token.get("content", ""))
-    return token if isinstance(token, str) else ""

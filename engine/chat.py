@@ -1,0 +1,377 @@
+"""Chat templates: a model's Jinja template for turning messages into a prompt, read from a
+workdir (or the Hugging Face directory it is imported from) and rendered in a sandbox that
+bounds each render's time, memory, loop iterations and output.
+
+A template is code that came with a downloaded model: rendering it must neither hang, nor
+exhaust memory, nor end in a traceback. Each fault (bad Jinja, a bound reached, an exception
+inside the template) becomes one UsageError naming the template's file."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
+
+from engine.errors import UsageError
+
+# Bounds on one render (one conversation). Real chat templates stay far below each of them: a
+# conversation is a few messages, a loop over them, a few kilobytes of text.
+MAX_OUTPUT_CHARS = 1 << 20  # the rendered prompt, and any one string, list or join the template builds
+MAX_INT_BITS = 1 << 16  # an integer that `*` or `**` makes: 65,536 bits (about 19,700 digits)
+MAX_ITERATIONS = 1_000_000  # loop iterations of all the render's {% for %} loops together (nested ones share it)
+RENDER_SECONDS = 5.0  # wall clock, checked at every loop iteration, call and output chunk
+ALARM_SLACK_SECONDS = 1.0  # then SIGALRM stops a render that runs where no check does (main thread only)
+MEMORY_BYTES = 1 << 30  # address space a render may add to the process (RLIMIT_AS, where the OS has it)
+
+JINJA_FILE = "chat_template.jinja"  # transformers 5 keeps the template apart from tokenizer_config.json
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# what import-hf renders once to check a template it keeps (sample --chat's shape of conversation)
+SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello!"}]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    text: str  # the Jinja source
+    source: str  # where it was read, for messages: a file, or a key of a file
+    special: dict[str, str]  # bos_token, eos_token, ...: the text tokenizer_config.json gives
+
+
+class _Exceeded(Exception):
+    """A render reached one of its bounds (the message says which)."""
+
+
+class _Forbidden(TemplateSyntaxError):
+    """{% include %}, {% import %}, {% from %} or {% extends %}: there are no other templates to read."""
+
+
+class _Refused(TemplateError):
+    """The template's own raise_exception(): it refuses the messages it was given."""
+
+
+def _refuse(message: str) -> None:
+    raise _Refused(message)
+
+
+class _Budget:
+    """What one render may still spend: loop iterations and time."""
+
+    def __init__(self) -> None:
+        self.iterations = MAX_ITERATIONS
+        self.deadline = time.monotonic() + RENDER_SECONDS
+
+    def spend(self, iterations: int = 0) -> None:
+        self.iterations -= iterations
+        if self.iterations < 0:
+            raise _Exceeded(f"runs more than {MAX_ITERATIONS:,} loop iterations (all loops together)")
+        if time.monotonic() > self.deadline:
+            raise _Exceeded(f"takes longer than {RENDER_SECONDS:g} s to render")
+
+
+def _check_size(size: int, what: str) -> None:
+    if size > MAX_OUTPUT_CHARS:
+        raise _Exceeded(f"builds {what} of size {size:,}, more than the {MAX_OUTPUT_CHARS:,} allowed")
+
+
+def _size(value: Any) -> int:
+    """A string's length; a list's or tuple's, counting the characters of the strings in it (its
+    text when written out, or joined)."""
+    if isinstance(value, str):
+        return len(value)
+    return sum(len(item) if isinstance(item, str) else 1 for item in value)
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuses, before Python computes it, an operation whose result would be huge."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if operator == "**" and ints and abs(left) > 1 and right > 0:
+        if left.bit_length() * right > MAX_INT_BITS:
+            raise _Exceeded(f"computes a power of more than {MAX_INT_BITS:,} bits ({left} ** {right})")
+    elif operator == "*" and ints:
+        if left.bit_length() + right.bit_length() > MAX_INT_BITS:
+            raise _Exceeded(f"computes a product of more than {MAX_INT_BITS:,} bits")
+    elif operator == "*" and isinstance(left, int) != isinstance(right, int):  # a repetition
+        sequence, times = (left, right) if isinstance(right, int) else (right, left)
+        if isinstance(sequence, (str, list, tuple)):
+            _check_size(_size(sequence) * max(times, 0), f"a {type(sequence).__name__} repetition")
+    elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+        _check_size(_size(left) + _size(right), f"a {type(left).__name__}")
+    elif operator == "%" and isinstance(left, str):  # printf-style formatting: widths make padding
+        fields = re.findall(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?", left)
+        widths = [int(number) for field in fields for number in field if number]
+        if "*" in left:  # widths given as arguments
+            widths += [a for a in (right if isinstance(right, tuple) else (right,)) if isinstance(a, int)]
+        _check_size(max([0, *widths]), "a formatted field")
+
+
+class _BoundedLoops(NodeTransformer):
+    """Every {% for %} iterates through the environment's budget and every `~` joins through its
+    size check; {% include %} and its kind (which read other templates) are refused."""
+
+    def visit_For(self, node: nodes.For) -> nodes.For:
+        self.generic_visit(node)
+        node.iter = nodes.Call(nodes.EnvironmentAttribute("budgeted"), [node.iter], [], None, None)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Call:
+        self.generic_visit(node)
+        return nodes.Call(nodes.EnvironmentAttribute("concat"), node.nodes, [], None, None)
+
+    def generic_visit(self, node: nodes.Node, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(node, (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)):
+            tag = type(node).__name__.lower().replace("fromimport", "from ... import")
+            raise _Forbidden(f"uses {{% {tag} %}} (line {node.lineno}), which reads another template", node.lineno)
+        return super().generic_visit(node, *args, **kwargs)
+
+
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, with every loop, call, `~`, and `*`, `**`, `%`, `+` checked
+    against the current render's budget."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def __init__(self) -> None:
+        # optimized=False: no constant folding, so nothing of the template runs while compiling
+        super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False)
+        self.globals.update(raise_exception=_refuse, strftime_now=lambda f: time.strftime(f))
+        del self.globals["lipsum"]  # Jinja's placeholder text generator: no template needs it, lipsum(10 ** 9) hangs
+        self.budget = _Budget()
+
+    def _parse(self, source: str, name: Optional[str], filename: Optional[str]) -> nodes.Template:
+        tree = _BoundedLoops().visit(super()._parse(source, name, filename))
+        tree.set_environment(self)
+        return tree
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_binop(operator, left, right)
+        return self.binop_table[operator](left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's names)
+        __self.budget.spend()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def budgeted(self, iterable: Any) -> Iterator[Any]:
+        for item in iterable:
+            self.budget.spend(1)
+            yield item
+
+    def concat(self, *parts: Any) -> str:
+        texts = [str(part) for part in parts]
+        _check_size(sum(map(len, texts)), "a string")
+        return "".join(texts)
+
+
+def render_chats(
+    template: ChatTemplate, conversations: list[list[dict]], fix: str, allow_refusal: bool = False
+) -> list[str]:
+    """Each conversation through `template`, ready for the assistant's reply (as transformers'
+    apply_chat_template(..., add_generation_prompt=True) renders it), each render within the
+    bounds; otherwise UsageError naming the template's file, the fault and `fix`. With
+    `allow_refusal`, the template's own raise_exception() gives [] instead."""
+    env = BoundedEnvironment()
+    try:
+        with _bounded(env):  # compiling runs nothing of the template (no constant folding), but is bounded too
+            compiled = env.from_string(template.text)
+        rendered = []
+        for messages in conversations:
+            with _bounded(env):
+                chunks = compiled.generate(messages=messages, add_generation_prompt=True, **template.special)
+                rendered.append(_joined(chunks, env.budget))
+        return rendered
+    except Exception as e:  # a template is code: whatever it raises is a fault of the template, said in one line
+        if allow_refusal and isinstance(e, _Refused):
+            return []
+        raise UsageError(f"{template.source}: the chat template {_fault(e)}; {fix}") from None
+
+
+def _joined(chunks: Iterator[str], budget: _Budget) -> str:
+    """The rendered text, refused once it passes MAX_OUTPUT_CHARS."""
+    out, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_OUTPUT_CHARS:
+            raise _Exceeded(f"writes more than {MAX_OUTPUT_CHARS:,} characters")
+        budget.spend()
+        out.append(chunk)
+    return "".join(out)
+
+
+def _fault(error: BaseException) -> str:
+    """What went wrong, in a few words on one line."""
+    if isinstance(error, _Exceeded):
+        return str(error)
+    if isinstance(error, _Forbidden):
+        return f"{error.message}; a chat template must be one self-contained file"
+    if isinstance(error, _Refused):
+        return f"refused the messages: {_short(error.message)}"
+    if isinstance(error, TemplateSyntaxError):
+        return f"is not valid Jinja (line {error.lineno}: {_short(error.message)})"
+    if isinstance(error, RecursionError):
+        return "recurses without end (a macro or a recursive loop that keeps calling itself)"
+    if isinstance(error, MemoryError):
+        return f"needs more than {MEMORY_BYTES / 2**30:g} GiB of memory"
+    return f"fails with {type(error).__name__}: {_short(error)}"
+
+
+def _short(text: Any) -> str:
+    """`text` on one line, cut at 200 characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= 200 else line[:200] + "..."
+
+
+@contextlib.contextmanager
+def _bounded(env: BoundedEnvironment) -> Iterator[None]:
+    """A fresh budget for one render, with two backstops for what its checks cannot see: an alarm
+    (in the main thread, where no other timer runs) and a limit on the process's address space."""
+    env.budget = _Budget()
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(_address_space(MEMORY_BYTES))  # first: restored after the alarm is off, never by it
+        main = threading.current_thread() is threading.main_thread()
+        if main and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+            undo.enter_context(_alarm(RENDER_SECONDS + ALARM_SLACK_SECONDS))
+        yield
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """_Exceeded raised in the main thread after `seconds`: a render spending its time where no
+    budget check runs (one long operation inside a loop's step) is still stopped."""
+    ringing = [True]
+
+    def ring(signum: int, frame: Any) -> None:
+        if ringing[0]:
+            raise _Exceeded(f"takes longer than {RENDER_SECONDS:g} s to render")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        ringing[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _address_space(extra: int) -> Iterator[None]:
+    """RLIMIT_AS at the process's present size + `extra`, restored afterwards: one huge allocation
+    by a template ('x'.ljust(10 ** 10)) fails with MemoryError instead of taking the machine's
+    memory. Nothing where the OS has no such limit or no /proc."""
+    try:
+        import resource
+
+        size = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    except (ImportError, OSError, ValueError):  # no such limit here, or no /proc to measure the process by
+        size = -1
+    if size < 0:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
+    if soft != resource.RLIM_INFINITY and soft <= limit:  # already as tight
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def read_chat_template(directory: Path) -> Optional[ChatTemplate]:
+    """The chat template kept in `directory` (a workdir, or a Hugging Face directory):
+    chat_template.jinja where it has one (transformers 5), else tokenizer_config.json's
+    chat_template; None where there is none; UsageError for a file that cannot be read."""
+    config = _tokenizer_config(directory / CONFIG_FILE)
+    special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKENS}
+    jinja = directory / JINJA_FILE
+    if jinja.is_file():
+        try:
+            text = jinja.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(
+                f"{jinja} cannot be read as UTF-8 text ({_short(e)}); save the chat template as UTF-8"
+            ) from None
+        if text:
+            return ChatTemplate(text, str(jinja), special)
+    configured = _configured(config.get("chat_template"), directory / CONFIG_FILE)
+    return ChatTemplate(configured, f"{directory / CONFIG_FILE} (chat_template)", special) if configured else None
+
+
+def _tokenizer_config(path: Path) -> dict:
+    """tokenizer_config.json's settings ({} where there is no file); UsageError unless it is a JSON object."""
+    if not path.is_file():
+        return {}
+    fix = "write it as transformers does (a JSON object of the tokenizer's settings), or remove it"
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UsageError(f"{path} is not valid JSON ({_short(e)}); {fix}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} holds a JSON {_json_kind(config)}, not an object; {fix}")
+    return config
+
+
+def _configured(template: Any, path: Path) -> Optional[str]:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates of which
+    the one named "default" is used (as transformers does)."""
+    if template is None or isinstance(template, str):
+        return template
+    form = 'a string, or a list of {"name": ..., "template": ...} entries of strings'
+    if not isinstance(template, list):
+        raise UsageError(f"{path}: chat_template is a JSON {_json_kind(template)}; it must be {form}")
+    for entry in template:
+        if not (isinstance(entry, dict) and all(isinstance(entry.get(key), str) for key in ("name", "template"))):
+            raise UsageError(f"{path}: chat_template holds {_short(json.dumps(entry))[:80]}; it must be {form}")
+    named = {entry["name"]: entry["template"] for entry in template}
+    if "default" not in named:
+        names = _short(", ".join(map(repr, named)) or "none")
+        raise UsageError(f'{path}: chat_template names no "default" template (it names {names}); rename the one to use')
+    return named["default"]
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return kinds.get(type(value), "number")
+
+
+def _token_text(token: Any) -> str:
+    """A special token as tokenizer_config.json gives it: a string, or {"content": ...}."""
+    if isinstance(token, dict):
+        return str(token.get("content", ""))
+    return token if isinstance(token, str) else ""
+
+
+def chat_prompts(work: Path, texts: list[str], system: str = "") -> list[str]:
+    """Each of `texts` as a user's message (after `system`'s, if given) through the workdir's
+    chat template, ready for the assistant's reply; UsageError where the model has none, or the
+    template fails or reaches a bound."""
+    template = read_chat_template(work)
+    if template is None:
+        raise UsageError(
+            f"--chat: {work} has no chat template (no {JINJA_FILE}, nor chat_template in {CONFIG_FILE}); "
+            "import the model from a Hugging Face directory that has one, or leave out --chat"
+        )
+    first = [{"role": "system", "content": system}] if system else []
+    conversations = [[*first, {"role": "user", "content": text}] for text in texts]
+    return render_chats(template, conversations, f"correct or remove it in {work}, or leave out --chat")
+
+
+def check_imported_template(hf_dir: Path) -> None:
+    """UsageError when the chat template import-hf keeps from `hf_dir` cannot be read, or does not
+    render a sample conversation within the bounds. The template's own refusal of the sample
+    (raise_exception) passes: which conversations it takes is its own affair."""
+    template = read_chat_template(hf_dir)
+    if template is not None:
+        fix = "correct or remove it in the Hugging Face directory, then import again"
+        render_chats(template, [SAMPLE_CONVERSATION], fix, allow_refusal=True)

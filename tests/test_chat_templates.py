@@ -1,0 +1,242 @@
+"""A model's chat template is code that came with a download: rendering it is bounded in
+loop iterations, output, integer and string sizes, time and memory (engine/chat.py), every
+fault of a template or of the files it is read from is one UsageError naming the file, and
+`import-hf` refuses a hostile template before it writes anything (issue 42)."""
+
+import json
+import mmap
+import signal
+
+import pytest
+from test_llama import TINY, write_hf_checkpoint
+
+from conftest import run_cli
+from engine import chat
+from engine.chat import ChatTemplate, chat_prompts, check_imported_template, read_chat_template, render_chats
+from engine.errors import UsageError
+from models.llama import LlamaConfig
+
+GOOD = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}"
+
+
+def _render(text: str, **special: str) -> str:
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    return render_chats(ChatTemplate(text, "/models/m/chat_template.jinja", special), [conversation], "fix it")[0]
+
+
+def _refused(text: str, match: str) -> str:
+    """The one-line UsageError a template gives, which names its file."""
+    with pytest.raises(UsageError, match=match) as refused:
+        _render(text)
+    message = str(refused.value)
+    assert message.startswith("/models/m/chat_template.jinja: the chat template ") and "\n" not in message
+    return message
+
+
+def test_a_template_renders_as_transformers_does():
+    assert _render(GOOD, bos_token="<s>", eos_token="</s>") == "<s>s:be brief</s>u:hi</s>a:"
+    assert _render("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 'x' ~ 'y' }} {{ '%03d' % 7 }}") == (
+        "1024 ababab [1, 1] xy 007"
+    )
+    assert _render("{% for i in range(500) %}{% for j in range(500) %}{% endfor %}{% endfor %}{{ 1 }}") == "1"
+
+
+def test_a_huge_power_is_refused_not_computed():
+    _refused("{{ (messages|length + 9) ** 100000000 }}", r"power of more than 65,536 bits \(11 \*\* 100000000\)")
+    _refused("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}", "product")
+
+
+def test_nested_loops_share_one_iteration_budget():
+    _refused(NESTED, "more than 1,000,000 loop iterations")
+    letters = "{% for c in 'abcdefghij' %}" * 7 + "{% endfor %}" * 7  # 10 ** 7 iterations, no range, no output
+    _refused(letters, "more than 1,000,000 loop iterations")
+    _refused("{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}", "recurses without end")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{{ 'x' * 10000000000 }}",
+        "{% set s = 'x' * 1000000 %}{{ [s] * 100000 }}",  # a list of a million-character string, written out
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "{{ '%999999999d' % 1 }}",
+    ],
+)
+def test_a_huge_string_or_list_is_refused_before_it_is_built(text):
+    _refused(text, "more than the 1,048,576 allowed")
+
+
+def test_the_output_is_capped():
+    _refused("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "writes more than 1,048,576 characters")
+
+
+def test_memory_is_capped():
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    with chat._address_space(chat.MEMORY_BYTES):
+        with pytest.raises((MemoryError, OSError)):  # an untouched mapping: without the limit it would succeed
+            mmap.mmap(-1, 2 * chat.MEMORY_BYTES)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    _refused("{{ 'x'.ljust(10000000000) }}", "needs more than 1 GiB of memory")  # (10 GB, were there no limit)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+
+
+def test_the_clock_is_checked_in_loops(monkeypatch):
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
+    _refused("{% for i in range(900) %}{% for j in range(900) %}{% endfor %}{% endfor %}", r"longer than 0.05 s")
+
+
+def test_the_alarm_stops_a_render_that_no_check_sees(monkeypatch):
+    """With the loop budget and clock checks off, only the SIGALRM backstop can stop the loops."""
+    monkeypatch.setattr(chat._Budget, "spend", lambda self, iterations=0: None)
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
+    monkeypatch.setattr(chat, "ALARM_SLACK_SECONDS", 0.0)
+    handler = signal.getsignal(signal.SIGALRM)
+    _refused("{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}", "longer than 0.05 s")
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recurses without end"),
+        ("{% include 'other.jinja' %}", r"uses {% include %} \(line 1\), which reads another template"),
+        ("{% import 'other.jinja' as other %}", r"uses {% import %}"),
+        ("x\n{% from 'other.jinja' import f %}", r"uses {% from ... import %} \(line 2\)"),
+        ("{% extends 'base.jinja' %}", r"uses {% extends %}"),
+        ("{% for %}", r"is not valid Jinja \(line 1"),
+        ("{{ messages.append(1) }}", "SecurityError"),
+        ("{{ nothing.there }}", "UndefinedError"),
+        ("{{ raise_exception('no system messages') }}", "refused the messages: no system messages"),
+        ("{{ lipsum(1000000000) }}", "'lipsum' is undefined"),
+    ],
+)
+def test_a_fault_inside_a_template_is_one_usage_error(text, match):
+    _refused(text, match)
+
+
+def _workdir(tmp_path, config=None, jinja: bytes | None = None):
+    work = tmp_path / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (work / "tokenizer_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if jinja is not None:
+        (work / "chat_template.jinja").write_bytes(jinja)
+    return work
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ("{not json", "tokenizer_config.json is not valid JSON"),
+        ([{"chat_template": GOOD}], "tokenizer_config.json holds a JSON array, not an object"),
+        ({"chat_template": [GOOD, GOOD]}, r"chat_template holds .*; it must be a string, or a list of"),
+        ({"chat_template": [{"name": "default"}]}, r'chat_template holds {"name": "default"}; it must be'),
+        ({"chat_template": 7}, "chat_template is a JSON number; it must be a string"),
+        ({"chat_template": [{"name": "tool_use", "template": GOOD}]}, "names no \"default\" template .*'tool_use'"),
+    ],
+)
+def test_a_bad_tokenizer_config_is_one_usage_error(tmp_path, config, match):
+    work = _workdir(tmp_path, config)
+    with pytest.raises(UsageError, match=match) as refused:
+        chat_prompts(work, ["hi"])
+    assert str(work / "tokenizer_config.json") in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_template_file_that_is_not_utf8_is_one_usage_error(tmp_path):
+    work = _workdir(tmp_path, jinja=b"{{ bos_token }}\xff\xfe")
+    with pytest.raises(UsageError, match="chat_template.jinja cannot be read as UTF-8 text"):
+        chat_prompts(work, ["hi"])
+
+
+def test_the_default_named_template_and_the_jinja_file_are_read(tmp_path):
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": GOOD}]
+    work = _workdir(tmp_path, {"chat_template": named, "bos_token": {"content": "<s>"}, "eos_token": "</s>"})
+    assert chat_prompts(work, ["hi", "yo"]) == ["<s>u:hi</s>a:", "<s>u:yo</s>a:"]
+    _workdir(tmp_path, jinja=b"J{{ messages[0]['content'] }}{{ bos_token }}")  # transformers 5: preferred
+    template = read_chat_template(work)
+    assert template is not None and template.source == str(work / "chat_template.jinja")
+    assert chat_prompts(work, ["hi"], system="be brief") == ["Jbe brief<s>"]
+    with pytest.raises(UsageError, match="has no chat template"):
+        chat_prompts(_workdir(tmp_path / "none", {"eos_token": "</s>"}), ["hi"])
+
+
+def _hf_dir(path, template_config=None, jinja: str | None = None):
+    """A tiny Llama in Hugging Face's layout with a word-level tokenizer.json and (optionally) a
+    chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", *"def return import self if else for in class None True False".split()]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    write_hf_checkpoint(path, LlamaConfig(**TINY), vocab=tokenizer.get_vocab_size())
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", **(template_config or {})}))
+    if jinja is not None:
+        (path / "chat_template.jinja").write_text(jinja)
+    return path
+
+
+QUICK = ["data.max_bytes=20000", "data.seq_len=16", "train.global_batch_size=8", "log.tensorboard=false"]
+
+
+def test_import_refuses_a_hostile_template_and_leaves_the_workdir_as_found(tmp_path):
+    from engine.hf import import_hf
+
+    hf = _hf_dir(tmp_path / "hf", {"chat_template": NESTED})
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"tokenizer_config.json \(chat_template\): the chat template runs more"):
+        import_hf(str(hf), str(work))
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]  # no tokenizer files, no .lock
+    (hf / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(UsageError, match="holds a JSON array"):
+        import_hf(str(hf), str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ raise_exception('user first') }}"}))
+    check_imported_template(hf)  # the template's own refusal of the sample conversation is its affair
+
+
+def test_a_failed_import_leaves_nothing_and_a_finished_one_keeps_the_jinja_template(tmp_path, monkeypatch):
+    from engine import hf as hf_module
+
+    hf = _hf_dir(tmp_path / "hf", {"chat_template": "unused"}, jinja=GOOD)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(hf_module, "_save_step_zero", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            hf_module.import_hf(str(hf), str(work), overrides=QUICK)
+    assert list(work.iterdir()) == []
+    hf_module.import_hf(str(hf), str(work), overrides=QUICK)
+    assert (work / "chat_template.jinja").read_text() == GOOD and (work / "checkpoints").is_dir()
+    assert chat_prompts(work, ["hi"]) == ["u:hi</s>a:"]
+
+
+def test_sample_chat_with_a_hostile_template_exits_2_with_one_line(tmp_path):
+    work = _workdir(tmp_path, {"chat_template": "{{ (messages|length + 9) ** 100000000 }}"})
+    proc = run_cli("sample", "--workdir", str(work), "--prompt", "hi", "--chat", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{work / 'tokenizer_config.json'} (chat_template): the chat template computes a power" in proc.stderr
+
+
+def test_import_hf_with_a_hostile_template_exits_2_and_writes_nothing(tmp_path):
+    hf = _hf_dir(tmp_path / "hf", jinja="{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
+    proc = run_cli("import-hf", str(hf), "--workdir", str(tmp_path / "work"), *QUICK, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "chat_template.jinja: the chat template recurses without end" in proc.stderr
+    assert not (tmp_path / "work").exists()
