@@ -224,3 +224,31 @@ def test_prefetcher_yields_in_order_from_any_start_and_reraises():
     with pytest.raises(ValueError, match="bad batch"):
         next(prefetch)
     prefetch.close()
+
+
+def test_data_eval_path_holds_out_its_own_files_and_trains_on_all_of_data_path(tmp_path):
+    """data.eval_path: a table's held-out rows and byte-level text's held-out windows come from
+    their own file; every row (byte) of data.path trains; other sources refuse the key."""
+    header, rows = "x,label", [f"{i}.5,{'ab'[i % 2]}" for i in range(20)]
+    (tmp_path / "train.csv").write_text("\n".join([header, *rows[:15]]) + "\n")
+    (tmp_path / "eval.csv").write_text("\n".join([header, *rows[15:]]) + "\n")
+    table = DataConfig(
+        name="table", path=str(tmp_path / "train.csv"), eval_path=str(tmp_path / "eval.csv"), label="x",
+        target="regression", features=[{"name": "x", "kind": "numeric"}],
+    )  # fmt: skip
+    ds = load_dataset(table)
+    assert (ds.info.num_train, ds.info.num_eval) == (15, 5)
+    np.testing.assert_array_equal(ds.eval["label"], [15.5, 16.5, 17.5, 18.5, 19.5])  # the file's rows, in order
+    np.testing.assert_array_equal(np.sort(ds.train["label"]), [i + 0.5 for i in range(15)])
+
+    (tmp_path / "a.txt").write_bytes(bytes(range(65, 65 + 25)) * 4)  # 100 bytes
+    (tmp_path / "b.txt").write_bytes(b"z" * 33)
+    ds = load_dataset(
+        DataConfig(name="text", path=str(tmp_path / "a.txt"), eval_path=str(tmp_path / "b.txt"), seq_len=8)
+    )
+    assert (ds.info.num_train, ds.info.num_eval) == (99 // 8, 32 // 8)
+    assert (ds.eval["tokens"] == ord("z")).all()
+    with pytest.raises(UsageError, match="data.eval_path: data.name=digits takes its held-out split otherwise"):
+        from engine.config import load_config
+
+        load_config("mnist_mlp", [f"data.eval_path={tmp_path / 'b.txt'}"], str(tmp_path / "run"))

@@ -30,6 +30,11 @@ class DataConfig:
     eval_fraction: float = option(
         0.2, "held-out share when the source has no test split (a fixed split, whatever the seed)", above=0.0
     )
+    eval_path: Optional[str] = option(
+        None,
+        "table, text: the held-out split read from these files (as data.path takes them) instead of "
+        "data.eval_fraction of data.path; all of data.path then trains",
+    )
     shuffle: bool = option(True, "reshuffle every epoch; the order is a function of (seed, epoch)")
     prefetch: int = option(
         2,

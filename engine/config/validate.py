@@ -14,7 +14,7 @@ from typing import Any, Iterator
 from contract.fields import choices_of
 from engine.axes import CONFIG_AXES, MESH_AXES
 from engine.data.features import entries
-from engine.data.sources import FILE_SOURCES, MIXTURE_SOURCES
+from engine.data.sources import EVAL_PATH_SOURCES, FILE_SOURCES, MIXTURE_SOURCES
 from engine.data.text import source_name
 from engine.errors import UsageError
 
@@ -53,6 +53,11 @@ def validate(cfg) -> None:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     _check_sources(cfg.data)
     _check_table(cfg.data)
+    if cfg.data.eval_path and cfg.data.name not in EVAL_PATH_SOURCES:
+        raise UsageError(
+            f"data.eval_path: data.name={cfg.data.name} takes its held-out split otherwise (data.eval_fraction, "
+            f"a test split, or tokenize --eval-fraction); data.eval_path is for {', '.join(EVAL_PATH_SOURCES)}"
+        )
     try:
         cfg.model.validate()
     except ValueError as e:  # the model family's message names the key and the fix

@@ -279,6 +279,7 @@ SOURCES = {
 
 FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table")  # the sources that read data.path
 MIXTURE_SOURCES = ("tokens",)  # the sources that read a weighted mixture from data.sources
+EVAL_PATH_SOURCES = ("table", "text")  # the sources that read their held-out split from data.eval_path
 
 
 def load_dataset(cfg) -> Dataset:

@@ -7,7 +7,8 @@ turned into a tabular model's inputs by the feature columns of `data.features`
 - `data.label` (the label column), `data.target` (classification: the label's values are
   the classes, in `data.classes` order if given, else sorted; regression: a number),
   `data.weight` (an optional per-row weight column).
-- The held-out rows are a fixed share (`data.eval_fraction`, whatever the seed).
+- The held-out rows are those of `data.eval_path` (files as data.path takes them), else a fixed
+  share of data.path's rows (`data.eval_fraction`, drawn by SPLIT_SEED whatever the run's seed).
 
 What the train split decides (statistics, quantiles, vocabularies) is computed once and
 cached beside the data (`.NAME.features-KEY.json`; KEY: a SHA-256 of the files' bytes and of
@@ -43,16 +44,13 @@ def table(cfg) -> Dataset:
     """The rows of data.path as {numeric, ids, label[, weight]} arrays (engine/data/preprocess.py)."""
     features = feature_columns.entries(cfg.features)
     files = table_files(cfg.path)
+    held_out = table_files(cfg.eval_path, "data.eval_path") if cfg.eval_path else []
     columns, origin = _read(
-        files, [*feature_columns.columns_read(features), cfg.label, *([cfg.weight] * bool(cfg.weight))]
+        files + held_out, [*feature_columns.columns_read(features), cfg.label, *([cfg.weight] * bool(cfg.weight))]
     )
-    rows = len(origin)
-    order = np.random.default_rng(SPLIT_SEED).permutation(rows)
-    n_eval = max(1, int(round(rows * cfg.eval_fraction)))
-    if rows - n_eval < 1:
-        raise UsageError(f"{files[0]}: {rows} row(s) leave none to train on after holding out {n_eval}; add rows")
-    splits = {"train": order[n_eval:], "eval": order[:n_eval]}
+    splits = _splits(cfg, files, origin)
     train = {name: values[splits["train"]] for name, values in columns.items()}
+    files = files + held_out  # (the feature cache's key covers both; BadCells name either)
     spec = _cached_fit(cfg, files, features, (train, splits["train"]), columns, origin)
     arrays = {}
     for split, index in splits.items():
@@ -71,6 +69,20 @@ def table(cfg) -> Dataset:
     return Dataset(arrays["train"], arrays["eval"], info)
 
 
+def _splits(cfg, files: list[Path], origin: np.ndarray) -> dict[str, np.ndarray]:
+    """Row indices of each split: every row of data.path trains and data.eval_path's are held
+    out; else a fixed share of data.path's rows (data.eval_fraction), drawn by SPLIT_SEED."""
+    if cfg.eval_path:
+        from_eval = origin[:, 0] >= len(files)
+        return {"train": np.flatnonzero(~from_eval), "eval": np.flatnonzero(from_eval)}
+    rows = len(origin)
+    order = np.random.default_rng(SPLIT_SEED).permutation(rows)
+    n_eval = max(1, int(round(rows * cfg.eval_fraction)))
+    if rows - n_eval < 1:
+        raise UsageError(f"{files[0]}: {rows} row(s) leave none to train on after holding out {n_eval}; add rows")
+    return {"train": order[n_eval:], "eval": order[:n_eval]}
+
+
 def _inputs(cfg, part: dict, spec: dict) -> dict[str, np.ndarray]:
     arrays = preprocess.transform(part, spec)
     arrays["label"] = preprocess.labels(part[cfg.label], spec)
@@ -79,20 +91,20 @@ def _inputs(cfg, part: dict, spec: dict) -> dict[str, np.ndarray]:
     return arrays
 
 
-def table_files(path: str | None) -> list[Path]:
-    """data.path → the CSV or Parquet files it names, sorted."""
+def table_files(path: str | None, key: str = "data.path") -> list[Path]:
+    """data.path (or `key`) → the CSV or Parquet files it names, sorted."""
     if not path:
-        raise UsageError("data.name=table reads a CSV or Parquet file: set data.path=FILE (or a glob)")
+        raise UsageError(f"data.name=table reads a CSV or Parquet file: set {key}=FILE (or a glob)")
     package, _, inside = path.partition(":")
     if inside and not Path(path).exists() and package.isidentifier():
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise UsageError(f"data.path={path}: no installed package {package!r}; pip install {package}")
+            raise UsageError(f"{key}={path}: no installed package {package!r}; pip install {package}")
         path = str(Path(next(iter(spec.submodule_search_locations))) / inside)
     files = sorted(Path(p) for p in glob.glob(os.path.expanduser(path))) if glob.has_magic(path) else [Path(path)]
     files = [f for f in files if f.is_file()]
     if not files:
-        raise UsageError(f"data.path={path} names no file; give a CSV or Parquet file, or a glob of them")
+        raise UsageError(f"{key}={path} names no file; give a CSV or Parquet file, or a glob of them")
     for file in files:
         if file.suffix.lower() not in (".csv", ".parquet", ".pq"):
             raise UsageError(f"{file}: a table is a .csv or .parquet file")
@@ -106,6 +118,7 @@ def _read(files: list[Path], wanted: list[str]) -> tuple[dict[str, Any], np.ndar
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
+    wanted = list(dict.fromkeys(wanted))  # a column read twice (a feature that is also the label) once
     parts: dict[str, list] = {name: [] for name in wanted}
     origin = []
     for i, file in enumerate(files):

@@ -21,14 +21,20 @@ def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     )
 
 
-def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str, text_codec: str = "") -> Dataset:
-    n_eval = int(len(tokens) * cfg.eval_fraction)
+def _token_dataset(
+    tokens: np.ndarray, cfg, vocab_size: int, where: str, text_codec: str = "", held_out: np.ndarray | None = None
+) -> Dataset:
+    """Windows of `tokens`: the last data.eval_fraction of them held out, or all trained and
+    `held_out` (data.eval_path's) evaluated."""
+    n_eval = int(len(tokens) * cfg.eval_fraction) if held_out is None else 0
     train_tokens, eval_tokens = tokens[: len(tokens) - n_eval], tokens[len(tokens) - n_eval :]
+    eval_tokens = eval_tokens if held_out is None else held_out
     train, evals = _windows(train_tokens, cfg.seq_len), _windows(eval_tokens, cfg.seq_len)
     if len(train) == 0 or len(evals) == 0:
+        split = f"data.eval_fraction={cfg.eval_fraction}" if held_out is None else f"data.eval_path={cfg.eval_path}"
         raise UsageError(
-            f"{where} has {len(tokens)} tokens: too few for data.seq_len={cfg.seq_len} with "
-            f"data.eval_fraction={cfg.eval_fraction}; use more text or a shorter seq_len"
+            f"{where} has {len(train_tokens)} tokens to train on and {len(eval_tokens)} held out ({split}): too few "
+            f"for data.seq_len={cfg.seq_len}; use more text or a shorter seq_len"
         )
     info = DataInfo(
         "tokens",
@@ -43,18 +49,22 @@ def _token_dataset(tokens: np.ndarray, cfg, vocab_size: int, where: str, text_co
 
 
 def text(cfg) -> Dataset:
-    """Byte-level text: a file, or every file under a directory (sorted), as tokens 0..255."""
-    path = Path(cfg.path)
+    """Byte-level text: a file, or every file under a directory (sorted), as tokens 0..255
+    (data.eval_path's, the held-out split)."""
+    tokens = _text_bytes(Path(cfg.path), "data.path")
+    held_out = _text_bytes(Path(cfg.eval_path), "data.eval_path") if cfg.eval_path else None
+    return _token_dataset(tokens, cfg, 256, f"data.path={cfg.path}", text_codec="bytes", held_out=held_out)
+
+
+def _text_bytes(path: Path, key: str) -> np.ndarray:
     if path.is_file():
-        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-    elif path.is_dir():
+        return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         if not files:
-            raise UsageError(f"data.path={path} holds no files; expected text files")
-        tokens = np.concatenate([np.fromfile(p, dtype=np.uint8) for p in files])
-    else:
-        raise UsageError(f"data.path={path} does not exist; expected a text file or a directory of them")
-    return _token_dataset(tokens, cfg, 256, f"data.path={path}", text_codec="bytes")
+            raise UsageError(f"{key}={path} holds no files; expected text files")
+        return np.concatenate([np.fromfile(p, dtype=np.uint8) for p in files])
+    raise UsageError(f"{key}={path} does not exist; expected a text file or a directory of them")
 
 
 def _stdlib_files(max_bytes: int) -> list[Path]:
