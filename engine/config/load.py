@@ -125,10 +125,11 @@ def config_file(name: str | os.PathLike, directory: Path = Path(".")) -> Path:
     """A config's file: `name` relative to `directory`, else the shipped config of that bare
     name (with or without .yaml), as --config and `extends:` both take it."""
     path = directory / name
-    if not path.is_file() and Path(name).name == str(name):
-        for shipped in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
-            if shipped.is_file():
-                return shipped.resolve()
+    bare = Path(name).name == str(name)
+    candidates = [CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"] if bare else []
+    for candidate in [path, *candidates, Path(f"{path}.yaml")]:  # (a path may leave out its .yaml too)
+        if candidate.is_file():
+            return candidate.resolve()
     return path.resolve()
 
 
