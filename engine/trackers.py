@@ -2,7 +2,9 @@
 
 Each run (each trial of a sweep, each run of a vectorised group) is one tracker run, made on
 process 0 and given the run's config, its train/eval records and its summary. The run's id is
-kept in WORKDIR/trackers.json, so a resumed run goes on logging into the same tracker run.
+kept in WORKDIR/trackers.json, so a resumed run goes on logging into the same tracker run (a
+damaged trackers.json stops the run at start, exit 2; an MLflow id its store does not hold is
+a warning and a new run).
 
 - W&B: offline unless WANDB_MODE says otherwise; its run files go under TRACKING_DIR/wandb,
   where `wandb sync` finds them.
@@ -20,16 +22,22 @@ import json
 import logging
 import math
 import os
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from engine.errors import UsageError
-from engine.rundir import read_json, write_json
+from engine.rundir import write_json
 
 TRACKERS = ("wandb", "mlflow")
 INSTALL = {"wandb": "wandb>=0.19", "mlflow": "mlflow-skinny>=2.19"}  # as pyproject.toml's [trackers]
 IDS = "trackers.json"  # WORKDIR/trackers.json: {tracker: its run id}
+RUN_ID = {  # the run ids each tracker takes (W&B's settings and MLflow's validation refuse others)
+    "wandb": re.compile(r"[^\s:;,#?/'](?:[^:;,#?/']*[^\s:;,#?/'])?"),
+    "mlflow": re.compile(r"[a-zA-Z0-9][\w\-]{0,255}"),
+}
 
 
 class Tracker(Protocol):
@@ -39,17 +47,63 @@ class Tracker(Protocol):
 
 
 def check_installed(cfg) -> None:
-    """UsageError naming the install command when a tracker of log.trackers is not installed."""
+    """UsageError, before anything is written, when log.trackers cannot start: a tracker that is
+    not installed (naming the install command), a log.tracking_dir that cannot be a directory, or
+    a damaged WORKDIR/trackers.json."""
     for name in cfg.log.trackers:
         if importlib.util.find_spec(name) is None:
             raise UsageError(
                 f"log.trackers lists {name}, which is not installed: "
                 f"pip install '{INSTALL[name]}' (or pip install 'jax-train-engine[trackers]')"
             )
+    if cfg.log.trackers:
+        _check_tracking_dir(cfg)
+        read_ids(Path(cfg.workdir) / IDS)
 
 
 def tracking_dir(cfg) -> Path:
     return Path(cfg.log.tracking_dir or cfg.workdir).resolve()
+
+
+def _check_tracking_dir(cfg) -> None:
+    """UsageError when TRACKING_DIR is not a directory and cannot be made one (nothing is made here:
+    a run refused later leaves no directory behind)."""
+    path = existing = tracking_dir(cfg)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return
+    why = "not writable" if existing.is_dir() else "a file"
+    where = "it is" if existing == path else f"{existing} is"
+    key = f"log.tracking_dir={cfg.log.tracking_dir}" if cfg.log.tracking_dir else f"the workdir {cfg.workdir}"
+    raise UsageError(
+        f"{key} cannot be a directory for log.trackers: {where} {why}; give log.tracking_dir a directory "
+        "you can write to (or leave it unset: the workdir)"
+    )
+
+
+def read_ids(path: Path) -> dict:
+    """trackers.json's {tracker: run id} ({} when there is none); UsageError when it is damaged:
+    not a JSON object, or an id that is not one its tracker could have made."""
+    try:
+        ids = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(path, f"not JSON: {e}") from None
+    if not isinstance(ids, dict):
+        raise _damaged(path, f"it holds a {type(ids).__name__}, not an object")
+    for name in TRACKERS:
+        if name in ids and not (isinstance(ids[name], str) and RUN_ID[name].fullmatch(ids[name])):
+            raise _damaged(path, f"its {name} run id is {json.dumps(ids[name])[:40]}, not a valid {name} run id")
+    return ids
+
+
+def _damaged(path: Path, why: str) -> UsageError:
+    return UsageError(
+        f"{path} is damaged ({why}); delete it to log into new tracker runs, or write back the ids of the "
+        'runs to go on with, e.g. {"wandb": "2x7kq9ab", "mlflow": "<32 hex digits>"}'
+    )
 
 
 def open_trackers(cfg) -> list[Tracker]:
@@ -57,8 +111,12 @@ def open_trackers(cfg) -> list[Tracker]:
     if not cfg.log.trackers:
         return []
     check_installed(cfg)
+    try:
+        tracking_dir(cfg).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # made a file, or unwritable, since the run was checked
+        raise UsageError(f"log.trackers: cannot make the tracking directory {tracking_dir(cfg)} ({e})") from None
     ids_path = Path(cfg.workdir) / IDS
-    ids = read_json(ids_path) or {}  # missing, or damaged (set aside): new tracker runs
+    ids = read_ids(ids_path)
     made: list[Tracker] = []
     for name in cfg.log.trackers:
         tracker = _WandB(cfg, ids.get(name)) if name == "wandb" else _MLflow(cfg, ids.get(name))
@@ -132,7 +190,7 @@ class _MLflow:
     def __init__(self, cfg, run_id: str | None):
         self.client = _client(cfg)
         print(f"mlflow: run of experiment {cfg.log.project} in {mlflow_uri(cfg)}", flush=True)
-        if run_id is not None:  # resumed: the same run, running again
+        if run_id is not None and _in_store(self.client, run_id, cfg):  # resumed: the same run, running again
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
             return
@@ -156,6 +214,26 @@ class _MLflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def _in_store(client, run_id: str, cfg) -> bool:
+    """Whether the store holds run `run_id` (not deleted). A run it does not hold (another store
+    since: MLFLOW_TRACKING_URI or log.tracking_dir changed, or the run was deleted) is one
+    warning line and a new run, not a stop: the file is sound, and metrics.jsonl keeps every step."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = client.get_run(run_id).info.lifecycle_stage != "deleted"
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        found = False
+    if not found:
+        sys.stderr.write(
+            f"warning: mlflow: run {run_id} (from {Path(cfg.workdir) / IDS}) is not in {mlflow_uri(cfg)} or was "
+            "deleted; logging into a new run from this step on\n"
+        )
+    return found
 
 
 def _client(cfg):

@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -550,3 +551,125 @@ def test_the_shipped_language_model_configs_share_one_stdlib_corpus(make_config)
     llama, gpt = (make_config(name).data for name in ("llama_tiny", "gpt_small"))
     files = _stdlib_files(llama.max_bytes)
     assert stdlib_corpus_dir(llama, files) == stdlib_corpus_dir(gpt, _stdlib_files(gpt.max_bytes))
+
+
+def _tokenize_cli(capsys, *args):
+    """(exit code, stderr) of `launch.py tokenize ARGS`, run in this process."""
+    from engine.cli import main
+
+    capsys.readouterr()
+    code = main(["tokenize", *args, "--tokenizer", "bpe:300", "--no-progress"])
+    return code, capsys.readouterr().err
+
+
+def _refused(capsys, out, *args):
+    """The stderr line of an input refused with exit 2, one line, no traceback, nothing in --out."""
+    code, err = _tokenize_cli(capsys, "--input", *map(str, args), "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+    return err
+
+
+def test_files_that_are_not_text_are_refused_and_replaced_bytes_are_counted(tmp_path, capsys):
+    out = tmp_path / "out"
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(np.arange(20_000, dtype=np.int32).tobytes())  # NUL bytes from the start
+    assert f"--input {binary} is a binary file (a NUL byte in its first 8 KiB)" in _refused(capsys, out, binary)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café crème brûlée à la française. ".encode("latin-1") * 300)
+    err = _refused(capsys, out, latin1)
+    assert f"--input {latin1} is not UTF-8 text: more than 1% of its {latin1.stat().st_size:,} bytes" in err
+    assert "iconv" in err
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "ok.txt").write_text("fine text")
+    (tmp_path / "dir" / "skipped.pyc").write_bytes(binary.read_bytes())  # a directory's binary files are left out
+    (tmp_path / "dir" / "z.txt").write_bytes(latin1.read_bytes())  # but not its files of bad text
+    assert "z.txt is not UTF-8 text" in _refused(capsys, out, tmp_path / "dir")
+
+    text = "ordinary words, ünïcödé and \ufffd itself. ".encode() * 300  # a real U+FFFD is text
+    cut = text.index(b" ", 9000)  # past the first 8 KiB, between two characters
+    (tmp_path / "a.txt").write_bytes(text[:cut] + b"\xff\xfe" + text[cut:] + b"\x00\xe4")
+    (tmp_path / "b.txt").write_bytes(text + b"\xc3")  # a sequence cut off by the end of the file
+    (tmp_path / "c.txt").write_bytes(text)
+    files = [str(tmp_path / name) for name in ("a.txt", "b.txt", "c.txt")]
+    code, err = _tokenize_cli(capsys, "--input", *files, "--out", str(out), "--eval-fraction", "0")
+    assert code == 0, err
+    size = len(text)
+    assert err.splitlines() == [
+        f"warning: tokenize: {files[0]}: 4 of its {size + 4:,} bytes are not text (3 invalid UTF-8, 1 NUL), "
+        "read as U+FFFD",
+        f"warning: tokenize: {files[1]}: 1 of its {size + 1:,} bytes are not text (1 invalid UTF-8, 0 NUL), "
+        "read as U+FFFD",
+    ]
+    corpus = tk.open_corpus(str(out))
+    from tokenizers import Tokenizer
+
+    stream, tokenizer = corpus.stream("train"), Tokenizer.from_file(str(corpus.tokenizer_file))
+    first = tokenizer.decode(stream.read(0, int(stream.doc_ends[0]) - 1).tolist())
+    assert "\x00" not in first and first.endswith("\ufffd\ufffd") and first.count("\ufffd") == 300 + 4
+
+
+@pytest.fixture(scope="module")
+def hf_directory(tmp_path_factory):
+    """A Hugging Face datasets directory (save_to_disk) of 300 rows in two Arrow files."""
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path_factory.mktemp("hf") / "original"
+    datasets.Dataset.from_dict({"text": [f"row {i} of the set" for i in range(300)]}).save_to_disk(
+        str(path), num_shards=2
+    )
+    return path
+
+
+def _flipped(data: bytes, position: int) -> bytes:
+    changed = bytearray(data)
+    changed[position] ^= 0x10
+    return bytes(changed)
+
+
+ARROW = "data-00000-of-00002.arrow"
+
+
+@pytest.mark.parametrize(
+    "name, damage, message",
+    [
+        (ARROW, lambda data: data[: len(data) // 2], "cut short: no end-of-stream marker"),
+        (ARROW, lambda data: data[:-8], "cut short"),  # cut where a batch ends: pyarrow reads fewer rows
+        (ARROW, lambda data: _flipped(data, 10), "(Invalid flatbuffers message"),
+        (ARROW, lambda data: _flipped(data, 100), "(its huggingface metadata does not read"),
+        ("state.json", lambda _: b'{"_data_files": "data.arrow"}', '(its _data_files are "data.arrow", not a list'),
+        ("state.json", lambda _: b'{"_data_files": [{"filename": 3}]}', '(its _data_files are [{"filename": 3}]'),
+        ("state.json", lambda _: b'{"_data_files": [{"filename": "../x.arrow"}]}', "not a list of"),
+        ("state.json", lambda _: b'{"_data_files": [{"filename": "%s"}, 7]}' % ARROW.encode(), "[{"),
+        ("state.json", lambda _: b"[]", "(it holds list, not the JSON object"),
+        ("dataset_info.json", lambda _: b'{"features": ', "(not valid JSON"),
+        ("dataset_dict.json", lambda _: b'{"splits": "train"}', "(its splits are"),
+    ],
+    ids=[
+        "arrow-cut-in-half",
+        "arrow-cut-at-a-batch-end",
+        "arrow-header-bit",
+        "arrow-metadata-bit",
+        "data-files-a-string",
+        "filename-a-number",
+        "filename-a-path",
+        "one-entry-not-an-object",
+        "state-a-list",
+        "info-not-json",
+        "splits-a-string",
+    ],
+)
+def test_a_damaged_datasets_directory_is_refused_by_name(tmp_path, capsys, hf_directory, name, damage, message):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(hf_directory, damaged)
+    path = damaged / name
+    path.write_bytes(damage(path.read_bytes() if path.exists() else b""))
+    err = _refused(capsys, tmp_path / "out", damaged)
+    assert f"{path} is " in err and "damaged" in err and message in err
+
+
+def test_bad_input_found_while_reading_leaves_nothing_in_out(tmp_path, capsys):
+    (tmp_path / "late.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')  # found by the BPE's reading
+    assert "late.jsonl:2: no 'text' field" in _refused(capsys, tmp_path / "new_out", tmp_path / "late.jsonl")
+    assert not (tmp_path / "new_out").exists()
+    (tmp_path / "empty_out").mkdir()  # an empty --out given: left empty
+    _refused(capsys, tmp_path / "empty_out", tmp_path / "late.jsonl")

@@ -64,6 +64,8 @@ def test_wandb_and_mlflow_follow_a_run_and_its_resume(tmp_path, monkeypatch):
     assert first.returncode == 0, first.stderr[-2000:]
     again = run_cli(*args, "train.steps=20")  # resumes at step 10 into the same tracker runs
     assert again.returncode == 0, again.stderr[-2000:]
+    finished = run_cli(*args, "train.steps=20")  # nothing to log: no tracker run is opened (the counts below)
+    assert finished.returncode == 0 and "already finished" in finished.stdout + finished.stderr, finished.stderr
     losses = train_losses(workdir)
     assert sorted(losses) == [5, 10, 15, 20]
 
@@ -143,3 +145,93 @@ def test_a_tracker_that_is_not_installed_is_a_usage_error(tmp_path):
     assert "Traceback" not in proc.stderr and not workdir.exists()
     typo = run_cli("--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[wanb]")
     assert typo.returncode == 2 and "did you mean log.trackers=wandb?" in typo.stderr
+
+
+def _one_error_line(proc):
+    """The run stopped with exit 2 and one error line, no traceback."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return errors[0]
+
+
+def test_a_tracking_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path, make_config):
+    from engine.errors import UsageError
+    from engine.trackers import check_installed, open_trackers
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for tracking_dir, says in ((afile, "it is a file"), (afile / "sub" / "dir", f"{afile} is a file")):
+        cfg = make_config("mnist_mlp.yaml", "log.trackers=[wandb,mlflow]", f"log.tracking_dir={tracking_dir}")
+        for check in (check_installed, open_trackers):  # the command line's check, and a run's own
+            with pytest.raises(UsageError) as refused:
+                check(cfg)
+            assert f"log.tracking_dir={tracking_dir} cannot be a directory for log.trackers: {says}" in str(
+                refused.value
+            )
+            assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()
+    workdir = tmp_path / "run"
+    proc = run_cli(
+        "--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[mlflow]", f"log.tracking_dir={afile}/x"
+    )
+    assert f"log.tracking_dir={afile}/x cannot be a directory" in _one_error_line(proc)
+    assert not workdir.exists()  # refused before anything was written or compiled
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"wandb": ["2x7kq9ab"]}', 'its wandb run id is ["2x7kq9ab"], not a valid wandb run id'),
+        ('{"mlflow": 12}', "its mlflow run id is 12, not a valid mlflow run id"),
+        ('{"wandb": "a/b?"}', 'its wandb run id is "a/b?"'),
+        ('{"mlflow": ""}', 'its mlflow run id is ""'),
+        ('["2x7kq9ab"]', "it holds a list, not an object"),
+        ('{"wandb": "2x7k', "not JSON: "),
+    ],
+)
+def test_a_damaged_trackers_json_is_refused_by_name(tmp_path, make_config, text, says):
+    from engine.errors import UsageError
+    from engine.trackers import check_installed
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "trackers.json").write_text(text)
+    cfg = make_config("mnist_mlp.yaml", "log.trackers=[wandb,mlflow]")
+    with pytest.raises(UsageError) as refused:
+        check_installed(cfg)
+    message = str(refused.value)
+    assert message.startswith(f"{workdir / 'trackers.json'} is damaged ({says}") and "\n" not in message
+    assert "delete it to log into new tracker runs" in message
+    assert (workdir / "trackers.json").read_text() == text and [p.name for p in workdir.iterdir()] == ["trackers.json"]
+
+
+def test_a_trackers_json_with_a_list_for_an_id_stops_the_command_line(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "trackers.json").write_text('{"mlflow": ["x"]}')
+    proc = run_cli("--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[mlflow]")
+    assert f"{workdir / 'trackers.json'} is damaged (its mlflow run id is" in _one_error_line(proc)
+    assert [p.name for p in workdir.iterdir()] == ["trackers.json"]  # nothing else written
+
+
+def test_an_mlflow_run_id_the_store_does_not_hold_is_a_warning_and_a_new_run(
+    tmp_path, make_config, capsys, monkeypatch
+):
+    from engine.trackers import open_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    unknown = "0" * 31 + "1"
+    (workdir / "trackers.json").write_text(json.dumps({"mlflow": unknown}))
+    cfg = make_config("mnist_mlp.yaml", "log.trackers=[mlflow]")
+    (tracker,) = open_trackers(cfg)
+    tracker.log(1, "train", {"loss": 0.5})
+    tracker.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: mlflow")]
+    assert warnings == [
+        f"warning: mlflow: run {unknown} (from {workdir / 'trackers.json'}) is not in "
+        f"sqlite:///{workdir / 'mlflow.db'} or was deleted; logging into a new run from this step on"
+    ]
+    new_id = json.loads((workdir / "trackers.json").read_text())["mlflow"]
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    assert new_id != unknown and client.get_run(new_id).data.metrics == {"train/loss": 0.5}

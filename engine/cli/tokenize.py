@@ -4,6 +4,7 @@ into token shards, once."""
 from __future__ import annotations
 
 import argparse
+import time
 
 from engine.cli.common import Command, Parser
 
@@ -63,9 +64,36 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args, argv: list[str]) -> int:
-    from engine.data.tokenize import main as tokenize_main
+    """Exit 0 done, 2 bad input (engine/cli turns UsageError into it), 130/143 interrupted (re-run to go on)."""
+    from engine.data.tokenize import Interrupted, tokenize
 
-    return tokenize_main(args)
+    started = time.perf_counter()
+    try:
+        manifest = tokenize(
+            args.input,
+            args.out,
+            args.tokenizer,
+            args.vocab_size or 0,
+            args.eval_fraction,
+            args.text_field,
+            args.text_unit,
+            args.shard_tokens,
+            eod_token=args.eod_token or "",
+            progress=not args.no_progress,
+        )
+    except Interrupted as stopped:
+        print("tokenize: interrupted; what is written is kept: re-run the same command to continue", flush=True)
+        return stopped.exit_code
+    splits = manifest["splits"]
+    print(
+        f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
+        f"documents, {splits['eval']['tokens']:,} in {splits['eval']['documents']:,} held out; "
+        f"vocabulary {manifest['vocab_size']:,} "
+        f"({manifest['dtype']}); {time.perf_counter() - started:,.1f} s; train with data.name=tokens "
+        f"data.path={args.out}",
+        flush=True,
+    )
+    return 0
 
 
 COMMAND = Command(parser, run)

@@ -13,12 +13,16 @@ from engine.errors import UsageError
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
+SNIFF_BYTES = 8192  # a NUL byte among a file's first 8 KiB makes it binary (git's rule)
+ARROW_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker a closed Arrow IPC stream ends with
+
+
 def _binary(path: Path) -> bool:
     """A file that is neither Parquet nor text (a NUL byte in its first 8 KiB: .pyc, images, …)."""
     if path.suffix.lower() in (".parquet", ".arrow"):
         return False
     with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
+        return b"\0" in f.read(SNIFF_BYTES)
 
 
 def input_files(paths: list[str]) -> list[Path]:
@@ -65,13 +69,13 @@ def documents(files: list[Path], text_field: str = "text", text_unit: str = "fil
             yield from _parquet(file, text_field)
         elif suffix == ".arrow":
             yield from _arrow(file, text_field)
-        elif text_unit == "line":
+        elif text_unit == "line":  # invalid UTF-8 and NUL bytes read as U+FFFD (counted by input_checks)
             with open(file, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     if line.strip():
-                        yield line.rstrip("\n")
+                        yield line.rstrip("\n").replace("\0", "\ufffd")
         else:
-            text = file.read_text(encoding="utf-8", errors="replace")
+            text = file.read_text(encoding="utf-8", errors="replace").replace("\0", "\ufffd")
             if text.strip():
                 yield text
 
@@ -101,6 +105,7 @@ def _jsonl(file: Path, text_field: str) -> Iterator[str]:
 
 
 def _parquet(file: Path, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -111,10 +116,13 @@ def _parquet(file: Path, text_field: str) -> Iterator[str]:
         raise UsageError(
             f"{file}: no column {text_field!r} (columns: {table.schema_arrow.names}); pass --text-field NAME"
         )
-    for batch in table.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            if isinstance(text, str) and text.strip():
-                yield text
+    try:
+        for batch in table.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if isinstance(text, str) and text.strip():
+                    yield text
+    except (pa.ArrowException, OSError) as e:  # a damaged page
+        raise UsageError(f"{file} is a damaged Parquet file ({e}); write it again or restore it from a copy") from None
 
 
 def hf_dataset_files(path: Path) -> list[Path] | None:
@@ -123,6 +131,8 @@ def hf_dataset_files(path: Path) -> list[Path] | None:
     None for any other directory."""
     if (path / "dataset_dict.json").is_file():
         splits = _json_file(path / "dataset_dict.json").get("splits", [])
+        if not isinstance(splits, list) or not all(isinstance(split, str) for split in splits):
+            raise _damaged_json(path / "dataset_dict.json", f"its splits are {json.dumps(splits)[:60]}")
         if "train" not in splits:
             raise UsageError(
                 f"--input {path} is a Hugging Face DatasetDict without a train split (splits: {splits}); "
@@ -131,42 +141,114 @@ def hf_dataset_files(path: Path) -> list[Path] | None:
         path = path / "train"
     if not (path / "state.json").is_file() or not (path / "dataset_info.json").is_file():
         return None
-    files = [path / entry["filename"] for entry in _json_file(path / "state.json").get("_data_files", [])]
-    missing = [f.name for f in files if not f.is_file()]
-    if not files or missing:
-        raise UsageError(f"--input {path}: the Hugging Face dataset's Arrow files {missing or '(none)'} are missing")
-    return files
+    _json_file(path / "dataset_info.json")
+    entries = _json_file(path / "state.json").get("_data_files")
+    names = _file_names(entries)
+    if not names:
+        raise _damaged_json(
+            path / "state.json",
+            f'its _data_files are {json.dumps(entries)[:60]}, not a list of {{"filename": "data-….arrow"}}',
+        )
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise UsageError(f"--input {path}: the Hugging Face dataset's Arrow files {missing} are missing")
+    return [path / n for n in names]
+
+
+def _file_names(entries: object) -> list[str]:
+    """The file names of state.json's `_data_files` ([] unless each is a name in the directory)."""
+    if not isinstance(entries, list):
+        return []
+    names = [entry.get("filename") if isinstance(entry, dict) else None for entry in entries]
+    good = [name for name in names if isinstance(name, str) and name and Path(name).name == name]
+    return good if len(good) == len(entries) else []
+
+
+def _damaged_json(path: Path, why: str) -> UsageError:
+    return UsageError(
+        f"{path} is damaged ({why}); save the dataset again (save_to_disk) or restore the directory from a copy"
+    )
 
 
 def _json_file(path: Path) -> dict:
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not valid JSON ({e}); is the dataset directory complete?") from None
+        raise _damaged_json(path, f"not valid JSON: {e}") from None
     if not isinstance(found, dict):
-        raise UsageError(f"{path} holds {type(found).__name__}, not the JSON object `datasets` writes")
+        raise _damaged_json(path, f"it holds {type(found).__name__}, not the JSON object `datasets` writes")
     return found
 
 
-def _arrow(file: Path, text_field: str) -> Iterator[str]:
-    """Rows of an Arrow file: the IPC stream format `datasets` writes, or the IPC file format."""
+def _damaged_arrow(file: Path, why: object) -> UsageError:
+    return UsageError(
+        f"{file} is a damaged Arrow file ({why}); write it again (a datasets directory: save_to_disk) or "
+        "restore it from a copy"
+    )
+
+
+def _arrow_reader(file: Path):
+    """(column names, record batches, each checked in full) of an Arrow file: the IPC stream format
+    `datasets` writes, or the IPC file format; UsageError when it is damaged (Arrow keeps no
+    checksum: a changed byte inside the text itself reads as other text)."""
     import pyarrow as pa
 
+    with open(file, "rb") as f:
+        head = f.read(6)
+        f.seek(max(file.stat().st_size - len(ARROW_EOS), 0))
+        tail = f.read()
+    if head != b"ARROW1" and tail != ARROW_EOS:  # a stream cut at a batch's end reads as a shorter one
+        raise _damaged_arrow(file, "cut short: no end-of-stream marker")
+    errors = (pa.ArrowException, OSError, UnicodeDecodeError)  # what pyarrow raises for damaged bytes
     try:
-        reader = pa.ipc.open_stream(pa.memory_map(str(file)))
-    except pa.ArrowInvalid:
-        try:
+        if head == b"ARROW1":
             reader = pa.ipc.open_file(pa.memory_map(str(file)))
-        except pa.ArrowInvalid as e:
-            raise UsageError(f"{file} is not a readable Arrow file: {e}") from None
-    if text_field not in reader.schema.names:
-        raise UsageError(f"{file}: no column {text_field!r} (columns: {reader.schema.names}); pass --text-field NAME")
-    column = reader.schema.get_field_index(text_field)
-    batches = (
-        reader
-        if isinstance(reader, pa.ipc.RecordBatchStreamReader)
-        else map(reader.get_batch, range(reader.num_record_batches))
-    )
+            batches = map(reader.get_batch, range(reader.num_record_batches))
+        else:
+            reader = batches = pa.ipc.open_stream(pa.memory_map(str(file)))
+        names = reader.schema.names
+        _check_hf_metadata(file, reader.schema)
+    except errors as e:
+        raise _damaged_arrow(file, e) from None
+
+    def checked():
+        try:
+            for batch in batches:
+                if batch.schema.names != names:
+                    raise _damaged_arrow(file, f"a batch has columns {batch.schema.names}, not {names}")
+                batch.validate(full=True)  # offsets in bounds, UTF-8 text
+                yield batch
+        except errors as e:
+            raise _damaged_arrow(file, e) from None
+
+    return names, checked()
+
+
+def _check_hf_metadata(file: Path, schema) -> None:
+    """The columns that `datasets` wrote into the schema's metadata are the schema's own."""
+    recorded = (schema.metadata or {}).get(b"huggingface")
+    if recorded is None:
+        return
+    try:
+        features = json.loads(recorded)["info"]["features"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise _damaged_arrow(file, f"its huggingface metadata does not read: {e!r}") from None
+    if isinstance(features, dict) and sorted(features) != sorted(schema.names):
+        raise _damaged_arrow(file, f"its columns {schema.names} are not the {list(features)} its metadata lists")
+
+
+def check_arrow(file: Path) -> None:
+    """UsageError when any part of an Arrow file is damaged."""
+    for _ in _arrow_reader(file)[1]:
+        pass
+
+
+def _arrow(file: Path, text_field: str) -> Iterator[str]:
+    """Rows of an Arrow file's `text_field` column."""
+    names, batches = _arrow_reader(file)
+    if text_field not in names:
+        raise UsageError(f"{file}: no column {text_field!r} (columns: {names}); pass --text-field NAME")
+    column = names.index(text_field)
     for batch in batches:
         for text in batch.column(column).to_pylist():
             if isinstance(text, str) and text.strip():

@@ -20,6 +20,7 @@ with the same bytes as an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from engine.data.documents import batches, documents, first_bytes, input_files, with_last
+from engine.data.input_checks import check_inputs
 from engine.data.shards import ShardWriter
 from engine.data.tokens import FORMAT, manifest_digest
 from engine.errors import UsageError
@@ -157,12 +159,7 @@ def tokenize(
     interrupted call continues it; re-running a finished one returns its manifest.
     `stop_after_batches` (tests) interrupts after that many batches, as a signal would. No phase
     is silent for longer than `heartbeat_seconds`: a line says what is still going on."""
-    if not 0.0 <= eval_fraction < 1.0:
-        raise UsageError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
-    if text_unit not in ("file", "line"):
-        raise UsageError(f"--text-unit {text_unit!r}: use file or line")
-    if shard_tokens < 1:
-        raise UsageError("--shard-tokens must be at least 1")
+    _check_options(eval_fraction, text_unit, shard_tokens)
     files = input_files(paths)
     out_dir = Path(out).expanduser()
     bpe_size = _bpe_size(tokenizer_spec, vocab_size)
@@ -172,6 +169,7 @@ def tokenize(
     state = _state(out_dir, settings)
     if "manifest" in state:
         return state["manifest"]
+    check_inputs(files)  # all of them, before anything is written
     if next(documents(files, text_field, text_unit), None) is None:
         raise UsageError(f"--input {' '.join(paths)} holds no non-empty documents; give files with text")
     stop = {"signal": 0}
@@ -180,13 +178,14 @@ def tokenize(
         stop["signal"] = signum
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with WorkdirLock(out_dir, wait_seconds=0.0, job="tokenize", option="--out"):  # one writer per --out
             state = _state(out_dir, settings)  # again: another writer may have gone on meanwhile
             if "manifest" in state:
                 return state["manifest"]
-            with Heartbeat(heartbeat_seconds) as beat:
+            with _kept_only_if_done(out_dir, created), Heartbeat(heartbeat_seconds) as beat:
                 stopping = _Stopping(stop, stop_after_batches)
                 run = _Run(files, out_dir, settings, state, bpe_size, batch_bytes, progress, stopping, beat)
                 manifest = _tokenize(run)
@@ -195,6 +194,32 @@ def tokenize(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _check_options(eval_fraction: float, text_unit: str, shard_tokens: int) -> None:
+    if not 0.0 <= eval_fraction < 1.0:
+        raise UsageError(f"--eval-fraction {eval_fraction} must be in [0, 1)")
+    if text_unit not in ("file", "line"):
+        raise UsageError(f"--text-unit {text_unit!r}: use file or line")
+    if shard_tokens < 1:
+        raise UsageError("--shard-tokens must be at least 1")
+
+
+@contextlib.contextmanager
+def _kept_only_if_done(out_dir: Path, created: bool) -> Iterator[None]:
+    """A new run (--out empty, under its lock) stopped by bad input found on the way (a JSON Lines
+    record) removes what it wrote, and --out if it made it; an interrupted or resumed run keeps it."""
+    fresh = not (out_dir / "progress.json").exists()
+    try:
+        yield
+    except UsageError:
+        if fresh:
+            for pattern in ("*.tokens", "*.docs", "tokenizer.json*", "progress.json", LOCK):
+                for path in out_dir.glob(pattern):
+                    path.unlink()
+            if created and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+        raise
 
 
 def _bpe_size(spec: str, vocab_size: int) -> int:
@@ -404,34 +429,3 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", dynamic_ncols=True)
-
-
-def main(args) -> int:
-    """The `tokenize` command: exit 0 done, 2 bad input, 130/143 interrupted (re-run to go on)."""
-    started = time.perf_counter()
-    try:
-        manifest = tokenize(
-            args.input,
-            args.out,
-            args.tokenizer,
-            args.vocab_size or 0,
-            args.eval_fraction,
-            args.text_field,
-            args.text_unit,
-            args.shard_tokens,
-            eod_token=args.eod_token or "",
-            progress=not args.no_progress,
-        )
-    except Interrupted as stopped:
-        print("tokenize: interrupted; what is written is kept: re-run the same command to continue", flush=True)
-        return stopped.exit_code
-    splits = manifest["splits"]
-    print(
-        f"tokenize: {args.out}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} "
-        f"documents, {splits['eval']['tokens']:,} in {splits['eval']['documents']:,} held out; "
-        f"vocabulary {manifest['vocab_size']:,} "
-        f"({manifest['dtype']}); {time.perf_counter() - started:,.1f} s; train with data.name=tokens "
-        f"data.path={args.out}",
-        flush=True,
-    )
-    return 0
