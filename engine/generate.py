@@ -17,11 +17,19 @@ from engine import finetune
 from engine.checkpoint import restore_newest
 from engine.errors import UsageError
 from engine.export import run_config
-from engine.setup import build_run
+from engine.hlo import human_bytes
+from engine.setup import build_run, device_memory_bytes
 from engine.step import model_variables
 from engine.vocab import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
 
 DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)
+# A prompt of more characters than context x this cannot fit the context: text averages 3 to 5
+# characters a token, and no tokenizer in use averages 64. Refused before it is tokenized.
+CHARS_PER_TOKEN = 64
+# Of one device's memory (on CPU: this host's RAM, engine/setup.py device_memory_bytes), what
+# the run's state, the key/value cache and the prompts' logits may take together; the other half
+# is left to the steps' temporaries (the prompt's attention scores) and, on CPU, to the host.
+MEMORY_FRACTION = 0.5
 
 
 def sample(
@@ -46,8 +54,12 @@ def sample(
     generate, info = _generator(cfg, run), run.dataset.info
     check_data_tokenizer(work / TOKENIZER, info, f"the run's data (data.name={cfg.data.name})")
     tokenizer, vocab, source, encode, decode = _codec(work, info)
+    context, fits = context_length(work, info), _memory_check(cfg, run, num_samples, len(prompts))
+    _check_characters(prompts, context)
+    fits(1, max_tokens or 1, least=True)  # the least it could take: before tokenizing a long prompts file
     prompt_ids = [encode(prompt) for prompt in prompts]
-    max_tokens = _budget([len(ids) for ids in prompt_ids], max_tokens, context_length(work, info))
+    max_tokens = _budget([len(ids) for ids in prompt_ids], max_tokens, context)
+    fits(max(map(len, prompt_ids)), max_tokens)
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
     restored = restore_newest(work, run.abstract_state, cfg, "sample from")
     rows: list[list[int]] = [[] for _ in range(num_samples * len(prompts))]
@@ -87,6 +99,58 @@ def _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings) -
             f"--max-tokens {max_tokens} and --num-samples {num_samples} must be >= 1, --temperature "
             f"{temperature} a finite number >= 0, --top-p {top_p} in (0, 1] and each --stop non-empty"
         )
+
+
+def _check_characters(prompts: Sequence[str], context: int) -> None:
+    """UsageError for a prompt too long to fit the context by its characters alone (a tokenizer
+    given a 1 GB line aborts the process)."""
+    limit = context * CHARS_PER_TOKEN
+    longest = max(map(len, prompts), default=0)
+    if longest > limit:
+        number = next(i for i, prompt in enumerate(prompts, 1) if len(prompt) == longest)
+        raise UsageError(
+            f"prompt {number} has {longest:,} characters: more than the model's context of {context} tokens holds "
+            f"at {CHARS_PER_TOKEN} characters a token ({limit:,}); shorten it (prompt and --max-tokens must fit "
+            f"{context} tokens)"
+        )
+
+
+def _memory_check(cfg, run, num_samples: int, prompts: int):
+    """check(prompt tokens, new tokens): UsageError unless the key/value cache and the prompts'
+    logits of every sample of every prompt (one batch), beside the run's state, fit in
+    MEMORY_FRACTION of a device's memory; checked from shapes, before anything is allocated."""
+    import jax
+
+    params = jax.tree.leaves(run.abstract_state.params)
+    family, info = run.model.family, run.dataset.info
+    # the generator's decoder (models/sampling.py cached_generator) on one token of one row: its
+    # cache leaves [(layers,) batch, slots, ...] give the bytes a row holds per token
+    decoder = family.build(cfg.model, info, jnp.dtype(cfg.train.compute_dtype), params[0].dtype, decode=True)
+    logits, variables = jax.eval_shape(
+        lambda: decoder.init_with_output(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), train=False)
+    )
+    per_token = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(variables["cache"]) if leaf.ndim >= 2)
+    per_prompt_token = logits.size * logits.dtype.itemsize  # the prefill's logits [rows, prompt, vocab]
+    device = device_memory_bytes(run.mesh)
+    state = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(run.abstract_state))
+    room = int(MEMORY_FRACTION * device) - state
+    rows = num_samples * prompts
+
+    def check(prompt: int, new: int, least: bool = False) -> None:
+        row = (prompt + new) * per_token + prompt * per_prompt_token
+        if rows * row <= room:
+            return
+        fit = max(room // row, 0)
+        raise UsageError(
+            f"{rows:,} rows (--num-samples {num_samples} x {prompts:,} prompt(s)) of {prompt} prompt + {new} new "
+            f"tokens{' (at least)' if least else ''} need {human_bytes(rows * row)} for the key/value cache and "
+            f"the prompts' logits, more than the {human_bytes(max(room, 0))} generation may take here "
+            f"({MEMORY_FRACTION:.0%} of a device's {human_bytes(device)}, less the run's state, "
+            f"{human_bytes(state)}); {fit:,} rows fit: give fewer --num-samples, fewer prompts per --prompts "
+            f"file, or a smaller --max-tokens"
+        )
+
+    return check
 
 
 def _generator(cfg, run):

@@ -16,6 +16,11 @@ from typing import Optional
 from engine.errors import UsageError
 
 GiB = 2**30
+# Chips of a whole target, its slices together. The largest published multislice job trained on
+# 50,944 v5e chips (199 slices of 256; Google Cloud, November 2023); 2**16 leaves room above it.
+# libtpu describes a topology of any size, but one of millions of chips takes minutes and tens of
+# GB on this host before anything is checked: a larger target is refused from its numbers alone.
+MAX_TARGET_CHIPS = 2**16
 INSTALL = 'pip install -e ".[dev]"  (or: pip install "jax[tpu]"; the TPU compiler, libtpu)'
 
 
@@ -31,6 +36,7 @@ class Chip:
     ici_bytes_per_second: float  # one direction, per chip (half the published bidirectional figure)
     dcn_bytes_per_second: float  # per chip, across slices
     dims: int  # the torus: 2 (v5e, v6e) or 3
+    largest_slice: int  # chips in the largest slice Google Cloud offers (its whole pod; see CHIPS)
     cores_per_chip: int = 1  # TensorCores a pod name counts per chip (v4-32 and v5p-32 are 16 chips)
     devices_per_chip: int = 1  # JAX devices per chip
     chip_config: str = "default"  # libtpu's chip configuration (megacore: one device per chip of two cores)
@@ -50,6 +56,7 @@ CHIPS: dict[str, Chip] = {
             150e9,
             6.25e9,
             3,
+            largest_slice=4096,  # a v4 pod: 4,096 chips (v4-8192)
             cores_per_chip=2,
             chip_config="megacore",
             sources="cloud.google.com/tpu/docs/v4 (DCN assumed as v5p)",
@@ -63,6 +70,7 @@ CHIPS: dict[str, Chip] = {
             200e9,
             3.125e9,
             2,
+            largest_slice=256,  # v5litepod-256 (16x16): a slice is at most one pod
             sources="cloud.google.com/tpu/docs/v5e: 400 GBps ICI, 2 x 100 Gbps NIC per 8 chips",
         ),
         Chip(
@@ -74,6 +82,7 @@ CHIPS: dict[str, Chip] = {
             600e9,
             6.25e9,
             3,
+            largest_slice=8960,  # a v5p pod: 8,960 chips, 16x20x28 (v5p-17920)
             cores_per_chip=2,
             chip_config="megacore",
             sources="cloud.google.com/tpu/docs/v5p: 1,200 GBps ICI, 50 Gbps DCN per chip",
@@ -87,6 +96,7 @@ CHIPS: dict[str, Chip] = {
             400e9,
             12.5e9,
             2,
+            largest_slice=256,  # v6e-256 (16x16): a slice is at most one pod
             sources="cloud.google.com/tpu/docs/v6e: 800 GBps ICI, 4 x 200 Gbps NIC per 8 chips",
         ),
         # Ironwood: two TensorCores per chip, each a JAX device; DCN assumed as v6e
@@ -99,6 +109,7 @@ CHIPS: dict[str, Chip] = {
             600e9,
             12.5e9,
             3,
+            largest_slice=9216,  # an Ironwood pod: 9,216 chips
             cores_per_chip=2,
             devices_per_chip=2,
             sources="Google's Ironwood announcement: 4,614 TFLOP/s fp8 (bf16 half), 192 GB HBM (DCN assumed)",
@@ -171,13 +182,23 @@ def parse_target(text: str, slices: int = 1) -> Target:
             f"--target {text!r} is not a TPU target; write the pod name (e.g. v5p-128, v5e-256, v6e-64, "
             f"v4-32) or a shape (e.g. v5p:4x4x8); chips: {names}"
         )
+    numbers = (match.group(3) or match.group(2)).split("x")
+    digits = max(map(len, numbers))
+    if digits > 9:  # (and Python reads at most 4,300 digits)
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise UsageError(
+            f"--target {shown}: a number of {digits} digits is far more chips than any TPU slice (the largest "
+            f"{chip.name} slice is {chip.largest_slice:,} chips); give a real slice, e.g. "
+            f"{chip.name}-{_largest_pod_name(chip)}"
+        )
     if match.group(3):
-        shape = tuple(int(n) for n in match.group(3).split("x"))
+        shape = tuple(int(n) for n in numbers)
         if len(shape) != chip.dims or min(shape) < 1:
             raise UsageError(
                 f"--target {text}: a {chip.name} slice has {chip.dims} dimensions, e.g. "
                 f"{chip.name}:{'x'.join(['2'] * chip.dims)}"
             )
+        _check_size(chip, math.prod(shape), slices, text)
         return Target(chip, shape, slices)
     count = int(match.group(2))
     if count % chip.cores_per_chip:
@@ -185,7 +206,30 @@ def parse_target(text: str, slices: int = 1) -> Target:
             f"--target {text}: {chip.name} pod names count TensorCores, {chip.cores_per_chip} per chip; "
             f"use a multiple of {chip.cores_per_chip}"
         )
+    _check_size(chip, count // chip.cores_per_chip, slices, text)
     return Target(chip, slice_shape(chip, count // chip.cores_per_chip, text), slices)
+
+
+def _check_size(chip: Chip, chips: int, slices: int, text: str) -> None:
+    """UsageError for a slice larger than the chip's largest, or more than MAX_TARGET_CHIPS in all:
+    checked from the numbers, before libtpu describes the topology."""
+    if chips > chip.largest_slice:
+        raise UsageError(
+            f"--target {text}: {chips:,} chips in one slice, but the largest {chip.name} slice is "
+            f"{chip.largest_slice:,} chips (a whole pod); give at most that, e.g. "
+            f"{chip.name}-{_largest_pod_name(chip)}, and --slices N for more chips"
+        )
+    if chips * slices > MAX_TARGET_CHIPS:
+        raise UsageError(
+            f"--target {text} --slices {slices}: {chips * slices:,} chips, more than the {MAX_TARGET_CHIPS:,} "
+            f"a plan takes (the largest multislice jobs run about 50,000 chips); use --slices "
+            f"{max(MAX_TARGET_CHIPS // chips, 1)} or fewer"
+        )
+
+
+def _largest_pod_name(chip: Chip) -> int:
+    """The number in the name of the largest power-of-two slice (v5p-16384: 8,192 chips)."""
+    return 2 ** (chip.largest_slice.bit_length() - 1) * chip.cores_per_chip
 
 
 def slice_shape(chip: Chip, chips: int, text: str) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ state must hold, against the compiler's own refusal, and against the HLO's colle
 
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from engine.config import load_config
 from engine.errors import UsageError
 from engine.plan import plan, render, verdict
 from engine.plan.search import search
-from engine.tpu import parse_target
+from engine.tpu import Target, parse_target
 
 pytest.importorskip("libtpu", reason="the TPU compiler (libtpu) is not installed")
 
@@ -154,6 +155,62 @@ def test_bad_targets_and_meshes_are_one_line_and_exit_2(args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.fixture
+def no_topology(monkeypatch):
+    """Fails a test whose command has libtpu describe its target (the step before any mesh or compile)."""
+
+    def described(target):
+        raise AssertionError(f"{target.topology_name} was described")
+
+    monkeypatch.setattr(Target, "devices", property(described))
+
+
+def plan_in_process(capsys, *args) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of `launch.py plan --config llama_tiny ARGS` in this process."""
+    from engine.cli import main
+
+    started = time.perf_counter()
+    code = main(["plan", "--config", "llama_tiny", *args])
+    return code, capsys.readouterr().err, time.perf_counter() - started
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "v5p:512x512x512"], "134,217,728 chips in one slice, but the largest v5p slice is 8,960"),
+        (["--target", "v5p:1024x1024x1024"], "1,073,741,824 chips in one slice"),
+        (["--target", "v5e:1024x1024"], "the largest v5e slice is 256 chips (a whole pod); give at most that"),
+        (["--target", "v4-16384"], "8,192 chips in one slice, but the largest v4 slice is 4,096"),
+        (["--target", "v5p-" + "9" * 5000], "a number of 5000 digits is far more chips than any TPU slice"),
+        (["--target", "v5e-256", "--slices", "300"], "76,800 chips, more than the 65,536 a plan takes"),
+        (["--target", "v5e-256"], "global_batch_size=16 is not divisible by data*fsdp*expert=256*1*1=256"),
+        (["--target", "v5e-8", "train.grad_accum_steps=4"], "(a micro-batch of 4 with train.grad_accum_steps=4)"),
+    ],
+    ids=["512-cubed", "1024-cubed", "v5e-1024-squared", "v4-past-its-pod", "digits", "slices", "batch", "micro"],
+)
+def test_targets_past_the_largest_pod_or_the_batch_exit_2_before_the_topology(no_topology, capsys, args, message):
+    """Refused from the numbers alone, at once: a topology of a billion chips took 21 GB and minutes."""
+    code, err, seconds = plan_in_process(capsys, *args)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert seconds < 10
+
+
+def test_a_json_path_that_cannot_be_written_exits_2_before_the_compile(no_topology, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    cases = {
+        str(tmp_path): "is a directory; give a file name",
+        str(tmp_path / "missing" / "plan.json"): "missing is not an existing directory",
+        str(tmp_path / "a-file" / "plan.json"): "a-file is not an existing directory",
+    }
+    for path, message in cases.items():
+        code, err, _ = plan_in_process(capsys, "--target", "v5e-8", "--json", path)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(AssertionError, match="v5e:2x4 was described"):  # what passes the checks goes on
+        plan_in_process(capsys, "--target", "v5e-8", "--json", str(tmp_path / "plan.json"))
 
 
 def test_pod_names_count_cores_for_v4_and_v5p_and_chips_for_v5e_and_v6e():

@@ -5,6 +5,7 @@ the tokenizer does not have."""
 
 import json
 import shutil
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +107,37 @@ def test_sample_stays_within_the_context_and_refuses_ids_outside_the_tokenizer(i
     assert run_cli("import-hf", str(bigger), "--workdir", str(run), *QUICK).returncode == 0
     proc = run_cli("sample", "--workdir", str(run), "--prompt", "alpha", "--temperature", "0", "--max-tokens", "3")
     assert proc.returncode == 2 and f"[{vocab + 3}" in proc.stderr and "do not belong together" in proc.stderr
+
+
+def test_hostile_sizes_exit_2_with_one_line_before_anything_large_is_allocated(imported, tmp_path):
+    """Samples x prompts x tokens beyond what the key/value cache may take, a prompts file past
+    16 MiB (of short lines, or one line) and a line longer than the context could hold are each
+    refused from their sizes: a million samples used to grow for minutes, a 1 GB line abort."""
+    _, work, _, _ = imported
+    (tmp_path / "short-lines.txt").write_bytes(b"ab\n" * (7 * 2**20))  # 21 MiB
+    (tmp_path / "one-line.txt").write_bytes(b"x" * (20 * 2**20))
+    (tmp_path / "long-line.txt").write_bytes(b"alpha\n" + b"x" * 2**20 + b"\n")  # within 16 MiB
+    (tmp_path / "many.txt").write_bytes(b"alpha\n" * 100_000)
+    huge = "need", "for the key/value cache and the prompts' logits", "rows fit: give fewer --num-samples"
+    cases = [
+        (
+            ["--prompt", "alpha", "--num-samples", "1000000000"],
+            ("1,000,000,000 rows (--num-samples 1000000000 x 1 prompt(s))", *huge),
+        ),
+        (
+            ["--prompts", str(tmp_path / "many.txt"), "--num-samples", "10000"],
+            ("(--num-samples 10000 x 100,000 prompt(s))", *huge),
+        ),
+        (["--prompts", str(tmp_path / "short-lines.txt")], ("holds 22,020,096 bytes: more than 16,777,216",)),
+        (["--prompts", str(tmp_path / "one-line.txt")], ("holds 20,971,520 bytes: more than 16,777,216",)),
+        (["--prompts", str(tmp_path / "long-line.txt")], ("prompt 2 has 1,048,576 characters", "of 32 tokens")),
+    ]
+    for args, messages in cases:
+        started = time.perf_counter()
+        proc = run_cli("sample", "--workdir", str(work), *args, timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert all(m in proc.stderr for m in messages) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert time.perf_counter() - started < 60, args
 
 
 def test_generation_ends_after_a_stop_id():

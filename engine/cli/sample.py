@@ -19,7 +19,8 @@ def parser() -> argparse.ArgumentParser:
     given.add_argument(
         "--prompts",
         metavar="FILE",
-        help="a UTF-8 file of prompts, one per line (blank lines skipped), continued together in one batch",
+        help="a UTF-8 file of prompts, one per line (blank lines skipped), continued together in one batch "
+        "(at most 16 MiB; the batch must fit the key/value cache's share of a device's memory)",
     )
     p.add_argument(
         "--chat",
@@ -54,7 +55,7 @@ def run(args, argv: list[str]) -> int:
     if args.chat:
         from pathlib import Path
 
-        from engine.vocab import chat_prompts
+        from engine.chat import chat_prompts
 
         prompts = chat_prompts(Path(args.workdir), prompts, args.system)
     texts = sample(
@@ -80,14 +81,28 @@ def run(args, argv: list[str]) -> int:
     return 0
 
 
+# A --prompts file's size at most: prompts that are continued in one batch, each within the
+# model's context (a million prompts of 16 characters); a larger file is refused unread.
+MAX_PROMPTS_BYTES = 16 * 2**20
+
+
 def _read_prompts(path: str) -> list[str]:
+    import os
+
     from engine.errors import UsageError
 
+    too_big = f"more than {MAX_PROMPTS_BYTES:,} bytes (16 MiB), the most --prompts takes; split it into smaller files"
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip("\r\n") for line in f]
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_PROMPTS_BYTES:
+                raise UsageError(f"--prompts {path} holds {os.fstat(f.fileno()).st_size:,} bytes: {too_big}")
+            data = f.read(MAX_PROMPTS_BYTES + 1)  # (a pipe or a device has no size: one byte past the bound)
+        if len(data) > MAX_PROMPTS_BYTES:
+            raise UsageError(f"--prompts {path} holds {too_big}")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--prompts {path}: cannot be read as UTF-8 text ({e})") from None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # (as text mode's universal newlines)
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise UsageError(f"--prompts {path} holds no prompt; write one prompt per line")

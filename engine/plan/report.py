@@ -15,10 +15,11 @@ import jax
 import numpy as np
 
 from engine import hlo
-from engine.axes import CONFIG_AXES
+from engine.axes import BATCH_AXES, CONFIG_AXES
 from engine.config import Config
 from engine.errors import UsageError
 from engine.hlo import Collective, human_bytes
+from engine.mesh import mesh_shape
 from engine.pipeline import describe as describe_pipeline
 from engine.pipeline import stage_plan
 from engine.setup import compile_plan, plan_run
@@ -90,6 +91,8 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True, group: Sequence
     if cfg.mesh.backend != "jit":
         raise UsageError("plan compiles the jit backend; set mesh.backend=jit (pmap runs one device per replica)")
     _check_slices(cfg, target)
+    if len(group) <= 1:  # (a vectorised group's mesh takes a trial axis: build_group checks it)
+        _check_mesh(cfg, target)
     for each in [cfg, *group]:
         each.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
         each.train.compilation_cache_dir = ""
@@ -187,6 +190,24 @@ def _check_slices(cfg: Config, target: Target) -> None:
             f"--slices {target.slices} but the mesh puts {across} slice(s) side by side ({keys} = "
             f"{across}); set the dcn_ keys to make {target.slices}, e.g. mesh.dcn_data={target.slices}"
         )
+
+
+def _check_mesh(cfg: Config, target: Target) -> None:
+    """The config's mesh and batch against the target's device count, from the numbers alone:
+    libtpu's description of a large topology, and a mesh over it, take seconds and GBs."""
+    devices = target.chips * target.chip.devices_per_chip
+    sizes = mesh_shape(cfg.mesh, devices)
+    axes = [a for a in BATCH_AXES if a in sizes]
+    shards = math.prod(sizes[a] for a in axes)
+    layout = f"{'*'.join(axes)}={'*'.join(str(sizes[a]) for a in axes)}={shards}"
+    batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    if batch % shards == 0 and (batch // accum) % shards == 0:
+        return
+    micro = f" (a micro-batch of {batch // accum} with train.grad_accum_steps={accum})" if accum > 1 else ""
+    raise UsageError(
+        f"train.global_batch_size={batch}{micro} is not divisible by {layout} on {target.name}, "
+        f"{devices} devices; use a global batch that is a multiple of {shards * accum}, or a smaller target"
+    )
 
 
 def _batch_bytes(program, steps: int) -> int:
