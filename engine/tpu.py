@@ -21,7 +21,7 @@ GiB = 2**30
 # libtpu describes a topology of any size, but one of millions of chips takes minutes and tens of
 # GB on this host before anything is checked: a larger target is refused from its numbers alone.
 MAX_TARGET_CHIPS = 2**16
-INSTALL = 'pip install -e ".[dev]"  (or: pip install "jax[tpu]"; the TPU compiler, libtpu)'
+INSTALL = 'pip install -e ".[tpu]" (or: pip install "jax[tpu]"; the TPU compiler, libtpu)'
 
 
 @dataclass(frozen=True)
