@@ -163,6 +163,26 @@ class Target:
             raise UsageError(f"--target {self.topology_name}: the TPU compiler refuses it ({text})") from None
         return list(topology.devices)
 
+    @cached_property
+    def program_hbm_bytes(self) -> int:
+        """HBM per device that the TPU compiler lets a program use (it keeps some of the chip's
+        for itself: 15.75 of v5e's 16 GiB), read from its refusal of a program twice that size;
+        the chip's HBM if the refusal says nothing readable."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        nominal = self.chip.hbm_bytes // self.chip.devices_per_chip
+        sharding = NamedSharding(Mesh(self.devices[:1], ("probe",)), PartitionSpec())
+        too_big = jax.ShapeDtypeStruct((nominal // 2,), jnp.float32, sharding=sharding)  # 2x the HBM
+        try:
+            jax.jit(lambda x: (x * 2 + 1).sum()).lower(too_big).compile()
+        except jax.errors.JaxRuntimeError as e:
+            found = re.search(r"exceeds available HBM \(([\d.]+)([KMGT])\)", str(e))
+            if found:
+                return int(float(found[1]) * 1024 ** ("KMGT".index(found[2]) + 1))
+        return nominal
+
 
 def chip_of(device) -> Optional[Chip]:
     """The table's chip for a device (by its device_kind), or None."""

@@ -155,7 +155,7 @@ def _planned(cfg: Config, target: Target, mesh) -> Planned:
         target,
         {a: mesh.shape[a] for a in CONFIG_AXES},
         {a: getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES},
-        target.chip.hbm_bytes // target.chip.devices_per_chip,
+        target.program_hbm_bytes,  # the compiler's own limit, below the chip's nominal HBM
         steps_per_call=cfg.train.steps_per_call,
     )
 
@@ -182,13 +182,20 @@ def _no_persistent_cache() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
+LOW_HEADROOM = 0.05  # a plan that fits with less is warned about
+
+
 def _check_slices(cfg: Config, target: Target) -> None:
     across = math.prod(getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES)
     if across != target.slices:
         keys = " * ".join(f"mesh.dcn_{a}" for a in CONFIG_AXES)
+        # the slices as data-parallel replicas: mesh.data (all of it, over every slice) must hold them
+        fits = cfg.mesh.data == -1 or cfg.mesh.data % target.slices == 0
+        data = cfg.mesh.data if fits else target.slices * math.ceil(cfg.mesh.data / target.slices)
+        example = f"mesh.dcn_data={target.slices}" + (f" mesh.data={data}" if data != cfg.mesh.data else "")
         raise UsageError(
             f"--slices {target.slices} but the mesh puts {across} slice(s) side by side ({keys} = "
-            f"{across}); set the dcn_ keys to make {target.slices}, e.g. mesh.dcn_data={target.slices}"
+            f"{across}); set the dcn_ keys to make {target.slices}, e.g. {example}"
         )
 
 
@@ -305,9 +312,15 @@ def _time_lines(planned: Planned) -> list[str]:
 def verdict(planned: Planned) -> str:
     """One line: fits (with headroom), or does not, naming the largest parts and changes that would fit."""
     if planned.fits:
+        headroom = (planned.hbm - planned.peak) / planned.hbm
+        warning = (
+            f"; warning: under {LOW_HEADROOM:.0%} headroom, a larger batch or another compiler version may not fit"
+            if headroom < LOW_HEADROOM
+            else ""
+        )
         return (
-            f"fits: {human_bytes(planned.peak)} per device of {human_bytes(planned.hbm)} "
-            f"({(planned.hbm - planned.peak) / planned.hbm:.0%} headroom)"
+            f"fits: {human_bytes(planned.peak)} per device of the {human_bytes(planned.hbm)} the TPU compiler "
+            f"gives a program ({headroom:.0%} headroom){warning}"
         )
     if planned.refused:
         return f"does not fit: the TPU compiler refused the program ({planned.refused}); {_fixes(planned, None)}"
