@@ -36,7 +36,7 @@ def plan_command(
         records = [as_record(c.planned) | {"overrides": c.overrides()} for c in ranked if c.planned]
         _write(json_path, records)
         return 0
-    planned = plan(cfg, target)
+    planned = plan(cfg, target, progress=True)
     print(render(planned))
     print(verdict(planned))
     _write(json_path, as_record(planned))

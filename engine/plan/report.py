@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -85,9 +86,12 @@ class Planned:
         )
 
 
-def plan(cfg: Config, target: Target, compile_eval: bool = True, group: Sequence[Config] = ()) -> Planned:
+def plan(
+    cfg: Config, target: Target, compile_eval: bool = True, group: Sequence[Config] = (), progress: bool = False
+) -> Planned:
     """Builds and compiles `cfg` for `target` (no chip used, no state allocated); with `group`,
-    the vectorised program of those runs (a sweep's, engine/vectorize.py) instead."""
+    the vectorised program of those runs (a sweep's, engine/vectorize.py) instead; `progress`:
+    each phase said on stderr as it starts."""
     if cfg.mesh.backend != "jit":
         raise UsageError("plan compiles the jit backend; set mesh.backend=jit (pmap runs one device per replica)")
     _check_slices(cfg, target)
@@ -99,7 +103,7 @@ def plan(cfg: Config, target: Target, compile_eval: bool = True, group: Sequence
     copies, started = max(len(group), 1), time.perf_counter()
     try:
         with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
-            program, compiled, state, block = _compile(cfg, target, group)
+            program, compiled, state, block = _compile(cfg, target, group, Phases(started, progress))
     except _Refused as refused:
         planned = _planned(cfg, target, refused.program.mesh)
         planned.refused = refused.text
@@ -129,17 +133,34 @@ class _Refused(Exception):
         self.text, self.program, self.parts = text, program, parts
 
 
-def _compile(cfg: Config, target: Target, group: Sequence[Config]):
+class Phases:
+    """One line on stderr as each phase of a plan starts, with the time since it began (an 8B
+    model's compile takes minutes: the user sees where it is)."""
+
+    def __init__(self, started: float, enabled: bool = True):
+        self.started, self.enabled = started, enabled
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            print(f"plan [{time.perf_counter() - self.started:6.1f}s]: {text}", file=sys.stderr, flush=True)
+
+
+def _compile(cfg: Config, target: Target, group: Sequence[Config], phase: Phases):
     """(the plan, its compiled steps, the abstract state they take (a group's stacked states), and
     the bytes of a train block per device (each of a group's data orders))."""
+    phase(f"the TPU compiler describes {target.name}")
+    devices = target.devices
     if len(group) > 1:
         from engine.vectorize import build_group, stacked_states
 
-        built = build_group(list(group), devices=target.devices)
+        phase(f"building and compiling the vectorised group of {len(group)} runs")
+        built = build_group(list(group), devices=devices)
         block = _batch_bytes(built.plan, built.plan.shapes.steps_per_block) * len(built.batches)
         return built.plan, built.compiled, stacked_states(built), block
-    program = plan_run(cfg, devices=target.devices)
+    phase("the run's mesh, data, model and train-state shapes")
+    program = plan_run(cfg, devices=devices)
     block = _batch_bytes(program, program.shapes.steps_per_block)
+    phase("compiling the train and eval steps (docs/multihost.md gives the times to expect)")
     try:
         return program, compile_plan(cfg, program, compile_train=True), program.state.abstract, block
     except Exception as e:
