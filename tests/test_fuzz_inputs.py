@@ -239,3 +239,54 @@ def test_damaged_tables_feature_caches_and_run_records_keep_the_exit_code_contra
     assert not broken_contract(results), broken_contract(results)
     exports = results[-VARIANTS:]
     assert all(r["code"] == 2 and "preprocessing.json" in r["stderr"] for r in exports), exports
+
+
+def test_damaged_templates_trackers_json_datasets_and_plan_targets_keep_the_exit_code_contract(tmp_path):
+    """A workdir's tokenizer_config.json and chat_template.jinja (sample --chat), a run's
+    trackers.json, a Hugging Face datasets directory (tokenize), and hostile plan targets and
+    --json paths: every command ends 0, 1 or 2, never with a traceback."""
+    import datasets
+
+    rng = np.random.default_rng(9876)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    (chat / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    (chat / "chat_template.jinja").write_text(template)
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "trackers.json").write_text(json.dumps({"mlflow": "0123456789abcdef0123456789abcdef"}))
+    corpus = tmp_path / "dataset"
+    datasets.Dataset.from_dict({"text": [f"document {i} alpha beta gamma" for i in range(40)]}).save_to_disk(corpus)
+    (arrow,) = [p.name for p in corpus.glob("*.arrow")]
+    cases = []
+
+    def variants(directory: Path, name: str) -> list[Path]:
+        made = []
+        for i, bad in enumerate(damaged((directory / name).read_bytes(), rng)):
+            target = tmp_path / "cases" / f"{directory.name}-{name}-{i}"
+            shutil.copytree(directory, target)
+            (target / name).write_bytes(bad)
+            made.append(target)
+        return made
+
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        for work in variants(chat, name):
+            cases.append({"argv": ["sample", "--workdir", str(work), "--prompt", "hi", "--chat", "--max-tokens", "2"]})
+    for work in variants(trained, "trackers.json"):
+        cases.append({"argv": ["--config", "mnist_mlp", "--workdir", str(work), "log.trackers=[mlflow]", "--dry-run"]})
+    for name in (arrow, "state.json", "dataset_info.json"):
+        for i, copy in enumerate(variants(corpus, name)):
+            out = str(tmp_path / "tokenized" / f"{name}-{i}")
+            cases.append({"argv": ["tokenize", "--input", str(copy), "--out", out, "--tokenizer", "bpe:300"]})
+    targets = ["v5e-0", "v5p:0x0x0", "tpu9-8", "v5e-8x", "", "v5e--8", "v5p:1x1x99999999999", "v4-7", "v6e:2x2x2x2"]
+    for target in targets:
+        cases.append({"argv": ["plan", "--config", "llama_tiny", "--target", target]})
+    for path in (tmp_path, tmp_path / "nowhere" / "p.json", tmp_path / "chat" / "chat_template.jinja" / "p.json"):
+        cases.append({"argv": ["plan", "--config", "llama_tiny", "--target", "v5e-8", "--json", str(path)]})
+
+    results = run_in_one_process(tmp_path, cases)
+    assert len(results) == len(cases) == 42
+    assert not broken_contract(results), broken_contract(results)
+    plans = results[-len(targets) - 3 :]
+    assert all(r["code"] == 2 and len(r["stderr"].strip().splitlines()) == 1 for r in plans), plans
