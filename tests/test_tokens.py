@@ -673,3 +673,20 @@ def test_bad_input_found_while_reading_leaves_nothing_in_out(tmp_path, capsys):
     assert not (tmp_path / "new_out").exists()
     (tmp_path / "empty_out").mkdir()  # an empty --out given: left empty
     _refused(capsys, tmp_path / "empty_out", tmp_path / "late.jsonl")
+
+
+def test_a_document_longer_than_the_limit_is_tokenized_in_pieces_at_line_ends(tmp_path, monkeypatch):
+    """A 1 GB file or line would make the tokenizer hold ~50 GB: documents longer than
+    MAX_DOCUMENT_CHARS come in pieces (cut at line ends where there are some), the text whole;
+    a JSON Lines record that long is refused by line."""
+    from engine.data import documents as docs
+
+    monkeypatch.setattr(docs, "MAX_DOCUMENT_CHARS", 10)
+    (tmp_path / "a.txt").write_text("abc\ndefgh\nijklmnopqrstuvwxyz\n")
+    pieces = list(docs.documents([tmp_path / "a.txt"]))
+    assert pieces == ["abc\ndefgh\n", "ijklmnopqr", "stuvwxyz\n"] and all(len(p) <= 10 for p in pieces)
+    assert list(docs.documents([tmp_path / "a.txt"], text_unit="line")) == ["abc", "defgh", "ijklmnopqr", "stuvwxyz"]
+    monkeypatch.setattr(docs, "MAX_DOCUMENT_CHARS", 20)
+    (tmp_path / "b.jsonl").write_text('{"text": "short"}\n{"text": "far too long here"}\n')
+    with pytest.raises(UsageError, match=r"b.jsonl:2: a record longer than 20 characters"):
+        list(docs.documents([tmp_path / "b.jsonl"]))

@@ -13,6 +13,10 @@ from engine.errors import UsageError
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 
+# The longest document tokenized whole, in characters (4 Mi): the encoder's memory grows with a
+# document's length, so a longer one (a 1 GB file or line) is cut into pieces at line ends
+# (where none: at the limit), each a document; a JSON Lines record may not be longer.
+MAX_DOCUMENT_CHARS = 1 << 22
 SNIFF_BYTES = 8192  # a NUL byte among a file's first 8 KiB makes it binary (git's rule)
 ARROW_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker a closed Arrow IPC stream ends with
 
@@ -60,29 +64,58 @@ def input_files(paths: list[str]) -> list[Path]:
 
 
 def documents(files: list[Path], text_field: str = "text", text_unit: str = "file") -> Iterator[str]:
-    """Every non-empty document of the files, in order, streamed."""
+    """Every non-empty document of the files, in order, streamed (none longer than
+    MAX_DOCUMENT_CHARS: a longer one comes in pieces)."""
     for file in files:
         suffix = file.suffix.lower()
         if suffix in JSONL_SUFFIXES:
             yield from _jsonl(file, text_field)
         elif suffix == ".parquet":
-            yield from _parquet(file, text_field)
+            yield from (piece for text in _parquet(file, text_field) for piece in pieces(text))
         elif suffix == ".arrow":
-            yield from _arrow(file, text_field)
+            yield from (piece for text in _arrow(file, text_field) for piece in pieces(text))
         elif text_unit == "line":  # invalid UTF-8 and NUL bytes read as U+FFFD (counted by input_checks)
             with open(file, encoding="utf-8", errors="replace") as f:
-                for line in f:
+                for line in iter(lambda: f.readline(MAX_DOCUMENT_CHARS), ""):  # (a longer line: in pieces)
                     if line.strip():
                         yield line.rstrip("\n").replace("\0", "\ufffd")
         else:
-            text = file.read_text(encoding="utf-8", errors="replace").replace("\0", "\ufffd")
-            if text.strip():
-                yield text
+            with open(file, encoding="utf-8", errors="replace") as f:
+                for text in _file_pieces(f):
+                    if text.strip():
+                        yield text.replace("\0", "\ufffd")
+
+
+def pieces(text: str) -> Iterator[str]:
+    """`text` cut into pieces of at most MAX_DOCUMENT_CHARS, each ending at a line end where
+    there is one (all of it, when it is not longer)."""
+    while len(text) > MAX_DOCUMENT_CHARS:
+        cut = text.rfind("\n", 0, MAX_DOCUMENT_CHARS) + 1 or MAX_DOCUMENT_CHARS
+        yield text[:cut]
+        text = text[cut:]
+    yield text
+
+
+def _file_pieces(f) -> Iterator[str]:
+    """A text file's documents (pieces), read MAX_DOCUMENT_CHARS at a time: no more than two
+    pieces' worth of it is ever in memory."""
+    buffer = ""
+    while chunk := f.read(MAX_DOCUMENT_CHARS):
+        buffer += chunk
+        *whole, buffer = list(pieces(buffer)) if len(buffer) > MAX_DOCUMENT_CHARS else [buffer]
+        yield from whole
+    if buffer:
+        yield buffer
 
 
 def _jsonl(file: Path, text_field: str) -> Iterator[str]:
     with open(file, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_DOCUMENT_CHARS + 1), ""), 1):
+            if len(line) > MAX_DOCUMENT_CHARS:
+                raise UsageError(
+                    f"{file}:{number}: a record longer than {MAX_DOCUMENT_CHARS:,} characters; split its text "
+                    "into several records"
+                )
             if not line.strip():
                 continue
             try:
