@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from engine.best import chosen_step, retention
 from engine.distributed import barrier
 from engine.errors import UsageError
 from engine.finetune import BaseWeights, adapters_only, base_weights, with_frozen, without_frozen
@@ -110,6 +111,7 @@ class Checkpointer:
         staging: str = "host",
         verify: bool = True,
         base: Optional[BaseWeights] = None,
+        best: Optional[tuple[str, str]] = None,  # checkpoint.keep_best and best_mode: that step is kept too
     ):
         self.directory = Path(directory).absolute()
         self.base = base  # a fine-tuning run's frozen base: not saved, read from its own checkpoint
@@ -138,7 +140,7 @@ class Checkpointer:
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep,
+            **retention(None if read_only else keep, best),
             create=not read_only,
             read_only=read_only,
             save_interval_steps=0 if read_only else 1,
@@ -157,7 +159,7 @@ class Checkpointer:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state, meta: dict) -> None:
+    def save(self, step: int, state, meta: dict, metrics: Optional[dict] = None) -> None:
         """Starts an asynchronous save; training may change (or donate) `state` once it returns.
 
         staging="host": this returns once a copy of the state into pinned host memory is
@@ -172,15 +174,14 @@ class Checkpointer:
             self.manager.wait_until_finished()  # (orbax's save would wait here too); raises a failed save's error
             self._join_sums()
         if self.staging == "host_sync":
-            self._save(step, state, meta)
+            self._save(step, state, meta, metrics)
             return
         copy = _pinned_host_copy(state) if self.staging == "host" else _device_copy(state)
-        self._saving.start(self._save, step, copy, meta)
+        self._saving.start(self._save, step, copy, meta, metrics)
 
-    def _save(self, step: int, state, meta: dict) -> None:
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True
-        )
+    def _save(self, step: int, state, meta: dict, metrics: Optional[dict]) -> None:
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=args, force=True, metrics=metrics)  # metrics: checkpoint.keep_best's
         if self._hashing is not None and jax.process_index() == 0:
             self._sums.append(self._hashing.submit(self._write_sums, step))
 
@@ -398,9 +399,9 @@ class Checkpointer:
         return params, step
 
 
-def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Restored:
-    """The newest readable checkpoint of the run in `workdir` (its config `cfg`), opened
-    read-only (the export, sample and evaluator commands); UsageError if it has none."""
+def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str, step: Optional[str] = None) -> Restored:
+    """The newest readable checkpoint of the run in `workdir` (its config `cfg`), or the one `step`
+    names (--step best or N), opened read-only (export, sample, evaluator); UsageError if none."""
     checkpointer = Checkpointer(
         Path(workdir) / "checkpoints",
         cfg.checkpoint.keep,
@@ -409,7 +410,7 @@ def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str) -> Re
         base=base_weights(cfg),
     )
     try:
-        restored = checkpointer.restore(abstract_state)
+        restored = checkpointer.restore(abstract_state, chosen_step(checkpointer, cfg, step))
     finally:
         checkpointer.close()
     if restored is None:

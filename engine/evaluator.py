@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+from engine.best import stopped_at
 from engine.checkpoint import Checkpointer
 from engine.config import Config, read_yaml_mapping
 from engine.data import eval_batches
@@ -118,7 +119,7 @@ def _watch(
     workdir = Path(cfg.workdir)
     done = evaluated_steps(workdir / METRICS)
     idle_since = alive_at = time.monotonic()
-    said = None
+    said, stopped, read_at = None, None, None
     while True:
         steps = checkpointer.steps()
         pending = [s for s in steps if s not in done] if watch else steps[-1:]
@@ -129,7 +130,10 @@ def _watch(
                 _evaluate_step(run, checkpointer, step, writer, summary)
             done.add(step)
             idle_since = alive_at = time.monotonic()
-        newest, total = max(steps, default=0), target_steps(cfg)
+        newest = max(steps, default=0)
+        if newest and newest != read_at:  # a run that train.early_stop ended: its last checkpoint says so
+            stopped, read_at = stopped_at(checkpointer, newest), newest
+        total = stopped if stopped is not None else target_steps(cfg)
         if not watch or (newest >= total and not pending):
             return 0
         if lock_holder(workdir) is not None:

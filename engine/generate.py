@@ -42,11 +42,13 @@ def sample(
     stop_at_eos: bool = True,
     num_samples: int = 1,
     stop_strings: Sequence[str] = (),
+    step: Optional[str] = None,
 ) -> list[str]:
     """`num_samples` texts generated after each of `prompts` (the prompt itself not included),
     prompt by prompt, all drawn together in one batch. Each ends at the tokenizer's end-of-text
     token (not included) unless `stop_at_eos` is off, and before the first of `stop_strings` it
-    contains; `max_tokens` None: 200, or fewer where the model's context ends sooner."""
+    contains; `max_tokens` None: 200, or fewer where the model's context ends sooner. `step`: the
+    checkpoint (best or N; None: the newest)."""
     work = Path(workdir)
     _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings)
     cfg = run_config(work)
@@ -61,7 +63,7 @@ def sample(
     max_tokens = _budget([len(ids) for ids in prompt_ids], max_tokens, context)
     fits(max(map(len, prompt_ids)), max_tokens)
     stops = eos_ids(work, tokenizer) if stop_at_eos else []
-    restored = restore_newest(work, run.abstract_state, cfg, "sample from")
+    restored = restore_newest(work, run.abstract_state, cfg, "sample from", step)
     rows: list[list[int]] = [[] for _ in range(num_samples * len(prompts))]
     tail = 4 * max(map(len, stop_strings), default=0) + 4  # a stop string's tokens: ≤ 4 per character
 

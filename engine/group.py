@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from engine import sharding
+from engine.best import Verdict
 from engine.checkpoint import Checkpointer, InBackground
 from engine.config import Config, to_yaml
 from engine.data import eval_batches
@@ -73,6 +74,7 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
     a signal saves every live trial and raises Preempted. A full, read-only or unwritable
     workdir is one StorageError, as for a run alone. A group whose compiled step would not
     fit in a device's memory (check_fits) trains as smaller groups, in turn."""
+    _refuse_watched(cfgs)
     trials: list[Trial] = []
 
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
@@ -87,6 +89,21 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
     print(f"vectorize: {why}; training its runs as {len(parts)} groups of up to {fits}", flush=True)
     # each later group's goodput counts from its own start, not from the groups before it
     return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None, on_stop)]
+
+
+def _refuse_watched(cfgs: list[Config]) -> None:
+    """checkpoint.keep_best and train.early_stop are a run alone's: a group's trials share one
+    program and one schedule of saves, and would each stop or keep a step at their own time."""
+    for cfg in cfgs:
+        for key, value in (
+            ("checkpoint.keep_best", cfg.checkpoint.keep_best),
+            ("train.early_stop.metric", cfg.train.early_stop.metric),
+        ):
+            if value:
+                raise UsageError(
+                    f"run {cfg.workdir}: {key}={value} is not supported by a vectorised group; remove vectorize "
+                    f'(each run trains in its own process), or set {key}=""'
+                )
 
 
 def _open(
@@ -191,7 +208,7 @@ class GroupJob:
                 )
                 trial.losses.update({s: loss for s, loss in losses.items() if s > self.start})
 
-    def evaluate(self, state, done: int) -> None:
+    def evaluate(self, state, done: int) -> Verdict:
         """Every trial on the eval split (the batches shared, the states vmapped)."""
         totals = np.zeros((3, len(self.trials)))
         size = self.group.plan.shapes.eval_batch
@@ -210,6 +227,7 @@ class GroupJob:
             }
             trial.writer.write(done, "eval", trial.eval_metrics)
             trial.check(nonfinite_eval(trial.eval_metrics, done))
+        return Verdict()  # (no trial watches a metric: _refuse_watched)
 
     def save(self, step: int, state, window: Window) -> None:
         self.saves.start(step, state, window)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import jax
 import numpy as np
 
+from engine.best import Verdict
 from engine.data import Prefetcher
 from engine.distributed import barrier
 from engine.errors import UsageError
@@ -59,7 +60,9 @@ class Job(Protocol):
         """Writes the window's train records from its metrics fetched to the host."""
         ...
 
-    def evaluate(self, state, done: int) -> None: ...
+    def evaluate(self, state, done: int) -> Verdict:
+        """Evaluates `state` at step `done`; the verdict says whether to save now or end the run."""
+        ...
 
     def save(self, step: int, state, window: Window) -> None:
         """Starts a checkpoint of `state` at `step` (with the log window in progress)."""
@@ -90,6 +93,7 @@ class Started:
     state: Any
     start: int
     window: Window  # the log window, with the steps a checkpoint carried
+    end: Optional[int] = None  # where training ends: train.steps, or the step an early stop recorded
 
 
 def fit_job(
@@ -115,11 +119,11 @@ def fit_job(
 
 
 def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: contextlib.ExitStack):
-    """The loop: steps [start, train.steps), logging, evaluating and saving when due; a signal
-    saves the step reached and raises Preempted. Returns the final state."""
+    """The loop: steps [start, train.steps), logging, evaluating and saving when due, ending at an
+    early stop; a signal saves the step reached and raises Preempted. Returns the final state."""
     job, state, start, window = ready.job, ready.state, ready.start, ready.window
     cfg = job.cfg
-    total, per_call, per_block = cfg.train.steps, job.steps_per_call, job.steps_per_block
+    total, per_call, per_block = ready.end or cfg.train.steps, job.steps_per_call, job.steps_per_block
     batches = closing.enter_context(contextlib.closing(Prefetcher(job.block, start // per_block, cfg.data.prefetch)))
     preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
     trace = StepTrace(cfg.log.profile_steps, start, job.workdir, per_call)
@@ -141,32 +145,51 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
             _log(job, window, done, goodput)
             window = Window(done)
             watchdog.watch(window.metrics)
+        verdict = Verdict()
         if _due(cfg.eval.every_steps, done, total):
             with paused(window, goodput, "eval_seconds"), watchdog.phase("eval"):  # not training throughput
-                job.evaluate(state, done)
+                verdict = job.evaluate(state, done)
+        if verdict.stop:  # an early end: here as at train.steps, the window in progress is logged and saved
+            total = done
+            if window.steps:
+                _log(job, window, done, goodput)
+                window = Window(done)
         stop = preemption.should_stop(step + 1, done)  # (every process asks at every call: a sync point)
-        if _due(cfg.checkpoint.every_steps, done, total) or (stop and last_saved != done):
+        if _due(cfg.checkpoint.every_steps, done, total) or verdict.save or (stop and last_saved != done):
             with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
                 job.save(done, state, window)  # returns once its copy is dispatched
             last_saved = done
         if stop:
             job.wait()
             raise Preempted(done, preemption.signum)
-        if job.stopped():
+        if verdict.stop or job.stopped():
             break
-    _finish(job, start, window, goodput, watchdog, batches, trace)
+    _finish(job, start, total, window, goodput, watchdog, batches, trace)
     if preemption.requested and total > start:  # a signal during the final save: it completed, and so did the run
         raise Preempted(total, preemption.signum)
     return state
 
 
 def _finish(
-    job: Job, start: int, window: Window, goodput: Goodput, watchdog: Watchdog, batches: Prefetcher, trace: StepTrace
+    job: Job,
+    start: int,
+    total: int,
+    window: Window,
+    goodput: Goodput,
+    watchdog: Watchdog,
+    batches: Prefetcher,
+    trace: StepTrace,
 ) -> None:
-    """After the last step: every save complete, the processes met, the run's summary written."""
+    """After the last step (`total`: train.steps, or where an early stop ended the run): every save
+    complete, the processes met, the run's summary written."""
     cfg = job.cfg
-    total = cfg.train.steps
-    if start >= total:
+    if start >= total and total < cfg.train.steps:
+        job.message(
+            f"already finished: the run stopped early at step {start} of {cfg.train.steps} (train.early_stop); to "
+            f'train on raise train.early_stop.patience or set train.early_stop.metric="", to train again from '
+            f"scratch give another --workdir"
+        )
+    elif start >= total:
         job.message(
             f"already finished: the newest checkpoint is at step {start} of {total}; to train again from "
             f"scratch give another --workdir, to train longer raise train.steps"

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from engine.best import Monitor, Verdict
 from engine.checkpoint import Checkpointer, load_base
 from engine.config import Config, save_config, to_yaml
 from engine.data.recorded import PREPROCESSING, check_preprocessing
@@ -20,7 +21,7 @@ from engine.distributed import barrier
 from engine.dryrun import startup_lines
 from engine.errors import UsageError
 from engine.evaluator import evaluate
-from engine.finetune import base_weights, with_frozen
+from engine.finetune import base_weights, base_workdir, with_frozen
 from engine.judge import Judged
 from engine.loop import NonFiniteLoss, Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
 from engine.metrics import MetricWriter
@@ -30,7 +31,7 @@ from engine.rundir import LOCK, METRICS, WorkdirLock, drop_records_after, storag
 from engine.setup import Run, build_run, with_config_hparams
 from engine.step import FROZEN, TRAIN_METRICS
 from engine.trackers import open_trackers
-from engine.vocab import TOKENIZER, check_data_tokenizer
+from engine.vocab import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
 from engine.watchdog import Watchdog
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state", "claim", "write_run_files"]
@@ -42,6 +43,7 @@ class FitResult:
     losses: dict[int, float] = field(default_factory=dict)  # step → train loss of that step
     eval_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation
     summary: dict = field(default_factory=dict)  # time, goodput and MFU of this run
+    steps: int = 0  # the step training ended at: train.steps or an early stop's (0: it had already finished)
 
 
 def fit(cfg: Config, run: Optional[Run] = None, started: Optional[float] = None) -> FitResult:
@@ -59,7 +61,14 @@ class RunJob:
     """The loop's Job for a run alone; process 0 writes the records, every process saves."""
 
     def __init__(
-        self, cfg: Config, run: Run, checkpointer: Checkpointer, writer: MetricWriter, result: FitResult, start: int
+        self,
+        cfg: Config,
+        run: Run,
+        checkpointer: Checkpointer,
+        writer: MetricWriter,
+        result: FitResult,
+        start: int,
+        monitor: Monitor,
     ):
         self.cfg, self.run, self.checkpointer, self.writer, self.result, self.start = (
             cfg,
@@ -85,6 +94,7 @@ class RunJob:
         self.done = start  # steps dispatched
         self.outer = None  # DiLoCo: the last outer step's metrics (still on the device)
         self.warned_drops = False  # a mixture of experts' dropped assignments: said once on the console
+        self.monitor = monitor  # checkpoint.keep_best's and train.early_stop's metrics, saved in each meta
 
     def block(self, index: int):
         return self.run.train_block(index)
@@ -129,11 +139,15 @@ class RunJob:
             record.update({k: float(v) for k, v in jax.device_get(self.outer).items()})
         return record
 
-    def evaluate(self, state, done: int) -> None:
+    def evaluate(self, state, done: int) -> Verdict:
         metrics = evaluate(self.run, state)
         self.writer.write(done, "eval", metrics)
         self.result.eval_metrics = metrics
         self._nonfinite(nonfinite_eval(metrics, done))
+        verdict = self.monitor.evaluated(metrics, done)
+        if verdict.stop:
+            self.writer.message(self.monitor.why())
+        return verdict
 
     def _nonfinite(self, problem: Optional[str]) -> None:
         if problem and self.cfg.train.nan_policy == "stop":
@@ -147,15 +161,16 @@ class RunJob:
             "data": {"next_step": step, "seed": self.cfg.seed},
             "config": self.config_text,
             "window": window.carried(self.fetch),
+            **self.monitor.record(),
         }
-        self.checkpointer.save(step, self.run.compiled.from_step_layout(state), meta)
+        self.checkpointer.save(step, self.run.compiled.from_step_layout(state), meta, self.monitor.metrics(step))
 
     def wait(self) -> None:
         self.checkpointer.wait()
 
     def summary(self, summary: dict) -> None:
-        self.result.summary = summary
-        self.writer.write(self.cfg.train.steps, "summary", summary)
+        self.result.summary, self.result.steps = summary, self.done  # (train.steps, or an early stop's step)
+        self.writer.write(self.done, "summary", summary)
         self.writer.message(summary_text(summary))
 
     def message(self, text: str) -> None:
@@ -193,6 +208,8 @@ def _open(
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, checkpointer)
+    monitor = Monitor.resumed(cfg, meta)
+    end = monitor.stopped_at or cfg.train.steps
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
     if run.sync_each_step:  # XLA:CPU collectives: the init program must end before a step starts
         jax.block_until_ready(state)
@@ -205,15 +222,15 @@ def _open(
         meta.get("window"),  # the log window a checkpoint cut in two
         len(TRAIN_METRICS) + len(run.dataset.info.sources),
     )
-    if start < cfg.train.steps:
+    if start < end:
         for line in startup_lines(run):
             writer.message(line)
-    if run.inputs.resident_bytes and start < cfg.train.steps:
+    if run.inputs.resident_bytes and start < end:
         writer.message(
             f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
             f"(data.placement={cfg.data.placement}); each step gathers its rows on the device"
         )
-    return Started(RunJob(cfg, run, checkpointer, writer, result, start), state, start, window)
+    return Started(RunJob(cfg, run, checkpointer, writer, result, start, monitor), state, start, window, end)
 
 
 def _checkpointer(cfg: Config) -> Checkpointer:
@@ -224,6 +241,7 @@ def _checkpointer(cfg: Config) -> Checkpointer:
         timeout_seconds=cfg.distributed.barrier_timeout,
         verify=cfg.checkpoint.verify,
         base=base_weights(cfg),
+        best=(cfg.checkpoint.keep_best, cfg.checkpoint.best_mode) if cfg.checkpoint.keep_best else None,
     )
 
 
@@ -243,11 +261,14 @@ def _writer(cfg: Config, start: int) -> MetricWriter:
 
 
 def write_run_files(cfg: Config, info, workdir: Path) -> None:
-    """config.yaml, and the tokenizer the run's text is read back with (sample, export); a
-    UsageError first when the workdir's model reads another tokenizer's ids (an imported model)."""
-    check_data_tokenizer(workdir / TOKENIZER, info, f"data (data.name={cfg.data.name})")
+    """config.yaml, the model files of the run it starts from (finetune.base, restore_from), and the
+    tokenizer the run's text is read back with (sample, export); a UsageError first when the
+    model reads another tokenizer's ids (an imported model)."""
+    base = base_workdir(cfg)
+    check_data_tokenizer(model_tokenizer_file(workdir, base), info, f"data (data.name={cfg.data.name})")
     check_preprocessing(workdir / PREPROCESSING, info)
     save_config(cfg, workdir / "config.yaml")
+    carry_model_files(base, workdir)  # its context, special tokens, chat template: for sample and export
     if info.preprocessing_data:
         write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
     if info.tokenizer:

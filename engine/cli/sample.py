@@ -1,5 +1,5 @@
-"""`launch.py sample --workdir DIR --prompt TEXT | --prompts FILE [--chat]`: text from a run's
-newest checkpoint."""
+"""`launch.py sample --workdir DIR --prompt TEXT | --prompts FILE [--chat] [--step best|N]`: text
+from a run's newest checkpoint (or the one --step names)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def parser() -> argparse.ArgumentParser:
         description="Generate text from a run's newest checkpoint (key/value cache; greedy at temperature 0).",
     )
     p.add_argument("--workdir", required=True, help="the training run's directory")
+    p.add_argument(
+        "--step",
+        metavar="best|N",
+        help="the checkpoint to sample from: best (the one checkpoint.keep_best kept) or a step number; "
+        "default: the newest",
+    )
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the text to continue")
     given.add_argument(
@@ -68,6 +74,7 @@ def run(args, argv: list[str]) -> int:
         not args.ignore_eos,
         args.num_samples,
         args.stop,
+        args.step,
     )
     if len(texts) == 1:
         print(texts[0])

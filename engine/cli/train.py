@@ -108,7 +108,7 @@ def run(args, argv: list[str]) -> int:
         return 1
     if result.eval_metrics:
         summary = " ".join(f"{k}={v:.4f}" for k, v in result.eval_metrics.items())
-        print(f"done: {cfg.train.steps} steps; eval {summary}; outputs in {cfg.workdir}")
+        print(f"done: {result.steps or cfg.train.steps} steps; eval {summary}; outputs in {cfg.workdir}")
     return 0
 
 

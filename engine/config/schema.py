@@ -104,6 +104,18 @@ class DataConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """train.early_stop: the run ends when an eval metric stops improving (Keras's EarlyStopping)."""
+
+    metric: str = option("", 'the eval metric watched at each evaluation: eval/loss, eval/accuracy, ... ("" = off)')
+    mode: str = option("min", "min: lower is better (a loss); max: higher is (an accuracy)", choices=("min", "max"))
+    patience: int = option(
+        3, "evaluations in a row without an improvement after which the run ends (as Keras counts epochs)", at_least=0
+    )
+    min_delta: float = option(0.0, "the least change of the metric that counts as an improvement", at_least=0.0)
+
+
+@dataclass
 class TrainConfig:
     steps: int = option(1000, "optimizer steps in the whole run", at_least=1)
     global_batch_size: int = option(128, "examples per step, over all devices and processes", at_least=1)
@@ -148,6 +160,7 @@ class TrainConfig:
     compilation_cache_dir: str = option(
         "~/.cache/jax-engine/xla", 'JAX\'s persistent compilation cache ("" = off): a relaunch skips XLA compilation'
     )
+    early_stop: EarlyStopConfig = dataclasses.field(default_factory=EarlyStopConfig)
 
 
 @dataclass
@@ -312,6 +325,14 @@ class CheckpointConfig:
         0, "save every N steps (0 = only at the end; a save always happens at the end and on SIGTERM)", at_least=0
     )
     keep: int = option(3, "most recent checkpoints kept", at_least=1)
+    keep_best: str = option(
+        "",
+        "an eval metric (eval/loss, eval/accuracy, ...): the checkpoint at its best value so far is kept beside "
+        'the newest checkpoint.keep, saved at each evaluation that improves it (export/sample --step best) ("" = off)',
+    )
+    best_mode: str = option(
+        "min", "checkpoint.keep_best's best: min (a loss) or max (an accuracy)", choices=("min", "max")
+    )
     restore_from: str = option(
         "", "start a new run from another run's checkpoints/ directory (when this workdir has none)"
     )

@@ -49,6 +49,7 @@ def validate(cfg) -> None:
     _check_mesh(cfg.mesh)
     _check_diloco(cfg)
     _check_finetune(cfg.finetune)
+    _check_watched(cfg)
     if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
         raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
     _check_sources(cfg.data)
@@ -181,6 +182,29 @@ def _check_finetune(finetune) -> None:
         raise UsageError(f"finetune.lora.dropout={lora.dropout} must be in [0, 1), e.g. 0.05")
     if not lora.targets:
         raise UsageError("finetune.lora.targets is empty; name the projections to adapt, e.g. [attention]")
+
+
+def _check_watched(cfg) -> None:
+    """checkpoint.keep_best and train.early_stop.metric name eval metrics (eval/NAME; which names a
+    run records is known at its first evaluation); early stopping needs evaluations during the run."""
+    stop = cfg.train.early_stop
+    for key, metric, mode_key, mode in (
+        ("checkpoint.keep_best", cfg.checkpoint.keep_best, "checkpoint.best_mode", cfg.checkpoint.best_mode),
+        ("train.early_stop.metric", stop.metric, "train.early_stop.mode", stop.mode),
+    ):
+        if metric and (not metric.startswith("eval/") or metric == "eval/"):
+            example = "eval/" + (metric.split("/")[-1] or "loss")
+            raise UsageError(
+                f"{key}={metric!r} must name an eval metric as eval/NAME, e.g. {key}={example} (eval/loss, or "
+                f"eval/accuracy with {mode_key}=max)"
+            )
+        if metric.endswith("accuracy") and mode == "min":
+            print(f"warning: {key}={metric} with {mode_key}=min counts a lower accuracy as better", file=sys.stderr)
+    if stop.metric and not cfg.eval.every_steps:
+        raise UsageError(
+            f"train.early_stop.metric={stop.metric} watches the evaluations during the run, but eval.every_steps=0 "
+            f"evaluates only at its end; set eval.every_steps, e.g. eval.every_steps={max(cfg.train.steps // 10, 1)}"
+        )
 
 
 def _fit_steps_per_call(cfg) -> None:
