@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -71,13 +71,14 @@ def staged(out_path: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def export_run(workdir: str, out: str) -> Path:
+def export_run(workdir: str, out: str, step: Optional[str] = None) -> Path:
+    """The run's newest checkpoint (or the one `step` names: best or N) exported into `out`."""
     workdir_path, out_path = Path(workdir), new_output_dir(out)
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = run_config(workdir_path)
     run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
     preprocessing = recorded_preprocessing(workdir_path, run.dataset.info)
-    restored = restore_newest(workdir_path, run.abstract_state, cfg, "export")
+    restored = restore_newest(workdir_path, run.abstract_state, cfg, "export", step)
     variables = model_variables(restored.state.params, restored.state.model_state)
     variables["params"] = jax.tree.map(dequantized, variables["params"], is_leaf=is_quantised)  # (a QLoRA base)
     module, task = run.model.module, run.model.family.task

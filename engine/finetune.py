@@ -200,6 +200,19 @@ def base_weights(cfg) -> Optional[BaseWeights]:
     return BaseWeights(cfg, REGISTRY[cfg.model.name].projections())
 
 
+def base_workdir(cfg) -> Optional[Path]:
+    """The workdir whose weights a run starts from, and so whose model it is (its tokenizer, chat
+    template, context and eos ids: vocab.MODEL_FILES): a LoRA run's finetune.base, or the workdir
+    of checkpoint.restore_from (WORKDIR/checkpoints) while the run has no checkpoint of its own."""
+    if lora_on(cfg) and cfg.finetune.base:
+        return Path(cfg.finetune.base).expanduser()
+    source = Path(cfg.checkpoint.restore_from).expanduser() if cfg.checkpoint.restore_from else None
+    own = Path(cfg.workdir) / "checkpoints"
+    if source is None or source.name != "checkpoints" or any(p.name.isdigit() for p in own.glob("[0-9]*")):
+        return None
+    return source.parent
+
+
 def adapters_only(params, any_of: bool = False) -> bool:
     """Whether every (any_of: any) parameter of `params` is a LoRA adapter's (lora_a, lora_b)."""
     names = ["/".join(map(str, path)).endswith(("lora_a", "lora_b")) for path in flatten_dict(params)]

@@ -14,6 +14,7 @@ under FSDP. `launch.py export --workdir DIR --format hf --out PATH` writes the l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -29,15 +30,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from engine import sharding
 from engine.chat import JINJA_FILE, check_imported_template
 from engine.checkpoint import Checkpointer, restore_newest
-from engine.config import load_config, save_config, to_yaml
+from engine.config import DataConfig, load_config, save_config, to_yaml
 from engine.errors import UsageError
 from engine.export import new_output_dir, run_config, staged
 from engine.finetune import lora_on
-from engine.hf_adapters import adapter_tensors, merged, write_peft
+from engine.hf_adapters import adapter_tensors, merged, peft_base, write_peft
 from engine.rundir import LOCK, write_atomic
 from engine.setup import build_run
 from engine.step import model_variables
-from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_data_tokenizer, copy_tokenizer
+from engine.vocab import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_config_data, copy_tokenizer
 from models import REGISTRY
 
 INDEX = "model.safetensors.index.json"
@@ -202,12 +203,12 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
         canonical(tokenizer)  # a damaged tokenizer.json is refused here, not met later by sample
         check_imported_template(hf_path)  # so is a chat template that fails or reaches a bound (engine/chat.py)
     # base.yaml's data is images; without a config of its own the run gets real offline text,
-    # tokenized with the model's own tokenizer where the directory has one
+    # tokenized with the model's own tokenizer where the directory has one (by the first training run)
     data = [] if config else ["data.name=python_source", *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]
     cfg = load_config(config or CONFIG_DIR / "base.yaml", [*data, *model_overrides, *overrides], str(work))
-    run = build_run(cfg, compile_train=False)
     if tokenizer is not None:  # data of another tokenizer (or bytes) would train the model on ids it reads otherwise
-        check_data_tokenizer(tokenizer, run.dataset.info, f"data (data.name={cfg.data.name})")
+        check_config_data(tokenizer, cfg.data)
+    run = build_run(_reading_no_data(cfg, model.get("vocab_size")), compile_train=False)
     read = _Reader(_tensor_files(hf_path))
     params = run.abstract_state.params
     for tensor in layout.tensors(cfg.model):
@@ -225,6 +226,17 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
         cfg.data.tokenizer = str((work / TOKENIZER).absolute())
     _write_import(work, {**kept, HF_CONFIG: json.dumps(hf_config, indent=2) + "\n"}, cfg, state, hf_path)
     return work
+
+
+def _reading_no_data(cfg, vocab: Optional[int]):
+    """cfg with data that reads nothing (synthetic_text of the model's `vocab`, at data.seq_len):
+    the model and its state are built from it, while the config written keeps cfg's data for the
+    first training run to read (or tokenize)."""
+    batch = max(cfg.train.global_batch_size, cfg.eval.batch_size)
+    data = DataConfig(
+        name="synthetic_text", vocab_size=vocab or cfg.data.vocab_size, seq_len=cfg.data.seq_len, num_examples=4 * batch
+    )
+    return dataclasses.replace(cfg, data=data)
 
 
 def _tokenizer_files(hf_path: Path) -> dict[str, str]:
@@ -320,11 +332,18 @@ def _set(tree, path, value):
     return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
-def export_hf(workdir: str, out: str, merge: bool = False) -> Path:
+def export_hf(workdir: str, out: str, merge: bool = False, base_model: Optional[str] = None) -> Path:
     """The newest checkpoint of the run in workdir, as a Hugging Face model directory; of a
-    LoRA run, its adapters as a PEFT directory, or (`merge`) folded into the base."""
+    LoRA run, its adapters as a PEFT directory (for `base_model`: by default the Hugging Face
+    directory its base was imported from), or (`merge`) folded into the base."""
     work, out_path = Path(workdir), new_output_dir(out)
     cfg = run_config(work)
+    if base_model is not None and (merge or not lora_on(cfg)):
+        raise UsageError(
+            f"--base-model names the base of a LoRA run's adapter directory, but {work} "
+            + ("is exported whole with --merge" if merge else "trained no adapters (finetune.lora.rank=0)")
+            + "; leave out --base-model"
+        )
     family = REGISTRY[cfg.model.name]
     layout = family.hf_layout()
     if layout is None:
@@ -340,8 +359,9 @@ def export_hf(workdir: str, out: str, merge: bool = False) -> Path:
     params = model_variables(restored.state.params, restored.state.model_state)["params"]
     if lora_on(cfg) and not merge:
         peft_tensors, targets = adapter_tensors(params, layout.tensors(cfg.model))
+        name = peft_base(cfg, base_model)  # (the base was read above: its checksums are checked)
         with staged(out_path) as staging:
-            write_peft(staging, cfg, peft_tensors, targets)
+            write_peft(staging, cfg, peft_tensors, targets, name)
             copy_tokenizer(work, run.dataset.info, staging)
         return out_path
     if lora_on(cfg):

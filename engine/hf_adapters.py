@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from contract.adapters import HF_NAMES
-from engine.finetune import ADAPTER_LEAVES
+from engine.checkpoint import Checkpointer
+from engine.errors import UsageError
+from engine.finetune import ADAPTER_LEAVES, base_weights
 from engine.rundir import write_atomic
 from models.projection import dequantized
 
@@ -68,14 +71,46 @@ def adapter_tensors(params, layout_tensors) -> tuple[dict[str, np.ndarray], list
     return tensors, sorted(set(targets))
 
 
-def write_peft(out: Path, cfg, tensors: dict[str, np.ndarray], targets: list[str]) -> None:
+def peft_base(cfg, given: Optional[str] = None) -> str:
+    """PEFT's base_model_name_or_path: `given` (export --base-model), else the Hugging Face directory
+    the LoRA run's base was imported from, read from the base's newest checkpoint (an import's step 0
+    records it); UsageError when no Hugging Face directory holds the base's weights."""
+    if given:
+        return given
+    fix = (
+        "give export --base-model NAME_OR_PATH (a hub name, or the base exported with launch.py export --workdir "
+        "BASE --format hf --out DIR), or export with --merge"
+    )
+    base = base_weights(cfg)
+    if base is None:
+        raise UsageError(
+            f"the LoRA run's base is its model's seeded initialisation (finetune.base is empty), which no Hugging "
+            f"Face directory holds, so the adapter directory cannot name it; {fix}"
+        )
+    step = base.identity["step"]
+    reader = Checkpointer(base.checkpoints, 1, read_only=True)
+    try:
+        meta = reader.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+        reader.close()
+    imported = meta.get("imported_from") if isinstance(meta, dict) else None
+    if not imported:
+        raise UsageError(
+            f"finetune.base={cfg.finetune.base}: its newest checkpoint (step {step}) is not the weights import-hf "
+            f"wrote (it trained after the import, or was never imported), so no Hugging Face directory holds the "
+            f"base the adapters were trained on; {fix}"
+        )
+    return str(imported)
+
+
+def write_peft(out: Path, cfg, tensors: dict[str, np.ndarray], targets: list[str], base_model: str) -> None:
     from safetensors.numpy import save_file
 
     lora = cfg.finetune.lora
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": cfg.finetune.base,
+        "base_model_name_or_path": base_model,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,

@@ -109,6 +109,21 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     assert len(reads) == 1 and np.allclose(logits(run, again[1]), logits(run, trained.state))
 
 
+def test_a_run_from_another_runs_weights_carries_that_models_files(base, tmp_path):
+    """A LoRA run on finetune.base, and a run from checkpoint.restore_from's parameters, write the
+    base's model files (hf_config.json: context, eos ids; tokenizer companions) into their workdir."""
+    from engine.data import load_dataset
+    from engine.trainer import write_run_files
+
+    _, base_dir = base
+    params = [f"checkpoint.restore_from={base_dir / 'checkpoints'}", "checkpoint.restore_mode=params"]
+    for name, overrides in (("lora", [f"finetune.base={base_dir}", *LORA]), ("params", params)):
+        cfg = load_config(base_dir / "config.yaml", [*DATA, *overrides], str(tmp_path / name))
+        (tmp_path / name).mkdir()
+        write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / name)
+        assert (tmp_path / name / "hf_config.json").read_bytes() == (base_dir / "hf_config.json").read_bytes(), name
+
+
 def config_args(base_dir):
     return [*DATA, f"finetune.base={base_dir}", *LORA]
 
@@ -277,7 +292,9 @@ def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path, overr
 
 def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
     """README's fine-tuning lines, as written, on a tiny random Llama with a BPE tokenizer (only
-    paths replaced, and quick settings added: a short run on little text)."""
+    paths replaced, and quick settings added: a short run on little text). The import tokenizes
+    nothing; the LoRA run's sample and exports have the base's context, special ids, chat template
+    and generation settings; its adapter directory names the base's Hugging Face directory."""
     from test_tokens import tokenized_corpus
     from tokenizers import Tokenizer
 
@@ -287,15 +304,59 @@ def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
         hf, LlamaConfig(**TINY), vocab=Tokenizer.from_file(str(corpus / "tokenizer.json")).get_vocab_size()
     )
     shutil.copyfile(corpus / "tokenizer.json", hf / "tokenizer.json")
+    eos = _with_model_facts(hf, context=512)
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- fine-tuning recipe:")[1].split("```bash\n")[1].split("```")[0]
-    quick = {"import-hf": QUICK_TEXT, "--config": [*QUICK_TEXT, "train.steps=2"], "sample": ["--max-tokens", "4"]}
+    cache = [f"data.cache_dir={tmp_path / 'cache'}"]
+    quick = {
+        "import-hf": QUICK_TEXT + cache,
+        "--config": [*QUICK_TEXT, "train.steps=2"],
+        "sample": ["--max-tokens", "4"],
+    }
     for line in block.strip().splitlines():
         line = line.replace("HF_DIR", str(hf)).replace("TEXT_DIR", str(tmp_path / "own" / "text"))
         args = [a.replace("runs/", f"{tmp_path}/runs/") for a in shlex.split(line)[2:]]
         proc = run_cli(*args, *quick.get(args[0], []), cwd=tmp_path)
         assert proc.returncode == 0, (line, proc.stderr)
-    assert (tmp_path / "runs" / "lora_merged" / "model.safetensors").is_file()
+    merged, lora = tmp_path / "runs" / "lora_merged", tmp_path / "runs" / "lora"
+    assert (merged / "model.safetensors").is_file()
+    assert not (tmp_path / "cache").exists()  # the import tokenized nothing (the LoRA run reads its own corpus)
+    # the base's model facts reach the LoRA run's export and sample: context, special ids, template
+    config = json.loads((merged / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["bos_token_id"], config["eos_token_id"]) == (512, eos, eos)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        assert (merged / name).read_bytes() == (hf / name).read_bytes(), name
+    proc = run_cli("sample", "--workdir", str(lora), "--prompt", "def", "--chat", "--max-tokens", "300")  # > seq_len 32
+    assert proc.returncode == 0, proc.stderr
+    # the adapter directory names the Hugging Face directory the base was imported from, or --base-model
+    from engine.hf import export_hf
+
+    export_hf(str(lora), str(tmp_path / "adapter"))
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(hf) and (tmp_path / "adapter" / "tokenizer_config.json").is_file()
+    with pytest.raises(checkpoint.UsageError, match="--base-model names the base of a LoRA run's adapter"):
+        export_hf(str(lora), str(tmp_path / "merged-named"), merge=True, base_model="org/tiny-llama")
+    named = ["--format", "hf", "--base-model", "org/tiny-llama", "--out", str(tmp_path / "named")]
+    assert run_cli("export", "--workdir", str(lora), *named).returncode == 0
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "org/tiny-llama"
+    )
+
+
+def _with_model_facts(hf, context: int) -> int:
+    """What a published model's directory has besides weights and tokenizer: a context length and
+    special token ids in config.json, a chat template and generation settings; → the eos id."""
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(hf / "tokenizer.json")).token_to_id("<|endoftext|>")
+    assert eos is not None
+    config = json.loads((hf / "config.json").read_text())
+    facts = {"max_position_embeddings": context, "bos_token_id": eos, "eos_token_id": eos}
+    (hf / "config.json").write_text(json.dumps({**config, **facts}))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": template}))
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "max_new_tokens": 64}))
+    return eos
 
 
 QUICK_TEXT = ["data.max_bytes=60000", "data.seq_len=32", "train.global_batch_size=4", "log.tensorboard=false"]

@@ -279,6 +279,38 @@ def test_unsupported_hugging_face_settings_are_refused_by_name(tmp_path):
     assert proc.returncode == 2 and "attention_bias=True" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_tokenizer_without_an_end_of_text_token_is_refused_naming_what_works(tmp_path):
+    """The standard library the written config would train on ends each module with an end-of-text
+    token; a tokenizer with none is refused at import (nothing written), naming a route that
+    works: a corpus tokenized with an end token of the user's choosing, which then imports."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from engine.data.tokenize import tokenize
+    from engine.errors import UsageError
+    from engine.hf import import_hf
+
+    words = ["<unk>", "<sep>", *"def return import self if else for in class".split()]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf, run = tmp_path / "hf", tmp_path / "run"
+    write_hf_checkpoint(hf, LlamaConfig(**TINY), vocab=len(words))
+    tokenizer.save(str(hf / "tokenizer.json"))
+    with pytest.raises(UsageError) as refused:
+        import_hf(str(hf), str(run), overrides=["data.max_bytes=20000", f"data.cache_dir={tmp_path / 'cache'}"])
+    message = str(refused.value)
+    assert "pass --eod-token" not in message and "\n" not in message, message
+    assert f"launch.py tokenize --input TEXT... --out CORPUS --tokenizer {hf / 'tokenizer.json'} --eod-token" in message
+    assert "import-hf with data.name=tokens data.path=CORPUS" in message, message
+    assert not run.exists()
+    (tmp_path / "text").mkdir()
+    for i in range(4):
+        (tmp_path / "text" / f"{i}.txt").write_text("def f(self): return self if x else None\n" * 20)
+    corpus = tmp_path / "corpus"
+    tokenize([str(tmp_path / "text")], str(corpus), str(hf / "tokenizer.json"), eod_token="<sep>", progress=False)
+    import_hf(str(hf), str(run), overrides=["data.name=tokens", f"data.path={corpus}", "data.seq_len=16"])
+    assert (run / "checkpoints" / "0").is_dir()
+
+
 def ours_from_hf_dir(path, info=INFO):
     """Our module and parameters, read from a Hugging Face directory through models/llama_hf.py."""
     from engine.hf import _Reader, _tensor_files
