@@ -8,6 +8,7 @@ preservation policy keeps that step beside the newest checkpoint.keep."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -73,6 +74,11 @@ class Watched:
             self.since += 1
         return better
 
+    def exhausted(self, patience: int) -> bool:
+        """Keras's rule: the run ends once `patience` evaluations (at least one) went without a
+        new best; patience 0 and 1 both end it at the first evaluation without one."""
+        return self.since > 0 and self.since >= patience
+
     def record(self) -> dict:
         return {"metric": self.metric, "mode": self.mode, "best": self.best, "step": self.step, "since": self.since}
 
@@ -118,7 +124,7 @@ class Monitor:
         if monitor.early_stop is not None and monitor.early_stop.resume(record):
             stopped = record.get("stopped_at")
             # honoured while this config would stop there too (a raised patience trains on)
-            if stopped is not None and monitor.early_stop.since >= stop.patience and stopped < cfg.train.steps:
+            if stopped is not None and monitor.early_stop.exhausted(stop.patience) and stopped < cfg.train.steps:
                 monitor.stopped_at = stopped
         return monitor
 
@@ -129,7 +135,7 @@ class Monitor:
         watched = self.early_stop
         if watched is not None:
             watched.update(metrics, step)
-            if watched.since >= self.patience and step < self.total:
+            if watched.exhausted(self.patience) and step < self.total:
                 self.stopped_at = step
         return Verdict(save=improved, stop=self.stopped_at == step)
 
@@ -161,6 +167,18 @@ class Monitor:
         return {watched.metric: watched.best} if watched.step == step else {}
 
 
+def check_names(cfg, names: set[str]) -> None:
+    """UsageError, before a run writes anything, when checkpoint.keep_best or
+    train.early_stop.metric names an eval metric this run does not record (`names`)."""
+    for key, metric in (
+        ("checkpoint.keep_best", cfg.checkpoint.keep_best),
+        ("train.early_stop.metric", cfg.train.early_stop.metric),
+    ):
+        if metric and metric[len(PREFIX) :] not in names:
+            recorded = ", ".join(PREFIX + name for name in sorted(names))
+            raise UsageError(f"{key}={metric} is not an eval metric of this run; it records {recorded}")
+
+
 def chosen_step(checkpointer, cfg, step: Optional[str]) -> Optional[int]:
     """The checkpoint a reader's --step names: None: the newest readable one; "best":
     checkpoint.keep_best's, as the newest readable checkpoint's meta records it; N: step N."""
@@ -182,15 +200,22 @@ def chosen_step(checkpointer, cfg, step: Optional[str]) -> Optional[int]:
     return number
 
 
-def stopped_at(checkpointer, step: int) -> Optional[int]:
-    """The step train.early_stop ended the run at, as checkpoint `step`'s meta records it (None:
-    it did not stop early, or the meta cannot be read)."""
+def stopped_at(checkpointer, step: int) -> tuple[bool, Optional[int]]:
+    """(whether checkpoint `step`'s meta could be read, the step train.early_stop ended the run
+    at as it records it: None if it did not stop early)."""
+    meta = _meta(checkpointer, step)
+    stopped = ((meta or {}).get("early_stop") or {}).get("stopped_at")
+    return meta is not None, int(stopped) if stopped is not None else None
+
+
+def _meta(checkpointer, step: int) -> Optional[dict]:
+    """Checkpoint `step`'s meta JSON; None when it cannot be read (a step being written, set
+    aside or damaged: orbax and tensorstore raise these)."""
     try:
         meta = checkpointer.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except (OSError, ValueError, KeyError, FileNotFoundError):  # (a step being written or set aside)
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    stopped = (meta.get("early_stop") or {}).get("stopped_at")
-    return int(stopped) if stopped is not None else None
+    return meta if isinstance(meta, dict) else None
 
 
 def _best_step(checkpointer, cfg, saved: list[int]) -> int:
@@ -201,9 +226,13 @@ def _best_step(checkpointer, cfg, saved: list[int]) -> int:
             f"eval metric), or give --step N"
         )
     for candidate in reversed(saved):
-        try:
-            meta = checkpointer.manager.restore(candidate, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception:  # noqa: BLE001 -- an unreadable newest checkpoint: its predecessor's record
+        meta = _meta(checkpointer, candidate)
+        if meta is None:
+            print(
+                f"warning: checkpoint {checkpointer.directory}/{candidate}'s record cannot be read; the best step "
+                "is taken from the one before it",
+                file=sys.stderr,
+            )
             continue
         record = meta.get("keep_best") or {}
         if record.get("metric") == cfg.checkpoint.keep_best and record.get("step") is not None:

@@ -51,6 +51,11 @@ class _Exceeded(Exception):
     """A render reached one of its bounds (the message says which)."""
 
 
+class _Alarm(BaseException):
+    """The wall-clock backstop rang: a BaseException, so that no `except Exception` in the
+    template's runtime can swallow it (render_chats turns it into the UsageError)."""
+
+
 class _Forbidden(TemplateSyntaxError):
     """{% include %}, {% import %}, {% from %} or {% extends %}: there are no other templates to read."""
 
@@ -75,7 +80,7 @@ class _Budget:
         if self.iterations < 0:
             raise _Exceeded(f"runs more than {MAX_ITERATIONS:,} loop iterations (all loops together)")
         if time.monotonic() > self.deadline:
-            raise _Exceeded(f"takes longer than {RENDER_SECONDS:g} s to render")
+            raise _Alarm(f"takes longer than {RENDER_SECONDS:g} s to render")
 
 
 def _check_size(size: int, what: str) -> None:
@@ -188,7 +193,7 @@ def render_chats(
                 chunks = compiled.generate(messages=messages, add_generation_prompt=True, **template.special)
                 rendered.append(_joined(chunks, env.budget))
         return rendered
-    except Exception as e:  # a template is code: whatever it raises is a fault of the template, said in one line
+    except (Exception, _Alarm) as e:  # a template is code: whatever it raises is its fault, said in one line
         if allow_refusal and isinstance(e, _Refused):
             return []
         raise UsageError(f"{template.source}: the chat template {_fault(e)}; {fix}") from None
@@ -208,7 +213,7 @@ def _joined(chunks: Iterator[str], budget: _Budget) -> str:
 
 def _fault(error: BaseException) -> str:
     """What went wrong, in a few words on one line."""
-    if isinstance(error, _Exceeded):
+    if isinstance(error, (_Exceeded, _Alarm)):
         return str(error)
     if isinstance(error, _Forbidden):
         return f"{error.message}; a chat template must be one self-contained file"
@@ -244,13 +249,13 @@ def _bounded(env: BoundedEnvironment) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _alarm(seconds: float) -> Iterator[None]:
-    """_Exceeded raised in the main thread after `seconds`: a render spending its time where no
+    """_Alarm raised in the main thread after `seconds`: a render spending its time where no
     budget check runs (one long operation inside a loop's step) is still stopped."""
     ringing = [True]
 
     def ring(signum: int, frame: Any) -> None:
         if ringing[0]:
-            raise _Exceeded(f"takes longer than {RENDER_SECONDS:g} s to render")
+            raise _Alarm(f"takes longer than {RENDER_SECONDS:g} s to render")
 
     previous = signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -264,7 +269,8 @@ def _alarm(seconds: float) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _address_space(extra: int) -> Iterator[None]:
-    """RLIMIT_AS at the process's present size + `extra`, restored afterwards: one huge allocation
+    """RLIMIT_AS at the process's present size + `extra`, restored afterwards (the limit is the
+    whole process's: commands render before they start JAX's threads): one huge allocation
     by a template ('x'.ljust(10 ** 10)) fails with MemoryError instead of taking the machine's
     memory. Nothing where the OS has no such limit or no /proc."""
     try:

@@ -132,7 +132,8 @@ def _watch(
             idle_since = alive_at = time.monotonic()
         newest = max(steps, default=0)
         if newest and newest != read_at:  # a run that train.early_stop ended: its last checkpoint says so
-            stopped, read_at = stopped_at(checkpointer, newest), newest
+            readable, stopped = stopped_at(checkpointer, newest)
+            read_at = newest if readable else None  # (unreadable yet: read again at the next poll)
         total = stopped if stopped is not None else target_steps(cfg)
         if not watch or (newest >= total and not pending):
             return 0

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from engine.best import Monitor, Verdict
+from engine.best import Monitor, Verdict, check_names
 from engine.checkpoint import Checkpointer, load_base
 from engine.config import Config, save_config, to_yaml
 from engine.data.recorded import PREPROCESSING, check_preprocessing
@@ -202,6 +202,7 @@ def _open(
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
+    check_names(cfg, {"loss", "accuracy", *run.model.family.task.eval_metrics(1.0, run.dataset.info)})
     if is_chief:
         write_run_files(cfg, run.dataset.info, workdir)
     checkpointer = closing.enter_context(contextlib.closing(_checkpointer(cfg)))
@@ -216,7 +217,7 @@ def _open(
     barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # every process starts from one checkpoint
     if is_chief:
         goodput.redone_steps = drop_records_after(workdir / METRICS, start)
-    writer = closing.enter_context(contextlib.closing(_writer(cfg, start)))
+    writer = closing.enter_context(contextlib.closing(_writer(cfg, start, end)))
     window = Window.resumed(
         start,
         meta.get("window"),  # the log window a checkpoint cut in two
@@ -245,7 +246,7 @@ def _checkpointer(cfg: Config) -> Checkpointer:
     )
 
 
-def _writer(cfg: Config, start: int) -> MetricWriter:
+def _writer(cfg: Config, start: int, end: int) -> MetricWriter:
     """Process 0's console, metrics.jsonl and TensorBoard (a search trial's also its pipe to the sweep)."""
     chief = jax.process_index() == 0
     return MetricWriter(
@@ -256,7 +257,7 @@ def _writer(cfg: Config, start: int) -> MetricWriter:
         progress=cfg.log.progress,
         tensorboard=cfg.log.tensorboard,
         judged=Judged.from_env() if chief else None,
-        trackers=open_trackers(cfg) if chief and start < cfg.train.steps else (),  # (finished: nothing to log)
+        trackers=open_trackers(cfg) if chief and start < end else (),  # (finished, or stopped early: nothing to log)
     )
 
 

@@ -190,6 +190,9 @@ def test_extends_names_a_shipped_config_by_bare_name_from_anywhere(tmp_path):
         (tmp_path / "mine" / "run.yaml").write_text(f"extends: {base}\nmodel: {{name: mlp}}\ntrain: {{steps: 7}}\n")
         cfg = load_config(tmp_path / "mine" / "run.yaml", [], str(tmp_path / "run"))
         assert cfg.train.steps == 7, base
+    (tmp_path / "mine" / "base.yaml").write_text("model: {name: mlp}\ntrain: {steps: 3}\n")  # the user's own base
+    (tmp_path / "mine" / "run.yaml").write_text("extends: base\n")
+    assert load_config(tmp_path / "mine" / "run.yaml", [], str(tmp_path / "run")).train.steps == 3
     (tmp_path / "mine" / "run.yaml").write_text("extends: nowhere\n")
     with pytest.raises(UsageError, match=r"does not exist; shipped configs \(also by bare name\): base.yaml, "):
         load_config(tmp_path / "mine" / "run.yaml", [], str(tmp_path / "run"))

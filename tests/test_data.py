@@ -1,3 +1,4 @@
+import dataclasses
 import gzip
 import struct
 
@@ -248,6 +249,10 @@ def test_data_eval_path_holds_out_its_own_files_and_trains_on_all_of_data_path(t
     )
     assert (ds.info.num_train, ds.info.num_eval) == (99 // 8, 32 // 8)
     assert (ds.eval["tokens"] == ord("z")).all()
+    with pytest.raises(UsageError, match="overlaps data.path"):
+        load_dataset(DataConfig(name="text", path=str(tmp_path), eval_path=str(tmp_path / "b.txt"), seq_len=8))
+    with pytest.raises(UsageError, match="data.eval_path and data.path both name"):
+        load_dataset(dataclasses.replace(table, eval_path=str(tmp_path / "train.csv")))
     with pytest.raises(UsageError, match="data.eval_path: data.name=digits takes its held-out split otherwise"):
         from engine.config import load_config
 

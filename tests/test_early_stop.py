@@ -57,6 +57,12 @@ def test_watched_counts_evaluations_without_an_improvement_beyond_min_delta():
     with pytest.raises(UsageError, match="eval/los is not an eval metric of this run; it records eval/loss"):
         Watched("checkpoint.keep_best", "eval/los", "min").update({"loss": 1.0}, 1)
 
+    for patience in (0, 1, 2):  # a first evaluation (a new best) never ends the run; patience 0 acts as 1
+        watched = Watched("train.early_stop.metric", "eval/loss", "min")
+        ends = [watched.update({"loss": loss}, step) is None or watched.exhausted(patience) for step, loss in
+                enumerate([1.0, 0.5, 0.7, 0.8], 1)]  # fmt: skip
+        assert ends == [False, False, patience <= 1, True], patience
+
 
 @pytest.mark.slow
 def test_keep_best_survives_beside_the_newest_and_export_step_best_reads_it(make_config, tmp_path):
@@ -153,6 +159,7 @@ def test_bad_settings_exit_2_with_one_line(tmp_path, args, named):
     proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "run"), *quick, *args)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and named in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before training or writing anything
 
 
 @pytest.mark.slow

@@ -686,6 +686,16 @@ def test_a_document_longer_than_the_limit_is_tokenized_in_pieces_at_line_ends(tm
     pieces = list(docs.documents([tmp_path / "a.txt"]))
     assert pieces == ["abc\ndefgh\n", "ijklmnopqr", "stuvwxyz\n"] and all(len(p) <= 10 for p in pieces)
     assert list(docs.documents([tmp_path / "a.txt"], text_unit="line")) == ["abc", "defgh", "ijklmnopqr", "stuvwxyz"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["\n" + " " * 12 + "abc"]}), tmp_path / "c.parquet")  # a blank first piece
+    assert list(docs.documents([tmp_path / "c.parquet"])) == ["  abc"]  # the blank pieces before it left out
+    out = tmp_path / "partial"  # an unfinished tokenization by a version that read documents otherwise
+    out.mkdir()
+    (out / "progress.json").write_text(json.dumps({"settings": {}, "documents": 3, "splits": {}}))
+    with pytest.raises(UsageError, match="unfinished tokenization by an older version of this engine"):
+        tokenize([str(tmp_path / "a.txt")], str(out), "bpe:300", progress=False)
     monkeypatch.setattr(docs, "MAX_DOCUMENT_CHARS", 20)
     (tmp_path / "b.jsonl").write_text('{"text": "short"}\n{"text": "far too long here"}\n')
     with pytest.raises(UsageError, match=r"b.jsonl:2: a record longer than 20 characters"):

@@ -122,12 +122,12 @@ def shipped_configs(with_base: bool = False) -> list[str]:
 
 
 def config_file(name: str | os.PathLike, directory: Path = Path(".")) -> Path:
-    """A config's file: `name` relative to `directory`, else the shipped config of that bare
-    name (with or without .yaml), as --config and `extends:` both take it."""
+    """A config's file: `name` (or `name`.yaml) relative to `directory`, else the shipped config
+    of that bare name (with or without .yaml), as --config and `extends:` both take it."""
     path = directory / name
     bare = Path(name).name == str(name)
     candidates = [CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"] if bare else []
-    for candidate in [path, *candidates, Path(f"{path}.yaml")]:  # (a path may leave out its .yaml too)
+    for candidate in [path, Path(f"{path}.yaml"), *candidates]:  # the user's own file first; .yaml may be left out
         if candidate.is_file():
             return candidate.resolve()
     return path.resolve()

@@ -71,9 +71,9 @@ def documents(files: list[Path], text_field: str = "text", text_unit: str = "fil
         if suffix in JSONL_SUFFIXES:
             yield from _jsonl(file, text_field)
         elif suffix == ".parquet":
-            yield from (piece for text in _parquet(file, text_field) for piece in pieces(text))
+            yield from (piece for text in _parquet(file, text_field) for piece in pieces(text) if piece.strip())
         elif suffix == ".arrow":
-            yield from (piece for text in _arrow(file, text_field) for piece in pieces(text))
+            yield from (piece for text in _arrow(file, text_field) for piece in pieces(text) if piece.strip())
         elif text_unit == "line":  # invalid UTF-8 and NUL bytes read as U+FFFD (counted by input_checks)
             with open(file, encoding="utf-8", errors="replace") as f:
                 for line in iter(lambda: f.readline(MAX_DOCUMENT_CHARS), ""):  # (a longer line: in pieces)

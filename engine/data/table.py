@@ -45,6 +45,12 @@ def table(cfg) -> Dataset:
     features = feature_columns.entries(cfg.features)
     files = table_files(cfg.path)
     held_out = table_files(cfg.eval_path, "data.eval_path") if cfg.eval_path else []
+    both = {f.resolve() for f in files} & {f.resolve() for f in held_out}
+    if both:
+        raise UsageError(
+            f"data.eval_path and data.path both name {sorted(both)[0]}: the held-out rows would be trained on; "
+            "give data.eval_path files of their own"
+        )
     columns, origin = _read(
         files + held_out, [*feature_columns.columns_read(features), cfg.label, *([cfg.weight] * bool(cfg.weight))]
     )
@@ -194,7 +200,8 @@ def _cached_fit(cfg, files, features, train: tuple[dict, np.ndarray], columns, o
     for file in files:
         with open(file, "rb") as f:
             digest.update(hashlib.file_digest(f, "sha256").digest())
-    settings = [features, cfg.label, cfg.target, list(cfg.classes), cfg.eval_fraction, cfg.weight]
+    held_out = cfg.eval_path or ""  # (which files train: data.path's, or a share of all)
+    settings = [features, cfg.label, cfg.target, list(cfg.classes), cfg.eval_fraction, cfg.weight, held_out]
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     key = digest.hexdigest()
     cache = _cache_file(files[0], key)

@@ -52,6 +52,13 @@ def text(cfg) -> Dataset:
     """Byte-level text: a file, or every file under a directory (sorted), as tokens 0..255
     (data.eval_path's, the held-out split)."""
     tokens = _text_bytes(Path(cfg.path), "data.path")
+    if cfg.eval_path:
+        train, held = Path(cfg.path).resolve(), Path(cfg.eval_path).resolve()
+        if train == held or train in held.parents or held in train.parents:
+            raise UsageError(
+                f"data.eval_path={cfg.eval_path} overlaps data.path={cfg.path}: the held-out text would be trained "
+                "on; give data.eval_path text of its own"
+            )
     held_out = _text_bytes(Path(cfg.eval_path), "data.eval_path") if cfg.eval_path else None
     return _token_dataset(tokens, cfg, 256, f"data.path={cfg.path}", text_codec="bytes", held_out=held_out)
 

@@ -46,6 +46,11 @@ SPLITS = ("train", "eval")
 _MASK64 = (1 << 64) - 1
 
 
+# How documents are read (engine/data/documents.py): a resumed tokenization counts the documents
+# already written, so a partial one made by a version that read them otherwise is not resumed.
+DOCUMENTS_FORMAT = 2  # 2: NUL read as U+FFFD; documents over MAX_DOCUMENT_CHARS in pieces
+
+
 @dataclass(frozen=True)
 class Settings:
     """What decides the output; a re-run into the same directory must repeat it exactly."""
@@ -249,6 +254,11 @@ def _state(out_dir: Path, settings: Settings) -> dict:
         return {"manifest": manifest}
     if progress_path.is_file():
         state = json.loads(progress_path.read_text())
+        if state.get("documents_format") != DOCUMENTS_FORMAT:  # an older engine split documents otherwise
+            raise UsageError(
+                f"--out {out_dir} holds an unfinished tokenization by an older version of this engine, which "
+                "reads documents otherwise; delete the directory and run again"
+            )
         if state.get("settings") != asdict(settings):
             raise UsageError(
                 f"--out {out_dir} holds an unfinished tokenization with other settings (inputs, "
@@ -259,7 +269,7 @@ def _state(out_dir: Path, settings: Settings) -> dict:
         raise UsageError(
             f"--out {out_dir} is not empty and holds no tokenization of this command; give a new or empty directory"
         )
-    return {"settings": asdict(settings), "documents": 0, "splits": {}}
+    return {"settings": asdict(settings), "documents": 0, "splits": {}, "documents_format": DOCUMENTS_FORMAT}
 
 
 @dataclass
