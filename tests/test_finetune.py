@@ -360,3 +360,65 @@ def _with_model_facts(hf, context: int) -> int:
 
 
 QUICK_TEXT = ["data.max_bytes=60000", "data.seq_len=32", "train.global_batch_size=4", "log.tensorboard=false"]
+
+
+def test_a_model_transformers_saved_imports_whole_and_its_lora_exports_load_back(tmp_path):
+    """A directory as transformers 5 writes it (save_pretrained of a tiny Llama and a tokenizer
+    with a chat template: chat_template.jinja, generation_config.json) imports whole; a LoRA run
+    on it keeps the base's context, special tokens and template; the merged export loads in
+    AutoModelForCausalLM and AutoTokenizer, the adapter directory in AutoPeftModelForCausalLM."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(61)]]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=template
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    assert (hf / "chat_template.jinja").is_file() or "chat_template" in json.loads(
+        (hf / "tokenizer_config.json").read_text()
+    )
+    text = tmp_path / "text"
+    text.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        (text / f"{i}.txt").write_text(" ".join(f"w{n}" for n in rng.integers(0, 61, 300)))
+    corpus = tmp_path / "corpus"
+    proc = run_cli("tokenize", "--input", str(text), "--out", str(corpus), "--tokenizer", str(hf / "tokenizer.json"))
+    assert proc.returncode == 0, proc.stderr
+    data = ["data.name=tokens", f"data.path={corpus}", "data.seq_len=16", *DATA[4:]]
+    proc = run_cli("import-hf", str(hf), "--workdir", str(tmp_path / "base"), *data)
+    assert proc.returncode == 0, proc.stderr
+    lora = [*data, f"finetune.base={tmp_path / 'base'}", *LORA, "train.steps=2"]
+    work = tmp_path / "lora"
+    proc = run_cli("--config", str(tmp_path / "base" / "config.yaml"), "--workdir", str(work), *lora)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("sample", "--workdir", str(work), "--prompt", "w1 w2", "--chat", "--max-tokens", "300")
+    assert proc.returncode == 0, proc.stderr  # the base's template, and its context of 512 (not seq_len 16)
+
+    proc = run_cli("export", "--workdir", str(work), "--format", "hf", "--merge", "--out", str(tmp_path / "merged"))
+    assert proc.returncode == 0, proc.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.config.max_position_embeddings == 512 and merged.config.eos_token_id == 2
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert loaded.eos_token == "</s>" and loaded.chat_template == template
+    proc = run_cli("export", "--workdir", str(work), "--format", "hf", "--out", str(tmp_path / "adapter"))
+    assert proc.returncode == 0, proc.stderr
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        ids = torch.as_tensor([[1, 5, 6, 7]])
+        np.testing.assert_allclose(
+            adapted(ids).logits.numpy(), merged(ids).logits.numpy(), rtol=1e-4, atol=1e-4
+        )  # base + adapters = the merged model

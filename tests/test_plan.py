@@ -272,7 +272,7 @@ def test_without_the_tpu_compiler_plan_says_how_to_install_it():
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 2, done.stderr
-    assert 'install it: pip install -e ".[dev]"' in done.stderr and "Traceback" not in done.stderr
+    assert 'install it: pip install -e ".[tpu]"' in done.stderr and "Traceback" not in done.stderr
 
 
 def test_headroom_is_against_the_compilers_own_limit_and_under_5_percent_is_warned(make_config):
