@@ -205,7 +205,7 @@ class Training(Soak):
     """A training run killed and re-run on its workdir: it resumes, and its recorded losses
     (train and eval, each step once) equal the uninterrupted run's bit for bit."""
 
-    common = ["train.steps=40", "checkpoint.every_steps=5", "log.every_steps=1", "eval.every_steps=10",
+    common = ["train.steps=400", "checkpoint.every_steps=20", "log.every_steps=5", "eval.every_steps=100",
               "log.progress=false", "log.tensorboard=false"]  # fmt: skip
 
     def result(self, out):
@@ -261,7 +261,7 @@ def soak(kind: type[Soak], kills: int, seed: int) -> str:
         assert reference.returncode == 0, reference.stderr[-2000:]
         expected = command.result(base / "reference")
         rng = random.Random(seed)
-        killed = finished_first = equal = 0
+        killed = finished_first = equal = resumed = 0
         failures = []
         for attempt in range(kills):
             out = base / f"attempt{attempt}"
@@ -274,6 +274,7 @@ def soak(kind: type[Soak], kills: int, seed: int) -> str:
                 proc.wait()
                 killed += 1
             rerun = finish(*command.argv(out))
+            resumed += "resuming from step" in rerun.stdout
             if rerun.returncode not in command.done_codes():
                 failures.append(f"attempt {attempt}: re-run exit {rerun.returncode}: {rerun.stderr.strip()[-300:]}")
                 continue
@@ -284,6 +285,7 @@ def soak(kind: type[Soak], kills: int, seed: int) -> str:
         line = (
             f"{kind.name}: {kills} attempts ({killed} killed mid-run at seeded random moments in 0.3-{duration:.1f} s, "
             f"{finished_first} finished first); re-runs equal to the uninterrupted result: {equal}/{kills}"
+            + (f" ({resumed} resumed from a checkpoint)" if resumed else "")
         )
         return line + "".join(f"\n  {f}" for f in failures)
     finally:
