@@ -183,6 +183,17 @@ def run_in_one_process(tmp_path, cases: list[dict], timeout: int = 600) -> list[
     return json.loads(results_file.read_text())
 
 
+def damaged_copies(directory: Path, name: str, tmp_path: Path, rng) -> list[Path]:
+    """Copies of `directory` under tmp_path/cases, each with its file `name` damaged (damaged())."""
+    made = []
+    for i, bad in enumerate(damaged((directory / name).read_bytes(), rng)):
+        target = tmp_path / "cases" / f"{directory.name}-{name}-{i}"
+        shutil.copytree(directory, target)
+        (target / name).write_bytes(bad)
+        made.append(target)
+    return made
+
+
 def broken_contract(results: list[dict]) -> list:
     return [
         (r["argv"][:3], r["code"], r["escaped"] or r["stderr"][-400:])
@@ -217,21 +228,12 @@ def test_damaged_tables_feature_caches_and_run_records_keep_the_exit_code_contra
     (cache,) = data.glob(".people.csv.features-*.json")
     cases = []
 
-    def variants(directory: Path, name: str) -> list[Path]:
-        made = []
-        for i, bad in enumerate(damaged((directory / name).read_bytes(), rng)):
-            target = tmp_path / "cases" / f"{name}-{i}"
-            shutil.copytree(directory, target)
-            (target / name).write_bytes(bad)
-            made.append(target)
-        return made
-
     for name in ("people.csv", "people.parquet", cache.name):
-        for i, copy in enumerate(variants(data, name)):
+        for i, copy in enumerate(damaged_copies(data, name, tmp_path, rng)):
             table = copy / ("people.csv" if name == cache.name else name)
             work = str(tmp_path / "runs" / f"{name}-{i}")
             cases.append({"argv": [*table_args, f"data.path={table}", "--workdir", work, "--dry-run"]})
-    for i, copy in enumerate(variants(tmp_path / "trained", "preprocessing.json")):
+    for i, copy in enumerate(damaged_copies(tmp_path / "trained", "preprocessing.json", tmp_path, rng)):
         cases.append({"argv": ["export", "--workdir", str(copy), "--out", str(tmp_path / "exports" / str(i))]})
 
     results = run_in_one_process(tmp_path, cases)
@@ -261,22 +263,13 @@ def test_damaged_templates_trackers_json_datasets_and_plan_targets_keep_the_exit
     (arrow,) = [p.name for p in corpus.glob("*.arrow")]
     cases = []
 
-    def variants(directory: Path, name: str) -> list[Path]:
-        made = []
-        for i, bad in enumerate(damaged((directory / name).read_bytes(), rng)):
-            target = tmp_path / "cases" / f"{directory.name}-{name}-{i}"
-            shutil.copytree(directory, target)
-            (target / name).write_bytes(bad)
-            made.append(target)
-        return made
-
     for name in ("tokenizer_config.json", "chat_template.jinja"):
-        for work in variants(chat, name):
+        for work in damaged_copies(chat, name, tmp_path, rng):
             cases.append({"argv": ["sample", "--workdir", str(work), "--prompt", "hi", "--chat", "--max-tokens", "2"]})
-    for work in variants(trained, "trackers.json"):
+    for work in damaged_copies(trained, "trackers.json", tmp_path, rng):
         cases.append({"argv": ["--config", "mnist_mlp", "--workdir", str(work), "log.trackers=[mlflow]", "--dry-run"]})
     for name in (arrow, "state.json", "dataset_info.json"):
-        for i, copy in enumerate(variants(corpus, name)):
+        for i, copy in enumerate(damaged_copies(corpus, name, tmp_path, rng)):
             out = str(tmp_path / "tokenized" / f"{name}-{i}")
             cases.append({"argv": ["tokenize", "--input", str(copy), "--out", out, "--tokenizer", "bpe:300"]})
     targets = ["v5e-0", "v5p:0x0x0", "tpu9-8", "v5e-8x", "", "v5e--8", "v5p:1x1x99999999999", "v4-7", "v6e:2x2x2x2"]

@@ -303,7 +303,9 @@ def test_bad_data_is_one_line_naming_the_file_row_and_column_and_exit_2(tmp_path
     assert not workdir.exists()  # nothing left behind
 
 
-def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
+def city_table(tmp_path):
+    """(a CSV of ROWS' rows four times, its rows without the header, the overrides of a run on it
+    with a z-scored number and an embedded category)."""
     table = tmp_path / "people.csv"
     body = ROWS.split("\n", 1)[1]
     table.write_text(ROWS + body * 3)
@@ -315,6 +317,11 @@ def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
         "train.global_batch_size=8",
         "log.progress=false",
     ]
+    return table, body, args
+
+
+def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
+    table, body, args = city_table(tmp_path)
     workdir = str(tmp_path / "run")
     assert run_cli("--config", f"configs/{PENGUINS}", "--workdir", workdir, *args, "train.steps=4").returncode == 0
     table.write_text(ROWS + body * 3 + "30,rome,a,10,no\n30,rome,a,10,no\n")  # a new city, new statistics
@@ -405,18 +412,8 @@ def test_an_edited_feature_cache_is_fitted_again_and_the_export_ships_the_runs_p
     """A feature cache whose spec was edited is not trusted (one line, fitted again); an export
     after the data changed exits 2 naming the difference, and after it is restored ships the
     workdir's preprocessing.json byte for byte."""
-    table = tmp_path / "people.csv"
-    body = ROWS.split("\n", 1)[1]
-    table.write_text(ROWS + body * 3)
-    args = [
-        "data.path=" + str(table),
-        "data.label=label",
-        "data.features=[{name: age, kind: numeric, normalize: zscore}, {name: city, kind: categorical}, "
-        "{name: city_embedding, kind: embedding, source: city, dimension: 2}]",
-        "train.global_batch_size=8",
-        "log.progress=false",
-        "train.steps=2",
-    ]
+    table, body, args = city_table(tmp_path)
+    args.append("train.steps=2")
     first, second = tmp_path / "first", tmp_path / "second"
     assert run_cli("--config", f"configs/{PENGUINS}", "--workdir", str(first), *args).returncode == 0
     (cache,) = tmp_path.glob(".people.csv.features-*.json")
