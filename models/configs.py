@@ -26,6 +26,7 @@ class ModelError(ValueError):
 
 REMAT_NAMES = ("none", "full", "dots")  # models.transformer.REMAT_POLICIES maps them to jax policies
 ATTENTION_NAMES = ("auto", "xla", "cudnn")  # jax.nn.dot_product_attention's implementations (auto: by device)
+LLAMA_ATTENTION_NAMES = (*ATTENTION_NAMES, "splash")  # splash: the Pallas TPU flash kernel (models/splash.py)
 
 
 @dataclass
@@ -133,7 +134,11 @@ class LlamaConfig:
         "none", "activation rematerialisation per layer: none, full or dots (keep matmul outputs)", choices=REMAT_NAMES
     )
     attention: str = option(
-        "auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn", choices=ATTENTION_NAMES
+        "auto",
+        "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla, cudnn or splash (the Pallas "
+        "TPU flash kernel, interpreted off TPU; data.seq_len a multiple of 128; training and eval only: "
+        "generation's key/value cache and mesh.context > 1 stay on XLA)",
+        choices=LLAMA_ATTENTION_NAMES,
     )
     loss_chunk: int = option(
         0,

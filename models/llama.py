@@ -37,6 +37,7 @@ from models.layers import LMHead, fused_cross_entropy, kv_cache, param_init
 from models.moe import MoE
 from models.pipeline import run_pipeline
 from models.projection import Projection
+from models.splash import block_size, splash_attention
 from models.transformer import REMAT_POLICIES
 
 
@@ -115,6 +116,8 @@ class Attention(nn.Module):
         if self.decode:
             k, v, mask = kv_cache(self, k, v, segment_ids)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        elif self.implementation == "splash" and not context:  # Pallas flash kernel: no [seq, seq] scores
+            y = splash_attention(q, k, v, segment_ids, interpret=jax.default_backend() != "tpu")
         elif segment_ids is not None:  # packed documents: causal and within the query's document
             length = x.shape[1]
             causal = jnp.tril(jnp.ones((length, length), bool))
@@ -283,6 +286,8 @@ def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, deco
     if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
+    if attention == "splash":
+        block_size(info.seq_len)  # the kernel's tiles divide the sequence (else a ModelError naming the fix)
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
         raise ModelError(
             f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
