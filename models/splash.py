@@ -70,6 +70,8 @@ def splash_attention(q, k, v, segment_ids=None, *, interpret: bool, block: int |
             f"use a data.seq_len that is a multiple of {block}, or model.attention=xla"
         )
     layout = current_layout()
+    if layout is not None:  # the mesh's devices decide: a plan's are a TPU topology's on a CPU host
+        interpret = layout.mesh.devices.flat[0].platform != "tpu"
     if layout is None or layout.mesh.size == 1:
         return _local_attention(q, k, v, segment_ids, block, interpret)
     if layout.vmapped or stage_plan().stages > 1:

@@ -293,3 +293,20 @@ def test_headroom_is_against_the_compilers_own_limit_and_under_5_percent_is_warn
     assert "warning" not in verdict_at(14 * 2**30)
     assert "(2% headroom); warning: under 5% headroom" in verdict_at(int(15.4 * 2**30))
     assert verdict_at(int(15.9 * 2**30)).startswith("does not fit")  # under the chip's 16 GiB, over the limit
+
+
+@pytest.mark.slow
+def test_splash_attention_compiles_for_tpu_and_keeps_no_score_matrix(make_config):
+    """On a TPU target the Pallas kernel is compiled by the TPU compiler as a Mosaic custom call
+    (not interpreted, as on this host's CPU): at seq 1024 its train step's temporaries are far
+    below XLA attention's, which holds [batch, heads, seq, seq] scores."""
+    from engine.setup import compile_plan, plan_run
+
+    target = parse_target("v5e-8")
+    xla = plan(tiny(make_config, "data.seq_len=1024", "model.attention=xla"), target, compile_eval=False)
+    cfg = tiny(make_config, "data.seq_len=1024", "model.attention=splash")
+    cfg.train.compilation_cache_dir = ""
+    program = plan_run(cfg, devices=target.devices)
+    compiled = compile_plan(cfg, program)
+    assert "tpu_custom_call" in compiled.program.as_text()  # the kernel, for the chip
+    assert compiled.memory.temp_size_in_bytes < xla.programs[0].temporaries / 2
