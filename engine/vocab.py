@@ -52,11 +52,12 @@ def copy_tokenizer(work: Path, info, out: Path) -> None:
 
 def carry_model_files(base: Optional[Path], workdir: Path) -> None:
     """The model files (MODEL_FILES) of the workdir whose weights a run starts from, copied into the
-    run's own workdir (each whole: a reader sees the old file or the new one)."""
+    run's own workdir (each whole: a reader sees no half-written file). Copied once: a resume keeps
+    what the run recorded at its start, whatever the base's files say now."""
     if base is None or base.resolve() == workdir.resolve():
         return
     for name in MODEL_FILES:
-        if (base / name).is_file():
+        if (base / name).is_file() and not (workdir / name).exists():
             partial = workdir / f".{name}.{os.getpid()}.tmp"
             try:
                 shutil.copyfile(base / name, partial)

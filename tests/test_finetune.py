@@ -115,13 +115,21 @@ def test_a_run_from_another_runs_weights_carries_that_models_files(base, tmp_pat
     from engine.data import load_dataset
     from engine.trainer import write_run_files
 
-    _, base_dir = base
+    base_dir = tmp_path / "base"
+    shutil.copytree(base[1], base_dir)
+    recorded = (base_dir / "hf_config.json").read_bytes()
     params = [f"checkpoint.restore_from={base_dir / 'checkpoints'}", "checkpoint.restore_mode=params"]
     for name, overrides in (("lora", [f"finetune.base={base_dir}", *LORA]), ("params", params)):
         cfg = load_config(base_dir / "config.yaml", [*DATA, *overrides], str(tmp_path / name))
         (tmp_path / name).mkdir()
         write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / name)
-        assert (tmp_path / name / "hf_config.json").read_bytes() == (base_dir / "hf_config.json").read_bytes(), name
+        assert (tmp_path / name / "hf_config.json").read_bytes() == recorded, name
+    (base_dir / "hf_config.json").write_text("{}")  # the base's files change after the run started
+    write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / "params")  # (as a resume starts)
+    cfg = load_config(base_dir / "config.yaml", [*DATA, f"finetune.base={base_dir}", *LORA], str(tmp_path / "lora"))
+    write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / "lora")
+    assert (tmp_path / "lora" / "hf_config.json").read_bytes() == recorded  # what the run recorded at its start
+    assert (tmp_path / "params" / "hf_config.json").read_bytes() == recorded
 
 
 def config_args(base_dir):
