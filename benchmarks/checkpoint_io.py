@@ -5,7 +5,7 @@ Builds the transformer of configs/gpt_small.yaml (or --config's model), made mod
 large (by default d_model=256, 6 layers, mlp_dim=1024: about 5M parameters, ~60 MB of train
 state with Adam's two moments), initialises its state (`run.init_state()`), trains --train-steps steps so
 that Adam's moments are no longer all zeros, and saves it with
-engine.checkpoint.Checkpointer, the class the trainer uses, with the trainer's metadata
+engine.checkpoint.store.Checkpointer, the class the trainer uses, with the trainer's metadata
 (config and data position):
 
   (a) blocked      async save (the default, `checkpoint.staging=host`): time until `save()`
@@ -63,10 +63,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint import Checkpointer, _pinned_host_copy  # noqa: E402
+from engine.checkpoint.store import Checkpointer, _pinned_host_copy  # noqa: E402
 from engine.config import load_config, to_yaml  # noqa: E402
-from engine.rundir import write_sums  # noqa: E402
-from engine.setup import build_run  # noqa: E402
+from engine.run.setup import build_run  # noqa: E402
+from engine.runtime.rundir import write_sums  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 

@@ -77,8 +77,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
-from engine.hlo import OPS, Collective, hlo_collectives, human_bytes  # noqa: E402
-from engine.setup import build_run  # noqa: E402
+from engine.plan.hlo import OPS, Collective, hlo_collectives, human_bytes  # noqa: E402
+from engine.run.setup import build_run  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 MODELS = {

@@ -41,7 +41,7 @@ CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
 from engine.config import load_config
-from engine.setup import build_run
+from engine.run.setup import build_run
 cfg = load_config({root!r} + "/configs/base.yaml", {overrides!r}, "/tmp/compile_depth")
 print(json.dumps({{"compile_seconds": build_run(cfg).compiled.compile_seconds}}))
 """

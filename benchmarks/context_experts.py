@@ -6,7 +6,7 @@
    `mesh.num_devices` = the context size (one sequence; no data parallelism).
 2. Collective bytes per step of `mesh.context=8` and `mesh.expert=8` (a top-2-of-8 MoE)
    against the theoretical minimum of each layout (see `minimum_*` below), counted as in
-   benchmarks/collectives.py (engine/hlo.py): an op inside the scanned layer counts once,
+   benchmarks/collectives.py (engine/plan/hlo.py): an op inside the scanned layer counts once,
    so both sides count one layer's traffic plus what runs outside the layer loop.
 
     python benchmarks/context_experts.py [--lengths 1024 2048 4096 8192] [--contexts 1 2 4 8]
@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
 from engine.errors import UsageError  # noqa: E402
-from engine.hlo import hlo_collectives, human_bytes  # noqa: E402
-from engine.setup import build_run  # noqa: E402
+from engine.plan.hlo import hlo_collectives, human_bytes  # noqa: E402
+from engine.run.setup import build_run  # noqa: E402
 
 MODEL = [
     "model.name=llama",

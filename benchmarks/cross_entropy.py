@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.data import DataInfo  # noqa: E402
-from engine.sharding import unbox  # noqa: E402
+from engine.parallel.sharding import unbox  # noqa: E402
 from models.transformer import TransformerConfig, build  # noqa: E402
 
 

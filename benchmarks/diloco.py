@@ -20,14 +20,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import process  # noqa: E402
+from engine.runtime import settings as process  # noqa: E402
 
 process.install()
 
 
-from engine import hlo  # noqa: E402
 from engine.config import load_config  # noqa: E402
-from engine.trainer import fit  # noqa: E402
+from engine.plan import hlo  # noqa: E402
+from engine.run.single import fit  # noqa: E402
 
 
 def crossing_bytes(program, mesh, axis_name: str) -> int:
@@ -62,7 +62,7 @@ def main() -> None:
     ]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        from engine.setup import build_run
+        from engine.run.setup import build_run
 
         dp_cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", common, f"{tmp}/probe")
         dp_run = build_run(dp_cfg)

@@ -175,7 +175,7 @@ class Sweep(Soak):
     def result(self, out):
         import json
 
-        from engine.rundir import read_records
+        from engine.runtime.rundir import read_records
 
         losses = []
         for run in sorted(p for p in out.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists()):
@@ -211,7 +211,7 @@ class Training(Soak):
     def result(self, out):
         import json
 
-        from engine.rundir import read_records
+        from engine.runtime.rundir import read_records
 
         records = read_records(out / "metrics.jsonl")
         losses = [(r["split"], r["step"], r["loss"]) for r in records if r["split"] in ("train", "eval")]

@@ -3,7 +3,7 @@
 Both loops train the same model on the same data with the same global batch and the same
 optimizer, on one CPU device, in one process:
 
-  engine        `build_run(cfg)` once, then `engine.trainer.fit(cfg, run)` itself for each
+  engine        `build_run(cfg)` once, then `engine.run.single.fit(cfg, run)` itself for each
                 timing (a fresh workdir, no periodic checkpoints). Its steps/s is fit's own
                 mean step time: the loop between log lines, including waits for data, the
                 metric windows and the writers, excluding the final eval and save. It is
@@ -19,7 +19,7 @@ Models (`--models`): `mlp` (the default job: configs/mnist_mlp.yaml), `transform
 step is a couple of milliseconds of tiny kernels) and `gpt_small` (configs/gpt_small.yaml
 as it is). For `mlp` there are two hand-written loops: one around a plain flax MLP (Dense
 128 relu → Dropout 0.2 → Dense 10 with `nn.Dropout`, mean cross-entropy), and one around
-the engine's own flax module and loss (`run.model.module`, `engine.step.make_loss_fn`), which
+the engine's own flax module and loss (`run.model.module`, `engine.run.step.make_loss_fn`), which
 separates the model's cost (per-example dropout masks, metric sums) from the loop's; and a
 third around that module and loss with no per-step host work at all (`--device-loop N`: the
 split on the device, rows drawn there, N steps per `lax.scan` dispatch): the floor a
@@ -69,13 +69,13 @@ import optax  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import process  # noqa: E402
 from engine.config import load_config, validate  # noqa: E402
 from engine.errors import UsageError  # noqa: E402
-from engine.perf import peak_flops  # noqa: E402
-from engine.setup import build_run  # noqa: E402
-from engine.step import make_loss_fn  # noqa: E402
-from engine.trainer import fit  # noqa: E402
+from engine.observe.perf import peak_flops  # noqa: E402
+from engine.run.setup import build_run  # noqa: E402
+from engine.run.single import fit  # noqa: E402
+from engine.run.step import make_loss_fn  # noqa: E402
+from engine.runtime import settings as process  # noqa: E402
 
 process.install()  # as launch.py does: counts compilation-cache hits
 
@@ -136,7 +136,7 @@ def seed_npz(directory: str) -> str:
 
 
 class EngineLoop:
-    """The real `engine.trainer.fit` on a built run; its steps/s is fit's own mean step time
+    """The real `engine.run.single.fit` on a built run; its steps/s is fit's own mean step time
     (the loop between log lines, waits for data included, eval and checkpoint saves excluded)."""
 
     def __init__(self, run):

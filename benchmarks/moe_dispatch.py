@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from engine.sharding import unbox  # noqa: E402
+from engine.parallel.sharding import unbox  # noqa: E402
 from models.configs import LlamaConfig  # noqa: E402
 from models.moe import MoE, expert_capacity  # noqa: E402
 

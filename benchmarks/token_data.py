@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.data.tokenize import _batches, tokenize, train_bpe  # noqa: E402
+from engine.data.pretokenize import _batches, tokenize, train_bpe  # noqa: E402
 from engine.data.tokens import FORMAT, sha256_file  # noqa: E402
 
 
@@ -207,7 +207,7 @@ def bench_memory(args) -> None:
 def bench_batches(args) -> None:
     from engine.config import load_config
     from engine.data.tokens import Examples
-    from engine.setup import plan_run, train_batches
+    from engine.run.setup import plan_run, train_batches
 
     cfg = load_config(
         ROOT / "configs" / "llama_tiny.yaml",

@@ -16,15 +16,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import process  # noqa: E402
+from engine.runtime import settings as process  # noqa: E402
 
 process.install()
 
 from engine.config import load_config  # noqa: E402
-from engine.hlo import human_bytes  # noqa: E402
-from engine.plan import plan  # noqa: E402
-from engine.plan.report import as_record  # noqa: E402
-from engine.tpu import parse_target  # noqa: E402
+from engine.plan.compiled import plan  # noqa: E402
+from engine.plan.compiled import as_record  # noqa: E402
+from engine.plan.hlo import human_bytes  # noqa: E402
+from engine.plan.tpu import parse_target  # noqa: E402
 
 # (config, target, slices, overrides): the layouts the configs ship, and across two slices data
 # parallel between the slices with the config's layout inside each

@@ -11,7 +11,7 @@ idle while the pipeline fills and drains) to (S - 1) / (R*M + S - 1).
 The stacked parameters [layers, ...] are stored stage-major: stage s's groups of layers are
 consecutive, so with the layer dimension split over the stages each device already holds its
 own. With R = 1 that is the layers' own order; with R > 1 the engine permutes checkpoints
-in and out of it (engine/pipeline.py), so they stay in the layers' order on disk.
+in and out of it (engine/parallel/stages.py), so they stay in the layers' order on disk.
 
 Every example goes through the same layers in the same order as without a pipeline; only the
 order in which micro-batches are computed changes. Gradients come from differentiating the

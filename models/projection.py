@@ -3,7 +3,7 @@
 - a LoRA adapter (`lora_a` [inputs…, rank], `lora_b` [rank, outputs…] beside `kernel`):
   y = x·W + (alpha / rank)·(dropout(x)·A)·B, B zero at the start, so the first forward is the
   base model's;
-- a kernel given quantised (a qwix QArray: the frozen base of QLoRA, engine/finetune.py) is
+- a kernel given quantised (a qwix QArray: the frozen base of QLoRA, engine/lm/finetune.py) is
   dequantised here, one layer's kernel at a time;
 - `matmul_dtype` fp8 or int8: the product runs on quantised operands (qwix's dot_general_qt:
   per-channel absmax scales, straight-through gradients; fp8 also quantises the incoming

@@ -11,7 +11,7 @@ from pathlib import Path
 # uses it, so both sides of each comparison are compiled alike.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    " --xla_cpu_enable_concurrency_optimized_scheduler=false"  # (engine/process.py: CPU_SCHEDULER_FLAG)
+    " --xla_cpu_enable_concurrency_optimized_scheduler=false"  # (engine/runtime/settings.py: CPU_SCHEDULER_FLAG)
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
 
@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import process  # noqa: E402
 from engine.config import load_config  # noqa: E402
+from engine.runtime import settings as process  # noqa: E402
 
 process.install()  # as launch.py does: compile-cache counting, orbax noise filters
 

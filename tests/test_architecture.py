@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 from engine.config import load_config
 from engine.errors import UsageError
-from engine.setup import Run
+from engine.run.setup import Run
 
 ENGINE = sorted((ROOT / "engine").rglob("*.py"))
 MODELS = sorted((ROOT / "models").rglob("*.py"))
@@ -56,7 +56,7 @@ def test_the_engine_names_no_model_family_field_or_task_data_key():
             "sources.py",
             "text.py",
             "tokens.py",
-            "tokenize.py",
+            "pretokenize.py",
             "table.py",
             "preprocess.py",
         ):
@@ -166,8 +166,8 @@ def test_every_family_satisfies_the_typed_protocol():
 
 
 def test_the_mesh_keys_and_rules_come_from_the_axis_declarations():
-    from engine.axes import AXES, CONFIG_AXES, default_rules
     from engine.config import MeshConfig
+    from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
 
     names = [f.name for f in dataclasses.fields(MeshConfig)]
     assert names[: 2 * len(CONFIG_AXES)] == [*CONFIG_AXES, *(f"dcn_{a}" for a in CONFIG_AXES)]
@@ -222,8 +222,8 @@ def test_the_light_declarations_agree_with_what_they_stand_for():
     import optax
 
     from engine.config import load_config
-    from engine.optim import make_optimizer
-    from engine.optimizers import OPTIMIZERS
+    from engine.config.optimizers import OPTIMIZERS
+    from engine.run.optimizer import make_optimizer
     from models import CONFIGS, REGISTRY
     from models.configs import REMAT_NAMES
     from models.transformer import REMAT_POLICIES
@@ -240,9 +240,9 @@ def test_the_light_declarations_agree_with_what_they_stand_for():
 def test_a_run_and_a_vectorised_group_of_one_write_the_same_records(make_config, tmp_path):
     """One loop: a config trained alone and as a group of one gives the same metrics.jsonl
     records (steps, splits, keys, losses), the same summary keys, and the same checkpoints."""
-    from engine.group import fit_group
-    from engine.rundir import read_records
-    from engine.trainer import fit
+    from engine.run.group import fit_group
+    from engine.run.single import fit
+    from engine.runtime.rundir import read_records
 
     args = [
         "mesh.num_devices=1",
@@ -261,3 +261,12 @@ def test_a_run_and_a_vectorised_group_of_one_write_the_same_records(make_config,
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
     assert (tmp_path / "group" / "profile").is_dir()  # the profiling window works for both
     assert sorted(p.name for p in (tmp_path / "group" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+
+
+def test_the_engine_is_folders_that_show_the_design():
+    """A maintainer finds a thing by its folder: the engine's top level holds subpackages and at
+    most three modules, and no two modules anywhere in it share a file name."""
+    top = [p.name for p in (ROOT / "engine").glob("*.py")]
+    assert len(top) <= 3, top
+    names = [p.name for p in ENGINE if p.name not in ("__init__.py", "__main__.py")]
+    assert not {n for n in names if names.count(n) > 1}

@@ -1,5 +1,5 @@
 """A model's chat template is code that came with a download: rendering it is bounded in
-loop iterations, output, integer and string sizes, time and memory (engine/chat.py), every
+loop iterations, output, integer and string sizes, time and memory (engine/lm/chat.py), every
 fault of a template or of the files it is read from is one UsageError naming the file, and
 `import-hf` refuses a hostile template before it writes anything (issue 42)."""
 
@@ -11,9 +11,9 @@ import pytest
 from test_llama import TINY, write_hf_checkpoint
 
 from conftest import run_cli
-from engine import chat
-from engine.chat import ChatTemplate, chat_prompts, check_imported_template, read_chat_template, render_chats
 from engine.errors import UsageError
+from engine.lm import chat
+from engine.lm.chat import ChatTemplate, chat_prompts, check_imported_template, read_chat_template, render_chats
 from models.llama import LlamaConfig
 
 GOOD = (
@@ -188,7 +188,7 @@ QUICK = ["data.max_bytes=20000", "data.seq_len=16", "train.global_batch_size=8",
 
 
 def test_import_refuses_a_hostile_template_and_leaves_the_workdir_as_found(tmp_path):
-    from engine.hf import import_hf
+    from engine.lm.hf import import_hf
 
     hf = _hf_dir(tmp_path / "hf", {"chat_template": NESTED})
     work = tmp_path / "work"
@@ -206,7 +206,7 @@ def test_import_refuses_a_hostile_template_and_leaves_the_workdir_as_found(tmp_p
 
 
 def test_a_failed_import_leaves_nothing_and_a_finished_one_keeps_the_jinja_template(tmp_path, monkeypatch):
-    from engine import hf as hf_module
+    from engine.lm import hf as hf_module
 
     hf = _hf_dir(tmp_path / "hf", {"chat_template": "unused"}, jinja=GOOD)
     work = tmp_path / "work"

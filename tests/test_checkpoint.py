@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from engine.checkpoint import Checkpointer
+from engine.checkpoint.store import Checkpointer
 from engine.errors import UsageError
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.trainer import fit
+from engine.run.setup import build_run
+from engine.run.single import fit
+from engine.runtime.rundir import read_records
 
 # dropout on, a warm-up + cosine schedule, a log line per step: every step's loss is compared
 RUN = [
@@ -268,7 +268,7 @@ def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path, cap
         workdir=tmp_path / "finetune",
     )
     run = build_run(cfg)
-    from engine.trainer import initial_state
+    from engine.run.single import initial_state
 
     state, step, _ = initial_state(run, Checkpointer(tmp_path / "finetune" / "checkpoints", 3))
     assert step == 0 and int(state.step) == 0
@@ -331,7 +331,7 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
     expected = run.model.module.apply({"params": state.params}, images, train=False)
     np.testing.assert_allclose(exported.call(variables, images), expected, rtol=1e-6)
     assert run_cli("export", "--workdir", str(workdir), "--out", str(out)).returncode == 2  # never overwrites
-    from engine.rundir import check_sums
+    from engine.runtime.rundir import check_sums
 
     assert check_sums(out) is None and "variables/" in (out / "SHA256SUMS").read_text()
     data = max((p for p in (out / "variables").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)

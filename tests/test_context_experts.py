@@ -13,13 +13,13 @@ from test_parallel import addressable_bytes, train_losses
 from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
 from conftest import run_cli
-from engine import hlo
 from engine.data import DataInfo
 from engine.errors import UsageError
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.step import _aux_totals
-from engine.trainer import fit
+from engine.plan import hlo
+from engine.run.setup import build_run
+from engine.run.single import fit
+from engine.run.step import _aux_totals
+from engine.runtime.rundir import read_records
 from models.llama import LlamaConfig, flops_per_example
 
 MOE = ["model.num_experts=8", "model.experts_per_token=2"]
@@ -155,7 +155,7 @@ def test_moe_metrics_are_logged_and_dropless_drops_nothing(make_config, tmp_path
 def test_routing_is_causal_a_token_keeps_its_experts_whatever_follows():
     """With experts over capacity, which tokens are dropped depends on earlier tokens only:
     changing the tokens after position t leaves the logits up to t as they were."""
-    from engine.sharding import unbox
+    from engine.parallel.sharding import unbox
     from models import REGISTRY
 
     cfg = LlamaConfig(

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from engine import hlo
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.sharding import per_device_bytes
-from engine.trainer import fit
+from engine.parallel.sharding import per_device_bytes
+from engine.plan import hlo
+from engine.run.setup import build_run
+from engine.run.single import fit
+from engine.runtime.rundir import read_records
 
 DILOCO = ["train.sync=diloco", "diloco.replica_axis=data"]
 QUIET = ["log.every_steps=1", "eval.every_steps=0", "log.progress=false"]

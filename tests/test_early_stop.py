@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from engine.best import Watched
-from engine.checkpoint import Checkpointer
+from engine.checkpoint.store import Checkpointer
 from engine.errors import UsageError
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.trainer import fit
+from engine.run.best import Watched
+from engine.run.setup import build_run
+from engine.run.single import fit
+from engine.runtime.rundir import read_records
 
 # eval every 20 steps; saves every 10 (each one kept) so that a resume can start from any of them
 EARLY = [
@@ -85,7 +85,7 @@ def test_keep_best_survives_beside_the_newest_and_export_step_best_reads_it(make
     assert best != 280, "the setting must make an earlier evaluation the best"
     assert saved_steps(workdir) == [best, 280]  # keep=1: the newest, and the best beside it
     assert meta(workdir, 280)["keep_best"]["step"] == best
-    from engine.export import export_run
+    from engine.checkpoint.inference import export_run
 
     out = export_run(str(workdir), str(tmp_path / "export"), "best")  # (the CLI's --step: the early-stop test)
     assert json.loads((out / "export.json").read_text())["step"] == best
@@ -164,7 +164,7 @@ def test_bad_settings_exit_2_with_one_line(tmp_path, args, named):
 
 @pytest.mark.slow
 def test_sample_step_best_reads_the_best_checkpoint(make_config, tmp_path):
-    from engine.generate import sample
+    from engine.lm.generate import sample
 
     gpt = tmp_path / "gpt"
     quick = ["data.name=python_source", "data.tokenizer=bytes", "data.max_bytes=40000", "train.steps=4"]
@@ -183,7 +183,7 @@ def test_sample_step_best_reads_the_best_checkpoint(make_config, tmp_path):
 
 
 def test_a_vectorised_group_refuses_keep_best_and_early_stop(make_config, tmp_path):
-    from engine.group import fit_group
+    from engine.run.group import fit_group
 
     for setting in ("checkpoint.keep_best=eval/loss", "train.early_stop.metric=eval/loss"):
         cfg = make_config("mnist_mlp.yaml", setting, "eval.every_steps=10", workdir=tmp_path / "run")

@@ -227,7 +227,7 @@ def test_bfloat16_parameters_train_resume_from_float32_and_an_optimizer_change_i
     1.0), one or several steps per call alike; a float32 run resumes in bfloat16; a changed
     optimizer is named as such, and no checkpoint is set aside."""
     from engine.errors import UsageError
-    from engine.trainer import fit
+    from engine.run.single import fit
 
     common = [
         "train.steps=20",
@@ -261,8 +261,8 @@ def test_bfloat16_parameters_train_resume_from_float32_and_an_optimizer_change_i
 def test_a_damaged_metrics_line_is_skipped_by_name_and_dropped_on_resume(make_config, tmp_path, capsys):
     """A line of metrics.jsonl damaged mid-file (a disk error, a hand edit): readers skip it
     and say which; the resumed run rewrites the file without it and trains on."""
-    from engine.rundir import read_records
-    from engine.trainer import fit
+    from engine.run.single import fit
+    from engine.runtime.rundir import read_records
 
     workdir = tmp_path / "run"
     args = ["mesh.num_devices=1", "log.every_steps=2", "checkpoint.every_steps=2", "eval.every_steps=0"]
@@ -287,8 +287,8 @@ def test_a_damaged_metrics_line_is_skipped_by_name_and_dropped_on_resume(make_co
 
 def test_damaged_status_and_sweep_files_are_set_aside(tmp_path, capsys):
     """Before: a JSONDecodeError traceback in the sweep, the search and the report."""
-    from engine.report import report
-    from engine.rundir import read_status, write_json
+    from engine.observe.ranking import report
+    from engine.runtime.rundir import read_status, write_json
 
     sweep_dir = tmp_path / "sweep"
     for name, loss in (("a", 0.5), ("b", 0.25)):
@@ -346,7 +346,7 @@ def test_malformed_sweep_fields_are_named(tmp_path, field, value, message):
     ],
 )
 def test_malformed_tf_config_is_named(tf_config, message):
-    from engine.distributed import parse_tf_config
+    from engine.runtime.distributed import parse_tf_config
 
     with pytest.raises(UsageError, match=re.escape(message)):
         parse_tf_config(json.dumps(tf_config))
@@ -457,7 +457,7 @@ def test_a_flipped_bit_in_a_checkpoint_is_caught_by_its_checksums(make_config, t
     """Before: one flipped byte in a data file restored without a word (an optimizer moment
     changed). Each complete step now has a SHA256SUMS; a mismatch sets the step aside and the
     run resumes from the step before."""
-    from engine.trainer import fit
+    from engine.run.single import fit
 
     workdir = tmp_path / "run"
     args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
@@ -506,8 +506,8 @@ def _fill(disk, leave: int) -> Path:
 @pytest.mark.slow
 def test_a_full_disk_is_one_error_and_the_run_resumes_exactly_once_space_is_freed(make_config, tmp_path, small_disk):
     """Before: 54 tracebacks, and a re-run while still full left a 0-byte metrics.tmp."""
-    from engine.rundir import StorageError, read_records
-    from engine.trainer import fit
+    from engine.run.single import fit
+    from engine.runtime.rundir import StorageError, read_records
 
     args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
     workdir = small_disk / "run"
@@ -540,8 +540,8 @@ RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
 
 @pytest.mark.slow
 def test_a_full_disk_stops_a_vectorised_group_with_one_error(make_config, small_disk):
-    from engine.group import fit_group
-    from engine.rundir import StorageError
+    from engine.run.group import fit_group
+    from engine.runtime.rundir import StorageError
 
     args = ["mesh.num_devices=1", "log.every_steps=10", "checkpoint.every_steps=10", "eval.every_steps=0"]
 
@@ -596,9 +596,10 @@ def test_a_stop_inside_a_log_window_resumes_with_the_metrics_of_an_unbroken_run(
     per-step metrics now travel in the checkpoint's meta and the resumed run logs them."""
     import signal
 
-    from engine import loop, trainer
-    from engine.preemption import Preempted
-    from engine.rundir import read_records
+    from engine.run import loop
+    from engine.run import single as trainer
+    from engine.runtime.preemption import Preempted
+    from engine.runtime.rundir import read_records
 
     args = [
         "mesh.num_devices=1",
@@ -691,7 +692,7 @@ def test_a_peer_that_never_starts_ends_the_job_with_one_line_not_sigabrt(tmp_pat
 def test_a_record_that_meets_a_full_disk_is_not_left_half_written(small_disk):
     """A text-mode append flushes into the full disk before it can truncate: the file would
     end mid-line, and the next record, once space is freed, would be glued to it."""
-    from engine.rundir import append_line, read_records
+    from engine.runtime.rundir import append_line, read_records
 
     path = small_disk / "metrics.jsonl"
     filler = _fill(small_disk, leave=4096)

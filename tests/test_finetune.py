@@ -1,4 +1,4 @@
-"""Fine-tuning published weights (engine/finetune.py): LoRA adapters on a frozen base start at
+"""Fine-tuning published weights (engine/lm/finetune.py): LoRA adapters on a frozen base start at
 the base's logits and are all that trains and is checkpointed; QLoRA bases (int8, nf4) stay
 close to the float base in a quarter and an eighth of its memory; the merged export loads in
 transformers and the adapter directory in peft with the engine's logits; layouts over 8
@@ -17,13 +17,13 @@ from test_llama import TINY, transformers_logits, write_hf_checkpoint
 from test_parallel import train_losses
 
 from conftest import ROOT, run_cli
-from engine import checkpoint
-from engine.checkpoint import load_base, restore_newest
+from engine.checkpoint.store import load_base, restore_newest
+from engine.checkpoint.store import store as checkpoint
 from engine.config import load_config
-from engine.finetune import base_weights, with_frozen
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.step import FROZEN, model_variables
+from engine.lm.finetune import base_weights, with_frozen
+from engine.run.setup import build_run
+from engine.run.step import FROZEN, model_variables
+from engine.runtime.rundir import read_records
 from models.llama import PROJECTIONS, LlamaConfig
 from models.projection import is_quantised
 
@@ -113,7 +113,7 @@ def test_a_run_from_another_runs_weights_carries_that_models_files(base, tmp_pat
     """A LoRA run on finetune.base, and a run from checkpoint.restore_from's parameters, write the
     base's model files (hf_config.json: context, eos ids; tokenizer companions) into their workdir."""
     from engine.data import load_dataset
-    from engine.trainer import write_run_files
+    from engine.run.single import write_run_files
 
     base_dir = tmp_path / "base"
     shutil.copytree(base[1], base_dir)
@@ -337,7 +337,7 @@ def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
     proc = run_cli("sample", "--workdir", str(lora), "--prompt", "def", "--chat", "--max-tokens", "300")  # > seq_len 32
     assert proc.returncode == 0, proc.stderr
     # the adapter directory names the Hugging Face directory the base was imported from, or --base-model
-    from engine.hf import export_hf
+    from engine.lm.hf import export_hf
 
     export_hf(str(lora), str(tmp_path / "adapter"))
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

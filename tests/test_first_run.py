@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from engine.rundir import read_records
-from engine.trainer import fit
+from engine.run.single import fit
+from engine.runtime.rundir import read_records
 
 
 def tensorboard_scalars(workdir, tag):
@@ -88,7 +88,7 @@ def test_a_watcher_started_before_the_run_follows_the_runs_own_config_once_writt
     evaluated."""
     import yaml
 
-    from engine.evaluator import run_evaluator
+    from engine.run.evaluator import run_evaluator
 
     workdir = tmp_path / "run"
     args = ["mesh.num_devices=1", "train.steps=20", "checkpoint.every_steps=10"]

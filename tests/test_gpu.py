@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 from engine.data import DataInfo
-from engine.sharding import unbox
+from engine.parallel.sharding import unbox
 from models import REGISTRY
 from models.llama import LlamaConfig
 from models.transformer import TransformerConfig

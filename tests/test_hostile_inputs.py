@@ -87,7 +87,7 @@ def test_sample_refuses_numbers_that_are_not_finite(tmp_path, flag, value):
 
 def test_tokenize_ends_in_seconds_on_a_4mb_document_of_one_line_and_reruns_identically(tmp_path):
     """Before: BPE training on one 4 MB 'word' ran for 48 minutes. Runs without white space are
-    cut into pieces of engine.data.tokenize.MAX_PIECE characters before training."""
+    cut into pieces of engine.data.pretokenize.MAX_PIECE characters before training."""
     import time
 
     (tmp_path / "in").mkdir()

@@ -13,10 +13,10 @@ import pytest
 
 from conftest import run_cli
 from engine.data import DataInfo
-from engine.perf import compiled_flops
-from engine.setup import build_run
-from engine.sharding import unbox
-from engine.step import unpack_metrics
+from engine.observe.perf import compiled_flops
+from engine.parallel.sharding import unbox
+from engine.run.setup import build_run
+from engine.run.step import unpack_metrics
 from models import REGISTRY, sampling
 from models.llama import LlamaConfig
 
@@ -261,7 +261,7 @@ def test_hugging_face_import_then_export_is_bit_exact(tmp_path, shards):
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("export", "--workdir", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
-    from engine.hf import _Reader, _tensor_files
+    from engine.lm.hf import _Reader, _tensor_files
 
     read = _Reader(_tensor_files(tmp_path / "out"))
     assert sorted(read.files) == sorted(original)
@@ -285,9 +285,9 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused_naming_what_works(t
     works: a corpus tokenized with an end token of the user's choosing, which then imports."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from engine.data.tokenize import tokenize
+    from engine.data.pretokenize import tokenize
     from engine.errors import UsageError
-    from engine.hf import import_hf
+    from engine.lm.hf import import_hf
 
     words = ["<unk>", "<sep>", *"def return import self if else for in class".split()]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -313,7 +313,7 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused_naming_what_works(t
 
 def ours_from_hf_dir(path, info=INFO):
     """Our module and parameters, read from a Hugging Face directory through models/llama_hf.py."""
-    from engine.hf import _Reader, _tensor_files
+    from engine.lm.hf import _Reader, _tensor_files
     from models import llama_hf
 
     read = _Reader(_tensor_files(path))
@@ -399,7 +399,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     import time
 
     from conftest import ROOT
-    from engine.rundir import read_records
+    from engine.runtime.rundir import read_records
 
     args = [
         *LLAMA,

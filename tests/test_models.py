@@ -7,8 +7,8 @@ import optax
 import pytest
 
 from engine.data import DataInfo
-from engine.sharding import path_name, unbox
-from engine.step import make_loss_fn
+from engine.parallel.sharding import path_name, unbox
+from engine.run.step import make_loss_fn
 from models import REGISTRY
 from models.transformer import TransformerConfig
 

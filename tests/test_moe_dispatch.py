@@ -12,9 +12,9 @@ import pytest
 from test_context_experts import LLAMA, MOE, assert_same_training
 
 from conftest import run_cli
-from engine.setup import build_run
-from engine.sharding import unbox
-from engine.step import unpack_metrics
+from engine.parallel.sharding import unbox
+from engine.run.setup import build_run
+from engine.run.step import unpack_metrics
 from models import REGISTRY, sampling
 from models.configs import LlamaConfig
 from models.moe import MoE

@@ -101,7 +101,7 @@ def test_checkpoints_move_between_process_counts(tmp_path):
 
 @pytest.mark.slow
 def test_tf_config_two_workers_train(tmp_path):
-    from engine.launcher import free_port
+    from engine.runtime.launcher import free_port
 
     port = free_port()
     cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]}
@@ -216,7 +216,7 @@ def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
 
 
 def test_unreachable_coordinator_fails_cleanly(tmp_path):
-    from engine.launcher import free_port
+    from engine.runtime.launcher import free_port
 
     proc = run_cli(
         "--config",

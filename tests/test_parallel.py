@@ -10,8 +10,8 @@ import pytest
 
 from conftest import run_cli
 from engine.errors import UsageError
-from engine.setup import build_run
-from engine.step import unpack_metrics
+from engine.run.setup import build_run
+from engine.run.step import unpack_metrics
 
 MLP = ["model.name=mlp", "model.hidden_sizes=[128]", "model.dropout_rate=0.2", "train.global_batch_size=64"]
 GPT = [

@@ -13,10 +13,10 @@ from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
 from conftest import run_cli
 from engine.errors import UsageError
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.sharding import per_device_bytes
-from engine.trainer import fit
+from engine.parallel.sharding import per_device_bytes
+from engine.run.setup import build_run
+from engine.run.single import fit
+from engine.runtime.rundir import read_records
 
 DEEP = [*LLAMA, "model.num_layers=4"]  # GQA (2 key/value heads for 4 query heads), no dropout
 

@@ -11,9 +11,9 @@ import pytest
 from conftest import ROOT, run_cli
 from engine.config import load_config
 from engine.errors import UsageError
-from engine.plan import plan, render, verdict
+from engine.plan.compiled import plan, render, verdict
 from engine.plan.search import search
-from engine.tpu import Target, parse_target
+from engine.plan.tpu import Target, parse_target
 
 pytest.importorskip("libtpu", reason="the TPU compiler (libtpu) is not installed")
 
@@ -44,7 +44,7 @@ def test_llama_tiny_compiles_for_a_v5e_slice_and_its_state_bytes_are_the_sharded
     planned = plan(cfg, parse_target("v5e-4", slices))
     assert planned.fits and planned.target.chips == 4 * slices
     train = planned.programs[0]
-    from engine.setup import plan_run
+    from engine.run.setup import plan_run
 
     shapes = plan_run(tiny(make_config, f"mesh.data={slices}", "mesh.fsdp=4", *across), devices=planned.target.devices)
     expected = sharded_bytes(train, shapes.state.param_layouts, planned.mesh)
@@ -236,7 +236,7 @@ def test_pod_names_count_cores_for_v4_and_v5p_and_chips_for_v5e_and_v6e():
 
 def test_the_mfu_table_is_the_analytic_flops_at_the_chips_peak(make_config):
     cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", TINY, "/tmp/unused")
-    from engine.plan.report import Planned
+    from engine.plan.compiled import Planned
 
     planned = Planned(cfg, parse_target("v5p-8"), {}, {}, 0, flops_per_chip=459e12, tokens_per_step=4096)
     assert planned.step_seconds(0.5) == pytest.approx(2.0)  # 459 TFLOP at half of 459 TFLOP/s
@@ -278,7 +278,7 @@ def test_without_the_tpu_compiler_plan_says_how_to_install_it():
 def test_headroom_is_against_the_compilers_own_limit_and_under_5_percent_is_warned(make_config):
     """The TPU compiler gives a v5e program 15.75 of its 16 GiB (what it says refusing one too
     large); a plan within 5% of that limit fits with a warning."""
-    from engine.plan.report import Planned, Program
+    from engine.plan.compiled import Planned, Program
 
     target = parse_target("v5e-8")
     assert target.program_hbm_bytes == int(15.75 * 2**30)
@@ -300,7 +300,7 @@ def test_splash_attention_compiles_for_tpu_and_keeps_no_score_matrix(make_config
     """On a TPU target the Pallas kernel is compiled by the TPU compiler as a Mosaic custom call
     (not interpreted, as on this host's CPU): at seq 1024 its train step's temporaries are far
     below XLA attention's, which holds [batch, heads, seq, seq] scores."""
-    from engine.setup import compile_plan, plan_run
+    from engine.run.setup import compile_plan, plan_run
 
     target = parse_target("v5e-8")
     xla = plan(tiny(make_config, "data.seq_len=1024", "model.attention=xla"), target, compile_eval=False)

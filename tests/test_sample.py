@@ -265,9 +265,9 @@ def test_a_gpt_run_samples(tmp_path):
 def test_a_gpt_run_exports_in_gpt2_layout_that_transformers_loads(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from engine.checkpoint import restore_newest
-    from engine.export import run_config
-    from engine.setup import build_run
+    from engine.checkpoint.inference import run_config
+    from engine.checkpoint.store import restore_newest
+    from engine.run.setup import build_run
 
     work = tmp_path / "gpt"
     quick = ["data.name=python_source", "data.tokenizer=bytes", "data.max_bytes=40000", "data.seq_len=16"]

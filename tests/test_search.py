@@ -13,7 +13,7 @@ import yaml
 
 from conftest import ROOT
 from engine.errors import UsageError
-from engine.rundir import read_records
+from engine.runtime.rundir import read_records
 from engine.sweep import load_sweep
 
 OVERRIDES = {

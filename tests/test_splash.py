@@ -12,9 +12,9 @@ from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
 from contract.activations import constrained_activations
 from engine.errors import UsageError
-from engine.mesh import build_mesh
-from engine.setup import build_run
-from engine.sharding import ActivationLayout, unbox
+from engine.parallel.mesh import build_mesh
+from engine.parallel.sharding import ActivationLayout, unbox
+from engine.run.setup import build_run
 from models.splash import splash_attention
 
 BATCH, SEQ, HEADS, WIDTH, BLOCK = 2, 256, 8, 32, 128

@@ -7,11 +7,11 @@ import pytest
 
 from engine.config import OptimizerConfig
 from engine.errors import UsageError
-from engine.optim import learning_rate_at, schedule_hparams
-from engine.rundir import read_records
-from engine.setup import build_run
-from engine.step import unpack_metrics
-from engine.trainer import fit
+from engine.run.optimizer import learning_rate_at, schedule_hparams
+from engine.run.setup import build_run
+from engine.run.single import fit
+from engine.run.step import unpack_metrics
+from engine.runtime.rundir import read_records
 
 
 def first_steps(run, steps):
@@ -97,7 +97,7 @@ def test_each_optimizer_lowers_the_loss(make_config, name):
 def test_one_step_of_each_optimizer_equals_optax(name, reference, decay_on):
     """Our optimizer (its numbers in the state) makes optax's own update, weight decay on all
     parameters or (decay_on=matrices) not on norms' scales and biases."""
-    from engine.optim import make_optimizer
+    from engine.run.optimizer import make_optimizer
 
     cfg = OptimizerConfig(name=name, momentum=0.9, b2=0.99, weight_decay=0.1, weight_decay_on=decay_on)
     rng = np.random.default_rng(0)
@@ -290,9 +290,9 @@ def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_
 def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, monkeypatch):
     """GPU and TPU plugins may not analyse a lowered program; then a remat run's MFU comes
     from the transformer's formula, not from a compiled count that includes recomputation."""
-    import engine.perf
+    import engine.observe.perf
 
-    monkeypatch.setattr(engine.perf, "lowered_flops", lambda lowered: None)
+    monkeypatch.setattr(engine.observe.perf, "lowered_flops", lambda lowered: None)
     run = build_run(
         make_config(
             "mnist_mlp.yaml",

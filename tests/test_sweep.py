@@ -124,7 +124,7 @@ def test_the_plot_grows_to_hold_a_large_sweeps_legend(tmp_path):
     """64 runs (vectorize's largest group): every name in the legend, under the panels."""
     from matplotlib.image import imread
 
-    from engine.report import _plot
+    from engine.observe.ranking import _plot
 
     def curves(count):
         return [

@@ -104,7 +104,7 @@ def test_hashed_ids_are_the_same_in_another_process():
 
 
 def test_the_model_reads_multi_hot_wide_ids_and_combines_embeddings_without_the_empty_slots():
-    from engine.sharding import unbox
+    from engine.parallel.sharding import unbox
     from models.tabular import WideDeep
 
     columns = columns_of(ROWS)
@@ -202,7 +202,7 @@ def test_sigkill_then_rerun_continues_the_same_table_run(tmp_path):
 def test_eight_devices_with_the_tables_sharded_give_the_one_device_losses(make_config):
     from test_parallel import train_losses
 
-    from engine.setup import build_run
+    from engine.run.setup import build_run
 
     one, _ = train_losses(build_run(make_config(PENGUINS, "mesh.num_devices=1")), 12)
     run = build_run(make_config(PENGUINS, "mesh.data=2", "mesh.fsdp=4"))

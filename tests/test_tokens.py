@@ -17,10 +17,10 @@ from conftest import ROOT, run_cli
 from engine.config import DataConfig
 from engine.data import load_dataset
 from engine.data import tokens as tk
-from engine.data.tokenize import Interrupted, held_out, tokenize
+from engine.data.pretokenize import Interrupted, held_out, tokenize
 from engine.errors import UsageError
-from engine.rundir import read_records
-from engine.setup import build_run
+from engine.run.setup import build_run
+from engine.runtime.rundir import read_records
 
 WORDS = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
@@ -35,7 +35,7 @@ def _text(rng, words: int) -> str:
 def tokenized_corpus(base, seed: int, documents: int = 60):
     """A small corpus of `documents` files under base/text, tokenized with a 300-token BPE into
     base/tokens (10% held out); returns that directory."""
-    from engine.data.tokenize import tokenize
+    from engine.data.pretokenize import tokenize
 
     tokenize(
         [str(_corpus_files(base / "text", documents, seed=seed))],
@@ -172,7 +172,7 @@ def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
     tokenize([str(good)], str(tmp_path / "corpus"), "bpe:300", eval_fraction=0.2, progress=False)
     with pytest.raises(UsageError, match="other settings"):
         tokenize([str(good)], str(tmp_path / "corpus"), "bpe:400", progress=False)
-    from engine.setup import build_run
+    from engine.run.setup import build_run
 
     small_model = make_config(
         "llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "model.vocab_size=200", "data.seq_len=16"
@@ -424,7 +424,7 @@ def test_malformed_token_data_settings_are_refused_by_key(tmp_path, overrides, m
 def test_gradient_accumulation_of_packed_mixtures_equals_one_big_batch(make_config, tmp_path, two_corpora):
     """Microbatches count different numbers of targets when documents are packed: the
     accumulated gradient is still the whole batch's."""
-    from engine.trainer import fit
+    from engine.run.single import fit
 
     a, b = two_corpora
     results = []
@@ -507,8 +507,8 @@ def test_a_changed_manifest_or_shard_is_refused_by_name(tmp_path):
 
 
 def test_one_writer_per_out_directory_and_no_silent_phase(tmp_path, monkeypatch, capsys):
-    from engine.data import tokenize as tokenize_module
-    from engine.rundir import WorkdirLock
+    from engine.data import pretokenize as tokenize_module
+    from engine.runtime.rundir import WorkdirLock
 
     text = _corpus_files(tmp_path / "text", documents=6)
     (tmp_path / "out").mkdir()
@@ -531,7 +531,7 @@ def test_one_writer_per_out_directory_and_no_silent_phase(tmp_path, monkeypatch,
 def test_language_model_eval_gives_perplexity_and_bits_per_byte(tmp_path, make_config):
     import math
 
-    from engine.evaluator import evaluate
+    from engine.run.evaluator import evaluate
 
     corpus = tokenized_corpus(tmp_path, seed=3, documents=30)
     manifest = json.loads((corpus / "manifest.json").read_text())

@@ -156,7 +156,7 @@ def _one_error_line(proc):
 
 def test_a_tracking_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path, make_config):
     from engine.errors import UsageError
-    from engine.trackers import check_installed, open_trackers
+    from engine.observe.trackers import check_installed, open_trackers
 
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
@@ -190,7 +190,7 @@ def test_a_tracking_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path,
 )
 def test_a_damaged_trackers_json_is_refused_by_name(tmp_path, make_config, text, says):
     from engine.errors import UsageError
-    from engine.trackers import check_installed
+    from engine.observe.trackers import check_installed
 
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -216,7 +216,7 @@ def test_a_trackers_json_with_a_list_for_an_id_stops_the_command_line(tmp_path):
 def test_an_mlflow_run_id_the_store_does_not_hold_is_a_warning_and_a_new_run(
     tmp_path, make_config, capsys, monkeypatch
 ):
-    from engine.trackers import open_trackers
+    from engine.observe.trackers import open_trackers
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     workdir = tmp_path / "run"

@@ -135,8 +135,8 @@ def test_dry_run_prints_layout_without_training(tmp_path):
 @pytest.mark.slow
 def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_path, overrides):
     """data.placement=device gathers each batch inside the step: the same batches, the same losses."""
-    from engine.setup import build_run
-    from engine.trainer import fit
+    from engine.run.setup import build_run
+    from engine.run.single import fit
 
     losses = {}
     for placement in ("host", "device"):
@@ -159,7 +159,7 @@ def test_data_on_the_devices_trains_exactly_as_host_batches(make_config, tmp_pat
 
 def test_profile_steps_write_a_trace_and_the_summary_says_where_the_loop_went(make_config, tmp_path):
     from engine.errors import UsageError
-    from engine.trainer import fit
+    from engine.run.single import fit
 
     cfg = make_config(
         "mnist_mlp.yaml",
@@ -183,7 +183,7 @@ def test_the_profile_window_is_traced_from_the_call_that_holds_its_first_step(tm
     """--profile traces steps 5..15; with 10 steps per call, the calls 0..10 and 10..20 hold them."""
     import jax.numpy as jnp
 
-    from engine.perf import StepTrace
+    from engine.observe.perf import StepTrace
 
     trace = StepTrace([5, 15], 0, tmp_path, steps_per_call=10)
     for step in (0, 10, 20, 30):
@@ -212,7 +212,7 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_plain_lines(tmp_path, monkeyp
     import io
     import sys
 
-    from engine.metrics import MetricWriter
+    from engine.observe.metrics import MetricWriter
 
     class Terminal(io.StringIO):
         def isatty(self):

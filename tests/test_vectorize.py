@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import yaml
 
-import engine.group
+import engine.run.group
 from conftest import ROOT, run_cli
 from engine.errors import UsageError
-from engine.group import fit_group
-from engine.rundir import StorageError, read_records
+from engine.run.group import fit_group
+from engine.run.single import fit
+from engine.run.vectorize import group_mesh
+from engine.runtime.rundir import StorageError, read_records
 from engine.sweep import load_sweep
 from engine.sweep.local import units
-from engine.trainer import fit
-from engine.vectorize import group_mesh
 
 # four configs differing in learning rate, weight decay, dropout rate, seed and clipping norm
 VARIANTS = [
@@ -115,7 +115,7 @@ def test_a_diverging_run_stops_alone(make_config, tmp_path):
 def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_path, monkeypatch, capsys):
     """With room on the device for the step of 2 trials and not 3, a group of 4 trains as two
     groups of 2, one after the other, each run with the losses the group of 4 gives it."""
-    import engine.vectorize as vectorize
+    import engine.run.vectorize as vectorize
 
     def group(name, variants):
         return [
@@ -142,7 +142,7 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
         groups.append(weakref.ref(group))
         return group
 
-    monkeypatch.setattr(engine.group, "build_group", recorded)
+    monkeypatch.setattr(engine.run.group, "build_group", recorded)
     capsys.readouterr()
     trials = fit_group(cfgs)
     assert built == [4, 2, 2]  # the group of 4 was compiled, found too big, and not trained
@@ -162,7 +162,7 @@ def test_a_failed_save_stops_the_group(make_config, tmp_path, monkeypatch, stagi
     """A save that fails stops the group with one clear error. With checkpoint.staging=device
     the group's saves run on a background thread while training goes on; the error reaches
     the loop (at the next save or the end) instead of vanishing with the thread."""
-    from engine.checkpoint import Checkpointer
+    from engine.checkpoint.store import Checkpointer
 
     saved, real_save = [], Checkpointer.save
 

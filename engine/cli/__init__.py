@@ -40,17 +40,17 @@ def main(argv: list[str]) -> int:
     name, rest = (argv[0], argv[1:]) if named else ("train", argv)
     module = command(name)
     if module.trains(rest):
-        from engine.preemption import note_signals
+        from engine.runtime.preemption import note_signals
 
-        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (engine/preemption.py)
+        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (engine/runtime/preemption.py)
     args = module.parser().parse_intermixed_args(rest)
     from engine.errors import DistributedError, UsageError
-    from engine.preemption import Preempted
+    from engine.runtime.preemption import Preempted
 
     if module.runs_jax(args):
-        from engine import process
+        from engine.runtime import settings as process
 
-        process.install(reader=name in ("eval", "export", "sample"))  # once (see engine/process.py)
+        process.install(reader=name in ("eval", "export", "sample"))  # once (see engine/runtime/settings.py)
     try:
         return module.run(args, rest)
     except Preempted as e:  # SIGTERM/SIGINT: saved (or nothing new to save during start-up)

@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args, argv: list[str]) -> int:
     from engine.config import load_config
     from engine.errors import UsageError
-    from engine.evaluator import run_evaluator
+    from engine.run.evaluator import run_evaluator
 
     written = Path(args.workdir) / "config.yaml"
     if not written.is_file() and not args.config:

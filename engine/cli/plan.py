@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args, argv: list[str]) -> int:
     from engine.config import load_config
     from engine.errors import UsageError
-    from engine.plan import plan_command
+    from engine.plan.command import plan_command
 
     if args.compiles < 1:
         raise UsageError(f"--compiles {args.compiles} must be at least 1")

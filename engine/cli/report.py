@@ -28,7 +28,7 @@ def _no_jax(args) -> bool:
 
 
 def run(args, argv: list[str]) -> int:
-    from engine.report import report
+    from engine.observe.ranking import report
 
     report(args.paths, args.metric, args.mode, args.out)
     return 0

@@ -55,13 +55,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args, argv: list[str]) -> int:
-    from engine.generate import sample
+    from engine.lm.generate import sample
 
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     if args.chat:
         from pathlib import Path
 
-        from engine.chat import chat_prompts
+        from engine.lm.chat import chat_prompts
 
         prompts = chat_prompts(Path(args.workdir), prompts, args.system)
     texts = sample(

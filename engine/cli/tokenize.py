@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args, argv: list[str]) -> int:
     """Exit 0 done, 2 bad input (engine/cli turns UsageError into it), 130/143 interrupted (re-run to go on)."""
-    from engine.data.tokenize import Interrupted, tokenize
+    from engine.data.pretokenize import Interrupted, tokenize
 
     started = time.perf_counter()
     try:

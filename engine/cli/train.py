@@ -74,19 +74,19 @@ def run(args, argv: list[str]) -> int:
         return _local_job(args, argv)
     import jax
 
-    from engine import process
     from engine.cli import STARTED
     from engine.config import load_config
-    from engine.distributed import initialize, parse_tf_config
-    from engine.trackers import check_installed
+    from engine.observe.trackers import check_installed
+    from engine.runtime import settings as process
+    from engine.runtime.distributed import initialize, parse_tf_config
 
     profile = ["log.profile_steps=[5,15]"] if args.profile else []
     cfg = load_config(args.config, profile + args.overrides + _distributed_overrides(args), args.workdir)
     check_installed(cfg)  # before anything is written
     tf_config = os.environ.get("TF_CONFIG")
     if tf_config and parse_tf_config(tf_config).kind == "evaluator":
-        from engine.evaluator import run_evaluator
-        from engine.preemption import release_signals
+        from engine.run.evaluator import run_evaluator
+        from engine.runtime.preemption import release_signals
 
         release_signals()  # the evaluator ends on SIGTERM as a reader does
         return run_evaluator(cfg, watch=True)
@@ -95,11 +95,11 @@ def run(args, argv: list[str]) -> int:
     if jax.process_count() > 1 and (cfg.checkpoint.staging == "device" or process.has_distributed_client_barriers()):
         process.use_distributed_client_barriers()
     if args.dry_run:
-        from engine.dryrun import dry_run
+        from engine.plan.dryrun import dry_run
 
         dry_run(cfg)
         return 0
-    from engine.trainer import NonFiniteLoss, fit
+    from engine.run.single import NonFiniteLoss, fit
 
     try:
         result = fit(cfg, started=STARTED)
@@ -116,7 +116,7 @@ def _local_job(args, argv: list[str]) -> int:
     if args.local_processes < 1 or args.devices_per_process < 1:
         sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
         return 2
-    from engine.launcher import run_local_job
+    from engine.runtime.launcher import run_local_job
 
     return run_local_job(without_local_flags(argv), args.local_processes, args.devices_per_process)
 

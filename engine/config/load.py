@@ -23,7 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from engine.config.schema import Config
 from engine.config.validate import choice_message, validate
 from engine.errors import UsageError
-from engine.rundir import write_atomic
+from engine.runtime.rundir import write_atomic
 from models.configs import CONFIGS  # the model.* dataclasses, without jax or flax
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"

@@ -1,4 +1,4 @@
-"""Which configs share one compiled program (vectorised runs, engine/vectorize.py): everything
+"""Which configs share one compiled program (vectorised runs, engine/run/vectorize.py): everything
 but the numbers that are arrays in the train state (VECTOR_KEYS, the family's hparams) and
 the workdir."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from engine.config.optimizers import state_number_fields
 from engine.errors import UsageError
-from engine.optimizers import state_number_fields
 from models.configs import CONFIGS
 
 # config keys whose values are numbers in the train state (plus the model family's hparams)

@@ -1,7 +1,7 @@
 """The run configuration's schema: one dataclass per section, every key declared with its
 default, meaning, choices and bounds (contract.fields.option). The `model` section's schema
 is the chosen family's dataclass (models/configs.py); the mesh axes' keys come from
-engine/axes.py. docs/configuration.md is generated from this (python -m engine.config.reference).
+engine/parallel/axes.py. docs/configuration.md is generated from this (python -m engine.config.reference).
 
 Imports no jax: a sweep's process reads every run's config.
 """
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from contract.fields import option
-from engine.axes import AXES, CONFIG_AXES, default_rules
+from engine.config.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
 from engine.data.sources import SOURCES
-from engine.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
-from engine.trackers import TRACKERS
+from engine.observe.trackers import TRACKERS
+from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -165,7 +165,7 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = option("adam", "the optimizer (engine/optimizers.py)", choices=lambda: tuple(OPTIMIZERS))
+    name: str = option("adam", "the optimizer (engine/config/optimizers.py)", choices=lambda: tuple(OPTIMIZERS))
     learning_rate: float = option(1e-3, "peak learning rate", above=0.0)
     schedule: str = option(
         "constant",
@@ -188,7 +188,7 @@ class OptimizerConfig:
 
 
 def _mesh_fields() -> list:
-    """mesh.<axis> and mesh.dcn_<axis> for every configured axis of engine/axes.py."""
+    """mesh.<axis> and mesh.dcn_<axis> for every configured axis of engine/parallel/axes.py."""
     fields = []
     for axis in AXES:
         if axis.configured:
@@ -235,7 +235,7 @@ _MESH_SETTINGS = [
 if TYPE_CHECKING:
 
     class MeshConfig:
-        """What the type checker knows of the dataclass made below from engine/axes.py."""
+        """What the type checker knows of the dataclass made below from engine/parallel/axes.py."""
 
         num_devices: int
         backend: str
@@ -246,7 +246,7 @@ if TYPE_CHECKING:
 else:
     MeshConfig = dataclasses.make_dataclass("MeshConfig", [*_mesh_fields(), *_MESH_SETTINGS])
     MeshConfig.__module__ = __name__
-    MeshConfig.__doc__ = "mesh.*: the device mesh's axis sizes (engine/axes.py) and the sharding rules."
+    MeshConfig.__doc__ = "mesh.*: the device mesh's axis sizes (engine/parallel/axes.py) and the sharding rules."
 
 
 @dataclass

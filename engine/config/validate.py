@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from contract.fields import choices_of
-from engine.axes import CONFIG_AXES, MESH_AXES
 from engine.data.features import entries
 from engine.data.sources import EVAL_PATH_SOURCES, FILE_SOURCES, MIXTURE_SOURCES
 from engine.data.text import source_name
 from engine.errors import UsageError
+from engine.parallel.axes import CONFIG_AXES, MESH_AXES
 
 INT32_MAX = 2**31 - 1
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.rundir import sha256_file
+from engine.runtime.rundir import sha256_file
 
 
 @dataclass

@@ -35,7 +35,7 @@ from engine.data import features as feature_columns
 from engine.data import preprocess
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
-from engine.rundir import write_atomic
+from engine.runtime.rundir import write_atomic
 
 CACHE = Path("~/.cache/jax-engine/tables")
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
-from engine.rundir import sha256_file
+from engine.runtime.rundir import sha256_file
 
 
 def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -119,7 +119,7 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
     processes from making it at once)."""
     import fcntl
 
-    from engine.data.tokenize import tokenize
+    from engine.data.pretokenize import tokenize
 
     out = stdlib_corpus_dir(cfg, files)
     if not (out / "manifest.json").is_file():

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from engine.errors import UsageError
-from engine.rundir import sha256_file
+from engine.runtime.rundir import sha256_file
 
 FORMAT = "jax-engine-tokens/2"  # 2: the manifest carries its own sha256
 

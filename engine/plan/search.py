@@ -4,7 +4,7 @@ sharded train state alone does not fit a chip are ruled out from shapes (no comp
 rest are ordered by an estimate and the first `compiles` are compiled with the TPU compiler;
 the table ranks those by fit, then by step time (the analytic FLOPs at the chip's peak, with
 remat's recomputation, plus the compiled program's collective bytes at the ICI and DCN
-bandwidths of engine/tpu.py)."""
+bandwidths of engine/plan/tpu.py)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.axes import CONFIG_AXES
 from engine.config import Config
 from engine.errors import UsageError
-from engine.hlo import human_bytes
-from engine.plan.report import Planned, plan
-from engine.setup import plan_run
-from engine.sharding import per_device_bytes
-from engine.tpu import Target
+from engine.parallel.axes import CONFIG_AXES
+from engine.parallel.sharding import per_device_bytes
+from engine.plan.compiled import Planned, plan
+from engine.plan.hlo import human_bytes
+from engine.plan.tpu import Target
+from engine.run.setup import plan_run
 from models import REGISTRY
 
 RECOMPUTE = {"none": 1.0, "dots": 7 / 6, "full": 4 / 3}  # training FLOPs with each remat policy, relative

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 from engine.config import program_settings
-from engine.hlo import human_bytes
-from engine.plan.report import Planned, plan, verdict
-from engine.tpu import parse_target
+from engine.plan.compiled import Planned, plan, verdict
+from engine.plan.hlo import human_bytes
+from engine.plan.tpu import parse_target
 
 
 def plan_sweep(sweep, target_name: str, slices: int) -> int:

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from engine.errors import UsageError
-from engine.report import report
-from engine.rundir import STATUS, write_json
+from engine.observe.ranking import report
+from engine.runtime.rundir import STATUS, write_json
 from engine.sweep.local import REPORTS, run_pending, write_index
 from engine.sweep.search import run_search, study_report
 from engine.sweep.slurm import run_task, submit_slurm
@@ -21,7 +21,7 @@ __all__ = ["RunSpec", "Sweep", "format_value", "load_sweep", "validate_runs", "m
 def run_group_task(sweep: Sweep, names_file: str) -> int:
     """Inside a sweep's child process: trains the runs named in `names_file` (a JSON list) as
     one vectorised group; a run whose loss diverged is marked failed here, alone."""
-    from engine.group import fit_group
+    from engine.run.group import fit_group
 
     started = time.time()
     try:

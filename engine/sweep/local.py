@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from engine.config import check_vectorizable, program_settings, shape_differences
-from engine.launcher import SELF
-from engine.report import preload
-from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
+from engine.observe.ranking import preload
+from engine.runtime.launcher import SELF
+from engine.runtime.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
 from engine.sweep.spec import RunSpec, Sweep
 
 

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.judge import Judge
-from engine.launcher import SELF
-from engine.rundir import STATUS, final_metrics, lock_holder, read_status, write_json
+from engine.runtime.launcher import SELF
+from engine.runtime.rundir import STATUS, final_metrics, lock_holder, read_status, write_json
+from engine.sweep.judge import Judge
 from engine.sweep.local import preload_report, write_index
 from engine.sweep.spec import RunSpec, Sweep
 
@@ -235,7 +235,7 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
     split, name = sweep.metric.split("/")
     seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
-    judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/judge.py)
+    judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/sweep/judge.py)
     with open(workdir / "run.log", "a") as log:
         child = subprocess.Popen(
             [*SELF, *sweep.argv(run)],

@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 from engine.errors import UsageError
-from engine.launcher import SELF
-from engine.rundir import STATUS, write_atomic, write_json
+from engine.runtime.launcher import SELF
+from engine.runtime.rundir import STATUS, write_atomic, write_json
 from engine.sweep.local import pending_runs, run_unit, units, write_index
 from engine.sweep.spec import Sweep, check_slurm_values
 

@@ -11,7 +11,7 @@ each run a `launch.py` training process in its own workdir under the sweep's dir
     directory: runs/my_sweep             # default runs/<sweep file name>
     slurm: {partition: gpu, time: "01:00:00", cpus_per_task: 4, gres: "gpu:1"}
     vectorize: 8                         # or auto: runs that share a compiled program train
-                                         # K at a time as one program (engine/vectorize.py)
+                                         # K at a time as one program (engine/run/vectorize.py)
 
 Runs are the product of the grid's axes, the zip group (one axis) and the random samples;
 or, with `search:` (and `pruner:`), the trials of an Optuna study (search.py).
@@ -37,7 +37,7 @@ import yaml
 
 from engine.config import load_config, read_yaml_mapping
 from engine.errors import UsageError
-from engine.trackers import check_installed, mlflow_uri, prepare_store
+from engine.observe.trackers import check_installed, mlflow_uri, prepare_store
 
 SWEEP_KEYS = {
     "base",

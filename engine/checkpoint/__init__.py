@@ -1,0 +1,1 @@
+"""Checkpoints: orbax storage with checksums, damaged steps set aside, and a trained run exported for inference."""

@@ -1,0 +1,402 @@
+"""One run compiled for a TPU target, and what the compiled programs say: memory per chip by
+part against the chip's HBM, the collectives over ICI and DCN, and the step time the analytic
+FLOPs give at a few MFUs. The run is built exactly as training builds it (engine/run/setup.py's
+plan_run and compile_plan), on the target's chips instead of this host's devices."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+import jax
+import numpy as np
+
+from engine.config import Config
+from engine.errors import UsageError
+from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
+from engine.parallel.mesh import mesh_shape
+from engine.parallel.sharding import batch_shards, per_device_bytes
+from engine.parallel.stages import describe as describe_pipeline
+from engine.parallel.stages import stage_plan
+from engine.plan import hlo
+from engine.plan.hlo import Collective, human_bytes
+from engine.plan.tpu import Target
+from engine.run.setup import compile_plan, plan_run
+from models import REGISTRY
+
+MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at
+
+
+@dataclass
+class Program:
+    """One compiled program's memory per chip (bytes)."""
+
+    name: str  # train or eval
+    params: int
+    optimizer: int
+    other_state: int  # model state, step, RNG, schedule numbers
+    batch: int  # the program's input batch (a train block of steps_per_block batches)
+    temporaries: int
+    total: int  # arguments + outputs - donated + temporaries + code
+    compile_seconds: float
+
+
+@dataclass
+class Planned:
+    """A run planned on a target."""
+
+    cfg: Config
+    target: Target
+    mesh: dict[str, int]  # axis → chips
+    dcn: dict[str, int]  # axis → how much of it crosses slices
+    hbm: int  # bytes per device
+    programs: list[Program] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)  # the train program's
+    steps_per_call: int = 1
+    flops_per_chip: float = 0.0  # analytic model FLOPs of one step, per chip
+    tokens_per_step: int = 0
+    refused: str = ""  # the compiler's own refusal (out of memory), if any
+
+    @property
+    def peak(self) -> int:
+        return max((p.total for p in self.programs), default=0)
+
+    @property
+    def fits(self) -> bool:
+        return not self.refused and self.peak <= self.hbm
+
+    def per_step(self, dcn: bool) -> float:
+        """Bytes per step and chip over DCN (or ICI), as each device sends them (ring algorithms)."""
+        return sum(c.ring_bytes * c.count for c in self.collectives if c.dcn == dcn) / self.steps_per_call
+
+    def step_seconds(self, mfu: float) -> float:
+        return self.flops_per_chip / (self.target.chip.peak_bf16 * mfu) if self.flops_per_chip else 0.0
+
+    def estimate_seconds(self) -> float:
+        """FLOPs at the chip's peak plus each collective's bytes at its network's bandwidth (no overlap)."""
+        chip = self.target.chip
+        return (
+            self.step_seconds(1.0)
+            + self.per_step(False) / chip.ici_bytes_per_second
+            + self.per_step(True) / chip.dcn_bytes_per_second
+        )
+
+
+def plan(
+    cfg: Config, target: Target, compile_eval: bool = True, group: Sequence[Config] = (), progress: bool = False
+) -> Planned:
+    """Builds and compiles `cfg` for `target` (no chip used, no state allocated); with `group`,
+    the vectorised program of those runs (a sweep's, engine/run/vectorize.py) instead; `progress`:
+    each phase said on stderr as it starts."""
+    if cfg.mesh.backend != "jit":
+        raise UsageError("plan compiles the jit backend; set mesh.backend=jit (pmap runs one device per replica)")
+    _check_slices(cfg, target)
+    if len(group) <= 1:  # (a vectorised group's mesh takes a trial axis: build_group checks it)
+        _check_mesh(cfg, target)
+    for each in [cfg, *group]:
+        each.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
+        each.train.compilation_cache_dir = ""
+    copies, started = max(len(group), 1), time.perf_counter()
+    try:
+        with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
+            program, compiled, state, block = _compile(cfg, target, group, Phases(started, progress))
+    except _Refused as refused:
+        planned = _planned(cfg, target, refused.program.mesh)
+        planned.refused = refused.text
+        params, optimizer, other, block = refused.parts
+        planned.programs.append(Program("train", params, optimizer, other, block, -1, -1, 0.0))
+        return planned
+    planned = _planned(cfg, target, program.mesh)
+    parts = _parts(state)
+    planned.programs.append(_program("train", compiled.program, (*parts, block), time.perf_counter() - started))
+    if compile_eval:
+        planned.programs.append(_program("eval", compiled.eval_step, (*parts, _batch_bytes(program, 0)), 0.0))
+    slice_of = [getattr(d, "slice_index", 0) for d in program.mesh.devices.flat]
+    planned.collectives = hlo.program_collectives(compiled.program.as_text(), program.mesh.size, slice_of)
+    info, family = program.dataset.info, program.family
+    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(program.state.abstract.params))
+    per_example = family.flops_per_example(cfg.model, info, num_params) or 0.0
+    planned.flops_per_chip = per_example * cfg.train.global_batch_size * copies / program.mesh.size
+    planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
+    return planned
+
+
+class _Refused(Exception):
+    """The TPU compiler refused the program (out of memory): an answer, not a failure."""
+
+    def __init__(self, text: str, program, parts: tuple[int, int, int, int]):
+        super().__init__(text)
+        self.text, self.program, self.parts = text, program, parts
+
+
+class Phases:
+    """One line on stderr as each phase of a plan starts, with the time since it began (an 8B
+    model's compile takes minutes: the user sees where it is)."""
+
+    def __init__(self, started: float, enabled: bool = True):
+        self.started, self.enabled = started, enabled
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            print(f"plan [{time.perf_counter() - self.started:6.1f}s]: {text}", file=sys.stderr, flush=True)
+
+
+def _compile(cfg: Config, target: Target, group: Sequence[Config], phase: Phases):
+    """(the plan, its compiled steps, the abstract state they take (a group's stacked states), and
+    the bytes of a train block per device (each of a group's data orders))."""
+    phase(f"the TPU compiler describes {target.name}")
+    devices = target.devices
+    if len(group) > 1:
+        from engine.run.vectorize import build_group, stacked_states
+
+        phase(f"building and compiling the vectorised group of {len(group)} runs")
+        built = build_group(list(group), devices=devices)
+        block = _batch_bytes(built.plan, built.plan.shapes.steps_per_block) * len(built.batches)
+        return built.plan, built.compiled, stacked_states(built), block
+    phase("the run's mesh, data, model and train-state shapes")
+    program = plan_run(cfg, devices=devices)
+    block = _batch_bytes(program, program.shapes.steps_per_block)
+    phase("compiling the train and eval steps (docs/multihost.md gives the times to expect)")
+    try:
+        return program, compile_plan(cfg, program, compile_train=True), program.state.abstract, block
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        parts = (*_parts(program.state.abstract), block)
+        raise _Refused(str(e).splitlines()[0][:300], program, parts) from None
+
+
+def _planned(cfg: Config, target: Target, mesh) -> Planned:
+    return Planned(
+        cfg,
+        target,
+        {a: mesh.shape[a] for a in CONFIG_AXES},
+        {a: getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES},
+        target.program_hbm_bytes,  # the compiler's own limit, below the chip's nominal HBM
+        steps_per_call=cfg.train.steps_per_call,
+    )
+
+
+def _parts(state) -> tuple[int, int, int]:
+    """(parameters, optimizer state, the rest of the train state): bytes per device."""
+    params, optimizer = per_device_bytes(state.params), per_device_bytes(state.opt_state)
+    return params, optimizer, per_device_bytes(state) - params - optimizer
+
+
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off (it decides once per process whether to use it:
+    reset, so that it asks again)."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.values["jax_enable_compilation_cache"]
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
+LOW_HEADROOM = 0.05  # a plan that fits with less is warned about
+
+
+def _check_slices(cfg: Config, target: Target) -> None:
+    across = math.prod(getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES)
+    if across != target.slices:
+        keys = " * ".join(f"mesh.dcn_{a}" for a in CONFIG_AXES)
+        # the slices as data-parallel replicas: mesh.data (all of it, over every slice) must hold them
+        fits = cfg.mesh.data == -1 or cfg.mesh.data % target.slices == 0
+        data = cfg.mesh.data if fits else target.slices * math.ceil(cfg.mesh.data / target.slices)
+        example = f"mesh.dcn_data={target.slices}" + (f" mesh.data={data}" if data != cfg.mesh.data else "")
+        raise UsageError(
+            f"--slices {target.slices} but the mesh puts {across} slice(s) side by side ({keys} = "
+            f"{across}); set the dcn_ keys to make {target.slices}, e.g. {example}"
+        )
+
+
+def _check_mesh(cfg: Config, target: Target) -> None:
+    """The config's mesh and batch against the target's device count, from the numbers alone:
+    libtpu's description of a large topology, and a mesh over it, take seconds and GBs."""
+    devices = target.chips * target.chip.devices_per_chip
+    sizes = mesh_shape(cfg.mesh, devices)
+    axes = [a for a in BATCH_AXES if a in sizes]
+    shards = math.prod(sizes[a] for a in axes)
+    layout = f"{'*'.join(axes)}={'*'.join(str(sizes[a]) for a in axes)}={shards}"
+    batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    if batch % shards == 0 and (batch // accum) % shards == 0:
+        return
+    micro = f" (a micro-batch of {batch // accum} with train.grad_accum_steps={accum})" if accum > 1 else ""
+    raise UsageError(
+        f"train.global_batch_size={batch}{micro} is not divisible by {layout} on {target.name}, "
+        f"{devices} devices; use a global batch that is a multiple of {shards * accum}, or a smaller target"
+    )
+
+
+def _batch_bytes(program, steps: int) -> int:
+    """Bytes of one program input per chip: a train block of `steps` batches, or (0) an eval batch."""
+    shards = batch_shards(program.mesh)
+    rows = program.shapes.global_batch * steps if steps else program.shapes.eval_batch
+    return sum(rows * math.prod(a.shape[1:]) * a.dtype.itemsize for a in program.shapes.train_arrays.values()) // shards
+
+
+def _program(name: str, compiled, parts: tuple, seconds: float) -> Program:
+    """The program's memory per device: the whole train state (it stays on the devices for the
+    whole run, also where a program reads part of it: the compiler drops unused arguments),
+    the batch, the temporaries, outputs that reuse no donated buffer, and the code."""
+    m = compiled.memory_analysis()
+    params, optimizer, other, batch = parts
+    extra = max(m.output_size_in_bytes - m.alias_size_in_bytes, 0) + m.generated_code_size_in_bytes
+    total = params + optimizer + other + batch + m.temp_size_in_bytes + extra
+    return Program(name, params, optimizer, other, batch, m.temp_size_in_bytes, total, seconds)
+
+
+def render(planned: Planned) -> str:
+    """The plan as text: mesh, memory per program, collectives, time, and the verdict."""
+    target, lines = planned.target, []
+    axes = [f"{a}={n} ({_links(planned, a, n)})" for a, n in planned.mesh.items() if n > 1]
+    lines.append(
+        f"target: {target.name}, {target.chips} chips of {human_bytes(planned.hbm)} HBM"
+        + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
+    )
+    lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
+    stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
+    if stages.stages > 1:
+        lines.append(describe_pipeline(stages, REGISTRY[planned.cfg.model.name].layer_stack(planned.cfg.model)))
+    lines += _memory_table(planned)
+    if planned.refused:
+        lines.append(f"the TPU compiler refused the train program: {planned.refused}")
+        return "\n".join(lines)
+    lines += _collective_lines(planned)
+    lines += _time_lines(planned)
+    lines.append(
+        "compile: " + ", ".join(f"{p.name} {p.compile_seconds:.1f}s" for p in planned.programs if p.compile_seconds)
+    )
+    return "\n".join(lines)
+
+
+def _links(planned: Planned, axis: str, size: int) -> str:
+    """How an axis's devices talk: over ICI inside a slice, or its outer factor over DCN."""
+    across = planned.dcn[axis]
+    return f"DCN x{across}, ICI x{size // across}" if across > 1 else "ICI"
+
+
+def _memory_table(planned: Planned) -> list[str]:
+    header = ("per chip", "params", "optimizer", "other state", "batch", "temporaries", "total", "HBM", "headroom")
+    rows = []
+    for p in planned.programs:
+        sizes = (p.params, p.optimizer, p.other_state, p.batch, p.temporaries, p.total, planned.hbm)
+        cells = [human_bytes(v) if v >= 0 else "refused" for v in sizes]  # (-1: the compiler gave no figure)
+        rows.append((p.name, *cells, f"{(planned.hbm - p.total) / planned.hbm:+.0%}" if p.total >= 0 else "-"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [header, *rows]
+    ]
+
+
+def _collective_lines(planned: Planned) -> list[str]:
+    kinds: dict[tuple[str, bool], list[Collective]] = {}
+    for c in planned.collectives:
+        kinds.setdefault((c.op, c.dcn), []).append(c)
+    lines = [
+        f"collectives per step (train; a device's share, ring algorithms): ICI "
+        f"{human_bytes(planned.per_step(False))}, DCN {human_bytes(planned.per_step(True))}"
+    ]
+    for (op, dcn), found in sorted(kinds.items()):
+        runs = sum(c.count for c in found) / planned.steps_per_call
+        size = sum(c.bytes * c.count for c in found) / planned.steps_per_call
+        lines.append(f"  {op:<19} {'DCN' if dcn else 'ICI'}  x{runs:g} per step, {human_bytes(size)} of buffers")
+    return lines
+
+
+def _time_lines(planned: Planned) -> list[str]:
+    if not planned.flops_per_chip:
+        return ["step time: the model family gives no FLOP formula"]
+    chip = planned.target.chip
+    cells = []
+    for mfu in MFUS:
+        seconds = planned.step_seconds(mfu)
+        tokens = f", {planned.tokens_per_step / seconds:,.0f} tokens/s" if planned.tokens_per_step else ""
+        cells.append(f"{mfu:.0%} MFU {seconds * 1e3:,.1f} ms{tokens}")
+    return [
+        f"analytic model FLOPs per chip per step: {planned.flops_per_chip:.4g} (peak {chip.peak_bf16 / 1e12:g} "
+        f"TFLOP/s bf16); step time at " + "; ".join(cells) + " (estimates: analytic FLOPs at an assumed MFU)"
+    ]
+
+
+def verdict(planned: Planned) -> str:
+    """One line: fits (with headroom), or does not, naming the largest parts and changes that would fit."""
+    if planned.fits:
+        headroom = (planned.hbm - planned.peak) / planned.hbm
+        warning = (
+            f"; warning: under {LOW_HEADROOM:.0%} headroom, a larger batch or another compiler version may not fit"
+            if headroom < LOW_HEADROOM
+            else ""
+        )
+        return (
+            f"fits: {human_bytes(planned.peak)} per device of the {human_bytes(planned.hbm)} the TPU compiler "
+            f"gives a program ({headroom:.0%} headroom){warning}"
+        )
+    if planned.refused:
+        return f"does not fit: the TPU compiler refused the program ({planned.refused}); {_fixes(planned, None)}"
+    worst = max(planned.programs, key=lambda p: p.total)
+    parts = {
+        "parameters": worst.params,
+        "optimizer state": worst.optimizer,
+        "temporaries": worst.temporaries,
+        "batch": worst.batch,
+    }
+    largest = ", ".join(
+        f"{name} {human_bytes(size)}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    )
+    return (
+        f"does not fit: the {worst.name} program needs {human_bytes(worst.total)} per device of "
+        f"{human_bytes(planned.hbm)} ({largest}); {_fixes(planned, worst)}"
+    )
+
+
+def _fixes(planned: Planned, worst: Optional[Program]) -> str:
+    cfg, chips, fixes = planned.cfg, planned.target.chips, []
+    fsdp = planned.mesh["fsdp"]
+    state = worst.params + worst.optimizer if worst else 1
+    if fsdp < chips and (worst is None or state >= worst.temporaries):
+        wider = min(chips, fsdp * 4)
+        fixes.append(
+            f"mesh.fsdp={wider} with mesh.data={max(planned.mesh['data'] * fsdp // wider, 1)} (parameters "
+            f"and optimizer state over {wider} chips)"
+        )
+    family = REGISTRY[cfg.model.name]
+    if family.remat(cfg.model) not in (None, "full"):
+        fixes.append("model.remat=full (recompute activations)")
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    if micro // batch_shards_of(planned) >= 2:
+        fixes.append(f"train.grad_accum_steps={cfg.train.grad_accum_steps * 2} (a micro-batch of {micro // 2})")
+    return "try " + ", or ".join(fixes) if fixes else "use a larger target or a smaller model"
+
+
+def batch_shards_of(planned: Planned) -> int:
+    return int(np.prod([planned.mesh[a] for a in ("data", "fsdp", "expert")]))
+
+
+def as_record(planned: Planned) -> dict[str, Any]:
+    """The plan as JSON-ready numbers (--json, BENCHMARKS)."""
+    return {
+        "target": planned.target.name,
+        "chips": planned.target.chips,
+        "mesh": planned.mesh,
+        "fits": planned.fits,
+        "hbm_bytes": planned.hbm,
+        "refused": planned.refused,
+        "programs": [vars(p) for p in planned.programs],
+        "ici_bytes_per_step": planned.per_step(False),
+        "dcn_bytes_per_step": planned.per_step(True),
+        "flops_per_chip_step": planned.flops_per_chip,
+        "step_seconds": {f"{m:.0%}": planned.step_seconds(m) for m in MFUS},
+        "tokens_per_step": planned.tokens_per_step,
+    }

@@ -1,0 +1,108 @@
+"""`launch.py --dry-run`: the layout and cost of a run, without allocating or training."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from engine.config import Config
+from engine.parallel import diloco
+from engine.parallel.sharding import per_device_bytes
+from engine.parallel.stages import describe as describe_pipeline
+from engine.parallel.stages import stage_plan
+from engine.plan import hlo
+from engine.plan.hlo import human_bytes
+from engine.run.setup import Run, build_run
+from engine.run.step import FROZEN
+
+
+def dry_run_report(run: Run) -> str:
+    """The mesh, each parameter's layout and bytes, what a device holds, the compiled step's
+    memory and collectives, and the model FLOPs."""
+    cfg = run.cfg
+    lines = [
+        f"mesh: {dict(run.mesh.shape)} over {run.mesh.size} {jax.devices()[0].platform} device(s); "
+        f"backend={cfg.mesh.backend}"
+    ]
+    header = ("parameter", "shape", "logical axes", "PartitionSpec", "bytes")
+    # A scanned model's layers are one parameter per kind, stacked on a `layers` axis: one row each.
+    rows = [
+        (
+            p.path + (f" (x{p.shape[0]} layers)" if p.logical[:1] == ("layers",) else ""),
+            str(p.shape),
+            str(tuple(p.logical)) if p.logical else "-",
+            str(tuple(p.spec)),
+            human_bytes(p.nbytes),
+        )
+        for p in run.model.param_layouts
+    ]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        lines.append("  ".join(col.ljust(w) for col, w in zip(row, widths)))
+    total_params = sum(math.prod(p.shape) for p in run.model.param_layouts)
+    state = run.abstract_state
+    lines.append(f"parameters: {total_params:,} ({human_bytes(sum(p.nbytes for p in run.model.param_layouts))})")
+    lines.append(
+        f"per device: params {human_bytes(per_device_bytes(state.params))}, "
+        f"optimizer state {human_bytes(per_device_bytes(state.opt_state))}, "
+        f"model state {human_bytes(per_device_bytes(state.model_state))}"
+        + (" (pmap keeps a full copy on every device)" if cfg.mesh.backend == "pmap" else "")
+    )
+    m = run.compiled.memory
+    if m is not None:
+        lines.append(
+            f"compiled step memory per device: arguments {human_bytes(m.argument_size_in_bytes)}, "
+            f"outputs {human_bytes(m.output_size_in_bytes)}, temporaries {human_bytes(m.temp_size_in_bytes)}, "
+            f"aliased (donated) {human_bytes(m.alias_size_in_bytes)}"
+        )
+    if run.compiled.program is not None:  # what the layout makes each device send per step
+        found = hlo.hlo_collectives(run.compiled.program.as_text(), run.mesh.size)
+        lines.append(
+            f"collectives in one call of the compiled step (a loop's run once per iteration): {hlo.summary(found)}"
+        )
+    if isinstance(state, diloco.DilocoState):  # DiLoCo: the replicas, and what a round's outer step sends
+        layout = diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, total_params)
+        outer = hlo.hlo_collectives(run.compiled.sync_step.as_text(), run.mesh.size)
+        lines.append(f"{layout.text()}; replicas' state per device {human_bytes(per_device_bytes(state.replicas))}")
+        lines.append(f"collectives of the outer step (once per round): {hlo.summary(outer)}")
+    plan = stage_plan(cfg, run.mesh.shape["pipeline"])
+    if plan.stages > 1:
+        lines.append(describe_pipeline(plan, run.model.family.layer_stack(cfg.model)))
+    flops = run.cost.flops_per_device_step
+    lines.append(
+        f"model FLOPs per step ({run.cost.source}): {flops:.4g} per device, {flops * run.mesh.size:.4g} in "
+        f"all; compile time {run.compiled.compile_seconds:.2f}s"
+    )
+    return "\n".join(lines)
+
+
+def startup_lines(run: Run) -> list[str]:
+    """What is running, said once at a run's start: model, mesh and batch, and the mode (a
+    pipeline's stages and bubble, DiLoCo's replicas and H, a fine-tuning base and adapters)."""
+    cfg, state = run.cfg, run.abstract_state
+    mesh = " ".join(f"{axis}={size}" for axis, size in run.mesh.shape.items() if size > 1) or "one device"
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    lines = [
+        f"run: {cfg.model.name}, {params:,} trained parameters, on {run.mesh.size} "
+        f"{run.mesh.devices.flat[0].platform} device(s) ({mesh}); global batch {cfg.train.global_batch_size}, "
+        f"{cfg.train.steps} steps"
+    ]
+    if isinstance(state, diloco.DilocoState):
+        lines.append(diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, params).text())
+    plan = stage_plan(cfg, run.mesh.shape["pipeline"])
+    if plan.stages > 1:
+        lines.append(describe_pipeline(plan, run.model.family.layer_stack(cfg.model)))
+    if cfg.finetune.lora.rank or cfg.finetune.base:
+        frozen = per_device_bytes(state.model_state.get(FROZEN, {}))
+        dtype = cfg.finetune.base_dtype if cfg.finetune.base_dtype != "none" else cfg.train.param_dtype
+        lines.append(
+            f"fine-tuning: base {cfg.finetune.base or '(seeded initialisation)'} frozen in {dtype} "
+            f"({human_bytes(frozen)} per device); LoRA rank {cfg.finetune.lora.rank} on "
+            f"{', '.join(cfg.finetune.lora.targets)}"
+        )
+    return lines
+
+
+def dry_run(cfg: Config) -> None:
+    print(dry_run_report(build_run(cfg, check_memory=False)))

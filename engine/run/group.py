@@ -1,0 +1,346 @@
+"""A vectorised group of runs (engine/run/vectorize.py builds its program) as the loop's `Job`:
+each trial keeps what a run alone has (its workdir, config.yaml, metrics.jsonl, TensorBoard
+events and checkpoints, which `launch.py train` resumes alone too), and a trial whose loss
+becomes NaN stops alone while the others go on."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from engine.checkpoint.store import Checkpointer, InBackground
+from engine.config import Config, to_yaml
+from engine.data import eval_batches
+from engine.errors import UsageError
+from engine.lm.finetune import base_weights
+from engine.observe.metrics import MetricWriter
+from engine.observe.perf import Goodput, Throughput, Window, fetch_rows, summary_text
+from engine.observe.trackers import open_trackers
+from engine.parallel import sharding
+from engine.run.best import Verdict
+from engine.run.loop import Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
+from engine.run.setup import with_config_hparams
+from engine.run.single import claim, write_run_files
+from engine.run.step import TRAIN_METRICS, weights_of
+from engine.run.vectorize import Group, TooBig, build_group, check_fits
+from engine.runtime.preemption import starting
+from engine.runtime.rundir import METRICS, drop_records_after
+from engine.runtime.watchdog import Watchdog
+
+
+@dataclass
+class Trial:
+    """One run of a group: its files, and whether it still trains."""
+
+    cfg: Config
+    writer: MetricWriter
+    checkpointer: Checkpointer
+    losses: dict = dataclasses.field(default_factory=dict)  # step → train loss (this process's steps)
+    eval_metrics: dict = dataclasses.field(default_factory=dict)
+    error: Optional[str] = None  # why it stopped alone (a non-finite loss), else None
+    config_text: str = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
+    on_stop: Optional[Callable] = None  # (cfg, why) when it stops alone, at once (a sweep records it)
+
+    @property
+    def live(self) -> bool:
+        return self.error is None
+
+    def stop(self, text: str) -> None:
+        self.error = text
+        self.writer.message(f"error: training stopped: {text}")
+        if self.on_stop is not None:
+            self.on_stop(self.cfg, text)
+
+    def check(self, problem: Optional[str]) -> bool:
+        """A non-finite loss by the run's nan_policy: stops it (False) or warns."""
+        if problem and self.cfg.train.nan_policy == "stop":
+            self.stop(problem)
+            return False
+        if problem:
+            self.writer.message(f"warning: {problem}")
+        return True
+
+
+def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Optional[Callable] = None) -> list[Trial]:
+    """Trains the group to train.steps from the trials' newest checkpoints (or from scratch);
+    each trial logs, evaluates and saves into its own workdir as a run alone does. A trial
+    with a non-finite loss (train.nan_policy=stop) stops alone (on_stop(cfg, why) is called);
+    a signal saves every live trial and raises Preempted. A full, read-only or unwritable
+    workdir is one StorageError, as for a run alone. A group whose compiled step would not
+    fit in a device's memory (check_fits) trains as smaller groups, in turn."""
+    _refuse_watched(cfgs)
+    trials: list[Trial] = []
+
+    def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
+        return _open(cfgs, on_stop, trials, closing, watchdog, goodput)
+
+    try:
+        fit_job(open_job, cfgs[0], started, [Path(cfg.workdir) for cfg in cfgs])
+        return trials
+    except TooBig as big:  # (nothing was written: the check comes before the trials' files)
+        fits, why = big.fits, str(big)  # (the group itself is freed with the exception, before the parts train)
+    parts = [cfgs[i : i + fits] for i in range(0, len(cfgs), fits)]
+    print(f"vectorize: {why}; training its runs as {len(parts)} groups of up to {fits}", flush=True)
+    # each later group's goodput counts from its own start, not from the groups before it
+    return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None, on_stop)]
+
+
+def _refuse_watched(cfgs: list[Config]) -> None:
+    """checkpoint.keep_best and train.early_stop are a run alone's: a group's trials share one
+    program and one schedule of saves, and would each stop or keep a step at their own time."""
+    for cfg in cfgs:
+        for key, value in (
+            ("checkpoint.keep_best", cfg.checkpoint.keep_best),
+            ("train.early_stop.metric", cfg.train.early_stop.metric),
+        ):
+            if value:
+                raise UsageError(
+                    f"run {cfg.workdir}: {key}={value} is not supported by a vectorised group; remove vectorize "
+                    f'(each run trains in its own process), or set {key}=""'
+                )
+
+
+def _open(
+    cfgs: list[Config],
+    on_stop: Optional[Callable],
+    trials: list[Trial],
+    closing: contextlib.ExitStack,
+    watchdog: Watchdog,
+    goodput: Goodput,
+) -> Started:
+    starting("loading data and compiling")
+    for cfg in cfgs:
+        claim(Path(cfg.workdir), closing)
+    group = build_group(cfgs)
+    check_fits(group)
+    goodput.compile_seconds = group.compiled.compile_seconds
+    trials.extend(_open_trial(group, cfg, closing, on_stop) for cfg in cfgs)
+    watchdog.enter("restore")
+    starting("restoring")
+    states, start, window = _restore(group, trials)
+    goodput.redone_steps = max(drop_records_after(Path(cfg.workdir) / METRICS, start) for cfg in cfgs)
+    job = GroupJob(group, trials, start)
+    closing.enter_context(contextlib.closing(job.saves))  # closed before the checkpointers
+    begins = f"resuming from step {start}" if start else "from scratch"
+    job.message(f"on {_layout(group)}, {begins}; {_data_text(group)}")
+    return Started(job, states, start, window)
+
+
+def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_stop: Optional[Callable]) -> Trial:
+    workdir = Path(cfg.workdir)
+    write_run_files(cfg, group.plan.dataset.info, workdir)
+    writer = closing.enter_context(
+        contextlib.closing(
+            MetricWriter(
+                workdir,
+                enabled=True,
+                total_steps=cfg.train.steps,
+                start_step=0,
+                progress=False,
+                tensorboard=cfg.log.tensorboard,
+                name=workdir.name,
+                trackers=open_trackers(cfg),
+            )
+        )
+    )
+    checkpointer = closing.enter_context(
+        contextlib.closing(
+            Checkpointer(
+                workdir / "checkpoints",
+                cfg.checkpoint.keep,
+                timeout_seconds=cfg.distributed.barrier_timeout,
+                staging="host_sync",
+                verify=cfg.checkpoint.verify,
+                base=base_weights(cfg),
+            )
+        )
+    )  # the slice saved is a copy already (Saves)
+    return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
+
+
+class GroupJob:
+    """The loop's Job for a group: one program, each live trial's records and saves its own."""
+
+    def __init__(self, group: Group, trials: list[Trial], start: int):
+        self.group, self.trials, self.start = group, trials, start
+        self.cfg = group.cfgs[0]  # the loop's settings are every trial's (they share one program)
+        self.workdir = Path(self.cfg.workdir)
+        self.steps_per_block, self.steps_per_call = group.steps_per_block, self.cfg.train.steps_per_call
+        self.sync_each_step = jax.default_backend() == "cpu" and group.mesh.size > 1
+        info = group.plan.dataset.info
+        self.rates = Throughput(
+            group.cost,
+            self.cfg.train.global_batch_size,
+            self.cfg.train.global_batch_size * group.plan.family.task.tokens_per_example(info),
+            group.mesh.devices.flat[0],
+            self.cfg.train.compute_dtype,
+            {},
+        )
+        self.saves = Saves(group, trials)
+
+    def _live(self):
+        return [(index, trial) for index, trial in enumerate(self.trials) if trial.live]
+
+    def block(self, index: int):
+        return self.group.train_block(index)
+
+    def fetch(self, arrays: list) -> np.ndarray:
+        return fetch_rows(arrays)
+
+    def step(self, state, block):
+        return self.group.compiled.train_step(state, block)
+
+    def log(self, host: np.ndarray, window: Window, done: int) -> None:
+        """host: [steps, trials, len(TRAIN_METRICS) (+ sources)], one fetch for every trial."""
+        for index, trial in self._live():
+            losses = step_losses(host[:, index], window.start)
+            if trial.check(nonfinite_loss(losses)):
+                trial.writer.write(
+                    done,
+                    "train",
+                    train_record(host[:, index], window, self.group.plan.dataset.info.sources, self.rates),
+                )
+                trial.losses.update({s: loss for s, loss in losses.items() if s > self.start})
+
+    def evaluate(self, state, done: int) -> Verdict:
+        """Every trial on the eval split (the batches shared, the states vmapped)."""
+        totals = np.zeros((3, len(self.trials)))
+        size = self.group.plan.shapes.eval_batch
+        batch_sharding = sharding.batch_sharding(self.group.mesh)
+        for host_batch in eval_batches(self.group.plan.dataset.eval, size, self.cfg.eval.max_batches):
+            batch = jax.device_put(host_batch, batch_sharding)
+            sums = jax.device_get(self.group.compiled.eval_step(weights_of(state), batch))
+            totals += np.array([sums["loss_sum"], sums["correct"], sums["count"]], np.float64)
+        for index, trial in self._live():
+            loss_sum, correct, count = totals[:, index]
+            info = self.group.plan.dataset.info
+            trial.eval_metrics = {
+                "loss": loss_sum / count,
+                "accuracy": correct / count,
+                **self.group.plan.family.task.eval_metrics(loss_sum / count, info),
+            }
+            trial.writer.write(done, "eval", trial.eval_metrics)
+            trial.check(nonfinite_eval(trial.eval_metrics, done))
+        return Verdict()  # (no trial watches a metric: _refuse_watched)
+
+    def save(self, step: int, state, window: Window) -> None:
+        self.saves.start(step, state, window)
+
+    def wait(self) -> None:
+        self.saves.wait()
+
+    def summary(self, summary: dict) -> None:
+        for _, trial in self._live():
+            trial.writer.write(self.cfg.train.steps, "summary", summary)
+        self.message(summary_text(summary))
+
+    def message(self, text: str) -> None:
+        print(f"group of {len(self.trials)} runs: {text}", flush=True)
+
+    def advance(self, steps: int) -> None:
+        return None  # the trials' writers show no progress bar (one output for all)
+
+    def stopped(self) -> bool:
+        return not self._live()
+
+
+def _restore(group: Group, trials: list[Trial]):
+    """(stacked states, start step, the log window carried): every trial from its newest
+    checkpoint, which must be at one step (the sweep groups runs by where they resume)."""
+    restored = [t.checkpointer.restore(group.plan.state.abstract) for t in trials]
+    steps = {r.step if r else 0 for r in restored}
+    if len(steps) > 1:
+        where = ", ".join(f"{t.cfg.workdir}: {r.step if r else 0}" for t, r in zip(trials, restored))
+        raise UsageError(
+            f"the runs of a vectorised group resume from different steps ({where}: a checkpoint was "
+            f"set aside as unreadable, or another process saved meanwhile); run the sweep again with "
+            f"--retry-failed: it groups runs by the step they resume from"
+        )
+    start = steps.pop()
+    if start % group.cfgs[0].train.steps_per_call:
+        raise UsageError(f"the runs resume at step {start}, which is not a multiple of train.steps_per_call")
+    if all(restored):  # (a step-0 checkpoint too: `import-hf` writes one)
+        states = group.stack_states(
+            [
+                with_config_hparams(r.state, t.cfg)  # type: ignore[union-attr]
+                for r, t in zip(restored, trials)
+            ]
+        )
+    else:
+        states = group.init_states()
+    carried = [(r.meta.get("window") if r else None) or {} for r in restored]
+    width = len(TRAIN_METRICS) + len(group.plan.dataset.info.sources)
+    windows = [Window.resumed(start, c, width) for c in carried]
+    if all(w.steps and w.start == windows[0].start and w.steps == windows[0].steps for w in windows):
+        window = Window(windows[0].start)
+        window.metrics.append(np.stack([w.metrics[0] for w in windows], axis=1))
+        window.steps = windows[0].steps
+        return states, start, window
+    return states, start, Window(start)
+
+
+class Saves:
+    """The group's checkpoint saves, as `checkpoint.staging` says. `host` (the default): one
+    trial's slice of the state at a time, each handed to orbax (which copies it to the host)
+    before the next is taken, so a save needs no more device memory than a run alone's.
+    `device`: the loop takes every live trial's slice (fresh arrays: one more group state on
+    the devices until orbax has them) and goes on training; one background thread hands them
+    to the trials' checkpointers, so orbax's host copies and bookkeeping overlap training. One
+    group save at a time, in step order; a save's error is raised on the loop's thread."""
+
+    def __init__(self, group: Group, trials: list[Trial]):
+        self.group, self.trials = group, trials
+        self.background = group.cfgs[0].checkpoint.staging == "device"
+        self.thread = InBackground("group-save")
+
+    def start(self, step: int, states, window: Window) -> None:
+        self.thread.join()
+        host = np.concatenate(jax.device_get(window.metrics)) if window.steps else None
+        work = []
+        for index, trial in enumerate(self.trials):
+            if trial.live:
+                carried = {"start": window.start, "metrics": host[:, index].tolist()} if host is not None else None
+                meta = {
+                    "step": step,
+                    "data": {"next_step": step, "seed": trial.cfg.seed},
+                    "config": trial.config_text,
+                    "window": carried,
+                }
+                if self.background:
+                    work.append((trial.checkpointer, self.group.take(states, index), meta))
+                else:
+                    trial.checkpointer.save(step, self.group.take(states, index), meta)
+        if work:
+            self.thread.start(_save_each, step, work)
+
+    def wait(self) -> None:
+        """Every save written (and its checksums)."""
+        self.thread.join()
+        for trial in self.trials:
+            trial.checkpointer.wait()
+
+    def close(self) -> None:
+        """Leaves no save half handed over (the checkpointers close next)."""
+        self.thread.finish()
+
+
+def _save_each(step: int, work: list) -> None:
+    for checkpointer, state, meta in work:
+        checkpointer.save(step, state, meta)
+
+
+def _layout(group: Group) -> str:
+    sizes = " x ".join(f"{axis}={size}" for axis, size in group.mesh.shape.items() if size > 1 or axis == "trial")
+    return f"{group.mesh.size} device(s) ({sizes})"
+
+
+def _data_text(group: Group) -> str:
+    order = "one data order" if len(group.batches) == 1 else "each run its own data order (their seeds differ)"
+    where = "the train split lives on every device" if group.plan.resident_bytes else "batches from the host"
+    return f"{order}, {where}"

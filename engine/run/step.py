@@ -1,0 +1,263 @@
+"""The pure train and eval steps. Nothing here knows about files, logging or meshes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from engine.run.optimizer import learning_rate_at
+
+
+@flax.struct.dataclass
+class TrainState:
+    """The whole train state, one pytree (its leaves: arrays, or their shapes or shardings)."""
+
+    step: Any  # int32 scalar: optimizer steps taken
+    params: Any
+    model_state: Any  # non-parameter collections, e.g. {"batch_stats": ...}
+    opt_state: Any  # optax.inject_hyperparams state: optimizer numbers are arrays, not constants
+    rng: Any  # uint32 key data; the step's key is fold_in(rng, step)
+    hparams: Any  # schedule numbers (optim.schedule_hparams) and the model family's hparams: step inputs
+
+    if TYPE_CHECKING:
+
+        def replace(self, **changes) -> TrainState: ...  # (flax.struct.dataclass makes it)
+
+
+def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), num_sources: int = 0) -> Callable:
+    """loss(params, model_state, batch, rng, train, hparams) → (mean loss, (metric sums, new model_state)).
+
+    The model family's task says what the module takes from the batch and how its output
+    becomes a loss per target; `hparam_names` are the family's shape-independent
+    hyperparameters, passed to the module call by name in training.
+
+    Metric sums (`loss_sum`, `correct`, `count`) are summed over (weighted) examples, so
+    they add up exactly across microbatches, devices and eval batches. The task may weight
+    targets itself (packed token data: padding and document boundaries count 0). With a
+    mixture of `num_sources` data sources (the batch's `source` row ids), `source_tokens`
+    sums the counted targets of each source.
+    """
+
+    def loss_fn(params, model_state, batch, rng, train: bool, hparams=None):
+        inputs, targets, extra = task.model_inputs(batch)
+        weights = batch.get("mask", jnp.ones(targets.shape[:1], jnp.float32))
+        weights = jnp.broadcast_to(weights.reshape(weights.shape + (1,) * (targets.ndim - 1)), targets.shape)
+        target_weights = task.target_weights(batch)
+        if target_weights is not None:
+            weights = weights * target_weights
+        variables = model_variables(params, model_state)
+        mutable = [*(c for c in model_state if train and c != FROZEN), AUX_COLLECTION]
+        model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
+        out, collections = module.apply(
+            variables,
+            inputs,
+            train=train,
+            example_ids=batch.get("example_id"),
+            rngs={"dropout": rng} if train else None,
+            mutable=mutable,
+            **model_hparams,
+            **extra,
+        )
+        new_model_state = {**model_state, **split_variables(collections)[1]} if train else model_state
+        aux = _aux_totals(collections.get(AUX_COLLECTION, {}))
+        losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
+        count = jnp.sum(weights)
+        loss_sum = jnp.sum(losses * weights)
+        correct = jnp.sum(hits * weights)
+        # aux_loss (weighted by count, as the loss is, so microbatches and devices add up): the
+        # model's own terms of the objective (a mixture of experts' load balancing); routed and
+        # dropped: its token-to-expert assignments and those over an expert's capacity
+        metrics = {
+            "loss_sum": loss_sum,
+            "correct": correct,
+            "count": count,
+            "aux_loss": aux["aux_loss"] * count,
+            "routed": aux["routed"],
+            "dropped": aux["dropped"],
+        }
+        if num_sources and train and "source" in batch:
+            per_row = jnp.sum(weights.reshape(weights.shape[0], -1), axis=1)
+            metrics["source_tokens"] = jax.ops.segment_sum(per_row, batch["source"], num_segments=num_sources)
+        return loss_sum / jnp.maximum(count, 1.0) + aux["aux_loss"], (metrics, new_model_state)
+
+    return loss_fn
+
+
+AUX_COLLECTION = "aux"  # what a model sows while it runs (models/llama.py's MoE): not state
+# the model state's frozen parameters (LoRA's base, engine/lm/finetune.py): they join the trained
+# ones (the state's `params`, the adapters) in the model's `params`, and get no gradient
+FROZEN = "frozen"
+
+
+def model_variables(params, model_state) -> dict:
+    """The flax variables of (params, model_state): a fine-tuned model's frozen base and its
+    trained adapters make one `params` tree."""
+    if FROZEN not in model_state:
+        return {"params": params, **model_state}
+    merged = {**flatten_dict(model_state[FROZEN]), **flatten_dict(params)}
+    return {"params": unflatten_dict(merged), **{k: v for k, v in model_state.items() if k != FROZEN}}
+
+
+AUX = ("aux_loss", "routed", "dropped")  # the values models may sow there
+
+
+def split_variables(variables: Mapping) -> tuple[Any, dict]:
+    """A module's variables → (params, model state): the other collections but the sown ones."""
+    state = {k: v for k, v in variables.items() if k not in ("params", AUX_COLLECTION)}
+    return variables.get("params"), state
+
+
+def _aux_totals(sown) -> dict[str, jax.Array]:
+    """Each AUX value summed over every layer that sowed it (0 where none did)."""
+    totals = {name: jnp.zeros((), jnp.float32) for name in AUX}
+    for path, value in jax.tree_util.tree_flatten_with_path(sown)[0]:
+        name = next(str(k.key) for k in reversed(path) if hasattr(k, "key"))
+        totals[name] = totals[name] + jnp.sum(value.astype(jnp.float32))
+    return totals
+
+
+def _example_ids(batch, axis_name: Optional[str]) -> jax.Array:
+    """Each example's row in the global batch (dropout masks are drawn per row)."""
+    local = next(iter(batch.values())).shape[0]
+    ids = jnp.arange(local, dtype=jnp.int32)
+    if axis_name is not None:  # under pmap each device holds rows [index * local, (index + 1) * local)
+        ids = ids + jax.lax.axis_index(axis_name) * local
+    return ids
+
+
+def make_train_step(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    schedule: str,
+    grad_accum_steps: int = 1,
+    axis_name: Optional[str] = None,
+) -> Callable:
+    """train_step(state, batch) → (state, metrics); pure, so jit, pmap and eager all run it."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        if "example_id" not in batch:  # (DiLoCo's replicas are given their rows of the global batch)
+            batch = dict(batch, example_id=_example_ids(batch, axis_name))
+        if grad_accum_steps == 1:
+            (_, (metrics, model_state)), grads = grad_fn(
+                state.params, state.model_state, batch, rng, True, state.hparams
+            )
+        else:
+            # Microbatch k takes rows k, k + n, k + 2n, … (n = grad_accum_steps): each device keeps
+            # its own rows, so splitting a batch sharded on dim 0 needs no communication.
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]).swapaxes(0, 1),
+                batch,
+            )
+
+            def accumulate(carry, microbatch):
+                grad_sum, model_state = carry
+                (_, (metrics, model_state)), grads = grad_fn(
+                    state.params, model_state, microbatch, rng, True, state.hparams
+                )
+                # weighted by the microbatch's counted targets: the sum is the gradient of the
+                # whole batch's loss sum, also when microbatches count different numbers of
+                # targets (packed documents, padding)
+                weighted = jax.tree.map(lambda total, g: total + g * metrics["count"], grad_sum, grads)
+                return (weighted, model_state), metrics
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (grads, model_state), metrics = jax.lax.scan(accumulate, (zeros, state.model_state), micro)
+            metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+            grads = jax.tree.map(lambda g: g / jnp.maximum(metrics["count"], 1.0), grads)  # = one big batch's mean
+        if axis_name is not None:  # pmap: average over replicas (jit does this from the shardings)
+            grads = jax.lax.pmean(grads, axis_name)
+            metrics = jax.lax.psum(metrics, axis_name)
+            model_state = jax.lax.pmean(model_state, axis_name)
+        learning_rate = learning_rate_at(schedule, state.step, state.hparams)
+        opt_state = state.opt_state._replace(
+            hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate}
+        )
+        updates, new_opt_state = tx.update(grads, opt_state, state.params)
+        # the state keeps its dtypes (float32 hyperparameters would promote bfloat16 moments)
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_opt_state, opt_state)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=learning_rate)
+        new_state = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+# What a train step reports, in the order of the packed metrics array (see make_block_step);
+# a mixture's per-source counted tokens (`source_tokens`) follow them.
+TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate", "aux_loss", "routed", "dropped")
+
+
+def unpack_metrics(packed) -> list[dict]:
+    """A block step's packed metrics ([steps, len(TRAIN_METRICS) (+ sources)], on the host) →
+    one dict per step."""
+    steps = []
+    for row in packed:
+        metrics: dict[str, Any] = dict(zip(TRAIN_METRICS, map(float, row)))
+        if len(row) > len(TRAIN_METRICS):
+            metrics["source_tokens"] = [float(v) for v in row[len(TRAIN_METRICS) :]]
+        steps.append(metrics)
+    return steps
+
+
+def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, resident: bool = False) -> Callable:
+    """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
+    step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call,
+    len(TRAIN_METRICS)]).
+
+    Batches travel to the device a block at a time, so per step the host only dispatches;
+    with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and
+    the host dispatches once per call. The metrics come back as one array per call, not one
+    per metric: fewer buffers to create per call and to fetch per log line.
+
+    resident: the block is (the whole train split on the device, {"index": [steps, batch]});
+    each step gathers its batch's rows from the split (data.placement=device)."""
+
+    def one_step(state: TrainState, block):
+        if resident:
+            data, indices = block
+            index = jax.lax.dynamic_index_in_dim(indices["index"], state.step % steps, keepdims=False)
+            batch = {name: jnp.take(array, index, axis=0, mode="clip") for name, array in data.items()}
+        else:
+            batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
+        state, metrics = train_step(state, batch)
+        # (a leading replica axis on every metric, under DiLoCo: [replicas, columns])
+        packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS], axis=-1)
+        if "source_tokens" in metrics:
+            packed = jnp.concatenate([packed, metrics["source_tokens"].astype(jnp.float32)], axis=-1)
+        return state, packed
+
+    def block_step(state: TrainState, block):
+        if steps_per_call == 1:
+            state, packed = one_step(state, block)
+            return state, packed[None]
+        return jax.lax.scan(lambda state, _: one_step(state, block), state, length=steps_per_call)
+
+    return block_step
+
+
+def weights_of(state) -> dict:
+    """What evaluation, export and sampling read of a train state: {"params", "model_state"} (a
+    TrainState's, or the global ones of another state kind: engine/parallel/diloco.py's)."""
+    return {"params": state.params, "model_state": state.model_state}
+
+
+def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callable:
+    """eval_step(weights, batch) → metric sums over the batch's real (mask = 1) examples
+    (weights: weights_of(state))."""
+
+    def eval_step(weights: dict, batch):
+        _, (metrics, _) = loss_fn(weights["params"], weights["model_state"], batch, None, False)
+        if axis_name is not None:
+            metrics = jax.lax.psum(metrics, axis_name)
+        return metrics
+
+    return eval_step
