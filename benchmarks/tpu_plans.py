@@ -21,8 +21,7 @@ from engine.runtime import settings as process  # noqa: E402
 process.install()
 
 from engine.config import load_config  # noqa: E402
-from engine.plan.compiled import plan  # noqa: E402
-from engine.plan.compiled import as_record  # noqa: E402
+from engine.plan.compiled import as_record, plan  # noqa: E402
 from engine.plan.hlo import human_bytes  # noqa: E402
 from engine.plan.tpu import parse_target  # noqa: E402
 

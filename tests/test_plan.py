@@ -12,7 +12,7 @@ from conftest import ROOT, run_cli
 from engine.config import load_config
 from engine.errors import UsageError
 from engine.plan.compiled import plan, render, verdict
-from engine.plan.search import search
+from engine.plan.layouts import search
 from engine.plan.tpu import Target, parse_target
 
 pytest.importorskip("libtpu", reason="the TPU compiler (libtpu) is not installed")

@@ -1,5 +1,5 @@
 """`launch.py plan`: a run compiled for a TPU pod (compiled.py) and its verdict printed, or the
-ranked layouts of `--search` (search.py); chips and targets are engine/plan/tpu.py's."""
+ranked layouts of `--search` (layouts.py); chips and targets are engine/plan/tpu.py's."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Optional
 from engine.config import Config
 from engine.errors import UsageError
 from engine.plan.compiled import as_record, plan, render, verdict
-from engine.plan.search import render as render_search
-from engine.plan.search import search
+from engine.plan.layouts import render as render_search
+from engine.plan.layouts import search
 from engine.plan.tpu import parse_target
 
 
