@@ -399,16 +399,29 @@ class Checkpointer:
         return params, step
 
 
+def open_checkpoints(
+    directory: str | Path, cfg, *, write: bool = False, staging: Optional[str] = None, frozen_base: bool = True
+) -> Checkpointer:
+    """The one way the engine opens a checkpoint directory. `cfg` is the config of the run that
+    wrote (or writes) it: its keep, verification, barrier timeout, staging and keep_best; with
+    `frozen_base`, its fine-tuning base is stripped from saves and rejoined on restore.
+    Read-only unless `write`."""
+    return Checkpointer(
+        directory,
+        cfg.checkpoint.keep,
+        read_only=not write,
+        timeout_seconds=cfg.distributed.barrier_timeout,
+        staging=staging or cfg.checkpoint.staging,
+        verify=cfg.checkpoint.verify,
+        base=base_weights(cfg) if frozen_base else None,
+        best=(cfg.checkpoint.keep_best, cfg.checkpoint.best_mode) if write and cfg.checkpoint.keep_best else None,
+    )
+
+
 def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str, step: Optional[str] = None) -> Restored:
     """The newest readable checkpoint of the run in `workdir` (its config `cfg`), or the one `step`
     names (--step best or N), opened read-only (export, sample, evaluator); UsageError if none."""
-    checkpointer = Checkpointer(
-        Path(workdir) / "checkpoints",
-        cfg.checkpoint.keep,
-        read_only=True,
-        verify=cfg.checkpoint.verify,
-        base=base_weights(cfg),
-    )
+    checkpointer = open_checkpoints(Path(workdir) / "checkpoints", cfg)
     try:
         restored = checkpointer.restore(abstract_state, chosen_step(checkpointer, cfg, step))
     finally:
@@ -422,7 +435,7 @@ def load_base(base: BaseWeights, abstract_frozen):
     """A fine-tuning run's frozen base: the parameters of finetune.base's newest checkpoint,
     quantised as finetune.base_dtype says, in the shardings of `abstract_frozen`."""
     assert base.identity["sha256"]  # (a base without checkpoints: this raises the error naming finetune.base)
-    source = Checkpointer(base.checkpoints, 1, read_only=True, verify=base.cfg.checkpoint.verify)
+    source = open_checkpoints(base.checkpoints, base.cfg, frozen_base=False)
     try:
         params, _ = source.restore_params(base.plain(abstract_frozen))
     except UsageError as e:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from engine.checkpoint.inference import new_output_dir, run_config, staged
-from engine.checkpoint.store import Checkpointer, restore_newest
+from engine.checkpoint.store import open_checkpoints, restore_newest
 from engine.config import DataConfig, load_config, save_config, to_yaml
 from engine.errors import UsageError
 from engine.lm.chat import JINJA_FILE, check_imported_template
@@ -273,7 +273,7 @@ def _write_import(work: Path, files: dict[str, str], cfg, state, hf_path: Path) 
 
 def _save_step_zero(staging: Path, cfg, state, hf_path: Path) -> None:
     """The imported state as the run's checkpoint at step 0, in staging/checkpoints."""
-    checkpointer = Checkpointer(staging / "checkpoints", cfg.checkpoint.keep, verify=cfg.checkpoint.verify)
+    checkpointer = open_checkpoints(staging / "checkpoints", cfg, write=True, frozen_base=False)
     try:
         checkpointer.save(
             0,

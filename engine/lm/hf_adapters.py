@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from contract.adapters import HF_NAMES
-from engine.checkpoint.store import Checkpointer
+from engine.checkpoint.store import open_checkpoints
 from engine.errors import UsageError
 from engine.lm.finetune import ADAPTER_LEAVES, base_weights
 from engine.runtime.rundir import write_atomic
@@ -88,7 +88,7 @@ def peft_base(cfg, given: Optional[str] = None) -> str:
             f"Face directory holds, so the adapter directory cannot name it; {fix}"
         )
     step = base.identity["step"]
-    reader = Checkpointer(base.checkpoints, 1, read_only=True)
+    reader = open_checkpoints(base.checkpoints, base.cfg, frozen_base=False)
     try:
         meta = reader.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     finally:

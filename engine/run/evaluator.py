@@ -11,12 +11,11 @@ from pathlib import Path
 
 import jax
 
-from engine.checkpoint.store import Checkpointer
+from engine.checkpoint.store import Checkpointer, open_checkpoints
 from engine.config import Config, read_yaml_mapping
 from engine.data import eval_batches
 from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
-from engine.lm.finetune import base_weights
 from engine.observe.metrics import MetricWriter
 from engine.run.best import stopped_at
 from engine.run.setup import Run, build_run
@@ -74,17 +73,7 @@ def run_evaluator(
                 )
             )
         )
-        checkpointer = closing.enter_context(
-            contextlib.closing(
-                Checkpointer(
-                    directory,
-                    cfg.checkpoint.keep,
-                    read_only=True,
-                    verify=cfg.checkpoint.verify,
-                    base=base_weights(cfg),
-                )
-            )
-        )
+        checkpointer = closing.enter_context(contextlib.closing(open_checkpoints(directory, cfg)))
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
         recorded_preprocessing(workdir, run.dataset.info, "evaluate")  # (a table: the data it trained on)
         watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides

@@ -14,11 +14,10 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from engine.checkpoint.store import Checkpointer, InBackground
+from engine.checkpoint.store import Checkpointer, InBackground, open_checkpoints
 from engine.config import Config, to_yaml
 from engine.data import eval_batches
 from engine.errors import UsageError
-from engine.lm.finetune import base_weights
 from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.observe.trackers import open_trackers
@@ -150,16 +149,7 @@ def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_sto
         )
     )
     checkpointer = closing.enter_context(
-        contextlib.closing(
-            Checkpointer(
-                workdir / "checkpoints",
-                cfg.checkpoint.keep,
-                timeout_seconds=cfg.distributed.barrier_timeout,
-                staging="host_sync",
-                verify=cfg.checkpoint.verify,
-                base=base_weights(cfg),
-            )
-        )
+        contextlib.closing(open_checkpoints(workdir / "checkpoints", cfg, write=True, staging="host_sync"))
     )  # the slice saved is a copy already (Saves)
     return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
 

@@ -12,11 +12,11 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from engine.checkpoint.store import Checkpointer, load_base
+from engine.checkpoint.store import Checkpointer, load_base, open_checkpoints
 from engine.config import Config, save_config, to_yaml
 from engine.data.recorded import PREPROCESSING, check_preprocessing
 from engine.errors import UsageError
-from engine.lm.finetune import base_weights, base_workdir, with_frozen
+from engine.lm.finetune import base_workdir, with_frozen
 from engine.lm.tokenizer import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
 from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Goodput, Throughput, Window, fetch_rows, summary_text
@@ -243,15 +243,7 @@ def _open(
 
 
 def _checkpointer(cfg: Config) -> Checkpointer:
-    return Checkpointer(
-        Path(cfg.workdir) / "checkpoints",
-        cfg.checkpoint.keep,
-        staging=cfg.checkpoint.staging,
-        timeout_seconds=cfg.distributed.barrier_timeout,
-        verify=cfg.checkpoint.verify,
-        base=base_weights(cfg),
-        best=(cfg.checkpoint.keep_best, cfg.checkpoint.best_mode) if cfg.checkpoint.keep_best else None,
-    )
+    return open_checkpoints(Path(cfg.workdir) / "checkpoints", cfg, write=True)
 
 
 def _writer(cfg: Config, start: int, end: int) -> MetricWriter:
@@ -290,9 +282,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     cfg = run.cfg
     restored = checkpointer.restore(run.abstract_state)
     if restored is None and cfg.checkpoint.restore_from:
-        source = Checkpointer(
-            cfg.checkpoint.restore_from, cfg.checkpoint.keep, read_only=True, verify=cfg.checkpoint.verify
-        )
+        source = open_checkpoints(cfg.checkpoint.restore_from, cfg, frozen_base=False)
         if cfg.checkpoint.restore_mode == "params":
             params, _ = source.restore_params(run.abstract_state.params)
             _say(f"starting from the parameters in {cfg.checkpoint.restore_from} at step 0")
