@@ -18,7 +18,7 @@ from test_parallel import train_losses
 
 from conftest import ROOT, run_cli
 from engine.checkpoint.store import load_base, restore_newest
-from engine.checkpoint.store import store as checkpoint
+from engine.checkpoint import store as checkpoint
 from engine.config import load_config
 from engine.lm.finetune import base_weights, with_frozen
 from engine.run.setup import build_run
