@@ -63,7 +63,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint.store import Checkpointer, _pinned_host_copy  # noqa: E402
+from engine.checkpoint.staging import pinned_host_copy  # noqa: E402
+from engine.checkpoint.store import Checkpointer  # noqa: E402
 from engine.config import load_config, to_yaml  # noqa: E402
 from engine.run.setup import build_run  # noqa: E402
 from engine.runtime.rundir import write_sums  # noqa: E402
@@ -166,7 +167,7 @@ def main() -> None:
         blocked_device.append(async_save(device, step, state, meta(step))[0])
         blocked_sync.append(async_save(host_sync, step, state, meta(step))[0])
         began = time.perf_counter()
-        jax.block_until_ready(_pinned_host_copy(state))
+        jax.block_until_ready(pinned_host_copy(state))
         host_copy.append(time.perf_counter() - began)
         seconds, size = sync_save(base / f"sync_{rep}", step + 1, state, meta(step + 1))
         synchronous.append(seconds)
