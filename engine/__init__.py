@@ -1,2 +1,2 @@
 """The training engine: config → mesh → sharded state → one compiled step, driven by one loop
-(see docs/extending.md for the map of its modules)."""
+(docs/architecture.md maps its modules)."""
