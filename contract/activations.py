@@ -1,5 +1,6 @@
-"""Activation layout hints: models name the logical axes of an activation; while the engine
-traces a step it installs a function that pins them to its mesh. Models stay mesh-free."""
+"""Activation layout hints and the pipeline plan: models name the logical axes of an activation;
+while the engine traces a step it installs a function that pins them to its mesh. Models stay
+mesh-free. A layer stack's pipeline (StagePlan) reaches the model as a build option."""
 
 from __future__ import annotations
 
@@ -37,21 +38,18 @@ class StagePlan:
     microbatches: int = 1
 
 
-_constrainer: contextvars.ContextVar[Optional[Constrainer]] = contextvars.ContextVar("constrainer", default=None)
 ONE_STAGE = StagePlan()  # no pipeline
-_stages: contextvars.ContextVar[StagePlan] = contextvars.ContextVar("stages", default=ONE_STAGE)
+_constrainer: contextvars.ContextVar[Optional[Constrainer]] = contextvars.ContextVar("constrainer", default=None)
 
 
 @contextlib.contextmanager
-def constrained_activations(apply: Constrainer, stages: StagePlan = ONE_STAGE) -> Iterator[None]:
-    """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)`, and a layer stack
-    runs as the pipeline `stages` describes."""
-    token, stage_token = _constrainer.set(apply), _stages.set(stages)
+def constrained_activations(apply: Constrainer) -> Iterator[None]:
+    """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)`."""
+    token = _constrainer.set(apply)
     try:
         yield
     finally:
         _constrainer.reset(token)
-        _stages.reset(stage_token)
 
 
 def constrain(x, axes: tuple[Optional[str], ...]):
@@ -69,8 +67,3 @@ def activation_splits(logical: str) -> int:
     """Devices the step being traced splits this logical activation axis over; 1 outside one."""
     apply = _constrainer.get()
     return apply.splits.get(logical, 1) if apply is not None else 1
-
-
-def stage_plan() -> StagePlan:
-    """The pipeline the step being traced runs its layer stack as (one stage outside one)."""
-    return _stages.get()

@@ -1,15 +1,13 @@
-"""What fine-tuning changes in a model's projections, set by the engine while it builds a
-module (`adapting`), read by the families that support it (`current_adaptation`): LoRA
-adapters on the named projections and the dtype their matmuls run in. A quantised frozen
-base needs nothing here: a projection dequantises a kernel it is given quantised."""
+"""What fine-tuning changes in a model's projections (an Adaptation, which the engine passes to
+a family's build, models/family.py BuildOptions): LoRA adapters on the named projections and
+the dtype their matmuls run in. A quantised frozen base needs nothing here: a projection
+dequantises a kernel it is given quantised."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 # target groups every family with named projections understands (models/llama.py's names)
 TARGET_GROUPS = {
@@ -43,21 +41,6 @@ class Adaptation:
 
 
 NO_ADAPTATION = Adaptation()
-_current: contextvars.ContextVar[Adaptation] = contextvars.ContextVar("adaptation", default=NO_ADAPTATION)
-
-
-@contextlib.contextmanager
-def adapting(adaptation: Adaptation) -> Iterator[None]:
-    """Modules built inside this take `adaptation` (families without projections ignore it)."""
-    token = _current.set(adaptation)
-    try:
-        yield
-    finally:
-        _current.reset(token)
-
-
-def current_adaptation() -> Adaptation:
-    return _current.get()
 
 
 def targeted(patterns: list[str], projections: Mapping[str, object]) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.configs import CNNConfig
-from models.family import Classification, Family
+from models.family import NO_OPTIONS, BuildOptions, Classification, Family
 from models.layers import Dropout, dense, param_init
 
 
@@ -46,7 +46,7 @@ class CNN(nn.Module):
         return dense(self.num_classes, ("mlp", "classes"), self.dtype, self.param_dtype, name="logits")(x)
 
 
-def build(cfg: CNNConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+def build(cfg: CNNConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS) -> nn.Module:
     return CNN(tuple(cfg.channels), cfg.dense_size, info.num_classes, cfg.dropout_rate, dtype, param_dtype)
 
 

@@ -1,8 +1,9 @@
 """What a model family tells the engine, so that the engine never asks which model it runs.
 
 A family is one entry of `models.REGISTRY`: an object satisfying the `ModelFamily` protocol
-below. `Family` gives every capability its "not supported" default; a family subclasses it
-and overrides what it can do. Its config dataclass (the `model` section's keys, with a
+below, a small core (config, task, build, hyperparameters) and capability records (FLOPs,
+language model, layer stack, experts) that are None where unsupported. `Family` gives those
+defaults; a family subclasses it and sets what it can do. Its config dataclass (the `model` section's keys, with a
 `validate()` that raises ValueError) lives in models/configs.py.
 
 Nothing here imports the engine; the engine reads these declarations and nothing else.
@@ -11,10 +12,14 @@ Nothing here imports the engine; the engine reads these declarations and nothing
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import optax
+
+from contract.activations import ONE_STAGE, StagePlan
+from contract.adapters import NO_ADAPTATION, Adaptation
 
 
 class Classification:
@@ -122,43 +127,83 @@ class Task(Protocol):
     def eval_metrics(self, loss: float, info) -> dict[str, float]: ...
 
 
-class Generate(Protocol):
-    """Continuations of prompts, with a key/value cache."""
-
-    def __call__(
-        self,
-        cfg,
-        info,
-        params,
-        prompts: list[list[int]],
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int,
-        dtype,
-        stop_ids: Sequence[int] = (),
-        num_samples: int = 1,
-        on_step: Optional[Callable[[list[int]], Optional[Sequence[bool]]]] = None,
-    ) -> list[list[int]]:
-        """`num_samples` lists of new ids per prompt, prompt by prompt (models/sampling.py
-        generate: a sample ends after an id in `stop_ids`, or where `on_step`, seeing each
-        step's ids, says so)."""
-        ...
+# Text generation: models/sampling.py's `generate`, called as it is, on a module the family's
+# build made with `decode=True` (a key/value cache).
+Generate = Callable[..., list[list[int]]]
 
 
 class HFLayout(Protocol):
     """The family in Hugging Face's layout (see models/llama_hf.py)."""
 
-    ARCHITECTURES: tuple[str, ...]
+    @property
+    def ARCHITECTURES(self) -> tuple[str, ...]: ...  # Hugging Face's names of the model class
 
     def config_from_hf(self, hf: dict) -> dict: ...
     def config_to_hf(self, cfg, info, param_dtype: str) -> dict: ...
     def tensors(self, cfg) -> list: ...
 
 
+@dataclass(frozen=True)
+class BuildOptions:
+    """What a run asks of the module beyond its config; a family reads the options it supports
+    (`stages` a family with a LayerStack, `adaptation` one with projections)."""
+
+    batch_axis: Optional[str] = None  # the pmap axis batch statistics reduce over (None: jit)
+    stages: StagePlan = ONE_STAGE  # the layer stack run as this pipeline (one stage: not)
+    adaptation: Adaptation = NO_ADAPTATION  # LoRA adapters and quantised matmuls of the projections
+
+
+NO_OPTIONS = BuildOptions()
+
+
+@dataclass(frozen=True)
+class FlopsAccounting:
+    """The model FLOPs from the architecture, and the settings that change the compiled work
+    (recomputation, loops XLA counts once, custom calls it cannot count) but not those FLOPs."""
+
+    formula: str  # per_example in words, for the run summary
+    per_example: Callable[[Any, Any, int], float]  # (cfg, DataInfo, parameters) → training FLOPs of one example
+    work_settings: Mapping[str, Any] = field(default_factory=dict)  # config field → its plain reference value
+    formula_only: Callable[[Any], str] = lambda cfg: ""  # why XLA cannot count them ("": it can)
+
+    def settings_used(self, cfg, module) -> dict[str, Any]:
+        """The work settings as the built module resolved them (an `auto` setting names what it chose)."""
+        return {key: getattr(module, key, getattr(cfg, key)) for key in self.work_settings}
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """A model of token sequences (the NextToken task)."""
+
+    packed_documents: bool = False  # the module takes `segment_ids=` and `positions=` (attention within a document)
+    splits_sequence: bool = False  # the module splits its sequence over the context axis (activations on "seq")
+    generate: Optional[Generate] = None  # text generation (None: the family does not generate)
+    hf_layout: Optional[HFLayout] = None  # Hugging Face interop (None: no Hugging Face layout)
+    # The named projections (models/projection.py) that take LoRA adapters, a quantised base and
+    # quantised matmuls: name → (contracted input axes, output axes) of its kernel, which may have
+    # a leading stacked-layers axis ({}: fine-tuning is not supported).
+    projections: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A stack of layers the pipeline axis splits into stages: build runs it as the pipeline its
+    BuildOptions.stages describe."""
+
+    layers: Callable[[Any], int]  # cfg → layers in the stack (0: this config stacks none)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Routed mixture-of-experts layers, which the expert axis splits."""
+
+    count: Callable[[Any], int]  # cfg → routed experts per layer (0: this config has none)
+
+
 @runtime_checkable
 class ModelFamily(Protocol):
-    """What the engine may ask of a model family."""
+    """What the engine may ask of a model family: a core every family answers, and capability
+    records (flops, language_model, layer_stack, experts) that are None where unsupported."""
 
     @property
     def config_cls(self) -> type:
@@ -168,31 +213,24 @@ class ModelFamily(Protocol):
     @property
     def task(self) -> Task: ...
 
-    @property
-    def flops_formula(self) -> str:
-        """flops_per_example in words, for the run summary ("" = none)."""
-        ...
-
-    def build(self, cfg, info, dtype, param_dtype, batch_axis: Optional[str] = None) -> Any:
+    def build(self, cfg, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS) -> Any:
         """The flax module, called as module(inputs, train=..., example_ids=..., **hparams)."""
         ...
 
     @property
     def hparams(self) -> tuple[str, ...]: ...
     def hparam_values(self, cfg) -> dict[str, float]: ...
-    def flops_per_example(self, cfg, info, num_params: int) -> Optional[float]: ...
-    def work_settings(self) -> Mapping[str, Any]: ...
-    def work_settings_used(self, cfg, module) -> dict[str, Any]: ...
-    def formula_only(self, cfg) -> str: ...
-    def generator(self) -> Optional[Generate]: ...
-    def hf_layout(self) -> Optional[HFLayout]: ...
     def remat(self, cfg) -> Optional[str]: ...
-    def takes_packed_documents(self) -> bool: ...
-    def splits_sequence(self) -> bool: ...
-    def num_experts(self, cfg) -> int: ...
-    def layer_stack(self, cfg) -> int: ...
     def loops_fast_on_cpu(self) -> bool: ...
-    def projections(self) -> Mapping[str, tuple[int, int]]: ...
+
+    @property
+    def flops(self) -> Optional[FlopsAccounting]: ...
+    @property
+    def language_model(self) -> Optional[LanguageModel]: ...
+    @property
+    def layer_stack(self) -> Optional[LayerStack]: ...
+    @property
+    def experts(self) -> Optional[Experts]: ...
 
 
 class Family:
@@ -200,8 +238,11 @@ class Family:
 
     config_cls: ClassVar[type]
     task: ClassVar[Task]
-    flops_formula: ClassVar[str] = ""
-    build: Callable[..., Any]  # (cfg, DataInfo, dtype, param_dtype, batch_axis) → flax module
+    build: Callable[..., Any]  # (cfg, DataInfo, dtype, param_dtype, BuildOptions) → flax module
+    flops: ClassVar[Optional[FlopsAccounting]] = None  # None: no formula, XLA's count alone
+    language_model: ClassVar[Optional[LanguageModel]] = None
+    layer_stack: ClassVar[Optional[LayerStack]] = None  # None: the pipeline axis is unsupported
+    experts: ClassVar[Optional[Experts]] = None
 
     @property
     def hparams(self) -> tuple[str, ...]:
@@ -214,58 +255,34 @@ class Family:
         """The hparams' values in this model config."""
         return {name: float(getattr(cfg, name)) for name in self.hparams}
 
-    def flops_per_example(self, cfg, info, num_params: int) -> Optional[float]:
-        """Training FLOPs (forward + backward) of one example, from the architecture (None: no formula)."""
-        return None
-
-    def work_settings(self) -> Mapping[str, Any]:
-        """Config fields that change the compiled work (recomputation, loops XLA counts once, custom
-        calls it cannot count) but not the model FLOPs → their plain reference value."""
-        return {}
-
-    def work_settings_used(self, cfg, module) -> dict[str, Any]:
-        """The work settings as the built module resolved them (an `auto` setting names what it chose)."""
-        return {key: getattr(module, key, getattr(cfg, key)) for key in self.work_settings()}
-
-    def formula_only(self, cfg) -> str:
-        """Why the model FLOPs come from flops_per_example alone ("" = XLA counts them)."""
-        return ""
-
-    def generator(self) -> Optional[Generate]:
-        """Text generation with a key/value cache (None: the family does not generate)."""
-        return None
-
-    def hf_layout(self) -> Optional[HFLayout]:
-        """Hugging Face interop (None: no Hugging Face layout)."""
-        return None
-
     def remat(self, cfg) -> Optional[str]:
         """The activation rematerialisation policy in use (model.remat: none, dots or full); None
         when the family has no such setting."""
         return None
 
-    def takes_packed_documents(self) -> bool:
-        """The module takes `segment_ids=` and `positions=` (attention within each document)."""
-        return False
-
-    def splits_sequence(self) -> bool:
-        """The module splits its sequence over the context axis (activations on "seq")."""
-        return False
-
-    def num_experts(self, cfg) -> int:
-        """Routed experts per mixture-of-experts layer (0: none)."""
-        return 0
-
-    def layer_stack(self, cfg) -> int:
-        """Layers in the scanned stack the pipeline axis splits into stages (0: no stack)."""
-        return 0
-
     def loops_fast_on_cpu(self) -> bool:
         """XLA:CPU runs its steps as fast inside a device-side loop (train.steps_per_call > 1)."""
         return True
 
-    def projections(self) -> Mapping[str, tuple[int, int]]:
-        """The named projections (models/projection.py) that take LoRA adapters, a quantised
-        base and quantised matmuls: name → (contracted input axes, output axes) of its kernel,
-        which may have a leading stacked-layers axis ({}: fine-tuning is not supported)."""
-        return {}
+
+# What the engine reads of a capability, "unsupported" where the family has none.
+
+
+def projections(family: ModelFamily) -> Mapping[str, tuple[int, int]]:
+    """The family's adaptable projections ({}: it cannot be fine-tuned)."""
+    return family.language_model.projections if family.language_model else {}
+
+
+def stacked_layers(family: ModelFamily, cfg) -> int:
+    """Layers in the stack the pipeline axis splits into stages (0: no stack)."""
+    return family.layer_stack.layers(cfg) if family.layer_stack else 0
+
+
+def num_experts(family: ModelFamily, cfg) -> int:
+    """Routed experts per mixture-of-experts layer (0: none)."""
+    return family.experts.count(cfg) if family.experts else 0
+
+
+def splits_sequence(family: ModelFamily) -> bool:
+    """The module splits its sequence over the context axis."""
+    return bool(family.language_model and family.language_model.splits_sequence)

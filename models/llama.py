@@ -28,11 +28,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from contract.activations import activation_splits, constrain, stage_plan
-from contract.adapters import NO_ADAPTATION, Adaptation, current_adaptation
+from contract.activations import ONE_STAGE, StagePlan, activation_splits, constrain
+from contract.adapters import NO_ADAPTATION, Adaptation
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
-from models.family import Family, NextToken
+from models.family import (
+    NO_OPTIONS,
+    BuildOptions,
+    Experts,
+    Family,
+    FlopsAccounting,
+    LanguageModel,
+    LayerStack,
+    NextToken,
+)
 from models.layers import LMHead, fused_cross_entropy, kv_cache, param_init
 from models.moe import MoE
 from models.pipeline import run_pipeline
@@ -91,6 +100,7 @@ class Attention(nn.Module):
     implementation: str
     decode: bool = False
     adapt: Adaptation = NO_ADAPTATION
+    pipelined: bool = False  # a stage of a pipeline (models/pipeline.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -117,7 +127,9 @@ class Attention(nn.Module):
             k, v, mask = kv_cache(self, k, v, segment_ids)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         elif self.implementation == "splash" and not context:  # Pallas flash kernel: no [seq, seq] scores
-            y = splash_attention(q, k, v, segment_ids, interpret=jax.default_backend() != "tpu")
+            y = splash_attention(
+                q, k, v, segment_ids, interpret=jax.default_backend() != "tpu", pipelined=self.pipelined
+            )
         elif segment_ids is not None:  # packed documents: causal and within the query's document
             length = x.shape[1]
             causal = jnp.tril(jnp.ones((length, length), bool))
@@ -140,6 +152,7 @@ class Block(nn.Module):
     decode: bool = False
     moe: bool = False  # a mixture-of-experts layer (else a dense MLP)
     adapt: Adaptation = NO_ADAPTATION
+    pipelined: bool = False  # a stage of a pipeline (models/pipeline.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -147,9 +160,16 @@ class Block(nn.Module):
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
         x = constrain(
             x
-            + Attention(cfg, self.dtype, self.param_dtype, self.implementation, self.decode, self.adapt, name="attn")(
-                y, positions, segment_ids
-            ),
+            + Attention(
+                cfg,
+                self.dtype,
+                self.param_dtype,
+                self.implementation,
+                self.decode,
+                self.adapt,
+                self.pipelined,
+                name="attn",
+            )(y, positions, segment_ids),
             ("batch", "seq", None),
         )
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
@@ -199,6 +219,7 @@ class Llama(nn.Module):
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation
     decode: bool = False  # use and fill the key/value cache (generation)
     adapt: Adaptation = NO_ADAPTATION  # LoRA adapters, quantised matmuls (models/projection.py)
+    stages: StagePlan = ONE_STAGE  # the scanned layers as a pipeline (models/pipeline.py)
 
     @nn.compact
     def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None, segment_ids=None):
@@ -219,9 +240,8 @@ class Llama(nn.Module):
             embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")),
         )
         x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
-        plan = stage_plan()
-        if cfg.scan_layers and plan.stages > 1 and not self.is_initializing() and not self.decode:
-            x = self._pipelined(x, positions, segment_ids, plan)
+        if cfg.scan_layers and self.stages.stages > 1 and not self.is_initializing() and not self.decode:
+            x = self._pipelined(x, positions, segment_ids)
         elif cfg.scan_layers:
             layers = nn.scan(
                 ScannedBlock,
@@ -254,17 +274,18 @@ class Llama(nn.Module):
             head = LMHead(cfg.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         return head(x) if targets is None else head.loss(x, targets, cfg.loss_chunk)
 
-    def _pipelined(self, x, positions, segment_ids, plan):
+    def _pipelined(self, x, positions, segment_ids):
         """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""
         cfg = self.cfg
-        block = Block(cfg, self.dtype, self.param_dtype, self.attention, False, False, self.adapt)
+        block = Block(cfg, self.dtype, self.param_dtype, self.attention, False, False, self.adapt, pipelined=True)
 
         def layer(params, h, pos, seg):
             return block.apply({"params": params}, h, pos, seg)
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
-        return run_pipeline(layer, self.variables["params"]["layers"]["block"], x, positions, segment_ids, plan)
+        params = self.variables["params"]["layers"]["block"]
+        return run_pipeline(layer, params, x, positions, segment_ids, self.stages)
 
 
 class _TiedHead:
@@ -281,7 +302,10 @@ class _TiedHead:
         return fused_cross_entropy(x, self.embed.embedding.T, targets, jnp.dtype(self.dtype), chunk)
 
 
-def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, decode: bool = False) -> nn.Module:
+def build(
+    cfg: LlamaConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS, decode: bool = False
+) -> nn.Module:
+    """The module; `decode`: with a key/value cache, for generation (models/sampling.py)."""
     attention = cfg.attention
     if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -299,7 +323,7 @@ def build(cfg: LlamaConfig, info, dtype, param_dtype, batch_axis_name=None, deco
             f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
             f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0"
         )
-    return Llama(cfg, vocab, dtype, param_dtype, attention, decode, current_adaptation())
+    return Llama(cfg, vocab, dtype, param_dtype, attention, decode, options.adaptation, options.stages)
 
 
 def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
@@ -328,52 +352,45 @@ PROJECTIONS = {
     "down": (1, 1),
 }
 
-# continuations of prompts, with a key/value cache (models/sampling.py)
-generate = sampling.cached_generator(build)
+
+def _formula_only(cfg: LlamaConfig) -> str:
+    # XLA would count every expert's capacity slots and the dispatch einsums (one-hot), or
+    # every expert's product with every routed row (ragged: XLA:CPU's dense lowering)
+    return "a mixture of experts counts its active experts only" if cfg.num_experts else ""
+
+
+def _stacked_layers(cfg: LlamaConfig) -> int:
+    return cfg.num_layers if cfg.scan_layers else 0
+
+
+def _num_experts(cfg: LlamaConfig) -> int:
+    return cfg.num_experts
 
 
 class LlamaFamily(Family):
     config_cls = LlamaConfig
     task = NextToken()
-    flops_formula = "6*N_matmul*tokens + 6*layers*heads*head_dim*seq_len*tokens (causal)"
     build = staticmethod(build)
-
-    def flops_per_example(self, cfg, info, num_params: int) -> float:
-        return flops_per_example(cfg, info, num_params)
-
-    def work_settings(self) -> dict:
+    flops = FlopsAccounting(
+        formula="6*N_matmul*tokens + 6*layers*heads*head_dim*seq_len*tokens (causal)",
+        per_example=flops_per_example,
         # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
         # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
-        return {"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"}
-
-    def formula_only(self, cfg) -> str:
-        # XLA would count every expert's capacity slots and the dispatch einsums (one-hot), or
-        # every expert's product with every routed row (ragged: XLA:CPU's dense lowering)
-        return "a mixture of experts counts its active experts only" if cfg.num_experts else ""
-
-    def generator(self):
-        return generate
-
-    def hf_layout(self):
-        return llama_hf
+        work_settings={"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"},
+        formula_only=_formula_only,
+    )
+    language_model = LanguageModel(
+        packed_documents=True,
+        splits_sequence=True,
+        generate=sampling.generate,
+        hf_layout=llama_hf,
+        projections=PROJECTIONS,
+    )
+    layer_stack = LayerStack(_stacked_layers)
+    experts = Experts(_num_experts)
 
     def remat(self, cfg) -> str:
         return cfg.remat
-
-    def takes_packed_documents(self) -> bool:
-        return True
-
-    def splits_sequence(self) -> bool:
-        return True
-
-    def num_experts(self, cfg) -> int:
-        return cfg.num_experts
-
-    def layer_stack(self, cfg) -> int:
-        return cfg.num_layers if cfg.scan_layers else 0
-
-    def projections(self) -> dict[str, tuple[int, int]]:
-        return PROJECTIONS
 
 
 FAMILY = LlamaFamily()

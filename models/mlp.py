@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.configs import MLPConfig
-from models.family import Classification, Family
+from models.family import NO_OPTIONS, BuildOptions, Classification, Family
 from models.layers import Dropout, dense
 
 
@@ -29,7 +29,7 @@ class MLP(nn.Module):
         return dense(self.num_classes, (in_axis, "classes"), self.dtype, self.param_dtype, name="logits")(x)
 
 
-def build(cfg: MLPConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+def build(cfg: MLPConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS) -> nn.Module:
     return MLP(tuple(cfg.hidden_sizes), info.num_classes, cfg.dropout_rate, dtype, param_dtype)
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from models.cnn import conv
 from models.configs import STAGES, ResNetConfig
-from models.family import Classification, Family
+from models.family import NO_OPTIONS, BuildOptions, Classification, Family
 from models.layers import dense, param_init
 
 
@@ -91,10 +91,10 @@ class ResNet(nn.Module):
         return dense(self.num_classes, ("embed", "classes"), self.dtype, self.param_dtype, name="logits")(x)
 
 
-def build(cfg: ResNetConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+def build(cfg: ResNetConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS) -> nn.Module:
     cifar_stem = cfg.stem == "cifar" or (cfg.stem == "auto" and info.input_shape[0] <= 64)
     return ResNet(
-        cfg.depth, cfg.width, info.num_classes, cifar_stem, cfg.bn_momentum, dtype, param_dtype, batch_axis_name
+        cfg.depth, cfg.width, info.num_classes, cifar_stem, cfg.bn_momentum, dtype, param_dtype, options.batch_axis
     )
 
 

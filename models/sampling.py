@@ -3,7 +3,8 @@ step per new token. Greedy at temperature 0; otherwise temperature and nucleus (
 sampling, with the key of token i drawn from fold_in(key(seed), i): deterministic for a seed.
 
 Works with any module that takes `decode=True`-style caching through the `cache`
-collection and `positions=` (models/llama.py)."""
+collection and `positions=` (models/llama.py); `generate` is what a family's LanguageModel
+names as its generator (models/family.py)."""
 
 from __future__ import annotations
 
@@ -98,29 +99,6 @@ def left_padded(rows: list[list[int]]):
     segments = (np.arange(width)[None, :] >= pads).astype(np.int32)
     positions = np.maximum(np.arange(width)[None, :] - pads, 0).astype(np.int32)
     return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
-
-
-def cached_generator(build: Callable) -> Callable:
-    """A family's generator (models/family.py Generate) from its `build(..., decode=True)`."""
-
-    def generate_with(
-        cfg,
-        info,
-        params,
-        prompts: list[list[int]],
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int,
-        dtype,
-        stop_ids: Sequence[int] = (),
-        num_samples: int = 1,
-        on_step=None,
-    ) -> list[list[int]]:
-        module = build(cfg, info, dtype, jax.tree.leaves(params)[0].dtype, decode=True)
-        return generate(module, params, prompts, max_tokens, temperature, top_p, seed, stop_ids, num_samples, on_step)
-
-    return generate_with
 
 
 def greedy_without_cache(module, params, prompt: list[int], max_tokens: int) -> list[int]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
-from contract.activations import current_layout, stage_plan
+from contract.activations import current_layout
 from models.configs import ModelError
 
 BLOCKS = (512, 256, 128)  # tile sizes tried, largest first; the kernel's tiles are multiples of 128
@@ -58,10 +58,11 @@ def _local_attention(q, k, v, segment_ids, block: int, interpret: bool):
     return jnp.swapaxes(y, 1, 2)  # [batch, seq, heads, dim]
 
 
-def splash_attention(q, k, v, segment_ids=None, *, interpret: bool, block: int | None = None):
+def splash_attention(q, k, v, segment_ids=None, *, interpret: bool, block: int | None = None, pipelined: bool = False):
     """Causal attention of q [batch, seq, heads, dim] over k, v [batch, seq, kv_heads, dim] →
     [batch, seq, heads, dim]; segment_ids [batch, seq]: a token attends only within its segment.
-    Under a mesh it runs per device (jax.shard_map) over the batch and head splits."""
+    Under a mesh it runs per device (jax.shard_map) over the batch and head splits, which a
+    `pipelined` layer (a pipeline stage) cannot."""
     seq = q.shape[1]
     block = block or block_size(seq)
     if seq % block:
@@ -74,7 +75,7 @@ def splash_attention(q, k, v, segment_ids=None, *, interpret: bool, block: int |
         interpret = layout.mesh.devices.flat[0].platform != "tpu"
     if layout is None or layout.mesh.size == 1:
         return _local_attention(q, k, v, segment_ids, block, interpret)
-    if layout.vmapped or stage_plan().stages > 1:
+    if layout.vmapped or pipelined:
         raise ModelError(
             "model.attention=splash runs per device (jax.shard_map), which a vmapped step (DiLoCo "
             "replicas, vectorised trials) or a pipeline cannot hold; use model.attention=xla there"

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from models.configs import ModelError, TabularConfig
-from models.family import Family
+from models.family import NO_OPTIONS, BuildOptions, Family
 from models.layers import Dropout, dense, param_init
 
 ROWS_MULTIPLE = 8  # table rows padded so that a table splits evenly over up to 8 devices
@@ -124,7 +124,7 @@ class WideDeep(nn.Module):
         return out + bias
 
 
-def build(cfg: TabularConfig, info, dtype, param_dtype, batch_axis_name=None) -> nn.Module:
+def build(cfg: TabularConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS) -> nn.Module:
     if not info.preprocessing_data:
         raise ModelError("model.name=tabular reads a table: set data.name=table with data.features")
     spec = json.loads(info.preprocessing_data)

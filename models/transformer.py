@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from contract.activations import constrain
 from models import gpt2_hf, sampling
 from models.configs import ModelError, TransformerConfig
-from models.family import Family, NextToken
+from models.family import NO_OPTIONS, BuildOptions, Family, FlopsAccounting, LanguageModel, NextToken
 from models.layers import Dropout, LMHead, dense, kv_cache, param_init
 
 REMAT_POLICIES = {
@@ -164,7 +164,10 @@ class Transformer(nn.Module):
         return head(x) if targets is None else head.loss(x, targets, self.loss_chunk)
 
 
-def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None, decode: bool = False) -> nn.Module:
+def build(
+    cfg: TransformerConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS, decode: bool = False
+) -> nn.Module:
+    """The module; `decode`: with a key/value cache, for generation (models/sampling.py)."""
     attention = cfg.attention
     if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
         low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -191,10 +194,6 @@ def build(cfg: TransformerConfig, info, dtype, param_dtype, batch_axis_name=None
     )
 
 
-# continuations of prompts, with a key/value cache (models/sampling.py)
-generate = sampling.cached_generator(build)
-
-
 def flops_per_example(cfg: TransformerConfig, info, num_params: int) -> float:
     """Training FLOPs of one sequence: 6·N per token (forward + backward) plus attention's
     12·L·d·T per token (QKᵀ and AV, forward and backward, without causal savings)."""
@@ -205,28 +204,18 @@ def flops_per_example(cfg: TransformerConfig, info, num_params: int) -> float:
 class TransformerFamily(Family):
     config_cls = TransformerConfig
     task = NextToken()
-    flops_formula = "6*N*tokens + 12*layers*d_model*seq_len*tokens"
     build = staticmethod(build)
-
-    def flops_per_example(self, cfg, info, num_params: int) -> float:
-        return flops_per_example(cfg, info, num_params)
-
-    def work_settings(self) -> dict:
+    flops = FlopsAccounting(
+        formula="6*N*tokens + 12*layers*d_model*seq_len*tokens",
+        per_example=flops_per_example,
         # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
         # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
-        return {"remat": "none", "loss_chunk": 0, "attention": "xla"}
+        work_settings={"remat": "none", "loss_chunk": 0, "attention": "xla"},
+    )
+    language_model = LanguageModel(packed_documents=True, generate=sampling.generate, hf_layout=gpt2_hf)
 
     def remat(self, cfg) -> str:
         return cfg.remat
-
-    def generator(self):
-        return generate
-
-    def hf_layout(self):
-        return gpt2_hf
-
-    def takes_packed_documents(self) -> bool:
-        return True
 
 
 FAMILY = TransformerFamily()

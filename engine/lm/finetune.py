@@ -196,8 +196,9 @@ def base_weights(cfg) -> Optional[BaseWeights]:
     if not (lora_on(cfg) and cfg.finetune.base):
         return None
     from models import REGISTRY
+    from models.family import projections
 
-    return BaseWeights(cfg, REGISTRY[cfg.model.name].projections())
+    return BaseWeights(cfg, projections(REGISTRY[cfg.model.name]))
 
 
 def base_workdir(cfg) -> Optional[Path]:

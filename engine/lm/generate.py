@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 
-from contract.adapters import adapting
 from engine.checkpoint.inference import run_config
 from engine.checkpoint.store import restore_newest
 from engine.errors import UsageError
@@ -21,6 +21,7 @@ from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_
 from engine.plan.hlo import human_bytes
 from engine.run.setup import build_run, device_memory_bytes
 from engine.run.step import model_variables
+from models.family import BuildOptions, projections
 
 DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)
 # A prompt of more characters than context x this cannot fit the context: text averages 3 to 5
@@ -75,17 +76,16 @@ def sample(
             return None
         return [any(stop in decode([t for t in row[-tail:] if t < vocab]) for stop in stop_strings) for row in rows]
 
-    with _progress(max_tokens) as bar, adapting(finetune.adaptation(cfg, run.model.family.projections())):
+    params = model_variables(restored.state.params, restored.state.model_state)["params"]
+    with _progress(max_tokens) as bar:
         samples = generate(
-            cfg.model,
-            info,
-            model_variables(restored.state.params, restored.state.model_state)["params"],
+            _decoder(cfg, run, jax.tree.leaves(params)[0].dtype, adapted=True),
+            params,
             prompt_ids,
             max_tokens,
             temperature,
             top_p,
             seed,
-            jnp.dtype(cfg.train.compute_dtype),
             stop_ids=stops,
             num_samples=num_samples,
             on_step=on_step,
@@ -121,13 +121,10 @@ def _memory_check(cfg, run, num_samples: int, prompts: int):
     """check(prompt tokens, new tokens): UsageError unless the key/value cache and the prompts'
     logits of every sample of every prompt (one batch), beside the run's state, fit in
     MEMORY_FRACTION of a device's memory; checked from shapes, before anything is allocated."""
-    import jax
-
     params = jax.tree.leaves(run.abstract_state.params)
-    family, info = run.model.family, run.dataset.info
-    # the generator's decoder (models/sampling.py cached_generator) on one token of one row: its
-    # cache leaves [(layers,) batch, slots, ...] give the bytes a row holds per token
-    decoder = family.build(cfg.model, info, jnp.dtype(cfg.train.compute_dtype), params[0].dtype, decode=True)
+    # the generator's decoder on one token of one row: its cache leaves
+    # [(layers,) batch, slots, ...] give the bytes a row holds per token
+    decoder = _decoder(cfg, run, params[0].dtype)
     logits, variables = jax.eval_shape(
         lambda: decoder.init_with_output(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), train=False)
     )
@@ -155,9 +152,20 @@ def _memory_check(cfg, run, num_samples: int, prompts: int):
     return check
 
 
+def _decoder(cfg, run, param_dtype, adapted: bool = False):
+    """The run's model with a key/value cache (`decode=True`), with the run's LoRA adapters and
+    quantised matmuls where `adapted`."""
+    family = run.model.family
+    options = BuildOptions(adaptation=finetune.adaptation(cfg, projections(family))) if adapted else BuildOptions()
+    return family.build(
+        cfg.model, run.dataset.info, jnp.dtype(cfg.train.compute_dtype), param_dtype, options, decode=True
+    )
+
+
 def _generator(cfg, run):
     """The run's family's text generator; UsageError for a model or data that makes no text."""
-    generate = run.model.family.generator()
+    language_model = run.model.family.language_model
+    generate = language_model.generate if language_model else None
     if generate is None:
         raise UsageError(
             f"model.name={cfg.model.name} does not generate text; train a language model such as model.name=llama"

@@ -60,8 +60,13 @@ def _check_pipeline(ctx: AxisContext, size: int) -> None:
     check_pipeline(ctx, size)
 
 
+def _experts(ctx: AxisContext) -> int:
+    """Routed experts per layer of the model (0: none; models/family.py Experts)."""
+    return ctx.family.experts.count(ctx.model) if ctx.family.experts else 0
+
+
 def _check_expert(ctx: AxisContext, size: int) -> None:
-    experts = ctx.family.num_experts(ctx.model)
+    experts = _experts(ctx)
     if experts % size:
         raise UsageError(
             f"model.num_experts={experts} is not divisible by mesh.expert={size}; choose a mesh.expert "
@@ -86,7 +91,7 @@ AXES: tuple[MeshAxis, ...] = (  # outer to inner: the innermost axes get the clo
         params=("layers",),
         activations=("stage",),
         needs="a layer stack (llama with model.scan_layers=true)",
-        supported=lambda ctx: ctx.family.layer_stack(ctx.model) > 0,
+        supported=lambda ctx: bool(ctx.family.layer_stack and ctx.family.layer_stack.layers(ctx.model)),
         check=lambda ctx, size: _check_pipeline(ctx, size),
     ),
     MeshAxis("data", "data-parallel replicas (-1 = all remaining devices)", default=-1, batch=True),
@@ -106,7 +111,7 @@ AXES: tuple[MeshAxis, ...] = (  # outer to inner: the innermost axes get the clo
         priority=1,
         activations=("expert",),
         needs="a mixture of experts (model.num_experts > 0)",
-        supported=lambda ctx: ctx.family.num_experts(ctx.model) > 0,
+        supported=lambda ctx: _experts(ctx) > 0,
         check=_check_expert,
     ),
     MeshAxis(
@@ -114,7 +119,7 @@ AXES: tuple[MeshAxis, ...] = (  # outer to inner: the innermost axes get the clo
         "each sequence split over these devices (attention gathers keys and values)",
         activations=("seq",),
         needs="a model that splits its sequence (llama)",
-        supported=lambda ctx: ctx.family.splits_sequence(),
+        supported=lambda ctx: bool(ctx.family.language_model and ctx.family.language_model.splits_sequence),
         check=_check_context,
     ),
     MeshAxis(

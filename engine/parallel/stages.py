@@ -14,6 +14,7 @@ import numpy as np
 
 from contract.activations import ONE_STAGE, StagePlan
 from engine.errors import UsageError
+from models.family import num_experts, stacked_layers
 
 
 def stage_plan(cfg, stages: int) -> StagePlan:
@@ -29,7 +30,7 @@ def check_pipeline(ctx, stages: int) -> None:
     and the combinations the pipeline supports (data, fsdp and tensor parallel beside it)."""
     cfg, family = ctx.cfg, ctx.family
     plan = stage_plan(cfg, stages)
-    layers = family.layer_stack(cfg.model)
+    layers = stacked_layers(family, cfg.model)
     if layers % (stages * plan.repeats):
         raise UsageError(
             f"the model's {layers} layers do not divide into mesh.pipeline={stages} stages x "
@@ -46,9 +47,9 @@ def check_pipeline(ctx, stages: int) -> None:
                 f"mesh.pipeline={stages} with mesh.{axis}={ctx.sizes[axis]} is not supported; the "
                 f"pipeline composes with mesh.data, mesh.fsdp and mesh.tensor: set mesh.{axis}=1"
             )
-    if family.num_experts(cfg.model):
+    if num_experts(family, cfg.model):
         raise UsageError(
-            f"mesh.pipeline={stages} with model.num_experts={family.num_experts(cfg.model)} is not "
+            f"mesh.pipeline={stages} with model.num_experts={num_experts(family, cfg.model)} is not "
             "supported (the experts' routing statistics do not cross stages); set mesh.pipeline=1"
         )
     shards = int(np.prod([ctx.sizes.get(a, 1) for a in ("data", "fsdp", "expert")]))

@@ -6,6 +6,7 @@ plan_run and compile_plan), on the target's chips instead of this host's devices
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -15,7 +16,7 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from engine.config import Config
+from engine.config import Config, with_keys
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
@@ -27,6 +28,7 @@ from engine.plan.hlo import Collective, human_bytes
 from engine.plan.tpu import Target
 from engine.run.setup import compile_plan, plan_run
 from models import REGISTRY
+from models.family import stacked_layers
 
 MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at
 
@@ -97,19 +99,18 @@ def plan(
     _check_slices(cfg, target)
     if len(group) <= 1:  # (a vectorised group's mesh takes a trial axis: build_group checks it)
         _check_mesh(cfg, target)
-    for each in [cfg, *group]:
-        each.data.verify = False  # a plan reads a corpus's shapes (its manifest), not its shards
-        each.train.compilation_cache_dir = ""
+    cfg, group = _for_plan(cfg), [_for_plan(each) for each in group]
     copies, started = max(len(group), 1), time.perf_counter()
     try:
         with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
             program, compiled, state, block = _compile(cfg, target, group, Phases(started, progress))
     except _Refused as refused:
-        planned = _planned(cfg, target, refused.program.mesh)
+        planned = _planned(refused.program.cfg, target, refused.program.mesh)
         planned.refused = refused.text
         params, optimizer, other, block = refused.parts
         planned.programs.append(Program("train", params, optimizer, other, block, -1, -1, 0.0))
         return planned
+    cfg = program.cfg  # (the steps per call the run takes: setup.Plan.cfg)
     planned = _planned(cfg, target, program.mesh)
     parts = _parts(state)
     planned.programs.append(_program("train", compiled.program, (*parts, block), time.perf_counter() - started))
@@ -119,10 +120,17 @@ def plan(
     planned.collectives = hlo.program_collectives(compiled.program.as_text(), program.mesh.size, slice_of)
     info, family = program.dataset.info, program.family
     num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(program.state.abstract.params))
-    per_example = family.flops_per_example(cfg.model, info, num_params) or 0.0
+    per_example = family.flops.per_example(cfg.model, info, num_params) if family.flops else 0.0
     planned.flops_per_chip = per_example * cfg.train.global_batch_size * copies / program.mesh.size
     planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
     return planned
+
+
+def _for_plan(cfg: Config) -> Config:
+    """The config as a plan builds it: a corpus's shapes read from its manifest, its shards not
+    checked; no persistent compilation cache."""
+    data = with_keys(cfg.data, verify=False) if hasattr(cfg.data, "verify") else cfg.data
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, compilation_cache_dir=""))
 
 
 class _Refused(Exception):
@@ -267,7 +275,7 @@ def render(planned: Planned) -> str:
     lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
     stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
     if stages.stages > 1:
-        lines.append(describe_pipeline(stages, REGISTRY[planned.cfg.model.name].layer_stack(planned.cfg.model)))
+        lines.append(describe_pipeline(stages, stacked_layers(REGISTRY[planned.cfg.model.name], planned.cfg.model)))
     lines += _memory_table(planned)
     if planned.refused:
         lines.append(f"the TPU compiler refused the train program: {planned.refused}")

@@ -10,11 +10,11 @@ from engine.config import Config
 from engine.parallel import diloco
 from engine.parallel.sharding import per_device_bytes
 from engine.parallel.stages import describe as describe_pipeline
-from engine.parallel.stages import stage_plan
 from engine.plan import hlo
 from engine.plan.hlo import human_bytes
 from engine.run.setup import Run, build_run
 from engine.run.step import FROZEN
+from models.family import stacked_layers
 
 
 def dry_run_report(run: Run) -> str:
@@ -63,12 +63,12 @@ def dry_run_report(run: Run) -> str:
         )
     if isinstance(state, diloco.DilocoState):  # DiLoCo: the replicas, and what a round's outer step sends
         layout = diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, total_params)
-        outer = hlo.hlo_collectives(run.compiled.sync_step.as_text(), run.mesh.size)
+        outer = hlo.hlo_collectives(run.compiled.sync.program.as_text(), run.mesh.size)
         lines.append(f"{layout.text()}; replicas' state per device {human_bytes(per_device_bytes(state.replicas))}")
         lines.append(f"collectives of the outer step (once per round): {hlo.summary(outer)}")
-    plan = stage_plan(cfg, run.mesh.shape["pipeline"])
+    plan = run.blueprint.stages  # the pipeline the run was built with
     if plan.stages > 1:
-        lines.append(describe_pipeline(plan, run.model.family.layer_stack(cfg.model)))
+        lines.append(describe_pipeline(plan, stacked_layers(run.model.family, cfg.model)))
     flops = run.cost.flops_per_device_step
     lines.append(
         f"model FLOPs per step ({run.cost.source}): {flops:.4g} per device, {flops * run.mesh.size:.4g} in "
@@ -90,9 +90,9 @@ def startup_lines(run: Run) -> list[str]:
     ]
     if isinstance(state, diloco.DilocoState):
         lines.append(diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, params).text())
-    plan = stage_plan(cfg, run.mesh.shape["pipeline"])
+    plan = run.blueprint.stages  # the pipeline the run was built with
     if plan.stages > 1:
-        lines.append(describe_pipeline(plan, run.model.family.layer_stack(cfg.model)))
+        lines.append(describe_pipeline(plan, stacked_layers(run.model.family, cfg.model)))
     if cfg.finetune.lora.rank or cfg.finetune.base:
         frozen = per_device_bytes(state.model_state.get(FROZEN, {}))
         dtype = cfg.finetune.base_dtype if cfg.finetune.base_dtype != "none" else cfg.train.param_dtype

@@ -8,12 +8,12 @@ bandwidths of engine/plan/tpu.py)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, cast
 
 from engine.config import Config
 from engine.errors import UsageError
@@ -24,6 +24,7 @@ from engine.plan.hlo import human_bytes
 from engine.plan.tpu import Target
 from engine.run.setup import plan_run
 from models import REGISTRY
+from models.family import num_experts, splits_sequence
 
 RECOMPUTE = {"none": 1.0, "dots": 7 / 6, "full": 4 / 3}  # training FLOPs with each remat policy, relative
 
@@ -58,8 +59,8 @@ def candidates(cfg: Config, target: Target) -> list[Candidate]:
         a
         for a in CONFIG_AXES
         if a in ("data", "fsdp", "tensor")
-        or (a == "context" and family.splits_sequence())
-        or (a == "expert" and family.num_experts(cfg.model) > 0)
+        or (a == "context" and splits_sequence(family))
+        or (a == "expert" and num_experts(family, cfg.model) > 0)
     ]
     sizes = [2**i for i in range(int(math.log2(chips)) + 1)]
     remats = [None] if family.remat(cfg.model) is None else list(RECOMPUTE)
@@ -79,13 +80,14 @@ def candidates(cfg: Config, target: Target) -> list[Candidate]:
 
 
 def configured(cfg: Config, candidate: Candidate) -> Config:
-    out = copy.deepcopy(cfg)
-    for axis, size in candidate.mesh.items():
-        setattr(out.mesh, axis, size)
-    if candidate.remat is not None:
-        out.model.remat = candidate.remat
-    out.train.grad_accum_steps = candidate.accum
-    return out
+    """`cfg` with the candidate's mesh, remat policy and accumulation (a new config)."""
+    model = cfg.model if candidate.remat is None else dataclasses.replace(cfg.model, remat=candidate.remat)
+    return dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cast(Any, cfg.mesh), **candidate.mesh),  # (MeshConfig: made from the axes)
+        model=model,
+        train=dataclasses.replace(cfg.train, grad_accum_steps=candidate.accum),
+    )
 
 
 def search(cfg: Config, target: Target, compiles: int, say=print) -> list[Candidate]:

@@ -20,6 +20,7 @@ from engine.parallel import sharding
 from engine.plan.hlo import human_bytes
 from engine.run.step import FROZEN, TrainState, split_variables
 from models import ModelFamily
+from models.family import projections
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     """The train state's shapes and shardings from the model's logical axes (no allocation),
     and a jitted init that creates it already sharded."""
     sample = family.task.sample_input(info)
-    lora, projections = finetune.lora_on(cfg), family.projections()
+    lora, adapted = finetune.lora_on(cfg), projections(family)
 
     def init_state(seed, hparams) -> TrainState:
         """Seed and hyperparameters are traced inputs: one compiled init serves every value."""
@@ -64,7 +65,7 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
         params, variables = split_variables(sharding.unbox(variables))
         if lora:  # only the adapters train; the rest is the frozen base (engine/lm/finetune.py)
             params, base = finetune.split(params)
-            variables = {**variables, FROZEN: finetune.quantize_base(base, projections, cfg.finetune.base_dtype)}
+            variables = {**variables, FROZEN: finetune.quantize_base(base, adapted, cfg.finetune.base_dtype)}
         opt_state = tx.init(params)
         opt_state = opt_state._replace(
             hyperparams={k: jnp.asarray(hparams["optimizer"][k], v.dtype) for k, v in opt_state.hyperparams.items()}
@@ -90,7 +91,7 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     state_shardings = jax.tree.map(lambda _: replicated, model_state)
     if lora:  # the adapters' shapes and shardings; the frozen base's
         abstract_params, param_shardings, state_shardings[FROZEN] = finetune.split_plan(
-            abstract_params, param_shardings, projections, cfg.finetune.base_dtype
+            abstract_params, param_shardings, adapted, cfg.finetune.base_dtype
         )
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
