@@ -2,12 +2,12 @@
 checks (validate.py), which configs share a compiled program (programs.py), and the generated
 reference (reference.py). No jax is imported: a sweep's process reads configs."""
 
+from engine.config.data_sections import DATA_CONFIGS, DataConfig, data_config, with_keys
 from engine.config.load import CONFIG_DIR, load_config, read_yaml_mapping, save_config, shipped_configs, to_yaml
 from engine.config.programs import VECTOR_KEYS, check_vectorizable, program_settings, shape_differences
 from engine.config.schema import (
     CheckpointConfig,
     Config,
-    DataConfig,
     DilocoConfig,
     DistributedConfig,
     EvalConfig,
@@ -31,6 +31,9 @@ __all__ = [
     "check_vectorizable",
     "program_settings",
     "shape_differences",
+    "DATA_CONFIGS",
+    "data_config",
+    "with_keys",
     "CheckpointConfig",
     "Config",
     "DataConfig",

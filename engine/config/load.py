@@ -20,8 +20,10 @@ import yaml
 from omegaconf import DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from engine.config.data_sections import DATA_CONFIGS
+from engine.config.data_sections import owners as data_owners
 from engine.config.schema import Config
-from engine.config.validate import choice_message, validate
+from engine.config.validate import choice_message, other_source_key, validate
 from engine.errors import UsageError
 from engine.runtime.rundir import write_atomic
 from models.configs import CONFIGS  # the model.* dataclasses, without jax or flax
@@ -144,17 +146,23 @@ def _all_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
-def _schema(model_name: str) -> DictConfig:
-    """The config schema with model.name's model section; read-only (merges copy it)."""
+def _schema(model_name: str, data_name: str) -> DictConfig:
+    """The config schema with model.name's model section and data.name's data section; never
+    changed (merges copy it)."""
     if model_name not in CONFIGS:
         raise UsageError(choice_message("model.name", model_name, sorted(CONFIGS)))
-    return _built_schema(model_name)
+    if data_name not in DATA_CONFIGS:
+        raise UsageError(choice_message("data.name", data_name, tuple(DATA_CONFIGS)))
+    return _built_schema(model_name, data_name)
 
 
 @functools.lru_cache(maxsize=None)
-def _built_schema(model_name: str) -> DictConfig:
+def _built_schema(model_name: str, data_name: str) -> DictConfig:
     schema = OmegaConf.structured(Config)
+    OmegaConf.set_readonly(schema, False)  # (the frozen dataclasses' nodes; merges of it build the config)
     schema.model = OmegaConf.structured(CONFIGS[model_name])
+    schema.data = OmegaConf.structured(DATA_CONFIGS[data_name])
+    OmegaConf.set_readonly(schema, False)
     OmegaConf.set_struct(schema, True)
     OmegaConf.set_struct(schema.mesh.rules, False)  # users may add logical axis names
     return schema
@@ -266,7 +274,8 @@ def load_config(
     file_model, model_name = _model_names(raw, overrides_tree, str(path))
     if model_name != file_model:  # the file's model keys belong to another model: start from defaults
         raw["model"] = {"name": model_name}
-    schema = _schema(str(model_name))
+    data_name = _data_keys(raw, overrides_tree, str(path), override_source, _set_before_last_name(overrides))
+    schema = _schema(str(model_name), data_name)
     cfg: Any = _file_layer(schema, raw, str(model_name), str(path))
     _check_shapes(overrides_tree, schema, override_source)
     try:
@@ -284,8 +293,7 @@ def load_config(
             f"bad config: {str(e).splitlines()[0]} (at {getattr(e, 'full_key', '?')}); "
             "write the value itself, or ${section.key} of a key that exists"
         ) from None
-    validate(config)
-    return config
+    return validate(config)
 
 
 _FILE_LAYERS: dict[str, Any] = {}  # a sweep loads one file with many overrides
@@ -294,7 +302,7 @@ _FILE_LAYERS: dict[str, Any] = {}  # a sweep loads one file with many overrides
 def _file_layer(schema: DictConfig, raw: dict, model_name: str, source: str) -> DictConfig:
     """The schema merged with a config file's contents (never changed: merges copy it). Kept by
     content, so the runs of a sweep pay OmegaConf's schema merge once, not once each."""
-    key = repr((model_name, raw))  # keys of any type (YAML's `on:` is True), 1 and "1" apart
+    key = repr((model_name, schema.data.name, raw))  # keys of any type (YAML's `on:` is True), 1 and "1" apart
     if key not in _FILE_LAYERS:
         _check_shapes(raw, schema, source)
         try:
@@ -304,6 +312,55 @@ def _file_layer(schema: DictConfig, raw: dict, model_name: str, source: str) -> 
         _FILE_LAYERS.clear()  # one file at a time is what sweeps and runs load
         _FILE_LAYERS[key] = layer
     return _FILE_LAYERS[key]
+
+
+def _set_before_last_name(overrides: Sequence[str]) -> set[str]:
+    """The data keys the overrides set before their last data.name=...: they belonged to the
+    source named earlier (a launcher's defaults, then the user's own data.name=...)."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides if "=" in item]
+    last = max((i for i, key in enumerate(keys) if key == "data.name"), default=-1)
+    return {key.split(".", 2)[1] for key in keys[:last] if key.startswith("data.") and key.count(".") >= 1}
+
+
+def _data_keys(raw: dict, overrides: dict, source: str, override_source: str, superseded: set[str]) -> str:
+    """data.name of the run, with the file's data keys fitted to it: an override that switches
+    data.name drops the file's keys the new source lacks (as a switched model.name does), and
+    keys of the file's own source's defaults that it lacks (config.yaml files once held every
+    source's keys); an override set before the overrides' last data.name (`superseded`) that
+    the source lacks is dropped too; any other key of another source is refused by name."""
+    for where, tree in ((source, raw), (override_source, overrides)):
+        if "data" in tree and tree["data"] is not None and not isinstance(tree["data"], dict):
+            raise UsageError(
+                f"config key 'data' is a section of keys, but {where} gives it {tree['data']!r}; "
+                "set data.name=<source> and its keys instead"
+            )
+    file_data, over = raw.get("data") or {}, overrides.get("data") or {}
+    name = over.get("name", file_data.get("name", "digits"))
+    if isinstance(name, (list, dict)) or name is None or str(name) not in DATA_CONFIGS:
+        return name if isinstance(name, str) else "digits"  # refused by _schema, or by the type check
+    name = str(name)
+    keys = {f.name: f for f in dataclasses.fields(DATA_CONFIGS[name])}
+    switched = "name" in over and str(over["name"]) != str(file_data.get("name", "digits"))
+    for key, value in list(file_data.items()):
+        owners = data_owners(str(key))
+        if str(key) in keys or not owners:
+            continue  # the source's own key, or an unknown one (OmegaConf names it, with the closest)
+        default = _field_default(dataclasses.fields(DATA_CONFIGS[owners[0]]), str(key))
+        if not (switched or value == default):
+            raise UsageError(f"{other_source_key(str(key), name, owners)} (from {source})")
+        del file_data[key]
+    for key in list(over):
+        owners = data_owners(str(key))
+        if str(key) not in keys and owners and str(key) in superseded:
+            del over[key]
+        elif str(key) not in keys and owners:
+            raise UsageError(f"{other_source_key(str(key), name, owners)} (from {override_source})")
+    return name
+
+
+def _field_default(fields, key: str) -> Any:
+    f = next(f for f in fields if f.name == key)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def _model_names(raw: dict, overrides: dict, source: str) -> tuple[str, str]:

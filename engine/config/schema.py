@@ -1,7 +1,9 @@
 """The run configuration's schema: one dataclass per section, every key declared with its
 default, meaning, choices and bounds (contract.fields.option). The `model` section's schema
-is the chosen family's dataclass (models/configs.py); the mesh axes' keys come from
-engine/parallel/axes.py. docs/configuration.md is generated from this (python -m engine.config.reference).
+is the chosen family's dataclass (models/configs.py), the `data` section's the chosen source's
+(data_sections.py); the mesh axes' keys come from engine/parallel/axes.py. Every section is
+frozen: a loaded config is never changed in place (dataclasses.replace builds another).
+docs/configuration.md is generated from this (python -m engine.config.reference).
 
 Imports no jax: a sweep's process reads every run's config.
 """
@@ -10,100 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from contract.fields import option
+from engine.config.data_sections import DataConfig
 from engine.config.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
-from engine.data.sources import SOURCES
 from engine.observe.trackers import TRACKERS
 from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-@dataclass
-class DataConfig:
-    name: str = option(
-        "digits", "the dataset: a source of engine/data/sources.py (see docs/data.md)", choices=lambda: tuple(SOURCES)
-    )
-    path: Optional[str] = option(None, "the file or directory for npz, idx, cifar10, text and tokens")
-    eval_fraction: float = option(
-        0.2, "held-out share when the source has no test split (a fixed split, whatever the seed)", above=0.0
-    )
-    eval_path: Optional[str] = option(
-        None,
-        "table, text: the held-out split read from these files (as data.path takes them) instead of "
-        "data.eval_fraction of data.path; all of data.path then trains",
-    )
-    shuffle: bool = option(True, "reshuffle every epoch; the order is a function of (seed, epoch)")
-    prefetch: int = option(
-        2,
-        "blocks of batches prepared and put on the devices ahead of the step, in a background thread (0 = none)",
-        at_least=0,
-    )
-    steps_per_transfer: int = option(
-        1,
-        "training batches moved to the devices in one copy ([K, batch, ...]; "
-        "each step picks its own); raised to a multiple of train.steps_per_call",
-        at_least=1,
-    )
-    placement: str = option(
-        "auto",
-        "device: the whole train split lives on every device and each step gathers "
-        "its rows inside the compiled step; host: batches are gathered on the host; "
-        "auto: device when it fits in data.device_memory_fraction",
-        choices=("auto", "host", "device"),
-    )
-    device_memory_fraction: float = option(
-        0.25,
-        "placement=auto: the share of one device's memory (CPU: the host's memory per device) the train split may take",
-        above=0.0,
-    )
-    num_examples: int = option(
-        4096, "synthetic, synthetic_text: training examples generated (eval gets a quarter)", at_least=1
-    )
-    image_shape: list[int] = option([8, 8, 1], "synthetic: [height, width, channels]")
-    num_classes: int = option(10, "synthetic: classes made; npz: labels must lie in [0, num_classes)")
-    seq_len: int = option(128, "token sources: tokens the model sees per example (it predicts the next)", at_least=1)
-    vocab_size: int = option(256, "synthetic_text: the vocabulary (byte-level text is always 256)")
-    max_bytes: int = option(4_000_000, "python_source: bytes of text read")
-    packing: bool = option(
-        True,
-        "tokens: pack whole documents into windows with segment ids and positions "
-        "(else windows are cut from the concatenated stream)",
-    )
-    sources: list[Any] = option(
-        [], "tokens: a mixture instead of data.path: [{path: DIR, weight: 0.7, name: web}, ...] (one tokenizer for all)"
-    )
-    verify: bool = option(True, "tokens: check every shard's SHA-256 against the manifest at start")
-    tokenizer: str = option(
-        "bytes",
-        "python_source: bytes (ids are UTF-8 bytes), bpe:N (a byte-level BPE of N tokens trained on the "
-        "text) or a tokenizer.json (an imported model's); tokenized once into data.cache_dir",
-    )
-    cache_dir: str = option(
-        "~/.cache/jax-engine/tokens", "python_source with a tokenizer: where the tokenized corpus is kept and reused"
-    )
-    label: str = option("", "table: the label column")
-    target: str = option(
-        "classification",
-        "table: classification (the label's values are the classes) or regression (a number)",
-        choices=("classification", "regression"),
-    )
-    classes: list[Any] = option(
-        [],
-        "table, classification: the classes in order (a label outside them is an error); "
-        "[] = the label's values, sorted",
-    )
-    weight: str = option("", 'table: a column of per-row loss weights ("" = every row counts 1)')
-    features: list[Any] = option(
-        [],
-        "table: the feature columns, [{name: age, kind: numeric, normalize: zscore}, ...]: numeric, "
-        "bucketized, categorical, crossed, indicator, embedding (docs/data.md#tables)",
-    )
-
-
-@dataclass
+@dataclass(frozen=True)
 class EarlyStopConfig:
     """train.early_stop: the run ends when an eval metric stops improving (Keras's EarlyStopping)."""
 
@@ -115,7 +35,7 @@ class EarlyStopConfig:
     min_delta: float = option(0.0, "the least change of the metric that counts as an improvement", at_least=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = option(1000, "optimizer steps in the whole run", at_least=1)
     global_batch_size: int = option(128, "examples per step, over all devices and processes", at_least=1)
@@ -163,7 +83,7 @@ class TrainConfig:
     early_stop: EarlyStopConfig = dataclasses.field(default_factory=EarlyStopConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     name: str = option("adam", "the optimizer (engine/config/optimizers.py)", choices=lambda: tuple(OPTIMIZERS))
     learning_rate: float = option(1e-3, "peak learning rate", above=0.0)
@@ -244,12 +164,12 @@ if TYPE_CHECKING:
         def __getattr__(self, name: str) -> int: ...  # mesh.<axis>, mesh.dcn_<axis>
 
 else:
-    MeshConfig = dataclasses.make_dataclass("MeshConfig", [*_mesh_fields(), *_MESH_SETTINGS])
+    MeshConfig = dataclasses.make_dataclass("MeshConfig", [*_mesh_fields(), *_MESH_SETTINGS], frozen=True)
     MeshConfig.__module__ = __name__
     MeshConfig.__doc__ = "mesh.*: the device mesh's axis sizes (engine/parallel/axes.py) and the sharding rules."
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
     """How a layer stack split over mesh.pipeline stages runs (docs/parallelism.md)."""
 
@@ -262,7 +182,7 @@ class PipelineConfig:
     repeats: int = option(2, "circular: groups of layers per stage (gpipe: 1)", at_least=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DilocoConfig:
     """train.sync=diloco: replicas train alone for diloco.inner_steps steps, then an outer optimizer
     applies their mean parameter change to the global parameters (DiLoCo; docs/parallelism.md)."""
@@ -283,7 +203,7 @@ class DilocoConfig:
     outer_momentum: float = option(0.9, "the outer optimizer's momentum (nesterov, momentum)", at_least=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     rank: int = option(0, "adapter rank r (0 = no LoRA: every parameter trains)", at_least=0)
     alpha: float = option(16.0, "the adapters' scale is alpha / rank", above=0.0)
@@ -300,7 +220,7 @@ class LoraConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinetuneConfig:
     """LoRA adapters on a frozen base (QLoRA with a quantised one): only the adapters train and are
     checkpointed (docs/language-models.md, Fine-tuning)."""
@@ -319,7 +239,7 @@ class FinetuneConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = option(
         0, "save every N steps (0 = only at the end; a save always happens at the end and on SIGTERM)", at_least=0
@@ -350,14 +270,14 @@ class CheckpointConfig:
     verify: bool = option(True, "SHA256SUMS per step, written after each save and checked before a restore")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every_steps: int = option(0, "evaluate every N steps (0 = only at the end)", at_least=0)
     batch_size: int = option(0, "examples per eval batch (0 = train.global_batch_size)", at_least=0)
     max_batches: int = option(0, "cap on eval batches (0 = the whole eval split)", at_least=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     every_steps: int = option(50, "metrics to the console, metrics.jsonl and TensorBoard every N steps", at_least=1)
     progress: bool = option(True, "a progress bar on the console")
@@ -381,7 +301,7 @@ class LogConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistributedConfig:
     """How the processes of a multi-host job find each other. Left unset, a cluster environment
     (SLURM, Open MPI, TPU pod) or TF_CONFIG is used, else the run is one process. These are
@@ -396,7 +316,7 @@ class DistributedConfig:
     barrier_timeout: int = option(600, "seconds to wait at restore, checkpoint commit and the end")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchdogConfig:
     """Seconds without progress before a training process writes every thread's stack to stderr
     and WORKDIR/hang-<time>.txt and exits 1 naming the phase (0 = no limit)."""
@@ -408,7 +328,7 @@ class WatchdogConfig:
     save: int = option(3600, "one checkpoint save (and the wait for it at the end)", at_least=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     seed: int = option(0, "every random draw (init, dropout, data order) derives from this", at_least=0)
     workdir: str = option("", 'where outputs go ("" = runs/<config file name>; --workdir overrides it)')

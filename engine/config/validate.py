@@ -19,6 +19,7 @@ from engine.errors import UsageError
 from engine.parallel.axes import CONFIG_AXES, MESH_AXES
 
 INT32_MAX = 2**31 - 1
+TABLE_COLUMNS = "data.features and data.label "  # a table's columns: what makes a source a table
 
 
 def choice_message(key: str, value: Any, choices) -> str:
@@ -27,42 +28,49 @@ def choice_message(key: str, value: Any, choices) -> str:
     return f"{key}={value!r} is not one of {', '.join(map(str, choices))}; {hint}".rstrip("; ")
 
 
-def validate(cfg) -> None:
-    """UsageError for the first value the schema or the keys' relations refuse; may adjust
-    train.steps_per_call and optimizer.warmup_steps, with a note on stderr."""
+def validate(cfg):
+    """The resolved config: `cfg` when the schema and the keys' relations accept it, with
+    train.steps_per_call and optimizer.warmup_steps fitted to the run (a new config, with a note
+    on stderr); UsageError for the first value they refuse."""
     _check_ranges(cfg)
     for key, f, value in _declared(cfg):
         _check_declared(key, f, value)
-    _fit_steps_per_call(cfg)
+    per_call = _fit_steps_per_call(cfg)
     if cfg.train.global_batch_size % cfg.train.grad_accum_steps:
         raise UsageError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}; use a multiple of {cfg.train.grad_accum_steps}"
         )
-    if cfg.optimizer.warmup_steps > cfg.train.steps:  # a shortened run (a smoke test) still runs
+    warmup = cfg.optimizer.warmup_steps
+    if warmup > cfg.train.steps:  # a shortened run (a smoke test) still runs
         print(
-            f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} exceeds train.steps={cfg.train.steps}; "
+            f"warning: optimizer.warmup_steps={warmup} exceeds train.steps={cfg.train.steps}; "
             f"warming up over all {cfg.train.steps} steps",
             file=sys.stderr,
         )
-        cfg.optimizer.warmup_steps = cfg.train.steps
+        warmup = cfg.train.steps
     _check_mesh(cfg.mesh)
     _check_diloco(cfg)
     _check_finetune(cfg.finetune)
     _check_watched(cfg)
-    if cfg.data.name in FILE_SOURCES and not cfg.data.path and not cfg.data.sources:
-        raise UsageError(f"data.name={cfg.data.name} reads files: set data.path=/path/to/data")
-    _check_sources(cfg.data)
-    _check_table(cfg.data)
-    if cfg.data.eval_path and cfg.data.name not in EVAL_PATH_SOURCES:
-        raise UsageError(
-            f"data.eval_path: data.name={cfg.data.name} takes its held-out split otherwise (data.eval_fraction, "
-            f"a test split, or tokenize --eval-fraction); data.eval_path is for {', '.join(EVAL_PATH_SOURCES)}"
-        )
+    _check_data(cfg.data)
     try:
         cfg.model.validate()
     except ValueError as e:  # the model family's message names the key and the fix
         raise UsageError(str(e)) from None
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, steps_per_call=per_call),
+        optimizer=dataclasses.replace(cfg.optimizer, warmup_steps=warmup),
+    )
+
+
+def _check_data(data) -> None:
+    """The data section's keys that relate: files to read, a mixture, a table, a held-out split."""
+    if data.name in FILE_SOURCES and not data.path and not getattr(data, "sources", None):
+        raise UsageError(f"data.name={data.name} reads files: set data.path=/path/to/data")
+    _check_sources(data)
+    _check_table(data)
 
 
 def _declared(node, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
@@ -117,7 +125,7 @@ def _check_ranges(cfg) -> None:
         )
     if not cfg.data.device_memory_fraction <= 1.0:
         raise UsageError(f"data.device_memory_fraction={cfg.data.device_memory_fraction} must be in (0, 1], e.g. 0.25")
-    if not cfg.data.eval_fraction < 1.0:
+    if not getattr(cfg.data, "eval_fraction", 0.0) < 1.0:
         raise UsageError(f"data.eval_fraction={cfg.data.eval_fraction} must be between 0 and 1, e.g. 0.2")
 
 
@@ -207,9 +215,10 @@ def _check_watched(cfg) -> None:
         )
 
 
-def _fit_steps_per_call(cfg) -> None:
+def _fit_steps_per_call(cfg) -> int:
     """train.steps_per_call is the most per call: calls end at every log, eval and checkpoint,
-    so it is lowered to the largest divisor of their intervals (and train.steps), with a note."""
+    so the steps per call are the largest divisor of their intervals (and train.steps) up to it,
+    said in a note when that is fewer."""
     per_call = cfg.train.steps_per_call
     intervals = {
         "train.steps": cfg.train.steps,
@@ -227,43 +236,56 @@ def _fit_steps_per_call(cfg) -> None:
             f"{blocking} (logs, evals and checkpoints happen between calls)",
             file=sys.stderr,
         )
-        cfg.train.steps_per_call = fits
+        return fits
+    return per_call
+
+
+def other_source_key(key: str, name: str, owners: list[str]) -> str:
+    """The message for data.`key`, a key of the `owners` sources, set with data.name=`name`."""
+    if key == "eval_path":
+        return (
+            f"data.eval_path: data.name={name} takes its held-out split otherwise (data.eval_fraction, "
+            f"a test split, or tokenize --eval-fraction); data.eval_path is for {', '.join(EVAL_PATH_SOURCES)}"
+        )
+    if key == "sources":
+        return (
+            f"data.sources is a mixture of tokenized corpora: it needs data.name="
+            f"{'|'.join(MIXTURE_SOURCES)}, not {name}"
+        )
+    if f"data.{key} " in TABLE_COLUMNS:  # the keys it names
+        return f"{TABLE_COLUMNS}describe a table: they need data.name={owners[0]}, not {name}"
+    return (
+        f"data.{key} is a key of data.name={'|'.join(owners)}, not of data.name={name}; remove it, "
+        f"or set data.name={owners[0]}"
+    )
 
 
 def _check_table(data) -> None:
     """A table's label and feature columns, checked before any data is read."""
-    if data.name != "table":
-        if data.features or data.label:
-            raise UsageError(
-                f"data.features and data.label describe a table: they need data.name=table, not {data.name}"
-            )
+    if not hasattr(data, "features"):
         return
     if not data.label:
-        raise UsageError("data.name=table needs data.label=COLUMN (the column the model predicts)")
+        raise UsageError(f"data.name={data.name} needs data.label=COLUMN (the column the model predicts)")
     if not data.features:
-        raise UsageError("data.name=table needs data.features: [{name: COLUMN, kind: numeric}, ...]")
+        raise UsageError(f"data.name={data.name} needs data.features: [{{name: COLUMN, kind: numeric}}, ...]")
     entries(data.features)
 
 
 def _check_sources(data) -> None:
-    """data.sources: a list of {path, weight[, name]} mappings, only with data.name=tokens."""
-    if not data.sources:
-        bpe = data.tokenizer.startswith("bpe:") and data.tokenizer[4:].isdigit()
-        if data.tokenizer != "bytes" and not bpe and not Path(data.tokenizer).expanduser().is_file():
-            raise UsageError(
-                f"data.tokenizer={data.tokenizer!r}: use bytes, bpe:N (N ≥ 257, e.g. bpe:2048) or the path of a "
-                "tokenizer.json"
-            )
-        return
-    if data.name not in MIXTURE_SOURCES:
+    """data.tokenizer names a tokenizer; data.sources is a list of {path, weight[, name]} mappings."""
+    tokenizer = getattr(data, "tokenizer", "bytes")
+    bpe = tokenizer.startswith("bpe:") and tokenizer[4:].isdigit()
+    if tokenizer != "bytes" and not bpe and not Path(tokenizer).expanduser().is_file():
         raise UsageError(
-            f"data.sources is a mixture of tokenized corpora: it needs data.name="
-            f"{'|'.join(MIXTURE_SOURCES)}, not {data.name}"
+            f"data.tokenizer={tokenizer!r}: use bytes, bpe:N (N ≥ 257, e.g. bpe:2048) or the path of a tokenizer.json"
         )
+    mixture = getattr(data, "sources", [])
+    if not mixture:
+        return
     if data.path:
         raise UsageError("set data.path (one corpus) or data.sources (a mixture), not both")
     example = "data.sources=[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]"
-    for i, source in enumerate(data.sources):
+    for i, source in enumerate(mixture):
         if not isinstance(source, dict) or not source.get("path") or set(source) - {"path", "weight", "name"}:
             raise UsageError(
                 f"data.sources[{i}]={source!r}: each source is a mapping with path, weight and "
@@ -272,6 +294,6 @@ def _check_sources(data) -> None:
         weight = source.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise UsageError(f"data.sources[{i}].weight={weight!r} must be a positive number, e.g. {example}")
-    names = [source_name(s, i) for i, s in enumerate(data.sources)]
+    names = [source_name(s, i) for i, s in enumerate(mixture)]
     if len(set(names)) != len(names):
         raise UsageError(f"data.sources have repeated names {names}; give each a distinct name: key")

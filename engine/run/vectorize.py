@@ -36,7 +36,8 @@ from engine.parallel.mesh import build_mesh, mesh_shape, num_devices
 from engine.parallel.sharding import per_device_bytes
 from engine.plan.hlo import human_bytes
 from engine.run.backends import Compiled, compile_jit
-from engine.run.setup import Plan, device_memory_bytes, plan_cost, plan_run, run_hparams, train_batches
+from engine.run.setup import Plan, plan_cost, plan_run, run_hparams, train_batches
+from engine.runtime.memory import device_memory_bytes
 
 TRIAL = "trial"  # the mesh axis over trials
 MEMORY_FRACTION = 0.9  # of one device's memory that a group's compiled steps may plan to use
@@ -70,7 +71,7 @@ def stack(trees: list):
 class Group:
     """K runs of one compiled program: the vmapped steps and their inputs."""
 
-    cfgs: list[Config]
+    cfgs: list[Config]  # the runs' configs, with the plan's steps per call
     plan: Plan  # the first run's plan, on the group's mesh
     mesh: Mesh
     compiled: Compiled  # train_step: (stacked states, block) → (states, metrics [steps_per_call, K, ...])
@@ -149,6 +150,9 @@ def build_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> Group
     first, trials = cfgs[0], len(cfgs)
     mesh = group_mesh(first, trials, devices)
     plan = plan_run(first, mesh)
+    per_call = plan.blueprint.steps_per_call  # (the plan's: one per call for some families on CPU)
+    cfgs = [dataclasses.replace(c, train=dataclasses.replace(c.train, steps_per_call=per_call)) for c in cfgs]
+    first = cfgs[0]
     trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)), plan.state.shardings)
     shared = len({cfg.seed for cfg in cfgs}) == 1  # one data order
     rows = np.arange(first.train.global_batch_size)
@@ -164,7 +168,7 @@ def build_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> Group
         spmd_axis_name=TRIAL,
     )
     evaluate = jax.vmap(plan.eval_step, in_axes=(0, None), spmd_axis_name=TRIAL)
-    compiled = compile_jit(mesh, shapes, step, evaluate, stages=plan.stages)
+    compiled = compile_jit(mesh, shapes, step, evaluate)
     cost = plan_cost(first, plan, compiled, copies=trials)
     return Group(cfgs, plan, mesh, compiled, trial_shardings, batches, cost)
 
