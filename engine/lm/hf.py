@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from engine.checkpoint.inference import new_output_dir, run_config, staged
 from engine.checkpoint.store import open_checkpoints, restore_newest
-from engine.config import DataConfig, load_config, save_config, to_yaml
+from engine.config import data_config, load_config, save_config, with_keys
 from engine.errors import UsageError
 from engine.lm.chat import JINJA_FILE, check_imported_template
 from engine.lm.finetune import lora_on
@@ -40,17 +40,23 @@ from engine.run.setup import build_run
 from engine.run.step import model_variables
 from engine.runtime.rundir import LOCK, write_atomic
 from models import REGISTRY
+from models.family import ModelFamily, projections
 
 INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 2 * 1024**3  # largest safetensors file written by export
 
 
+def hf_layout(family: ModelFamily):
+    """The family's Hugging Face layout (None: it has none)."""
+    return family.language_model.hf_layout if family.language_model else None
+
+
 def _family_for(architecture: str):
     for name, family in REGISTRY.items():
-        layout = family.hf_layout()
+        layout = hf_layout(family)
         if layout is not None and architecture in layout.ARCHITECTURES:
             return name, family
-    supported = sorted(a for f in REGISTRY.values() for a in getattr(f.hf_layout(), "ARCHITECTURES", ()))
+    supported = sorted(a for f in REGISTRY.values() for a in getattr(hf_layout(f), "ARCHITECTURES", ()))
     raise UsageError(f"config.json architectures={architecture!r} is not supported; supported: {', '.join(supported)}")
 
 
@@ -164,7 +170,7 @@ def import_hf(hf_dir: str, workdir: str, config: str | None = None, overrides: S
         raise UsageError(f"{hf_path} has no config.json; give a Hugging Face model directory")
     if (work / "checkpoints").exists():
         raise UsageError(f"{work}/checkpoints exists; import into a new --workdir")
-    from engine.run.single import claim
+    from engine.run.outputs import claim
 
     # the lock file this import adds to an existing workdir goes again if it fails (claim itself
     # removes a workdir it created)
@@ -189,7 +195,7 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     if not isinstance(hf_config, dict):
         raise UsageError(f"{hf_path / 'config.json'} is not a JSON object")
     name, family = _family_for((hf_config.get("architectures") or ["?"])[0])
-    layout = family.hf_layout()
+    layout = hf_layout(family)
     try:
         model = layout.config_from_hf(hf_config)
     except ValueError as e:
@@ -222,8 +228,9 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     if missing:
         raise RuntimeError(f"the Hugging Face mapping of model.name={name} leaves {missing} unset")
     state = run.init_state(params)  # a fresh optimizer state beside the imported weights
-    if tokenizer is not None and not config:  # the written config reads the workdir's copy, which moves with the run
-        cfg.data.tokenizer = str((work / TOKENIZER).absolute())
+    if tokenizer is not None and not config and hasattr(cfg.data, "tokenizer"):  # (python_source, unless switched)
+        # the written config reads the workdir's copy, which moves with the run
+        cfg = dataclasses.replace(cfg, data=with_keys(cfg.data, tokenizer=str((work / TOKENIZER).absolute())))
     _write_import(work, {**kept, HF_CONFIG: json.dumps(hf_config, indent=2) + "\n"}, cfg, state, hf_path)
     return work
 
@@ -233,9 +240,10 @@ def _reading_no_data(cfg, vocab: Optional[int]):
     the model and its state are built from it, while the config written keeps cfg's data for the
     first training run to read (or tokenize)."""
     batch = max(cfg.train.global_batch_size, cfg.eval.batch_size)
-    data = DataConfig(
-        name="synthetic_text", vocab_size=vocab or cfg.data.vocab_size, seq_len=cfg.data.seq_len, num_examples=4 * batch
-    )
+    kept = {key: getattr(cfg.data, key) for key in ("vocab_size", "seq_len") if hasattr(cfg.data, key)}
+    if vocab:
+        kept["vocab_size"] = vocab
+    data = data_config(**kept, name="synthetic_text", num_examples=4 * batch)
     return dataclasses.replace(cfg, data=data)
 
 
@@ -273,18 +281,11 @@ def _write_import(work: Path, files: dict[str, str], cfg, state, hf_path: Path) 
 
 def _save_step_zero(staging: Path, cfg, state, hf_path: Path) -> None:
     """The imported state as the run's checkpoint at step 0, in staging/checkpoints."""
+    from engine.run.outputs import checkpoint_meta
+
     checkpointer = open_checkpoints(staging / "checkpoints", cfg, write=True, frozen_base=False)
     try:
-        checkpointer.save(
-            0,
-            state,
-            {
-                "step": 0,
-                "data": {"next_step": 0, "seed": cfg.seed},
-                "config": to_yaml(cfg),
-                "imported_from": str(hf_path.absolute()),
-            },
-        )
+        checkpointer.save(0, state, checkpoint_meta(cfg, 0, imported_from=str(hf_path.absolute())))
         checkpointer.wait()
     finally:
         checkpointer.close()
@@ -345,7 +346,7 @@ def export_hf(workdir: str, out: str, merge: bool = False, base_model: Optional[
             + "; leave out --base-model"
         )
     family = REGISTRY[cfg.model.name]
-    layout = family.hf_layout()
+    layout = hf_layout(family)
     if layout is None:
         raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
     run = build_run(cfg, compile_train=False)
@@ -365,7 +366,7 @@ def export_hf(workdir: str, out: str, merge: bool = False, base_model: Optional[
             copy_tokenizer(work, run.dataset.info, staging)
         return out_path
     if lora_on(cfg):
-        params = merged(params, family.projections(), cfg.finetune.lora.alpha / cfg.finetune.lora.rank)
+        params = merged(params, projections(family), cfg.finetune.lora.alpha / cfg.finetune.lora.rank)
     tensors = {}
     for tensor in layout.tensors(cfg.model):  # a tensor reads a parameter, or a module's (GPT-2's fused qkv)
         value = jax.device_get(_get(params, tensor.path))

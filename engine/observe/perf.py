@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.data import example_spec
-from engine.run.step import TrainState, make_loss_fn, make_train_step, split_variables, unpack_metrics
+from engine.run.columns import MetricColumns
+from engine.run.step import TrainState, make_loss_fn, make_train_step, split_variables
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,
@@ -109,7 +110,7 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     """The model FLOPs of one train step per device.
 
     XLA's cost analysis of the compiled step counts them, except where the run's settings
-    change the compiled work but not the model's: the family's `work_settings` (remat
+    change the compiled work but not the model's: the family's FLOPs `work_settings` (remat
     recomputes, a chunked loss is a loop XLA counts once, fused attention a custom call it
     cannot count) and gradient accumulation or several steps per call (loops). Then the
     same step is lowered (a trace, no compile) without them and counted; where the backend
@@ -118,18 +119,19 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     of the program already holds them all)."""
     info = dataset.info
     num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
-    per_example = family.flops_per_example(cfg.model, info, num_params)
-    analytic = (per_example or 0.0) * cfg.train.global_batch_size * copies / devices
-    formula = family.flops_formula if analytic else ""
+    accounting = family.flops  # None: no formula, and no settings XLA would miscount
+    per_example = accounting.per_example(cfg.model, info, num_params) if accounting else 0.0
+    analytic = per_example * cfg.train.global_batch_size * copies / devices
+    formula = accounting.formula if accounting and analytic else ""
     flops = compiled_flops(compiled) if compiled is not None else 0.0
     if not flops:
         return StepCost(0.0, "none (the step was not compiled)", analytic, formula)
-    reason = family.formula_only(cfg.model)
+    reason = accounting.formula_only(cfg.model) if accounting else ""
     if reason and analytic:
         return StepCost(analytic, f"analytic formula ({formula}): {reason}", analytic, formula)
     # as the module resolved them (an `auto` setting names what it chose)
-    plain = family.work_settings()
-    resolved = family.work_settings_used(cfg.model, module)
+    plain = accounting.work_settings if accounting else {}
+    resolved = accounting.settings_used(cfg.model, module) if accounting else {}
     differs = [f"{key}={resolved[key]}" for key, value in plain.items() if resolved[key] != value]
     differs += [
         f"{key}={getattr(cfg.train, key)}"
@@ -157,7 +159,7 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     gradient accumulation, from the lowered (not compiled) program; None if not analysable.
     The reference model's parameters may be laid out differently (unscanned layers): its
     state's shapes come from its own init."""
-    model_cfg = dataclasses.replace(cfg.model, **family.work_settings())
+    model_cfg = dataclasses.replace(cfg.model, **(family.flops.work_settings if family.flops else {}))
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
     step = make_train_step(
         make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources)), tx, cfg.optimizer.schedule
@@ -289,13 +291,13 @@ class Window:
         self.timed_steps = 0  # steps run in this process (a resumed window also holds earlier ones)
 
     @classmethod
-    def resumed(cls, start: int, carried: Optional[dict], width: int) -> "Window":
+    def resumed(cls, start: int, carried: Optional[dict], columns: MetricColumns) -> "Window":
         """The window a checkpoint saved part of (carried()), or a new one from `start`: the log
-        record at its end then covers the same steps as in a run that never stopped. `width`:
-        this run's packed metrics per step (a run resumed with other data sources starts anew)."""
+        record at its end then covers the same steps as in a run that never stopped. `columns`:
+        this run's packed metrics (a run resumed with other data sources starts anew)."""
         carried = carried or {}
         rows = carried.get("metrics") or []
-        fits = bool(rows) and carried.get("start", -1) + len(rows) == start and all(len(r) == width for r in rows)
+        fits = bool(rows) and carried.get("start", -1) + len(rows) == start and columns.fits(rows)
         if not fits:
             return cls(start)
         window = cls(carried["start"])
@@ -311,14 +313,10 @@ class Window:
         return {"start": self.start, "metrics": (fetch or fetch_rows)(self.metrics).tolist()}
 
     def add(self, metrics, steps: int) -> None:
-        """One call's packed metrics ([steps, len(TRAIN_METRICS)], still on the device)."""
+        """One call's packed metrics ([steps, columns], still on the device)."""
         self.metrics.append(metrics)
         self.steps += steps
         self.timed_steps += steps
-
-    def to_host(self) -> list[dict[str, float]]:
-        """Each step's metrics on the host (the window's arrays fetched together)."""
-        return unpack_metrics(np.concatenate(jax.device_get(self.metrics)))
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds

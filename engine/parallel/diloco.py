@@ -8,7 +8,8 @@ inside a replica a step is the run's own step (fsdp, tensor, accumulation), `jax
 the replicas with `spmd_axis_name`, so the compiled inner step moves nothing between replicas
 (its metrics stay split over them too, summed only when a log line is written). The outer step
 is a second compiled program, run at the end of each round: the mean over replicas is the one
-all-reduce of the parameters per round, H times fewer than data parallelism's every step.
+all-reduce of the parameters per round, H times fewer than data parallelism's every step
+(engine/parallel/sync.py compiles and runs it as train.sync's `diloco` strategy).
 
 The state (DilocoState) holds what exact resumption needs at any step, mid-round too: the
 global parameters (what evaluation, export and sampling read: `step.weights_of`), the
@@ -19,7 +20,6 @@ momentum. Checkpoints are ordinary orbax checkpoints of that tree.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import flax
@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.parallel.axes import BATCH_AXES
-from engine.run.step import TRAIN_METRICS, TrainState
+from engine.run.step import TrainState
 
 REPLICA = "replica"  # the mesh axis over replicas (engine/parallel/axes.py)
 INNER_BATCH_AXES = tuple(a for a in BATCH_AXES if a != REPLICA)
@@ -193,19 +193,6 @@ def make_sync_step(cfg) -> Callable:
     return sync_step
 
 
-# how each packed metric column combines over replicas: sums add; these do not
-_RMS, _MEAN = TRAIN_METRICS.index("grad_norm"), TRAIN_METRICS.index("learning_rate")
-
-
-def combine_metrics(packed):
-    """[steps, replicas, columns] → [steps, columns]: sums added over the replicas, the gradient
-    norm as their root mean square, the learning rate (equal in all) as their mean."""
-    total = jnp.sum(packed, axis=1)
-    rms = jnp.sqrt(jnp.mean(jnp.square(packed[:, :, _RMS]), axis=1))
-    mean = jnp.mean(packed[:, :, _MEAN], axis=1)
-    return total.at[:, _RMS].set(rms).at[:, _MEAN].set(mean)
-
-
 def state_functions(base, mesh: Mesh) -> tuple[Callable, Callable, DilocoState]:
     """From a run's state plan (setup._StatePlan): DiLoCo's (init(seed, hparams), init with
     given parameters (seed, hparams, params), shardings). Each replica's parameters and inner
@@ -219,23 +206,6 @@ def state_functions(base, mesh: Mesh) -> tuple[Callable, Callable, DilocoState]:
         return from_train_state(base.init(seed, hparams).replace(params=params), replicas)
 
     return init_state, with_params, state_shardings(mesh, base.shardings)
-
-
-def with_sync_step(compiled, plan):
-    """A backend's Compiled with the plan's outer step (setup.Plan.sync_step) compiled beside the
-    inner step, and the combination of the replicas' metrics."""
-    from engine.parallel.sharding import replicated as replicated_on
-
-    shardings, replicated = plan.state.shardings, replicated_on(plan.mesh)
-    started = time.perf_counter()
-    sync = jax.jit(plan.sync_step, in_shardings=(shardings,), out_shardings=(shardings, replicated), donate_argnums=0)
-    program = sync.lower(plan.state.abstract).compile()
-    return dataclasses.replace(
-        compiled,
-        sync_step=program,
-        combine_metrics=jax.jit(combine_metrics, out_shardings=replicated),
-        compile_seconds=compiled.compile_seconds + time.perf_counter() - started,
-    )
 
 
 def param_count(abstract_params) -> int:

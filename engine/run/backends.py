@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from contract.activations import ONE_STAGE, StagePlan, constrained_activations
+from contract.activations import constrained_activations
 from engine.data import process_rows
 from engine.parallel import sharding
+from engine.parallel.sync import SyncPart
 from engine.run.step import weights_of
 
 PMAP_AXIS = "batch"
@@ -36,8 +37,7 @@ class Compiled:
     rows: Callable  # global batch size → the positions in a batch this process loads
     compile_seconds: float
     program: Any  # the compiled train step, for XLA's cost and memory analysis (None: eager, or not built)
-    sync_step: Any = None  # train.sync=diloco: the compiled outer step, state → (state, outer metrics), at round ends
-    combine_metrics: Optional[Callable] = None  # metrics split over replicas → [steps, len(TRAIN_METRICS)]
+    sync: SyncPart = SyncPart()  # train.sync's programs beside the step (engine/parallel/sync.py)
 
     @property
     def memory(self):
@@ -115,7 +115,6 @@ def compile_jit(
     train_step: Optional[Callable],
     eval_step: Callable,
     eager: bool = False,
-    stages: StagePlan = ONE_STAGE,
 ) -> Compiled:
     batch_sharding = sharding.batch_sharding(mesh)
     put_block, block_abstract, in_block_sharding = _train_input(mesh, shapes, resident=shapes.resident and train_step)
@@ -143,10 +142,10 @@ def compile_jit(
     )
     start = time.perf_counter()
     # Traced here: the models' activation constraints pin activations to this mesh.
-    with constrained_activations(sharding.ActivationLayout(mesh, shapes.vmapped), stages):
+    with constrained_activations(sharding.ActivationLayout(mesh, shapes.vmapped)):
         program = jitted.lower(shapes.state, block_abstract).compile() if jitted else None
         compile_seconds = time.perf_counter() - start
-    with constrained_activations(sharding.ActivationLayout(mesh), stages):
+    with constrained_activations(sharding.ActivationLayout(mesh)):
         eval_batch = {
             **abstract_arrays(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
             "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding),
@@ -201,9 +200,8 @@ def compile_pmap(
     train_step: Optional[Callable],
     eval_step: Callable,
     eager: bool = False,
-    stages: StagePlan = ONE_STAGE,
 ) -> Compiled:
-    """(`eager` and `stages` are the jit backend's: pmap runs neither eagerly nor pipelined.)"""
+    """(`eager` is the jit backend's: pmap does not run eagerly.)"""
     devices = mesh.devices.reshape(-1)
     count = len(devices)
     pmap_mesh = Mesh(devices, (PMAP_AXIS,))

@@ -9,45 +9,24 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-
-from engine.checkpoint.store import Checkpointer, open_checkpoints
 from engine.config import Config, read_yaml_mapping
-from engine.data import eval_batches
 from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
-from engine.observe.metrics import MetricWriter
 from engine.run.best import stopped_at
+from engine.run.outputs import SIDECAR, Evaluation, RunOutputs, eval_metrics
 from engine.run.setup import Run, build_run
-from engine.run.step import weights_of
 from engine.runtime.rundir import METRICS, lock_holder, read_records
 from engine.runtime.watchdog import Watchdog
 
-SOURCE = "evaluator"
-
 
 def evaluate(run: Run, state) -> dict[str, float]:
-    """Loss and accuracy over the eval split (padding masked out)."""
-    totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    inputs, compiled = run.inputs, run.compiled
-    for host_batch in eval_batches(
-        run.dataset.eval, inputs.eval_batch_size, run.cfg.eval.max_batches, inputs.eval_rows
-    ):
-        batch = compiled.put_batch(host_batch, inputs.eval_batch_size)
-        sums = jax.device_get(compiled.eval_step(weights_of(state), batch))
-        for name in totals:  # device_get above is a host sync per batch
-            totals[name] += float(sums[name])
-    loss = totals["loss_sum"] / totals["count"]
-    return {
-        "loss": loss,
-        "accuracy": totals["correct"] / totals["count"],
-        **run.model.family.task.eval_metrics(loss, run.dataset.info),
-    }
+    """Loss, accuracy and the task's metrics of a run's state over the eval split (padding masked out)."""
+    return eval_metrics(Evaluation.of_run(run), state)[0]
 
 
 def evaluated_steps(metrics_path: Path) -> set[int]:
     """Steps an evaluator already wrote (so a restarted evaluator does not repeat them)."""
-    return {r["step"] for r in read_records(metrics_path) if r.get("source") == SOURCE}
+    return {r["step"] for r in read_records(metrics_path) if r.get("source") == SIDECAR}
 
 
 def run_evaluator(
@@ -73,31 +52,19 @@ def run_evaluator(
                 )
             )
         )
-        checkpointer = closing.enter_context(contextlib.closing(open_checkpoints(directory, cfg)))
+        outputs = RunOutputs(cfg, closing, sidecar=True)
+        outputs.open()  # the checkpoints, read only
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
         recorded_preprocessing(workdir, run.dataset.info, "evaluate")  # (a table: the data it trained on)
         watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
-        writer = closing.enter_context(
-            contextlib.closing(
-                MetricWriter(
-                    workdir, enabled=True, total_steps=cfg.train.steps, start_step=0, progress=False, tensorboard=False
-                )
-            )
-        )
-        summary = None
-        if cfg.log.tensorboard:  # a subdirectory of its own: two writers must not share an event file
-            from tensorboardX import SummaryWriter
-
-            summary = closing.enter_context(contextlib.closing(SummaryWriter(str(workdir / "evaluator"))))
-        return _watch(cfg, run, checkpointer, writer, summary, watchdog, watch, poll_seconds, idle_timeout, dead_after)
+        outputs.open_writer(0)
+        return _watch(cfg, run, outputs, watchdog, watch, poll_seconds, idle_timeout, dead_after)
 
 
 def _watch(
     cfg: Config,
     run: Run,
-    checkpointer: Checkpointer,
-    writer: MetricWriter,
-    summary,
+    outputs: RunOutputs,
     watchdog: Watchdog,
     watch: bool,
     poll_seconds: float,
@@ -105,7 +72,7 @@ def _watch(
     dead_after: float,
 ) -> int:
     """Evaluates each checkpoint not yet evaluated, as they come; the exit code."""
-    workdir = Path(cfg.workdir)
+    workdir, checkpointer = Path(cfg.workdir), outputs.checkpointer
     done = evaluated_steps(workdir / METRICS)
     idle_since = alive_at = time.monotonic()
     said, stopped, read_at = None, None, None
@@ -116,7 +83,7 @@ def _watch(
             raise UsageError(f"no complete checkpoint in {checkpointer.directory} to evaluate")
         for step in pending:
             with watchdog.phase("eval"):  # restore and evaluate
-                _evaluate_step(run, checkpointer, step, writer, summary)
+                _evaluate_step(run, outputs, step)
             done.add(step)
             idle_since = alive_at = time.monotonic()
         newest = max(steps, default=0)
@@ -158,7 +125,8 @@ def target_steps(cfg: Config) -> int:
     return steps if isinstance(steps, int) else cfg.train.steps
 
 
-def _evaluate_step(run: Run, checkpointer: Checkpointer, step: int, writer: MetricWriter, summary) -> None:
+def _evaluate_step(run: Run, outputs: RunOutputs, step: int) -> None:
+    checkpointer = outputs.checkpointer
     try:
         restored = checkpointer.restore(run.abstract_state, step=step)
     except UsageError as e:  # deleted by checkpoint.keep, or unreadable: note it, go on
@@ -167,10 +135,4 @@ def _evaluate_step(run: Run, checkpointer: Checkpointer, step: int, writer: Metr
     if restored is None:
         print(f"warning: skipping step {step}: it is no longer in {checkpointer.directory}", file=sys.stderr)
         return
-    state = restored.state
-    metrics = evaluate(run, run.compiled.to_step_layout(state))
-    writer.write(step, "eval", {**metrics, "source": SOURCE})
-    if summary is not None:
-        for name, value in metrics.items():
-            summary.add_scalar(f"eval/{name}", value, step)
-        summary.flush()
+    outputs.evaluated(step, evaluate(run, run.compiled.to_step_layout(restored.state)))

@@ -9,41 +9,36 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import jax
 import numpy as np
 
-from engine.checkpoint.store import Checkpointer, InBackground, open_checkpoints
-from engine.config import Config, to_yaml
+from engine.checkpoint.store import InBackground
+from engine.config import Config
 from engine.data import eval_batches
 from engine.errors import UsageError
-from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Goodput, Throughput, Window, fetch_rows, summary_text
-from engine.observe.trackers import open_trackers
 from engine.parallel import sharding
 from engine.run.best import Verdict
-from engine.run.loop import Started, fit_job, nonfinite_eval, nonfinite_loss, step_losses, train_record
+from engine.run.columns import MetricColumns
+from engine.run.loop import Started, fit_job
+from engine.run.outputs import Evaluation, NonFiniteLoss, RunOutputs, eval_metrics
 from engine.run.setup import with_config_hparams
-from engine.run.single import claim, write_run_files
-from engine.run.step import TRAIN_METRICS, weights_of
 from engine.run.vectorize import Group, TooBig, build_group, check_fits
 from engine.runtime.preemption import starting
-from engine.runtime.rundir import METRICS, drop_records_after
 from engine.runtime.watchdog import Watchdog
 
 
 @dataclass
 class Trial:
-    """One run of a group: its files, and whether it still trains."""
+    """One run of a group: its outputs, and whether it still trains."""
 
     cfg: Config
-    writer: MetricWriter
-    checkpointer: Checkpointer
+    outputs: RunOutputs
     losses: dict = dataclasses.field(default_factory=dict)  # step → train loss (this process's steps)
     eval_metrics: dict = dataclasses.field(default_factory=dict)
     error: Optional[str] = None  # why it stopped alone (a non-finite loss), else None
-    config_text: str = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
     on_stop: Optional[Callable] = None  # (cfg, why) when it stops alone, at once (a sweep records it)
 
     @property
@@ -52,18 +47,17 @@ class Trial:
 
     def stop(self, text: str) -> None:
         self.error = text
-        self.writer.message(f"error: training stopped: {text}")
+        self.outputs.message(f"error: training stopped: {text}")
         if self.on_stop is not None:
             self.on_stop(self.cfg, text)
 
-    def check(self, problem: Optional[str]) -> bool:
-        """A non-finite loss by the run's nan_policy: stops it (False) or warns."""
-        if problem and self.cfg.train.nan_policy == "stop":
-            self.stop(problem)
-            return False
-        if problem:
-            self.writer.message(f"warning: {problem}")
-        return True
+    @contextlib.contextmanager
+    def policed(self) -> Iterator[None]:
+        """A non-finite loss (the NaN policy's NonFiniteLoss) stops this trial alone."""
+        try:
+            yield
+        except NonFiniteLoss as e:
+            self.stop(str(e))
 
 
 def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Optional[Callable] = None) -> list[Trial]:
@@ -114,44 +108,24 @@ def _open(
     goodput: Goodput,
 ) -> Started:
     starting("loading data and compiling")
-    for cfg in cfgs:
-        claim(Path(cfg.workdir), closing)
+    outputs = [RunOutputs(cfg, closing) for cfg in cfgs]  # each workdir claimed
     group = build_group(cfgs)
     check_fits(group)
     goodput.compile_seconds = group.compiled.compile_seconds
-    trials.extend(_open_trial(group, cfg, closing, on_stop) for cfg in cfgs)
+    for cfg, output in zip(cfgs, outputs):
+        output.open(group.plan.dataset.info, staging="host_sync")  # (the slice saved is a copy already: Saves)
+        trials.append(Trial(cfg, output, on_stop=on_stop))
     watchdog.enter("restore")
     starting("restoring")
-    states, start, window = _restore(group, trials)
-    goodput.redone_steps = max(drop_records_after(Path(cfg.workdir) / METRICS, start) for cfg in cfgs)
+    states, start, window, metas = _restore(group, trials)
+    goodput.redone_steps = max(output.resume(meta, start) for output, meta in zip(outputs, metas))
+    for output in outputs:
+        output.open_writer(start, member=True)
     job = GroupJob(group, trials, start)
     closing.enter_context(contextlib.closing(job.saves))  # closed before the checkpointers
     begins = f"resuming from step {start}" if start else "from scratch"
     job.message(f"on {_layout(group)}, {begins}; {_data_text(group)}")
     return Started(job, states, start, window)
-
-
-def _open_trial(group: Group, cfg: Config, closing: contextlib.ExitStack, on_stop: Optional[Callable]) -> Trial:
-    workdir = Path(cfg.workdir)
-    write_run_files(cfg, group.plan.dataset.info, workdir)
-    writer = closing.enter_context(
-        contextlib.closing(
-            MetricWriter(
-                workdir,
-                enabled=True,
-                total_steps=cfg.train.steps,
-                start_step=0,
-                progress=False,
-                tensorboard=cfg.log.tensorboard,
-                name=workdir.name,
-                trackers=open_trackers(cfg),
-            )
-        )
-    )
-    checkpointer = closing.enter_context(
-        contextlib.closing(open_checkpoints(workdir / "checkpoints", cfg, write=True, staging="host_sync"))
-    )  # the slice saved is a copy already (Saves)
-    return Trial(cfg, writer, checkpointer, config_text=to_yaml(cfg), on_stop=on_stop)
 
 
 class GroupJob:
@@ -173,6 +147,14 @@ class GroupJob:
             {},
         )
         self.saves = Saves(group, trials)
+        size, batch_sharding = group.plan.shapes.eval_batch, sharding.batch_sharding(group.mesh)
+        self.evaluation = Evaluation(  # every trial on the eval split: the batches shared, the states vmapped
+            group.compiled.eval_step,
+            lambda: eval_batches(group.plan.dataset.eval, size, self.cfg.eval.max_batches),
+            lambda batch: jax.device_put(batch, batch_sharding),
+            group.plan.family.task,
+            info,
+        )
 
     def _live(self):
         return [(index, trial) for index, trial in enumerate(self.trials) if trial.live]
@@ -187,36 +169,19 @@ class GroupJob:
         return self.group.compiled.train_step(state, block)
 
     def log(self, host: np.ndarray, window: Window, done: int) -> None:
-        """host: [steps, trials, len(TRAIN_METRICS) (+ sources)], one fetch for every trial."""
+        """host: [steps, trials, columns], one fetch for every trial."""
         for index, trial in self._live():
-            losses = step_losses(host[:, index], window.start)
-            if trial.check(nonfinite_loss(losses)):
-                trial.writer.write(
-                    done,
-                    "train",
-                    train_record(host[:, index], window, self.group.plan.dataset.info.sources, self.rates),
-                )
+            with trial.policed():
+                losses, record = trial.outputs.train_record(MetricColumns.trial(host, index), window, self.rates)
+                trial.outputs.write(done, "train", record)
                 trial.losses.update({s: loss for s, loss in losses.items() if s > self.start})
 
     def evaluate(self, state, done: int) -> Verdict:
-        """Every trial on the eval split (the batches shared, the states vmapped)."""
-        totals = np.zeros((3, len(self.trials)))
-        size = self.group.plan.shapes.eval_batch
-        batch_sharding = sharding.batch_sharding(self.group.mesh)
-        for host_batch in eval_batches(self.group.plan.dataset.eval, size, self.cfg.eval.max_batches):
-            batch = jax.device_put(host_batch, batch_sharding)
-            sums = jax.device_get(self.group.compiled.eval_step(weights_of(state), batch))
-            totals += np.array([sums["loss_sum"], sums["correct"], sums["count"]], np.float64)
+        metrics = eval_metrics(self.evaluation, state, len(self.trials))
         for index, trial in self._live():
-            loss_sum, correct, count = totals[:, index]
-            info = self.group.plan.dataset.info
-            trial.eval_metrics = {
-                "loss": loss_sum / count,
-                "accuracy": correct / count,
-                **self.group.plan.family.task.eval_metrics(loss_sum / count, info),
-            }
-            trial.writer.write(done, "eval", trial.eval_metrics)
-            trial.check(nonfinite_eval(trial.eval_metrics, done))
+            trial.eval_metrics = metrics[index]
+            with trial.policed():
+                trial.outputs.evaluated(done, metrics[index])
         return Verdict()  # (no trial watches a metric: _refuse_watched)
 
     def save(self, step: int, state, window: Window) -> None:
@@ -227,7 +192,7 @@ class GroupJob:
 
     def summary(self, summary: dict) -> None:
         for _, trial in self._live():
-            trial.writer.write(self.cfg.train.steps, "summary", summary)
+            trial.outputs.write(self.cfg.train.steps, "summary", summary)
         self.message(summary_text(summary))
 
     def message(self, text: str) -> None:
@@ -241,9 +206,10 @@ class GroupJob:
 
 
 def _restore(group: Group, trials: list[Trial]):
-    """(stacked states, start step, the log window carried): every trial from its newest
-    checkpoint, which must be at one step (the sweep groups runs by where they resume)."""
-    restored = [t.checkpointer.restore(group.plan.state.abstract) for t in trials]
+    """(stacked states, start step, the log window carried, each trial's checkpoint meta): every
+    trial from its newest checkpoint, which must be at one step (the sweep groups runs by where
+    they resume)."""
+    restored = [t.outputs.checkpointer.restore(group.plan.state.abstract) for t in trials]
     steps = {r.step if r else 0 for r in restored}
     if len(steps) > 1:
         where = ", ".join(f"{t.cfg.workdir}: {r.step if r else 0}" for t, r in zip(trials, restored))
@@ -264,15 +230,14 @@ def _restore(group: Group, trials: list[Trial]):
         )
     else:
         states = group.init_states()
-    carried = [(r.meta.get("window") if r else None) or {} for r in restored]
-    width = len(TRAIN_METRICS) + len(group.plan.dataset.info.sources)
-    windows = [Window.resumed(start, c, width) for c in carried]
+    metas = [r.meta if r else {} for r in restored]
+    windows = [Window.resumed(start, meta.get("window"), t.outputs.columns) for meta, t in zip(metas, trials)]
     if all(w.steps and w.start == windows[0].start and w.steps == windows[0].steps for w in windows):
         window = Window(windows[0].start)
-        window.metrics.append(np.stack([w.metrics[0] for w in windows], axis=1))
+        window.metrics.append(MetricColumns.stack_trials([w.metrics[0] for w in windows]))
         window.steps = windows[0].steps
-        return states, start, window
-    return states, start, Window(start)
+        return states, start, window, metas
+    return states, start, Window(start), metas
 
 
 class Saves:
@@ -291,21 +256,16 @@ class Saves:
 
     def start(self, step: int, states, window: Window) -> None:
         self.thread.join()
-        host = np.concatenate(jax.device_get(window.metrics)) if window.steps else None
+        host = fetch_rows(window.metrics) if window.steps else None
         work = []
         for index, trial in enumerate(self.trials):
             if trial.live:
-                carried = {"start": window.start, "metrics": host[:, index].tolist()} if host is not None else None
-                meta = {
-                    "step": step,
-                    "data": {"next_step": step, "seed": trial.cfg.seed},
-                    "config": trial.config_text,
-                    "window": carried,
-                }
+                rows = MetricColumns.trial(host, index).tolist() if host is not None else None
+                carried = {"start": window.start, "metrics": rows} if rows is not None else None
                 if self.background:
-                    work.append((trial.checkpointer, self.group.take(states, index), meta))
+                    work.append((trial.outputs, self.group.take(states, index), carried))
                 else:
-                    trial.checkpointer.save(step, self.group.take(states, index), meta)
+                    trial.outputs.save(step, self.group.take(states, index), carried)
         if work:
             self.thread.start(_save_each, step, work)
 
@@ -313,7 +273,7 @@ class Saves:
         """Every save written (and its checksums)."""
         self.thread.join()
         for trial in self.trials:
-            trial.checkpointer.wait()
+            trial.outputs.checkpointer.wait()
 
     def close(self) -> None:
         """Leaves no save half handed over (the checkpointers close next)."""
@@ -321,8 +281,8 @@ class Saves:
 
 
 def _save_each(step: int, work: list) -> None:
-    for checkpointer, state, meta in work:
-        checkpointer.save(step, state, meta)
+    for outputs, state, window in work:
+        outputs.save(step, state, window)
 
 
 def _layout(group: Group) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import shutil
 import time
 from pathlib import Path
@@ -21,15 +20,10 @@ from engine.data import Prefetcher
 from engine.errors import UsageError
 from engine.observe.perf import Goodput, StepTrace, Throughput, Window
 from engine.run.best import Verdict
-from engine.run.step import TRAIN_METRICS, unpack_metrics
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, PreemptionWatch, end_startup
 from engine.runtime.rundir import storage_errno, storage_error
 from engine.runtime.watchdog import Watchdog
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or Inf (train.nan_policy=stop)."""
 
 
 class Job(Protocol):
@@ -53,7 +47,7 @@ class Job(Protocol):
 
     def fetch(self, arrays: list) -> np.ndarray:
         """Packed metrics of several calls → the host's [steps, columns] (perf.fetch_rows, or
-        combined first: DiLoCo's replicas)."""
+        combined over copies first: engine/parallel/sync.py)."""
         ...
 
     def log(self, host: np.ndarray, window: Window, done: int) -> None:
@@ -265,59 +259,3 @@ def storage_failures(workdirs: list[Path]) -> Iterator[None]:
                     shutil.rmtree(partial, ignore_errors=True)
         doing = "saving a checkpoint" if "checkpoint" in str(e) else "writing the run's files"
         raise storage_error(workdirs[0] if len(workdirs) == 1 else workdirs[0].parent, number, doing) from None
-
-
-def train_record(host: np.ndarray, window: Window, sources: tuple[str, ...], rates: Throughput) -> dict:
-    """One run's train record from its window's metrics on the host ([steps, len(TRAIN_METRICS)
-    (+ sources)]): mean loss and accuracy, grad norm, learning rate, a mixture of experts'
-    routing, each source's share of the trained tokens, and the rates."""
-    steps = unpack_metrics(host)
-    count = sum(m["count"] for m in steps)
-    record = {
-        "loss": sum(m["loss_sum"] for m in steps) / count,
-        "accuracy": sum(m["correct"] for m in steps) / count,
-        "grad_norm": sum(m["grad_norm"] for m in steps) / len(steps),
-        "learning_rate": steps[-1]["learning_rate"],
-    }
-    routed = sum(m["routed"] for m in steps)
-    if routed:  # a mixture of experts: its load-balancing loss, and assignments over capacity
-        dropped = sum(m["dropped"] for m in steps)
-        record.update(
-            moe_aux_loss=sum(m["aux_loss"] for m in steps) / count,
-            moe_dropped_tokens=dropped,
-            moe_dropped_fraction=dropped / routed,
-        )
-    if sources and host.shape[-1] > len(TRAIN_METRICS):
-        per_source = host[:, len(TRAIN_METRICS) :].sum(axis=0)
-        record.update(
-            {
-                f"share_{name}": float(tokens) / max(float(per_source.sum()), 1.0)
-                for name, tokens in zip(sources, per_source)
-            }
-        )
-    return {**record, **rates.per_step(window.seconds() / max(window.timed_steps, 1))}
-
-
-def step_losses(host: np.ndarray, first: int) -> dict[int, float]:
-    """step → train loss of each step of a window starting after step `first`."""
-    return {first + offset + 1: float(row[0] / max(row[2], 1.0)) for offset, row in enumerate(host)}
-
-
-def nonfinite_loss(losses: dict[int, float]) -> Optional[str]:
-    """The message for the first non-finite train loss, or None."""
-    for step, loss in losses.items():
-        if not math.isfinite(loss):
-            return (
-                f"loss is {loss} at step {step}; lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
-                f"or check the data"
-            )
-    return None
-
-
-def nonfinite_eval(metrics: dict[str, float], step: int) -> Optional[str]:
-    if math.isfinite(metrics["loss"]):
-        return None
-    return (
-        f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or infinite values, "
-        f"or lower optimizer.learning_rate"
-    )

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from engine.run.columns import pack_metrics
 from engine.run.optimizer import learning_rate_at
 
 
@@ -191,27 +192,10 @@ def make_train_step(
     return train_step
 
 
-# What a train step reports, in the order of the packed metrics array (see make_block_step);
-# a mixture's per-source counted tokens (`source_tokens`) follow them.
-TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate", "aux_loss", "routed", "dropped")
-
-
-def unpack_metrics(packed) -> list[dict]:
-    """A block step's packed metrics ([steps, len(TRAIN_METRICS) (+ sources)], on the host) →
-    one dict per step."""
-    steps = []
-    for row in packed:
-        metrics: dict[str, Any] = dict(zip(TRAIN_METRICS, map(float, row)))
-        if len(row) > len(TRAIN_METRICS):
-            metrics["source_tokens"] = [float(v) for v in row[len(TRAIN_METRICS) :]]
-        steps.append(metrics)
-    return steps
-
-
 def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, resident: bool = False) -> Callable:
     """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
-    step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call,
-    len(TRAIN_METRICS)]).
+    step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call, columns]
+    (engine/run/columns.py)).
 
     Batches travel to the device a block at a time, so per step the host only dispatches;
     with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and
@@ -229,11 +213,7 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, r
         else:
             batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
         state, metrics = train_step(state, batch)
-        # (a leading replica axis on every metric, under DiLoCo: [replicas, columns])
-        packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in TRAIN_METRICS], axis=-1)
-        if "source_tokens" in metrics:
-            packed = jnp.concatenate([packed, metrics["source_tokens"].astype(jnp.float32)], axis=-1)
-        return state, packed
+        return state, pack_metrics(metrics)  # (a leading replica axis stays: [replicas, columns])
 
     def block_step(state: TrainState, block):
         if steps_per_call == 1:

@@ -1,0 +1,99 @@
+"""The ways a run keeps its copies of the model in step (train.sync), as a table of strategies:
+`every_step` (the train step's own gradient all-reduce, nothing beside it) and `diloco`
+(engine/parallel/diloco.py's rounds). A strategy builds the compiled programs' sync part
+(SyncPart); a run's `Syncing` steps, fetches its metrics and fills its log records by that part,
+so a job never asks which strategy is in use."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from engine.observe.perf import fetch_rows
+from engine.parallel import diloco
+from engine.parallel.sharding import replicated
+from engine.run.columns import combine_copies
+
+
+def _no_fields(done: int) -> dict:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPart:
+    """What a strategy compiles beside the train step (every_step: nothing)."""
+
+    every: int = 0  # steps between runs of `program` (0: it has none)
+    program: Any = None  # the compiled sync program: state → (state, {figure: scalar}), after every `every` steps
+    combine: Optional[Callable] = None  # compiled: [steps, copies, columns] → [steps, columns]
+    fields: Callable[[int], dict] = _no_fields  # a log record's figures at a step (the sync program's added by Syncing)
+
+
+def _every_step(cfg, compiled, plan):
+    """train.sync=every_step: each step all-reduces its gradients itself (the compiled step as is)."""
+    return compiled
+
+
+def _diloco(cfg, compiled, plan):
+    """train.sync=diloco: the plan's outer step (setup.Plan.sync_step) compiled beside the inner
+    step, run at the end of each round; the replicas' metrics combined on the device; a log
+    record gets the outer steps so far and the bytes exchanged per step (then the replicas' drift
+    and the outer gradient's norm at the last exchange)."""
+    shardings, inner = plan.state.shardings, cfg.diloco.inner_steps
+    started = time.perf_counter()
+    outer = jax.jit(
+        plan.sync_step, in_shardings=(shardings,), out_shardings=(shardings, replicated(plan.mesh)), donate_argnums=0
+    )
+    program = outer.lower(plan.state.abstract).compile()
+    layout = diloco.Layout(plan.mesh.shape[diloco.REPLICA], inner, diloco.param_count(plan.state.abstract.params))
+    per_step = layout.bytes_per_round / inner
+
+    def fields(done: int) -> dict:
+        return {"outer_step": done // inner, "exchanged_bytes_per_step": per_step}
+
+    part = SyncPart(inner, program, jax.jit(combine_copies, out_shardings=replicated(plan.mesh)), fields)
+    return dataclasses.replace(
+        compiled, sync=part, compile_seconds=compiled.compile_seconds + time.perf_counter() - started
+    )
+
+
+# train.sync → (cfg, Compiled, setup.Plan) → the Compiled with the strategy's SyncPart
+STRATEGIES: dict[str, Callable] = {"every_step": _every_step, "diloco": _diloco}
+
+
+def compile_sync(cfg, compiled, plan):
+    """The compiled programs with train.sync's sync part."""
+    return STRATEGIES[cfg.train.sync](cfg, compiled, plan)
+
+
+class Syncing:
+    """A run's sync part at work: the sync program after a call when one is due, the metrics
+    fetched to the host (combined over copies first), and the figures each log record adds."""
+
+    def __init__(self, part: SyncPart, wait: bool):
+        self.part, self.wait = part, wait  # wait: CPU collectives (one program must end before the next)
+        self.last = None  # the sync program's last figures (still on the device)
+
+    def after(self, state, done: int):
+        """The state after the call that ends at step `done`."""
+        if self.part.program is None or done % self.part.every:
+            return state
+        if self.wait:
+            jax.block_until_ready(state)
+        state, self.last = self.part.program(state)
+        return state
+
+    def fetch(self, arrays: list) -> np.ndarray:
+        """Packed metrics of several calls → the host's [steps, columns]."""
+        combine = self.part.combine
+        return fetch_rows([combine(a) for a in arrays] if combine is not None else arrays)
+
+    def fields(self, done: int) -> dict:
+        record = self.part.fields(done)
+        if self.last is not None:
+            record.update({k: float(v) for k, v in jax.device_get(self.last).items()})
+        return record

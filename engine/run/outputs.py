@@ -1,0 +1,269 @@
+"""A run's outputs, built once (RunOutputs): its workdir claimed, its run files, metric writer,
+checkpointer and checkpoint metadata, the NaN policy, and the eval record with the best and
+early-stop monitor. A run alone holds one, a vectorised group one per trial, and the sidecar
+evaluator one that reads the checkpoints and adds eval records; all evaluate with `eval_metrics`."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import jax
+import numpy as np
+
+from engine.checkpoint.store import Checkpointer, open_checkpoints
+from engine.config import Config, save_config, to_yaml
+from engine.data import eval_batches
+from engine.data.recorded import PREPROCESSING, check_preprocessing
+from engine.lm.finetune import base_workdir
+from engine.lm.tokenizer import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
+from engine.observe.metrics import MetricWriter
+from engine.observe.perf import Throughput, Window
+from engine.observe.trackers import open_trackers
+from engine.run.best import Monitor, Verdict
+from engine.run.columns import MetricColumns
+from engine.run.step import weights_of
+from engine.runtime.preemption import starting
+from engine.runtime.rundir import (
+    LOCK,
+    METRICS,
+    WorkdirLock,
+    drop_records_after,
+    storage_errno,
+    storage_error,
+    write_atomic,
+)
+from engine.sweep.judge import Judged
+
+SIDECAR = "evaluator"  # the `source` of the sidecar evaluator's eval records (and its TensorBoard folder)
+EVAL_SUMS = ("loss_sum", "correct", "count")
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or Inf (train.nan_policy=stop)."""
+
+
+class RunOutputs:
+    """One run's outputs. Built in the order a job starts: claimed (the chief, before compiling),
+    `open` (run files, checkpoints), `resume` (from the checkpoint's meta), `open_writer`."""
+
+    checkpointer: Checkpointer
+    writer: MetricWriter
+
+    def __init__(self, cfg: Config, closing: contextlib.ExitStack, *, chief: bool = True, sidecar: bool = False):
+        """chief: the process that claims the workdir and writes its files; sidecar: the
+        evaluator's (it claims nothing, reads the checkpoints, tags its eval records)."""
+        self.cfg, self.closing, self.chief, self.sidecar = cfg, closing, chief, sidecar
+        self.workdir = Path(cfg.workdir)
+        self.columns = MetricColumns()
+        self.monitor = Monitor.resumed(cfg, {})  # checkpoint.keep_best's and train.early_stop's metrics
+        self.config_text = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
+        self.summary: Any = None  # the sidecar's own TensorBoard events
+        if chief and not sidecar:  # one job per workdir: claimed before compiling and before anything is written
+            claim(self.workdir, closing)
+
+    def open(self, info=None, **options) -> Checkpointer:
+        """The run's files written (the chief; `info`: its data's) and its checkpoints opened for
+        saving (`options`: open_checkpoints's), or for reading (the sidecar)."""
+        directory = self.workdir / "checkpoints"
+        if self.sidecar:
+            self.checkpointer = self._enter(open_checkpoints(directory, self.cfg))
+            return self.checkpointer
+        if self.chief:
+            write_run_files(self.cfg, info, self.workdir)
+        self.columns, self.config_text = MetricColumns(info.sources), to_yaml(self.cfg)
+        self.checkpointer = self._enter(open_checkpoints(directory, self.cfg, write=True, **options))
+        return self.checkpointer
+
+    def resume(self, meta: dict, start: int) -> int:
+        """The watched metrics as the checkpoint's `meta` left them; the records after `start`
+        dropped (the chief) → how many steps are run again."""
+        self.monitor = Monitor.resumed(self.cfg, meta)
+        return drop_records_after(self.workdir / METRICS, start) if self.chief else 0
+
+    @property
+    def end(self) -> int:
+        """Where training ends: train.steps, or the step an early stop recorded."""
+        return self.monitor.stopped_at or self.cfg.train.steps
+
+    def open_writer(self, start: int, member: bool = False) -> MetricWriter:
+        """The chief's console, metrics.jsonl, TensorBoard and trackers (a search trial's also its
+        pipe to the sweep); `member`: a group's trial (named lines, no progress bar)."""
+        cfg, chief = self.cfg, self.chief
+        options: dict[str, Any] = dict(enabled=chief, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard)
+        if self.sidecar:
+            options.update(start_step=0, progress=False, tensorboard=False)
+        elif member:
+            options.update(start_step=0, progress=False, name=self.workdir.name, trackers=open_trackers(cfg))
+        else:  # (finished, or stopped early: no trackers, nothing to log)
+            trackers = open_trackers(cfg) if chief and start < self.end else ()
+            judged = Judged.from_env() if chief else None
+            options.update(start_step=start, progress=cfg.log.progress, judged=judged, trackers=trackers)
+        self.writer = self._enter(MetricWriter(self.workdir, **options))
+        if self.sidecar and cfg.log.tensorboard:  # a folder of its own: two writers must not share an event file
+            from tensorboardX import SummaryWriter
+
+            self.summary = self._enter(SummaryWriter(str(self.workdir / SIDECAR)))
+        return self.writer
+
+    def _enter(self, thing):
+        return self.closing.enter_context(contextlib.closing(thing))
+
+    def message(self, text: str) -> None:
+        self.writer.message(text)
+
+    def write(self, step: int, split: str, record: dict) -> None:
+        self.writer.write(step, split, record)
+
+    def nonfinite(self, problem: Optional[str]) -> None:
+        """train.nan_policy: `stop` raises NonFiniteLoss, else a warning."""
+        if problem and self.cfg.train.nan_policy == "stop":
+            raise NonFiniteLoss(problem)
+        if problem:
+            self.writer.message(f"warning: {problem}")
+
+    def train_record(self, host: np.ndarray, window: Window, rates: Throughput) -> tuple[dict[int, float], dict]:
+        """(each step's train loss, the window's train record) from its metrics on the host
+        ([steps, columns]); a non-finite loss meets the NaN policy first."""
+        losses = self.columns.losses(host, window.start)
+        self.nonfinite(nonfinite_loss(losses))
+        return losses, {**self.columns.record(host), **rates.per_step(window.seconds() / max(window.timed_steps, 1))}
+
+    def evaluated(self, step: int, metrics: dict[str, float]) -> Verdict:
+        """Writes the eval record of `step`; then the NaN policy, and the monitor's verdict (the
+        sidecar's: its record, tagged, and its TensorBoard events alone)."""
+        if self.sidecar:
+            self.writer.write(step, "eval", {**metrics, "source": SIDECAR})
+            if self.summary is not None:
+                for name, value in metrics.items():
+                    self.summary.add_scalar(f"eval/{name}", value, step)
+                self.summary.flush()
+            return Verdict()
+        self.writer.write(step, "eval", metrics)
+        self.nonfinite(nonfinite_eval(metrics, step))
+        verdict = self.monitor.evaluated(metrics, step)
+        if verdict.stop:
+            self.writer.message(self.monitor.why())
+        return verdict
+
+    def save(self, step: int, state, window: Optional[dict]) -> None:
+        """Starts a checkpoint of `state` at `step` with its meta (the log window in progress,
+        `Window.carried`, and the watched metrics)."""
+        meta = checkpoint_meta(self.cfg, step, self.config_text, window=window, **self.monitor.record())
+        self.checkpointer.save(step, state, meta, self.monitor.metrics(step))
+
+
+def checkpoint_meta(cfg: Config, step: int, config_text: str = "", **more) -> dict:
+    """A checkpoint's meta: its step, where the data order goes on from, the config (as
+    to_yaml gives it), and `more` (the log window, the watched metrics, an import's source)."""
+    return {"step": step, "data": {"next_step": step, "seed": cfg.seed}, "config": config_text or to_yaml(cfg), **more}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How a state is evaluated: the compiled eval step, a pass over the eval split's host
+    batches, how a batch goes to the devices, and the task and data that name the metrics."""
+
+    eval_step: Callable  # (weights_of(state), device batch) → metric sums (one per trial: a group's)
+    batches: Callable[[], Iterable]
+    put: Callable  # host batch → device batch
+    task: Any
+    info: Any
+
+    @classmethod
+    def of_run(cls, run) -> "Evaluation":
+        """A run's (setup.Run): its rows of each eval batch, padding masked out."""
+        inputs, compiled, size = run.inputs, run.compiled, run.inputs.eval_batch_size
+
+        def batches():
+            return eval_batches(run.dataset.eval, size, run.cfg.eval.max_batches, inputs.eval_rows)
+
+        return cls(
+            compiled.eval_step,
+            batches,
+            lambda batch: compiled.put_batch(batch, size),
+            run.model.family.task,
+            run.dataset.info,
+        )
+
+
+def eval_metrics(evaluation: Evaluation, state, trials: int = 0) -> list[dict[str, float]]:
+    """Loss, accuracy and the task's metrics over the eval split: one dict for a run's state,
+    one per trial (`trials`) for a group's stacked states."""
+    totals = {name: np.zeros(trials or (), np.float64) for name in EVAL_SUMS}
+    weights = weights_of(state)
+    for host_batch in evaluation.batches():
+        sums = jax.device_get(evaluation.eval_step(weights, evaluation.put(host_batch)))  # a host sync per batch
+        totals = {name: total + np.asarray(sums[name], np.float64) for name, total in totals.items()}
+    metrics = []
+    for index in range(trials) if trials else [()]:
+        loss_sum, correct, count = (float(totals[name][index]) for name in EVAL_SUMS)
+        loss = loss_sum / count
+        metrics.append(
+            {"loss": loss, "accuracy": correct / count, **evaluation.task.eval_metrics(loss, evaluation.info)}
+        )
+    return metrics
+
+
+def nonfinite_loss(losses: dict[int, float]) -> Optional[str]:
+    """The message for the first non-finite train loss, or None."""
+    for step, loss in losses.items():
+        if not math.isfinite(loss):
+            return (
+                f"loss is {loss} at step {step}; lower optimizer.learning_rate, set optimizer.grad_clip_norm, "
+                f"or check the data"
+            )
+    return None
+
+
+def nonfinite_eval(metrics: dict[str, float], step: int) -> Optional[str]:
+    if math.isfinite(metrics["loss"]):
+        return None
+    return (
+        f"eval loss is {metrics['loss']} at step {step}; check the eval data for NaN or infinite values, "
+        f"or lower optimizer.learning_rate"
+    )
+
+
+def claim(workdir: Path, closing: contextlib.ExitStack, **lock) -> None:
+    """Takes the workdir's lock for the life of `closing` (`lock`: WorkdirLock's settings); a
+    workdir created here is removed again if the job stops before writing anything into it (a
+    bad config or bad data)."""
+    created = not workdir.exists()
+    if created:
+
+        def unused() -> None:
+            if [p.name for p in workdir.iterdir()] == [LOCK]:
+                shutil.rmtree(workdir)
+
+        # also when a signal ends start-up: registered before the lock file can be seen
+        starting(None, cleanup=unused)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        closing.enter_context(WorkdirLock(workdir, **lock))
+    except OSError as e:  # a read-only or unwritable place: said before anything is compiled
+        number = storage_errno(e, workdir)
+        if number is None:
+            raise
+        raise storage_error(workdir, number, "claiming the workdir") from None
+    if created:
+        closing.callback(unused)
+
+
+def write_run_files(cfg: Config, info, workdir: Path) -> None:
+    """config.yaml, the model files of the run it starts from (finetune.base, restore_from), and the
+    tokenizer the run's text is read back with (sample, export); a UsageError first when the
+    model reads another tokenizer's ids (an imported model)."""
+    base = base_workdir(cfg)
+    check_data_tokenizer(model_tokenizer_file(workdir, base), info, f"data (data.name={cfg.data.name})")
+    check_preprocessing(workdir / PREPROCESSING, info)
+    save_config(cfg, workdir / "config.yaml")
+    carry_model_files(base, workdir)  # its context, special tokens, chat template: for sample and export
+    if info.preprocessing_data:
+        write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
+    if info.tokenizer:
+        shutil.copyfile(info.tokenizer, workdir / TOKENIZER)
