@@ -159,10 +159,36 @@ def test_the_engine_asks_the_model_family_not_the_model_config():
 
 def test_every_family_satisfies_the_typed_protocol():
     from models import REGISTRY
-    from models.family import ModelFamily
+    from models.family import ModelFamily, splits_sequence
 
     assert all(isinstance(family, ModelFamily) for family in REGISTRY.values())
-    assert REGISTRY["llama"].splits_sequence() and not REGISTRY["mlp"].splits_sequence()
+    assert splits_sequence(REGISTRY["llama"]) and not splits_sequence(REGISTRY["mlp"])
+
+
+def test_a_model_family_has_a_small_required_core():
+    # required: every member of the protocol that Family does not default to None (the capability
+    # records, where absent means unsupported)
+    from models.family import Family, ModelFamily
+
+    members = {name for name in (*vars(ModelFamily), *vars(ModelFamily).get("__annotations__", {})) if name[0] != "_"}
+    capabilities = {name for name in members if getattr(Family, name, "required") is None}
+    required = members - capabilities
+    assert {"config_cls", "task", "build"} <= required and len(required) <= 8, sorted(required)
+    assert {"flops", "language_model", "layer_stack", "experts"} <= capabilities, sorted(capabilities)
+
+
+def test_the_engine_passes_the_models_what_they_need_as_arguments():
+    # no context variable carries anything between engine and models (build takes BuildOptions:
+    # the pipeline, LoRA adapters), but the activation layout of the step being traced
+    layout = ROOT / "contract" / "activations.py"
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in MODELS + sorted((ROOT / "contract").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if ("ContextVar" in line or "contextvars" in line)
+        and not (path == layout and (line == "import contextvars" or line.startswith("_constrainer: ")))
+    ]
+    assert not hits, hits
 
 
 def test_the_mesh_keys_and_rules_come_from_the_axis_declarations():
@@ -270,3 +296,54 @@ def test_the_engine_is_folders_that_show_the_design():
     assert len(top) <= 3, top
     names = [p.name for p in ENGINE if p.name not in ("__init__.py", "__main__.py")]
     assert not {n for n in names if names.count(n) > 1}
+
+
+def _calls_of(name: str, node, where: str = "<module>"):
+    """The enclosing function's name (or "<module>") for each call of `name` (or of x.`name`) under `node`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Call) and name in (getattr(child.func, "id", None), getattr(child.func, "attr", None)):
+            yield where
+        yield from _calls_of(
+            name, child, child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+        )
+
+
+def test_the_engine_constructs_its_checkpointer_in_one_place():
+    """The engine opens checkpoints only through engine.checkpoint.store.open_checkpoints, so
+    every reader and writer takes keep, verification, staging and the frozen base from its
+    config the same way: that function holds the engine's one Checkpointer(...)."""
+    found = [
+        f"{module_name(path)}:{where}"
+        for path in ENGINE
+        for where in _calls_of("Checkpointer", ast.parse(path.read_text()))
+    ]
+    assert found == ["engine.checkpoint.store:open_checkpoints"], found
+
+
+def test_a_run_alone_names_no_sync_strategy():
+    """train.sync's strategies are engine/parallel/sync.py's table: a run alone steps, fetches and
+    logs through its `Syncing`, and neither branches on nor names one (DiLoCo's included)."""
+    text = (ROOT / "engine" / "run" / "single.py").read_text()
+    assert "diloco" not in text.lower()
+
+
+# the packed metrics' layout by name or position: the column names' tuple, a column looked up by
+# name, a row's or a column's literal index (`row[0]`, `host[:, 2]`, `packed[:, :, 3]`)
+PACKED_LAYOUT = re.compile(
+    r"TRAIN_METRICS|\.index\(\"(loss_sum|correct|count|grad_norm|learning_rate)\"\)|\brows?\[\s*-?\d|\[\s*:\s*,\s*(:\s*,\s*)?-?\d"
+)
+
+
+def test_only_the_metric_columns_know_the_packed_metrics_layout():
+    """engine/run/columns.py (MetricColumns) owns the packed train metrics' layout; no other engine
+    module names its columns or indexes metric rows by position (the data sources index their own
+    arrays, not metrics)."""
+    owner = ROOT / "engine" / "run" / "columns.py"
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in ENGINE
+        if path != owner and path.parent.name != "data"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PACKED_LAYOUT.search(line)
+    ]
+    assert not hits, hits

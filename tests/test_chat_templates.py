@@ -37,6 +37,7 @@ def _refused(text: str, match: str) -> str:
     return message
 
 
+@pytest.mark.nocompile
 def test_a_template_renders_as_transformers_does():
     assert _render(GOOD, bos_token="<s>", eos_token="</s>") == "<s>s:be brief</s>u:hi</s>a:"
     assert _render("{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ [1] * 2 }} {{ 'x' ~ 'y' }} {{ '%03d' % 7 }}") == (
@@ -45,11 +46,13 @@ def test_a_template_renders_as_transformers_does():
     assert _render("{% for i in range(500) %}{% for j in range(500) %}{% endfor %}{% endfor %}{{ 1 }}") == "1"
 
 
+@pytest.mark.nocompile
 def test_a_huge_power_is_refused_not_computed():
     _refused("{{ (messages|length + 9) ** 100000000 }}", r"power of more than 65,536 bits \(11 \*\* 100000000\)")
     _refused("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}", "product")
 
 
+@pytest.mark.nocompile
 def test_nested_loops_share_one_iteration_budget():
     _refused(NESTED, "more than 1,000,000 loop iterations")
     letters = "{% for c in 'abcdefghij' %}" * 7 + "{% endfor %}" * 7  # 10 ** 7 iterations, no range, no output
@@ -57,6 +60,7 @@ def test_nested_loops_share_one_iteration_budget():
     _refused("{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}", "recurses without end")
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "text",
     [
@@ -71,10 +75,12 @@ def test_a_huge_string_or_list_is_refused_before_it_is_built(text):
     _refused(text, "more than the 1,048,576 allowed")
 
 
+@pytest.mark.nocompile
 def test_the_output_is_capped():
     _refused("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "writes more than 1,048,576 characters")
 
 
+@pytest.mark.nocompile
 def test_memory_is_capped():
     import resource
 
@@ -87,11 +93,13 @@ def test_memory_is_capped():
     assert resource.getrlimit(resource.RLIMIT_AS) == before
 
 
+@pytest.mark.nocompile
 def test_the_clock_is_checked_in_loops(monkeypatch):
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
     _refused("{% for i in range(900) %}{% for j in range(900) %}{% endfor %}{% endfor %}", r"longer than 0.05 s")
 
 
+@pytest.mark.nocompile
 def test_the_alarm_stops_a_render_that_no_check_sees(monkeypatch):
     """With the loop budget and clock checks off, only the SIGALRM backstop can stop the loops."""
     monkeypatch.setattr(chat._Budget, "spend", lambda self, iterations=0: None)
@@ -102,6 +110,7 @@ def test_the_alarm_stops_a_render_that_no_check_sees(monkeypatch):
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "text, match",
     [
@@ -132,6 +141,7 @@ def _workdir(tmp_path, config=None, jinja: bytes | None = None):
     return work
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "config, match",
     [
@@ -150,12 +160,14 @@ def test_a_bad_tokenizer_config_is_one_usage_error(tmp_path, config, match):
     assert str(work / "tokenizer_config.json") in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.nocompile
 def test_a_template_file_that_is_not_utf8_is_one_usage_error(tmp_path):
     work = _workdir(tmp_path, jinja=b"{{ bos_token }}\xff\xfe")
     with pytest.raises(UsageError, match="chat_template.jinja cannot be read as UTF-8 text"):
         chat_prompts(work, ["hi"])
 
 
+@pytest.mark.nocompile
 def test_the_default_named_template_and_the_jinja_file_are_read(tmp_path):
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": GOOD}]
     work = _workdir(tmp_path, {"chat_template": named, "bos_token": {"content": "<s>"}, "eos_token": "</s>"})

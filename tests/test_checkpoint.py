@@ -2,17 +2,14 @@
 checkpoints, incompatible models, restore onto other meshes, the evaluator, export."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import run_cli, start_cli
 from engine.checkpoint.store import Checkpointer
 from engine.errors import UsageError
 from engine.run.setup import build_run
@@ -50,24 +47,7 @@ def saved_arrays(workdir, step):
 
 
 def start_training(workdir, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "--config",
-            "configs/mnist_mlp.yaml",
-            "--workdir",
-            str(workdir),
-            *RUN,
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *RUN, *extra)
 
 
 def wait_for_step(workdir, step, proc, timeout=120):
@@ -281,25 +261,7 @@ def test_restore_from_params_only_starts_at_step_zero(make_config, tmp_path, cap
 @pytest.mark.slow
 def test_evaluator_evaluates_each_checkpoint_of_a_live_run_once(tmp_path):
     workdir = tmp_path / "live"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    evaluator = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "eval",
-            "--config",
-            "configs/mnist_mlp.yaml",
-            "--workdir",
-            str(workdir),
-            "--watch",
-            *RUN,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    evaluator = start_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--watch", *RUN)
     trainer = start_training(workdir)
     _, err = trainer.communicate(timeout=300)
     assert trainer.returncode == 0, err

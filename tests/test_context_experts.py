@@ -12,7 +12,7 @@ import pytest
 from test_parallel import addressable_bytes, train_losses
 from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
-from conftest import run_cli
+from conftest import TINY_LLAMA, run_cli
 from engine.data import DataInfo
 from engine.errors import UsageError
 from engine.plan import hlo
@@ -23,21 +23,7 @@ from engine.runtime.rundir import read_records
 from models.llama import LlamaConfig, flops_per_example
 
 MOE = ["model.num_experts=8", "model.experts_per_token=2"]
-LLAMA = [
-    "model.name=llama",
-    "data.name=synthetic_text",
-    "data.seq_len=16",
-    "data.num_examples=256",
-    "data.vocab_size=64",
-    "model.num_layers=2",
-    "model.d_model=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.mlp_dim=48",
-    "train.global_batch_size=16",
-    "optimizer.learning_rate=0.003",
-    "optimizer.warmup_steps=1",
-]
+LLAMA = [*TINY_LLAMA, "optimizer.warmup_steps=1"]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ from engine.data import Prefetcher, TrainBatches, eval_batches, load_dataset, pr
 from engine.data.sources import digits_arrays
 from engine.errors import UsageError
 
+pytestmark = pytest.mark.nocompile  # reading and batching data compiles nothing
+
 
 def write_idx(path, array, gz=False):
     header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)

@@ -4,15 +4,12 @@ killed mid-round resumes bit-identically; the default job converges with 4 repli
 processes holding one replica each equal one process holding both; wrong settings exit 2."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import run_cli, start_cli
 from engine.parallel.sharding import per_device_bytes
 from engine.plan import hlo
 from engine.run.setup import build_run
@@ -59,7 +56,7 @@ def test_the_inner_step_moves_nothing_between_replicas_and_the_outer_step_the_pa
     inner = hlo.program_collectives(run.compiled.program.as_text(), run.mesh.size)
     assert inner and all(c.groups is not None for c in inner)  # fsdp inside each replica: some collectives
     assert hlo.crossing(inner, run.mesh, "replica") == []
-    outer = hlo.program_collectives(run.compiled.sync_step.as_text(), run.mesh.size)
+    outer = hlo.program_collectives(run.compiled.sync.program.as_text(), run.mesh.size)
     crossing = hlo.crossing(outer, run.mesh, "replica")
     assert [c.op for c in crossing] == ["all-reduce"]
     shard = per_device_bytes(run.abstract_state.momentum)  # a device's share of the parameters, float32
@@ -71,16 +68,8 @@ def _last_step(workdir) -> int:
 
 
 def _start(workdir, *extra):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *RESUMED, *extra]
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_cli(*args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
 
 
 # checkpoints every 5 steps, rounds of 6: most saves fall mid-round

@@ -45,6 +45,7 @@ def meta(workdir, step):
     return json.loads((workdir / "checkpoints" / str(step) / "meta" / "metadata").read_text())
 
 
+@pytest.mark.nocompile
 def test_watched_counts_evaluations_without_an_improvement_beyond_min_delta():
     """Keras's rule: an improvement beats the best so far (not the last value) by more than min_delta."""
     watched = Watched("train.early_stop.metric", "eval/loss", "min", min_delta=0.1)

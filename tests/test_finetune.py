@@ -17,8 +17,8 @@ from test_llama import TINY, transformers_logits, write_hf_checkpoint
 from test_parallel import train_losses
 
 from conftest import ROOT, run_cli
-from engine.checkpoint.store import load_base, restore_newest
 from engine.checkpoint import store as checkpoint
+from engine.checkpoint.store import load_base, restore_newest
 from engine.config import load_config
 from engine.lm.finetune import base_weights, with_frozen
 from engine.run.setup import build_run
@@ -113,7 +113,7 @@ def test_a_run_from_another_runs_weights_carries_that_models_files(base, tmp_pat
     """A LoRA run on finetune.base, and a run from checkpoint.restore_from's parameters, write the
     base's model files (hf_config.json: context, eos ids; tokenizer companions) into their workdir."""
     from engine.data import load_dataset
-    from engine.run.single import write_run_files
+    from engine.run.outputs import write_run_files
 
     base_dir = tmp_path / "base"
     shutil.copytree(base[1], base_dir)
@@ -299,10 +299,11 @@ def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path, overr
 
 
 def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
-    """README's fine-tuning lines, as written, on a tiny random Llama with a BPE tokenizer (only
-    paths replaced, and quick settings added: a short run on little text). The import tokenizes
-    nothing; the LoRA run's sample and exports have the base's context, special ids, chat template
-    and generation settings; its adapter directory names the base's Hugging Face directory."""
+    """The fine-tuning recipe's lines (docs/language-models.md), as written, on a tiny random
+    Llama with a BPE tokenizer (only paths replaced, and quick settings added: a short run on
+    little text). The import tokenizes nothing; the LoRA run's sample and exports have the base's
+    context, special ids, chat template and generation settings; its adapter directory names the
+    base's Hugging Face directory."""
     from test_tokens import tokenized_corpus
     from tokenizers import Tokenizer
 
@@ -313,12 +314,12 @@ def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
     )
     shutil.copyfile(corpus / "tokenizer.json", hf / "tokenizer.json")
     eos = _with_model_facts(hf, context=512)
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "language-models.md").read_text()
     block = readme.split("<!-- fine-tuning recipe:")[1].split("```bash\n")[1].split("```")[0]
     cache = [f"data.cache_dir={tmp_path / 'cache'}"]
     quick = {
         "import-hf": QUICK_TEXT + cache,
-        "--config": [*QUICK_TEXT, "train.steps=2"],
+        "--config": [*QUICK_TEXT[1:], "train.steps=2"],  # (data.max_bytes is python_source's: the run reads tokens)
         "sample": ["--max-tokens", "4"],
     }
     for line in block.strip().splitlines():

@@ -124,3 +124,20 @@ def test_the_readme_serving_snippet_runs_as_written(tmp_path):
     assert "load_digits().images / 16.0" in proc.stdout
     predicted, true = re.search(r"predicted \[(.*?)\] true \[(.*?)\]", proc.stdout, re.S).groups()
     assert sum(a == b for a, b in zip(predicted.split(), true.split())) >= 6  # a trained model, fed right
+
+
+def test_the_readme_stays_a_front_page():
+    """README.md is the setup, the run and the test commands and a map of the docs, in at most
+    150 lines; recipes and snippets live in docs/, where their tests follow them."""
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, "README.md is over 150 lines: move the detail into docs/"
+    for kept in (
+        'pip install -e ".[dev]"',
+        "python launch.py --config configs/mnist_mlp.yaml",
+        "# the test suite (about",  # the test command, with the suite's time
+        "(docs/architecture.md)",
+        "(docs/debugging.md)",
+    ):
+        assert kept in readme, kept

@@ -2,16 +2,13 @@
 the CLI with its MFU. Skipped without a GPU; on one: ENGINE_TEST_GPU=1 python -m pytest tests/test_gpu.py"""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import run_cli
 from engine.data import DataInfo
 from engine.parallel.sharding import unbox
 from models import REGISTRY
@@ -57,24 +54,16 @@ def test_cudnn_attention_equals_xla_in_bfloat16(family):
 def test_llama_trains_in_bfloat16_with_mfu(tmp_path):
     """The Llama config trains on the GPU in bf16 (cuDNN attention): the loss falls, MFU is counted."""
     workdir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "launch.py",
-            "--config",
-            "configs/llama_tiny.yaml",
-            "--workdir",
-            str(workdir),
-            "train.steps=60",
-            "log.every_steps=20",
-            "log.progress=false",
-            "train.compute_dtype=bfloat16",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = run_cli(
+        "--config",
+        "configs/llama_tiny.yaml",
+        "--workdir",
+        str(workdir),
+        "train.steps=60",
+        "log.every_steps=20",
+        "log.progress=false",
+        "train.compute_dtype=bfloat16",
         timeout=900,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
     )  # not the tests' 8 CPU devices, -O0
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout[-2000:])

@@ -11,31 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import TINY_LLAMA, run_cli, start_cli, wait_until
 from engine.data import DataInfo
 from engine.observe.perf import compiled_flops
 from engine.parallel.sharding import unbox
+from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
-from engine.run.step import unpack_metrics
 from models import REGISTRY, sampling
 from models.llama import LlamaConfig
 
 INFO = DataInfo("tokens", 8, 8, vocab_size=61, seq_len=12)
 TINY = dict(num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=48, rope_theta=10000.0)
-LLAMA = [
-    "model.name=llama",
-    "data.name=synthetic_text",
-    "data.seq_len=16",
-    "data.num_examples=256",
-    "data.vocab_size=64",
-    "model.num_layers=2",
-    "model.d_model=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.mlp_dim=48",
-    "train.global_batch_size=16",
-    "optimizer.learning_rate=0.003",
-]
+LLAMA = TINY_LLAMA
 
 
 def init(cfg: LlamaConfig, info=INFO, seed=0):
@@ -140,7 +127,9 @@ def unstacked(params, num_layers):
 def train_losses(run, steps, state=None):
     state, losses = run.compiled.to_step_layout(state or run.init_state()), []
     for step in range(steps):
-        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
+        state, metrics = jax.block_until_ready(
+            run.compiled.train_step(state, run.train_block(step // run.inputs.steps_per_block))
+        )
         (metrics,) = unpack_metrics(jax.device_get(metrics))
         losses.append(metrics["loss_sum"] / metrics["count"])
     return losses
@@ -393,12 +382,6 @@ def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
 def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     """Exact resume holds for scanned (stacked) parameters too, and for a mixture of experts
     (its routing, dropped tokens and load-balancing metrics included)."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from conftest import ROOT
     from engine.runtime.rundir import read_records
 
     args = [
@@ -412,25 +395,9 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
         "eval.every_steps=0",
         "data.steps_per_transfer=1",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
     def start(workdir):
-        return subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "launch.py"),
-                "--config",
-                "configs/mnist_mlp.yaml",
-                "--workdir",
-                str(workdir),
-                *args,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return start_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *args)
 
     def train_records(workdir):
         return [
@@ -442,10 +409,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert start(reference).wait(timeout=300) == 0
     proc = start(killed)
-    deadline = time.time() + 240
-    while not (train_records(killed) and train_records(killed)[-1][0] >= 7):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    wait_until(lambda: train_records(killed) and train_records(killed)[-1][0] >= 7, proc, 240, poll=0.05)
     proc.kill()
     proc.wait()
     assert train_records(killed)[-1][0] < 12

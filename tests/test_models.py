@@ -105,6 +105,7 @@ def test_dropout_is_on_in_training_only_and_depends_on_example_id():
     np.testing.assert_allclose(evals[0], evals[1])
 
 
+@pytest.mark.nocompile
 def test_model_config_validation(make_config):
     with pytest.raises(ValueError, match="model.depth=20 is not one of 18, 34, 50"):  # a declared choice
         make_config("mnist_mlp.yaml", "model.name=resnet", "model.depth=20")
@@ -183,6 +184,7 @@ def test_chunked_loss_keeps_less_in_memory():
     assert temporaries["chunked"] <= temporaries["fused"] - logits_f32 / 2, temporaries  # a quarter at a time
 
 
+@pytest.mark.nocompile
 def test_loss_chunk_must_divide_the_sequence():
     module_cfg = TransformerConfig(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, loss_chunk=5)
     with pytest.raises(ValueError, match="model.loss_chunk=5 does not divide data.seq_len=12"):

@@ -13,8 +13,8 @@ from test_context_experts import LLAMA, MOE, assert_same_training
 
 from conftest import run_cli
 from engine.parallel.sharding import unbox
+from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
-from engine.run.step import unpack_metrics
 from models import REGISTRY, sampling
 from models.configs import LlamaConfig
 from models.moe import MoE
@@ -89,7 +89,7 @@ def skewed_first_step(make_config, *overrides) -> dict:
         lambda path, a: a * 0 if "router" in jax.tree_util.keystr(path) else a, state.params
     )
     state = run.compiled.to_step_layout(state.replace(params=skewed))
-    _, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(0)))
+    _, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_block(0)))
     (metrics,) = unpack_metrics(jax.device_get(metrics))
     return metrics
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import slurm_cluster
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, start_cli, wait_until, wrote_metrics
 
 pytestmark = pytest.mark.multiprocess
 
@@ -107,31 +107,13 @@ def test_tf_config_two_workers_train(tmp_path):
     cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]}
     procs = []
     for index in range(2):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS="",
-            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
-        )
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(ROOT / "launch.py"),
-                    "--config",
-                    "configs/mnist_mlp.yaml",
-                    "--workdir",
-                    str(tmp_path / "tf"),
-                    "train.steps=6",
-                    *COMMON,
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        env = {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "",
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        }
+        args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "tf"), "train.steps=6", *COMMON]
+        procs.append(start_cli(*args, env=env))
     outputs = [p.communicate(timeout=300) for p in procs]
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
@@ -149,6 +131,12 @@ def test_tf_config_parameter_server_is_refused(tmp_path):
     }
     proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "ps"), env=env)
     assert proc.returncode == 2 and "sharded over the mesh's fsdp axis" in proc.stderr
+
+
+def _two_local_processes(workdir, *overrides, stdout=subprocess.PIPE):
+    """launch.py training mnist_mlp in two local processes (1 CPU device each), started."""
+    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--local-processes", "2", *overrides]
+    return start_cli(*args, stdout=stdout, stderr=stdout)
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -174,31 +162,10 @@ def _running(pid: int) -> bool:
 @pytest.mark.slow
 def test_killed_process_stops_the_job_within_60_seconds(tmp_path):
     workdir = tmp_path / "kill"
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "--config",
-            "configs/mnist_mlp.yaml",
-            "--workdir",
-            str(workdir),
-            "--local-processes",
-            "2",
-            "train.steps=1000000",
-            *COMMON,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-    )
+    launcher = _two_local_processes(workdir, "train.steps=1000000", *COMMON)
     workers = {}
     try:
-        deadline = time.time() + 180
-        while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
-            assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
-            time.sleep(0.2)
+        wait_until(lambda: wrote_metrics(workdir), launcher, 180, poll=0.2)
         workers = _children(launcher.pid)  # the launcher's own workers, not any process on the machine
         (victim,) = [pid for pid, command in workers.items() if "distributed.process_id=1" in command]
         killed_at = time.monotonic()
@@ -287,31 +254,8 @@ def test_sigterm_to_a_multi_process_job_saves_at_one_agreed_step(tmp_path, extra
     Ctrl-C (SIGINT) to the launcher does the same and exits 130 (before: a KeyboardInterrupt
     traceback)."""
     workdir = tmp_path / "preempt"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "--config",
-            "configs/mnist_mlp.yaml",
-            "--workdir",
-            str(workdir),
-            "--local-processes",
-            "2",
-            "train.steps=1000000",
-            *COMMON,
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 180
-    while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
-        assert time.time() < deadline and launcher.poll() is None, launcher.communicate()
-        time.sleep(0.2)
+    launcher = _two_local_processes(workdir, "train.steps=1000000", *COMMON, *extra)
+    wait_until(lambda: wrote_metrics(workdir), launcher, 180, poll=0.2)
     launcher.send_signal(sig)
     out, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 128 + sig and "Traceback" not in err, out[-2000:] + err[-2000:]
@@ -325,31 +269,12 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     """SIGKILL to the local launcher: its workers (in their own sessions) get SIGTERM from the
     kernel, save at one agreed step and exit, instead of training on unattended."""
     workdir = tmp_path / "orphans"
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "--config",
-            "configs/mnist_mlp.yaml",
-            "--workdir",
-            str(workdir),
-            "--local-processes",
-            "2",
-            "train.steps=1000000",
-            "checkpoint.every_steps=0",
-            *COMMON,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    launcher = _two_local_processes(
+        workdir, "train.steps=1000000", "checkpoint.every_steps=0", *COMMON, stdout=subprocess.DEVNULL
     )
     workers = {}
     try:
-        deadline = time.time() + 180
-        while not ((workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").read_text()):
-            assert time.time() < deadline and launcher.poll() is None
-            time.sleep(0.2)
+        wait_until(lambda: wrote_metrics(workdir), launcher, 180, poll=0.2)
         workers = _children(launcher.pid)
         assert len(workers) == 2
         launcher.kill()

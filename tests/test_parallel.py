@@ -8,25 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import TINY_GPT, run_cli
 from engine.errors import UsageError
+from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
-from engine.run.step import unpack_metrics
 
 MLP = ["model.name=mlp", "model.hidden_sizes=[128]", "model.dropout_rate=0.2", "train.global_batch_size=64"]
-GPT = [
-    "model.name=transformer",
-    "data.name=synthetic_text",
-    "data.seq_len=16",
-    "data.num_examples=512",
-    "data.vocab_size=64",
-    "model.num_layers=2",
-    "model.d_model=32",
-    "model.num_heads=4",
-    "model.mlp_dim=64",
-    "model.dropout_rate=0.1",
-    "train.global_batch_size=16",
-]
+GPT = TINY_GPT
 LAYOUTS = {
     "1 device": ["mesh.num_devices=1"],
     "data=8": ["mesh.data=8"],
@@ -40,7 +28,9 @@ LAYOUTS = {
 def train_losses(run, steps):
     state, losses = jax.block_until_ready(run.compiled.to_step_layout(run.init_state())), []  # (CPU collectives)
     for step in range(steps):
-        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
+        state, metrics = jax.block_until_ready(
+            run.compiled.train_step(state, run.train_block(step // run.inputs.steps_per_block))
+        )
         (metrics,) = unpack_metrics(jax.device_get(metrics))  # (CPU collectives must not overlap steps)
         losses.append(metrics["loss_sum"] / metrics["count"])
     return np.array(losses), run.compiled.from_step_layout(
@@ -204,7 +194,9 @@ def test_steps_per_call_on_eight_devices_matches_one_step_per_call(make_config, 
     run = build_run(make_config("mnist_mlp.yaml", *args, "train.steps_per_call=4"))
     state, losses = run.compiled.to_step_layout(run.init_state()), []
     for step in range(0, 8, 4):
-        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
+        state, metrics = jax.block_until_ready(
+            run.compiled.train_step(state, run.train_block(step // run.inputs.steps_per_block))
+        )
         steps = unpack_metrics(jax.device_get(metrics))  # one call, four steps
         losses += [m["loss_sum"] / m["count"] for m in steps]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)

@@ -3,15 +3,13 @@
 one-device losses and weights; checkpoints move between pipeline layouts; a killed run resumes
 exactly; a stage holds its share of the layers; wrong settings exit 2 by name."""
 
-import os
-
 import jax
 import numpy as np
 import pytest
 from test_context_experts import LLAMA, assert_same_training
 from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
-from conftest import run_cli
+from conftest import run_cli, start_cli
 from engine.errors import UsageError
 from engine.parallel.sharding import per_device_bytes
 from engine.run.setup import build_run
@@ -120,20 +118,9 @@ def test_a_killed_pipelined_run_resumes_bit_identically(tmp_path):
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert "pipeline: 4 stages (circular, 2 repeats)" in reference.stdout, reference.stdout[:2000]
     import subprocess
-    import sys
     import time
 
-    from conftest import ROOT
-
-    child_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | env
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), *args, "--workdir", str(tmp_path / "killed")],
-        cwd=ROOT,
-        env=child_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_cli(*args, "--workdir", str(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and max(losses_of(tmp_path / "killed") or [0]) < 14:
         assert proc.poll() is None, proc.communicate()

@@ -3,15 +3,13 @@ in the sweep directory's SQLite database, pruned trials stopped early, a killed 
 resuming its study, two sweep processes sharing one study without running a trial twice."""
 
 import json
-import os
 import subprocess
-import sys
 import time
 
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, start_cli
 from engine.errors import UsageError
 from engine.runtime.rundir import read_records
 from engine.sweep import load_sweep
@@ -44,16 +42,7 @@ def sweep_file(tmp_path, trials, pruner=None, **search):
 
 
 def start_sweep(path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "sweep", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_cli("sweep", str(path), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def index(tmp_path) -> list[dict]:
@@ -123,6 +112,7 @@ def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
         assert train_steps(tmp_path / "sweep" / name)[-1] == 40
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "search, extra, message",
     [
@@ -166,6 +156,7 @@ def test_a_damaged_study_is_set_aside_and_rebuilt_from_the_trials_on_disk(tmp_pa
     assert {f"trial-{t.number:04d}": t.value for t in rebuilt.trials[:2]} == before
 
 
+@pytest.mark.nocompile
 def test_choices_are_stored_natively_and_seeds_do_not_shift():
     """Optuna's own API reads a study's values as they are (a list choice, which optuna cannot
     store, as its JSON text), and seed 1's trials are not seed 0's shifted by one."""

@@ -7,17 +7,19 @@ import pytest
 
 from engine.config import OptimizerConfig
 from engine.errors import UsageError
+from engine.run.columns import unpack_metrics
 from engine.run.optimizer import learning_rate_at, schedule_hparams
 from engine.run.setup import build_run
 from engine.run.single import fit
-from engine.run.step import unpack_metrics
 from engine.runtime.rundir import read_records
 
 
 def first_steps(run, steps):
     state, losses = run.compiled.to_step_layout(run.init_state()), []
     for step in range(steps):
-        state, metrics = jax.block_until_ready(run.compiled.train_step(state, run.train_input(step)))
+        state, metrics = jax.block_until_ready(
+            run.compiled.train_step(state, run.train_block(step // run.inputs.steps_per_block))
+        )
         (metrics,) = unpack_metrics(jax.device_get(metrics))  # one step per call
         losses.append(metrics["loss_sum"] / metrics["count"])
     return state, losses

@@ -13,7 +13,7 @@ import pytest
 import slurm_cluster
 import yaml
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, start_cli
 from engine.errors import UsageError
 from engine.sweep import load_sweep
 
@@ -39,6 +39,7 @@ def index(directory):
     return [json.loads(line) for line in (directory / "sweep.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.nocompile
 def test_grid_zip_and_random_expansion(tmp_path):
     sweep = load_sweep(
         write_sweep(
@@ -72,6 +73,7 @@ def test_grid_zip_and_random_expansion(tmp_path):
     assert [r.overrides for r in other.runs] != [r.overrides for r in first.runs]
 
 
+@pytest.mark.nocompile
 def test_malformed_sweep_files_are_refused(tmp_path):
     with pytest.raises(UsageError, match="zip lists must have equal lengths"):
         load_sweep(write_sweep(tmp_path / "a.yaml", zip={"a.b": [1, 2], "c.d": [1]}))
@@ -120,6 +122,7 @@ def test_grid_runs_ranks_and_plots(tmp_path):
     assert "eval/accuracy" in typo.stderr and not (tmp_path / "typo" / "report.csv").exists()
 
 
+@pytest.mark.nocompile
 def test_the_plot_grows_to_hold_a_large_sweeps_legend(tmp_path):
     """64 runs (vectorize's largest group): every name in the legend, under the panels."""
     from matplotlib.image import imread
@@ -151,16 +154,7 @@ def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
         overrides={**FAST, "train.steps": 300},
     )
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sweep = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "sweep", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    sweep = start_cli("sweep", str(path), start_new_session=True)
     deadline = time.time() + 300
     while not (out / "sweep.jsonl").exists() or sum(r["status"] == "finished" for r in index(out)) < 1:
         assert time.time() < deadline and sweep.poll() is None, sweep.communicate()
@@ -262,6 +256,7 @@ def test_slurm_backend_submits_a_job_array(tmp_path):
     assert len(list((out / "groups").glob("*.log"))) == 1  # the group trained as one process
 
 
+@pytest.mark.nocompile
 def test_long_run_names_are_cut_and_stay_distinct(tmp_path):
     values = ["x" * 300 + str(i) for i in range(2)]
     sweep = load_sweep(write_sweep(tmp_path / "long.yaml", grid={"data.path": values}))

@@ -14,14 +14,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import QUIET, ROOT, run_cli, start_cli, wait_until
 from engine.data import features, preprocess
 
 ROWS = """age,city,tags,income,label
@@ -55,6 +54,7 @@ def columns_of(text: str) -> dict:
     return {name: [row[name] or None for row in rows] for name in rows[0]}
 
 
+@pytest.mark.nocompile
 def test_each_feature_kind_turns_five_rows_into_the_numbers_worked_by_hand():
     columns = columns_of(ROWS)
     spec = features.fit(features.entries(SPEC), columns, columns)
@@ -83,6 +83,7 @@ def test_each_feature_kind_turns_five_rows_into_the_numbers_worked_by_hand():
     np.testing.assert_allclose(again["numeric"], inputs["numeric"])
 
 
+@pytest.mark.nocompile
 def test_hashed_ids_are_the_same_in_another_process():
     columns = columns_of(ROWS)
     spec = features.fit(features.entries(SPEC), columns, columns)
@@ -170,25 +171,14 @@ def test_sigkill_then_rerun_continues_the_same_table_run(tmp_path):
         "data.placement=host",
         "data.steps_per_transfer=1",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
     def start(workdir):
-        command = [sys.executable, "launch.py", "--config", f"configs/{PENGUINS}", "--workdir", str(workdir)]
-        return subprocess.Popen(
-            [*command, "log.progress=false", "log.tensorboard=false", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return start_cli("--config", f"configs/{PENGUINS}", "--workdir", str(workdir), *QUIET, *args)
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert start(reference).wait(timeout=300) == 0
-    proc, deadline = start(killed), time.time() + 240
-    while not (_records(killed) and _records(killed)[-1][0] >= 25):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+    proc = start(killed)
+    wait_until(lambda: _records(killed) and _records(killed)[-1][0] >= 25, proc, 240, poll=0.02)
     proc.kill()
     proc.wait()
     assert _records(killed)[-1][0] < 60
@@ -218,7 +208,7 @@ def test_eight_devices_with_the_tables_sharded_give_the_one_device_losses(make_c
 
 def test_export_serves_raw_rows_with_the_trainers_eval_accuracy_and_the_readme_snippet_runs(tmp_path):
     """The export's preprocess.py on the held-out rows as raw text (the CSV's cells, "NA" as
-    None) gives the eval accuracy the trainer logged; the README's snippet runs as written."""
+    None) gives the eval accuracy the trainer logged; docs/data.md's serving snippet runs as written."""
     from engine.data.base import SPLIT_SEED
     from engine.data.table import table_files
 
@@ -231,7 +221,7 @@ def test_export_serves_raw_rows_with_the_trainers_eval_accuracy_and_the_readme_s
         "dtype": "int32",
     }
     readme = (
-        (ROOT / "README.md")
+        (ROOT / "docs" / "data.md")
         .read_text()
         .split("<!-- table serving snippet: tests/test_tabular.py runs it as written -->")[1]
     )

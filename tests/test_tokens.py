@@ -2,10 +2,7 @@
 `tokens` source (packing, mixtures), and training on it (exact resume after SIGKILL)."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 
 import jax
@@ -13,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, start_cli, wait_until
 from engine.config import DataConfig
 from engine.data import load_dataset
 from engine.data import tokens as tk
@@ -56,6 +53,7 @@ def _corpus_files(directory, documents=40, seed=0):
     return directory
 
 
+@pytest.mark.nocompile
 def test_tokenize_reads_text_json_lines_and_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -124,6 +122,7 @@ def test_tokenize_reads_a_hugging_face_datasets_directory(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.nocompile
 def test_held_out_documents_are_a_fixed_fraction_by_index():
     chosen = held_out(np.arange(200_000), 0.05)
     assert abs(chosen.mean() - 0.05) < 0.003
@@ -134,6 +133,7 @@ def _files_of(directory):
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name != "manifest.json"}
 
 
+@pytest.mark.nocompile
 def test_interrupted_tokenize_resumes_to_the_same_shards(tmp_path):
     inputs = [str(_corpus_files(tmp_path / "text", documents=60))]
     settings = dict(eval_fraction=0.2, shard_tokens=400, progress=False, batch_bytes=1500)
@@ -205,6 +205,7 @@ def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.nocompile
 def test_packing_lays_documents_into_windows_in_order():
     ends = np.array([3, 5, 12, 30, 31, 33])
     np.testing.assert_array_equal(tk.pack(ends, 5), [0, 5, 10, 15, 20, 25, 30, 33])
@@ -275,6 +276,7 @@ def two_corpora(tmp_path_factory):
     return base / "a", base / "b"
 
 
+@pytest.mark.nocompile
 def test_a_mixture_follows_its_weights_and_the_seed(two_corpora):
     a, b = two_corpora
     cfg = DataConfig(name="tokens", seq_len=16, sources=[{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}])
@@ -329,17 +331,9 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
         "train.steps=12",
         "checkpoint.every_steps=3",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
     def start(workdir):
-        return subprocess.Popen(
-            [sys.executable, str(ROOT / "launch.py"), "--config", "llama_tiny", "--workdir", str(workdir), *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return start_cli("--config", "llama_tiny", "--workdir", str(workdir), *args)
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     proc = start(reference)
@@ -349,10 +343,7 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
     np.testing.assert_allclose(shares.sum(axis=1), 1.0, rtol=1e-6)
     assert abs(shares[:, 0].mean() - 0.75) < 0.1  # 12 steps × 8 windows, weighted by real tokens
     proc = start(killed)
-    deadline = time.time() + 240
-    while not (_train_records(killed) and _train_records(killed)[-1]["step"] >= 7):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    wait_until(lambda: _train_records(killed) and _train_records(killed)[-1]["step"] >= 7, proc, 240, poll=0.05)
     proc.kill()
     proc.wait()
     assert _train_records(killed)[-1]["step"] < 12
@@ -388,6 +379,7 @@ def test_two_processes_read_their_own_rows_and_match_one_process(tmp_path, two_c
     np.testing.assert_allclose([x[s] for s in sorted(x)], [y[s] for s in sorted(x)], rtol=1e-5)
 
 
+@pytest.mark.nocompile
 def test_each_process_reads_only_its_rows_of_the_global_batch(two_corpora):
     from engine.data import TrainBatches
 
@@ -398,6 +390,7 @@ def test_each_process_reads_only_its_rows_of_the_global_batch(two_corpora):
         np.testing.assert_array_equal(np.concatenate([h[name] for h in halves]), whole[name])
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -451,6 +444,7 @@ def test_gradient_accumulation_of_packed_mixtures_equals_one_big_batch(make_conf
         )
 
 
+@pytest.mark.nocompile
 def test_python_source_with_a_bpe_is_tokenized_once_into_the_cache(tmp_path, capsys):
     cfg = DataConfig(
         name="python_source",
@@ -471,6 +465,7 @@ def test_python_source_with_a_bpe_is_tokenized_once_into_the_cache(tmp_path, cap
     np.testing.assert_array_equal(first.train.sources[0][3]["tokens"], again.train.sources[0][3]["tokens"])
 
 
+@pytest.mark.nocompile
 def test_a_small_corpus_holds_out_one_document_and_symlinked_files_count_once(tmp_path, capsys):
     text = _corpus_files(tmp_path / "text", documents=34)
     (text / "again").mkdir()
@@ -483,6 +478,7 @@ def test_a_small_corpus_holds_out_one_document_and_symlinked_files_count_once(tm
     assert "the last document is held out" in capsys.readouterr().out
 
 
+@pytest.mark.nocompile
 def test_a_changed_manifest_or_shard_is_refused_by_name(tmp_path):
     corpus = tokenized_corpus(tmp_path, seed=2, documents=12)
     manifest = corpus / "manifest.json"
@@ -506,6 +502,7 @@ def test_a_changed_manifest_or_shard_is_refused_by_name(tmp_path):
         tk.open_corpus(str(corpus), verify=False)
 
 
+@pytest.mark.nocompile
 def test_one_writer_per_out_directory_and_no_silent_phase(tmp_path, monkeypatch, capsys):
     from engine.data import pretokenize as tokenize_module
     from engine.runtime.rundir import WorkdirLock
@@ -545,6 +542,7 @@ def test_language_model_eval_gives_perplexity_and_bits_per_byte(tmp_path, make_c
     assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / math.log(2) / per_token)
 
 
+@pytest.mark.nocompile
 def test_the_shipped_language_model_configs_share_one_stdlib_corpus(make_config):
     from engine.data.text import _stdlib_files, stdlib_corpus_dir
 
@@ -570,6 +568,7 @@ def _refused(capsys, out, *args):
     return err
 
 
+@pytest.mark.nocompile
 def test_files_that_are_not_text_are_refused_and_replaced_bytes_are_counted(tmp_path, capsys):
     out = tmp_path / "out"
     binary = tmp_path / "model.bin"
@@ -629,6 +628,7 @@ def _flipped(data: bytes, position: int) -> bytes:
 ARROW = "data-00000-of-00002.arrow"
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "name, damage, message",
     [
@@ -667,6 +667,7 @@ def test_a_damaged_datasets_directory_is_refused_by_name(tmp_path, capsys, hf_di
     assert f"{path} is " in err and "damaged" in err and message in err
 
 
+@pytest.mark.nocompile
 def test_bad_input_found_while_reading_leaves_nothing_in_out(tmp_path, capsys):
     (tmp_path / "late.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')  # found by the BPE's reading
     assert "late.jsonl:2: no 'text' field" in _refused(capsys, tmp_path / "new_out", tmp_path / "late.jsonl")
@@ -675,6 +676,7 @@ def test_bad_input_found_while_reading_leaves_nothing_in_out(tmp_path, capsys):
     _refused(capsys, tmp_path / "empty_out", tmp_path / "late.jsonl")
 
 
+@pytest.mark.nocompile
 def test_a_document_longer_than_the_limit_is_tokenized_in_pieces_at_line_ends(tmp_path, monkeypatch):
     """A 1 GB file or line would make the tokenizer hold ~50 GB: documents longer than
     MAX_DOCUMENT_CHARS come in pieces (cut at line ends where there are some), the text whole;

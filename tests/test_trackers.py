@@ -177,6 +177,7 @@ def test_a_tracking_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path,
     assert not workdir.exists()  # refused before anything was written or compiled
 
 
+@pytest.mark.nocompile
 @pytest.mark.parametrize(
     "text, says",
     [

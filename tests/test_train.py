@@ -208,6 +208,7 @@ def test_a_run_started_from_another_says_so_without_orbax_read_only_noise(tmp_pa
     assert "read only" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.nocompile
 def test_a_terminal_gets_a_progress_bar_and_a_pipe_plain_lines(tmp_path, monkeypatch, capsys):
     import io
     import sys

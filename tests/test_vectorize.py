@@ -9,7 +9,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 import engine.run.group
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, start_cli
 from engine.errors import UsageError
 from engine.run.group import fit_group
 from engine.run.single import fit
@@ -166,11 +165,11 @@ def test_a_failed_save_stops_the_group(make_config, tmp_path, monkeypatch, stagi
 
     saved, real_save = [], Checkpointer.save
 
-    def save(self, step, state, meta):
+    def save(self, step, state, meta, metrics=None):
         if step == 10 and self.directory.parent.name == "v1":
             raise OSError(28, "No space left on device")
         saved.append((self.directory.parent.name, step))
-        real_save(self, step, state, meta)
+        real_save(self, step, state, meta, metrics)
 
     monkeypatch.setattr(Checkpointer, "save", save)
     cfgs = [
@@ -204,6 +203,7 @@ def _sweep_file(path, directory, **extra):
     return path
 
 
+@pytest.mark.nocompile
 def test_grouping_by_compiled_program(tmp_path, capsys):
     """Configs that change shapes (hidden size, batch size) never share a program; the sweep says why."""
     sweep = load_sweep(
@@ -232,6 +232,7 @@ def test_grouping_by_compiled_program(tmp_path, capsys):
     assert "they resume from step 0, it from step 10" in capsys.readouterr().out
 
 
+@pytest.mark.nocompile
 def test_vectorize_settings_are_checked(tmp_path):
     with pytest.raises(UsageError, match="vectorize='some' must be a whole number"):
         load_sweep(_sweep_file(tmp_path / "a.yaml", tmp_path / "o", vectorize="some"))
@@ -285,15 +286,7 @@ def test_a_killed_vectorised_sweep_resumes_exactly(tmp_path):
     whole = _sweep_file(tmp_path / "whole.yaml", tmp_path / "whole")
     assert run_cli("sweep", str(whole), timeout=600).returncode == 0
     cut = _sweep_file(tmp_path / "cut.yaml", tmp_path / "cut")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sweep = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "sweep", str(cut)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    sweep = start_cli("sweep", str(cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     checkpoints = [tmp_path / "cut" / run / "checkpoints" / "20" for run in _train_losses(tmp_path / "whole")]
     while not all(p.is_dir() for p in checkpoints) and time.time() < deadline and sweep.poll() is None:
@@ -342,15 +335,7 @@ def test_a_preempted_vectorised_sweep_saves_every_run_and_exits_143(tmp_path):
             "optimizer.name": "adamw",
         },
     )  # checkpoint.every_steps=0: only the signal's save, and the last
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sweep = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "sweep", str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    sweep = start_cli("sweep", str(path), stderr=subprocess.STDOUT)
     metrics = list((tmp_path / "out").glob("*/metrics.jsonl"))
     deadline = time.time() + 300
     while len(metrics) < 4 and time.time() < deadline and sweep.poll() is None:  # training has begun
