@@ -194,14 +194,8 @@ def _with_resident(resident: Callable, put_block: Callable, host_block):
     return resident(), put_block(host_block)
 
 
-def compile_pmap(
-    mesh: Mesh,
-    shapes: Shapes,
-    train_step: Optional[Callable],
-    eval_step: Callable,
-    eager: bool = False,
-) -> Compiled:
-    """(`eager` is the jit backend's: pmap does not run eagerly.)"""
+def compile_pmap(mesh: Mesh, shapes: Shapes, train_step: Optional[Callable], eval_step: Callable) -> Compiled:
+    """Classic replicated data parallelism (mesh.backend=pmap; it does not run eagerly)."""
     devices = mesh.devices.reshape(-1)
     count = len(devices)
     pmap_mesh = Mesh(devices, (PMAP_AXIS,))

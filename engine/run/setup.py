@@ -210,9 +210,11 @@ def train_batches(cfg: Config, plan: Plan, rows: np.ndarray) -> TrainBatches:
 
 def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compiled:
     """The plan's steps compiled for its mesh by the config's backend (jit or pmap)."""
-    compile_fn = compile_pmap if cfg.mesh.backend == "pmap" else compile_jit
     train_step = plan.train_step if compile_train else None
-    compiled = compile_fn(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager)
+    if cfg.mesh.backend == "pmap":
+        compiled = compile_pmap(plan.mesh, plan.shapes, train_step, plan.eval_step)
+    else:
+        compiled = compile_jit(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager)
     if compile_train:  # train.sync's programs beside the step (engine/parallel/sync.py)
         compiled = compile_sync(cfg, compiled, plan)
     order = storage_order(plan.stages, stacked_layers(plan.family, cfg.model))
