@@ -84,7 +84,7 @@ def main() -> None:
             ]
             run = build_run(load_config(ROOT / "configs" / "llama_tiny.yaml", overrides, f"{tmp}/probe{inner}"))
             inner_bytes = crossing_bytes(run.compiled.program, run.mesh, "replica")
-            outer_bytes = crossing_bytes(run.compiled.sync_step, run.mesh, "replica")
+            outer_bytes = crossing_bytes(run.compiled.sync.program, run.mesh, "replica")
             per_100 = 100 * inner_bytes + 100 / inner * outer_bytes
             result, seconds = train(overrides, f"{tmp}/diloco{inner}")
             loss = result.eval_metrics["loss"]

@@ -39,7 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.data.pretokenize import _batches, tokenize, train_bpe  # noqa: E402
+from engine.data.documents import batches  # noqa: E402
+from engine.data.pretokenize import tokenize, train_bpe  # noqa: E402
 from engine.data.tokens import FORMAT, sha256_file  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def bench_tokenize(args) -> None:
             ours.append(time.perf_counter() - start)
             shutil.rmtree(out)
             start = time.perf_counter()
-            for batch in _batches(iter(documents), 1 << 22):  # the command's batches, texts already in memory
+            for batch in batches(iter(documents), 1 << 22):  # the command's batches, texts already in memory
                 tokenizer.encode_batch_fast(batch, add_special_tokens=False)
             library.append(time.perf_counter() - start)
         print(

@@ -220,3 +220,41 @@ def test_sweeps_of_absurd_size_are_refused(tmp_path):
     )
     with pytest.raises(UsageError, match="makes 160,000 runs"):
         load_sweep(tmp_path / "grid.yaml")
+
+
+@pytest.mark.nocompile
+def test_a_data_key_of_another_source_is_refused_on_the_command_line_and_noted_in_a_file(tmp_path, capsys):
+    """data has a section per source (data.name chooses it, as model.name chooses the model's):
+    a key typed for another source is refused by name; one a file carries (a workdir's
+    config.yaml once listed every source's keys) is ignored with a note, so old runs still load."""
+    with pytest.raises(UsageError, match=r"data.seq_len is a key of data.name=.*not of data.name=digits"):
+        load_config(ROOT / "configs" / "mnist_mlp.yaml", ["data.seq_len=64"])
+    # a launcher's defaults for one source, then the user's own data.name: the earlier keys go
+    cfg = load_config(
+        ROOT / "configs" / "mnist_mlp.yaml", ["data.name=synthetic_text", "data.seq_len=8", "data.name=digits"]
+    )
+    assert cfg.data.name == "digits" and not hasattr(cfg.data, "seq_len")
+    old = yaml.safe_load(to_yaml(load_config(ROOT / "configs" / "llama_tiny.yaml")))
+    old["data"]["eval_fraction"] = 0.1  # another source's key, at a value of its own
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**old, "data": {**old["data"], "name": "digits"}}))
+    cfg = load_config(tmp_path / "config.yaml")
+    assert cfg.data.eval_fraction == 0.1  # digits reads it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**old, "data": {**old["data"], "num_classes": 7}}))
+    cfg = load_config(tmp_path / "config.yaml")
+    assert cfg.data.name == old["data"]["name"] and "data.num_classes is not read by" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({**old, "data": {"name": "digits", "sources": [{"path": "x"}]}})
+    )
+    with pytest.raises(UsageError, match="data.sources is a mixture"):
+        load_config(tmp_path / "config.yaml")
+
+
+@pytest.mark.nocompile
+def test_the_loaded_config_is_frozen(make_config):
+    import dataclasses
+
+    cfg = make_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.data.shuffle = False  # type: ignore[misc]

@@ -228,8 +228,17 @@ _SECTIONS = (
     TokensData,
     TableData,
 )
+
+
+def _section_of(name: str, read: Callable) -> type:
+    sections = [cls for cls in _SECTIONS if cls.reads is read]
+    if len(sections) != 1:
+        raise TypeError(f"data source {name!r} needs one section class in _SECTIONS (engine/config/data_sections.py)")
+    return sections[0]
+
+
 DATA_CONFIGS: dict[str, type] = {  # data.name → its section, in engine/data/sources.py's order
-    name: next(cls for cls in _SECTIONS if cls.reads is read) for name, read in SOURCES.items()
+    name: _section_of(name, read) for name, read in SOURCES.items()
 }
 
 

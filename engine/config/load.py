@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from engine.config.data_sections import DATA_CONFIGS
 from engine.config.data_sections import owners as data_owners
 from engine.config.schema import Config
-from engine.config.validate import choice_message, other_source_key, validate
+from engine.config.validate import TABLE_COLUMNS, choice_message, other_source_key, validate
 from engine.errors import UsageError
 from engine.runtime.rundir import write_atomic
 from models.configs import CONFIGS  # the model.* dataclasses, without jax or flax
@@ -326,8 +327,10 @@ def _data_keys(raw: dict, overrides: dict, source: str, override_source: str, su
     """data.name of the run, with the file's data keys fitted to it: an override that switches
     data.name drops the file's keys the new source lacks (as a switched model.name does), and
     keys of the file's own source's defaults that it lacks (config.yaml files once held every
-    source's keys); an override set before the overrides' last data.name (`superseded`) that
-    the source lacks is dropped too; any other key of another source is refused by name."""
+    source's keys); another source's key in a file is ignored with a note (a mixture, a held-out
+    path and a table's columns are refused); an override set before the overrides' last
+    data.name (`superseded`) that the source lacks is dropped too; any other override of
+    another source's key is refused by name."""
     for where, tree in ((source, raw), (override_source, overrides)):
         if "data" in tree and tree["data"] is not None and not isinstance(tree["data"], dict):
             raise UsageError(
@@ -346,8 +349,10 @@ def _data_keys(raw: dict, overrides: dict, source: str, override_source: str, su
         if str(key) in keys or not owners:
             continue  # the source's own key, or an unknown one (OmegaConf names it, with the closest)
         default = _field_default(dataclasses.fields(DATA_CONFIGS[owners[0]]), str(key))
-        if not (switched or value == default):
+        if not (switched or value == default) and _refused_in_files(str(key)):
             raise UsageError(f"{other_source_key(str(key), name, owners)} (from {source})")
+        if not (switched or value == default):  # (a workdir's config.yaml once held every source's keys)
+            print(f"note: {source}: data.{key} is not read by data.name={name}; ignored", file=sys.stderr)
         del file_data[key]
     for key in list(over):
         owners = data_owners(str(key))
@@ -356,6 +361,12 @@ def _data_keys(raw: dict, overrides: dict, source: str, override_source: str, su
         elif str(key) not in keys and owners:
             raise UsageError(f"{other_source_key(str(key), name, owners)} (from {override_source})")
     return name
+
+
+def _refused_in_files(key: str) -> bool:
+    """The data keys a file could never give another source: a mixture, a held-out path, a
+    table's columns (the rest, which config.yaml files of every run once listed, are ignored)."""
+    return key in ("sources", "eval_path") or f"data.{key} " in TABLE_COLUMNS
 
 
 def _field_default(fields, key: str) -> Any:

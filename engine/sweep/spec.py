@@ -14,7 +14,7 @@ each run a `launch.py` training process in its own workdir under the sweep's dir
                                          # K at a time as one program (engine/run/vectorize.py)
 
 Runs are the product of the grid's axes, the zip group (one axis) and the random samples;
-or, with `search:` (and `pruner:`), the trials of an Optuna study (layouts.py).
+or, with `search:` (and `pruner:`), the trials of an Optuna study (search.py).
 Each run's status lives in its workdir (`status.json`); `sweep.jsonl` is the index made from them.
 
 This module reads and checks sweep files; local.py runs them as local processes, slurm.py
@@ -80,7 +80,7 @@ class Sweep:
     mode: str
     directory: Path
     slurm: dict = field(default_factory=dict)
-    search: dict | None = None  # an Optuna study (layouts.py): runs are its trials, made as it goes
+    search: dict | None = None  # an Optuna study (search.py): runs are its trials, made as it goes
     pruner: dict | None = None
     vectorize: int = 0  # runs per vectorised program (0: each run its own process)
     _configs: dict = field(default_factory=dict, repr=False)  # run name → its loaded Config
