@@ -29,7 +29,7 @@ ATTENTION_NAMES = ("auto", "xla", "cudnn")  # jax.nn.dot_product_attention's imp
 LLAMA_ATTENTION_NAMES = (*ATTENTION_NAMES, "splash")  # splash: the Pallas TPU flash kernel (models/splash.py)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MLPConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
     name: str = option("mlp", "the model family")
@@ -43,7 +43,7 @@ class MLPConfig:
             raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CNNConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
     name: str = option("cnn", "the model family")
@@ -61,7 +61,7 @@ class CNNConfig:
 STAGES = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3))}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResNetConfig:
     hparams: ClassVar[tuple[str, ...]] = ()
     name: str = option("resnet", "the model family")
@@ -79,7 +79,7 @@ class ResNetConfig:
             raise ModelError(f"model.width={self.width} must be positive")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransformerConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
     name: str = option("transformer", "the model family")
@@ -110,7 +110,7 @@ class TransformerConfig:
             raise ModelError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LlamaConfig:
     hparams: ClassVar[tuple[str, ...]] = ()
     name: str = option("llama", "the model family")
@@ -239,7 +239,7 @@ class LlamaConfig:
         return self.head_dim or self.d_model // self.num_heads
 
 
-@dataclass
+@dataclass(frozen=True)
 class TabularConfig:
     hparams: ClassVar[tuple[str, ...]] = ("dropout_rate",)
     name: str = option("tabular", "the model family")

@@ -258,3 +258,5 @@ def test_the_loaded_config_is_frozen(make_config):
         cfg.train.steps = 3  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.data.shuffle = False  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.hidden_sizes = [3]  # type: ignore[misc]
