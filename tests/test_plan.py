@@ -12,9 +12,10 @@ import pytest
 from conftest import ROOT, run_cli
 from engine.config import load_config
 from engine.errors import UsageError
-from engine.plan.compiled import plan, render, verdict
+from engine.plan.compiled import plan
 from engine.plan.layouts import search
 from engine.plan.tpu import Target, parse_target
+from engine.plan.verdict import render, verdict
 
 pytest.importorskip("libtpu", reason="the TPU compiler (libtpu) is not installed")
 
@@ -278,6 +279,48 @@ def test_without_the_tpu_compiler_plan_says_how_to_install_it():
     )
     assert done.returncode == 2, done.stderr
     assert 'install it: pip install -e ".[tpu]"' in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_step_whose_collectives_outlast_its_compute_is_called_communication_bound(make_config):
+    """FSDP's all-gathers do not shrink with the batch: at 1 sequence per chip the weights' traffic
+    outlasts the compute at 50% MFU, and the verdict says so and names a larger batch first."""
+    from engine.plan.compiled import Planned, Program
+    from engine.plan.hlo import Collective
+
+    target = parse_target("v6e-64")
+    cfg = tiny(make_config)
+    mesh = {"data": 1, "fsdp": 64, "tensor": 1, "expert": 1, "context": 1, "pipeline": 1}
+    ici = target.chip.ici_bytes_per_second
+    gather = Collective("all-gather", int(ici * 0.2 * 64 / 63), group=64)  # 0.2 s at the chip's ICI bandwidth
+
+    def planned(flops: float) -> Planned:
+        program = Program("train", 0, 0, 0, 0, 2**30, 2**30, 0.0)
+        return Planned(
+            cfg,
+            target,
+            mesh,
+            dict.fromkeys(mesh, 1),
+            target.program_hbm_bytes,
+            programs=[program],
+            collectives=[gather],
+            flops_per_chip=flops,
+            tokens_per_step=64 * 8192,
+            flops_formula="6*N*tokens",
+        )
+
+    waits = planned(flops=0.5 * 0.1 * target.chip.peak_bf16)  # 0.1 s of compute at 50% MFU
+    assert waits.collective_seconds() == pytest.approx(0.2)
+    assert waits.communication_bound()
+    said = verdict(waits)
+    assert (
+        said.startswith("fits:") and "communication-bound at 50% MFU (200.0 ms of collectives against 100.0 ms" in said
+    )
+    assert "train.global_batch_size=" in said and "mesh.tensor=2" in said, said
+    text = render(waits)
+    assert f"FLOPs per token: {waits.flops_per_chip / 8192:.4g} (6*N*tokens;" in text, text
+    assert "against 100.0 ms of compute at 50% MFU: communication-bound" in text, text
+    busy = planned(flops=0.5 * 0.4 * target.chip.peak_bf16)  # 0.4 s of compute hides 0.2 s of collectives
+    assert not busy.communication_bound() and "communication-bound" not in verdict(busy)
 
 
 def test_headroom_is_against_the_compilers_own_limit_and_under_5_percent_is_warned(make_config):

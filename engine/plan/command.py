@@ -10,10 +10,11 @@ from typing import Optional
 
 from engine.config import Config
 from engine.errors import UsageError
-from engine.plan.compiled import as_record, plan, render, verdict
+from engine.plan.compiled import as_record, plan
 from engine.plan.layouts import render as render_search
 from engine.plan.layouts import search
 from engine.plan.tpu import parse_target
+from engine.plan.verdict import render, verdict
 
 
 def plan_command(

@@ -11,26 +11,22 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from engine.config import Config, with_keys
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
 from engine.parallel.sharding import batch_shards, per_device_bytes
-from engine.parallel.stages import describe as describe_pipeline
-from engine.parallel.stages import stage_plan
 from engine.plan import hlo
-from engine.plan.hlo import Collective, human_bytes
+from engine.plan.hlo import Collective
 from engine.plan.tpu import Target
 from engine.run.setup import compile_plan, plan_run
-from models import REGISTRY
-from models.family import stacked_layers
 
 MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at
+BOUND_AT = 0.5  # the MFU at which a step's collectives are weighed against its compute
 
 
 @dataclass
@@ -62,6 +58,7 @@ class Planned:
     flops_per_chip: float = 0.0  # analytic model FLOPs of one step, per chip
     tokens_per_step: int = 0
     refused: str = ""  # the compiler's own refusal (out of memory), if any
+    flops_formula: str = ""  # how the family counts a step's FLOPs (models/family.py FlopsAccounting)
 
     @property
     def peak(self) -> int:
@@ -77,6 +74,19 @@ class Planned:
 
     def step_seconds(self, mfu: float) -> float:
         return self.flops_per_chip / (self.target.chip.peak_bf16 * mfu) if self.flops_per_chip else 0.0
+
+    def collective_seconds(self) -> float:
+        """A step's collectives at the target's ICI and DCN bandwidths, one after another (no overlap)."""
+        chip = self.target.chip
+        return self.per_step(False) / chip.ici_bytes_per_second + self.per_step(True) / chip.dcn_bytes_per_second
+
+    def communication_bound(self, mfu: float = BOUND_AT) -> bool:
+        """The collectives would take longer than the compute at `mfu`: the chips would wait on the network."""
+        return bool(self.flops_per_chip) and self.collective_seconds() > self.step_seconds(mfu)
+
+    def flops_per_token(self) -> float:
+        chips = math.prod(self.mesh.values()) or 1
+        return self.flops_per_chip * chips / self.tokens_per_step if self.tokens_per_step else 0.0
 
     def estimate_seconds(self) -> float:
         """FLOPs at the chip's peak plus each collective's bytes at its network's bandwidth (no overlap)."""
@@ -123,6 +133,7 @@ def plan(
     per_example = family.flops.per_example(cfg.model, info, num_params) if family.flops else 0.0
     planned.flops_per_chip = per_example * cfg.train.global_batch_size * copies / program.mesh.size
     planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
+    planned.flops_formula = family.flops.formula if family.flops else ""
     return planned
 
 
@@ -211,9 +222,6 @@ def _no_persistent_cache() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
-LOW_HEADROOM = 0.05  # a plan that fits with less is warned about
-
-
 def _check_slices(cfg: Config, target: Target) -> None:
     across = math.prod(getattr(cfg.mesh, f"dcn_{a}") for a in CONFIG_AXES)
     if across != target.slices:
@@ -264,134 +272,6 @@ def _program(name: str, compiled, parts: tuple, seconds: float) -> Program:
     return Program(name, params, optimizer, other, batch, m.temp_size_in_bytes, total, seconds)
 
 
-def render(planned: Planned) -> str:
-    """The plan as text: mesh, memory per program, collectives, time, and the verdict."""
-    target, lines = planned.target, []
-    axes = [f"{a}={n} ({_links(planned, a, n)})" for a, n in planned.mesh.items() if n > 1]
-    lines.append(
-        f"target: {target.name}, {target.chips} chips of {human_bytes(planned.hbm)} HBM"
-        + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
-    )
-    lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
-    stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
-    if stages.stages > 1:
-        lines.append(describe_pipeline(stages, stacked_layers(REGISTRY[planned.cfg.model.name], planned.cfg.model)))
-    lines += _memory_table(planned)
-    if planned.refused:
-        lines.append(f"the TPU compiler refused the train program: {planned.refused}")
-        return "\n".join(lines)
-    lines += _collective_lines(planned)
-    lines += _time_lines(planned)
-    lines.append(
-        "compile: " + ", ".join(f"{p.name} {p.compile_seconds:.1f}s" for p in planned.programs if p.compile_seconds)
-    )
-    return "\n".join(lines)
-
-
-def _links(planned: Planned, axis: str, size: int) -> str:
-    """How an axis's devices talk: over ICI inside a slice, or its outer factor over DCN."""
-    across = planned.dcn[axis]
-    return f"DCN x{across}, ICI x{size // across}" if across > 1 else "ICI"
-
-
-def _memory_table(planned: Planned) -> list[str]:
-    header = ("per chip", "params", "optimizer", "other state", "batch", "temporaries", "total", "HBM", "headroom")
-    rows = []
-    for p in planned.programs:
-        sizes = (p.params, p.optimizer, p.other_state, p.batch, p.temporaries, p.total, planned.hbm)
-        cells = [human_bytes(v) if v >= 0 else "refused" for v in sizes]  # (-1: the compiler gave no figure)
-        rows.append((p.name, *cells, f"{(planned.hbm - p.total) / planned.hbm:+.0%}" if p.total >= 0 else "-"))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        for row in [header, *rows]
-    ]
-
-
-def _collective_lines(planned: Planned) -> list[str]:
-    kinds: dict[tuple[str, bool], list[Collective]] = {}
-    for c in planned.collectives:
-        kinds.setdefault((c.op, c.dcn), []).append(c)
-    lines = [
-        f"collectives per step (train; a device's share, ring algorithms): ICI "
-        f"{human_bytes(planned.per_step(False))}, DCN {human_bytes(planned.per_step(True))}"
-    ]
-    for (op, dcn), found in sorted(kinds.items()):
-        runs = sum(c.count for c in found) / planned.steps_per_call
-        size = sum(c.bytes * c.count for c in found) / planned.steps_per_call
-        lines.append(f"  {op:<19} {'DCN' if dcn else 'ICI'}  x{runs:g} per step, {human_bytes(size)} of buffers")
-    return lines
-
-
-def _time_lines(planned: Planned) -> list[str]:
-    if not planned.flops_per_chip:
-        return ["step time: the model family gives no FLOP formula"]
-    chip = planned.target.chip
-    cells = []
-    for mfu in MFUS:
-        seconds = planned.step_seconds(mfu)
-        tokens = f", {planned.tokens_per_step / seconds:,.0f} tokens/s" if planned.tokens_per_step else ""
-        cells.append(f"{mfu:.0%} MFU {seconds * 1e3:,.1f} ms{tokens}")
-    return [
-        f"analytic model FLOPs per chip per step: {planned.flops_per_chip:.4g} (peak {chip.peak_bf16 / 1e12:g} "
-        f"TFLOP/s bf16); step time at " + "; ".join(cells) + " (estimates: analytic FLOPs at an assumed MFU)"
-    ]
-
-
-def verdict(planned: Planned) -> str:
-    """One line: fits (with headroom), or does not, naming the largest parts and changes that would fit."""
-    if planned.fits:
-        headroom = (planned.hbm - planned.peak) / planned.hbm
-        warning = (
-            f"; warning: under {LOW_HEADROOM:.0%} headroom, a larger batch or another compiler version may not fit"
-            if headroom < LOW_HEADROOM
-            else ""
-        )
-        return (
-            f"fits: {human_bytes(planned.peak)} per device of the {human_bytes(planned.hbm)} the TPU compiler "
-            f"gives a program ({headroom:.0%} headroom){warning}"
-        )
-    if planned.refused:
-        return f"does not fit: the TPU compiler refused the program ({planned.refused}); {_fixes(planned, None)}"
-    worst = max(planned.programs, key=lambda p: p.total)
-    parts = {
-        "parameters": worst.params,
-        "optimizer state": worst.optimizer,
-        "temporaries": worst.temporaries,
-        "batch": worst.batch,
-    }
-    largest = ", ".join(
-        f"{name} {human_bytes(size)}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1])[:3]
-    )
-    return (
-        f"does not fit: the {worst.name} program needs {human_bytes(worst.total)} per device of "
-        f"{human_bytes(planned.hbm)} ({largest}); {_fixes(planned, worst)}"
-    )
-
-
-def _fixes(planned: Planned, worst: Optional[Program]) -> str:
-    cfg, chips, fixes = planned.cfg, planned.target.chips, []
-    fsdp = planned.mesh["fsdp"]
-    state = worst.params + worst.optimizer if worst else 1
-    if fsdp < chips and (worst is None or state >= worst.temporaries):
-        wider = min(chips, fsdp * 4)
-        fixes.append(
-            f"mesh.fsdp={wider} with mesh.data={max(planned.mesh['data'] * fsdp // wider, 1)} (parameters "
-            f"and optimizer state over {wider} chips)"
-        )
-    family = REGISTRY[cfg.model.name]
-    if family.remat(cfg.model) not in (None, "full"):
-        fixes.append("model.remat=full (recompute activations)")
-    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
-    if micro // batch_shards_of(planned) >= 2:
-        fixes.append(f"train.grad_accum_steps={cfg.train.grad_accum_steps * 2} (a micro-batch of {micro // 2})")
-    return "try " + ", or ".join(fixes) if fixes else "use a larger target or a smaller model"
-
-
-def batch_shards_of(planned: Planned) -> int:
-    return int(np.prod([planned.mesh[a] for a in ("data", "fsdp", "expert")]))
-
-
 def as_record(planned: Planned) -> dict[str, Any]:
     """The plan as JSON-ready numbers (--json, BENCHMARKS)."""
     return {
@@ -407,4 +287,7 @@ def as_record(planned: Planned) -> dict[str, Any]:
         "flops_per_chip_step": planned.flops_per_chip,
         "step_seconds": {f"{m:.0%}": planned.step_seconds(m) for m in MFUS},
         "tokens_per_step": planned.tokens_per_step,
+        "flops_per_token": planned.flops_per_token(),
+        "collective_seconds_per_step": planned.collective_seconds(),
+        "communication_bound": planned.communication_bound(),
     }

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 from engine.config import program_settings
-from engine.plan.compiled import Planned, plan, verdict
+from engine.plan.compiled import Planned, plan
 from engine.plan.hlo import human_bytes
 from engine.plan.tpu import parse_target
+from engine.plan.verdict import verdict
 
 
 def plan_sweep(sweep, target_name: str, slices: int) -> int:
