@@ -1,13 +1,11 @@
-"""Activation layout hints and the pipeline plan: models name the logical axes of an activation;
-while the engine traces a step it installs a function that pins them to its mesh. Models stay
-mesh-free. A layer stack's pipeline (StagePlan) reaches the model as a build option."""
+"""Activation layout hints and the pipeline plan: models name the logical axes of an activation,
+and the layout the engine builds a traced step's module with (a build option) pins them to its
+mesh. Models stay mesh-free. A layer stack's pipeline (StagePlan) is a build option too."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 
 class Constrainer(Protocol):
@@ -39,31 +37,14 @@ class StagePlan:
 
 
 ONE_STAGE = StagePlan()  # no pipeline
-_constrainer: contextvars.ContextVar[Optional[Constrainer]] = contextvars.ContextVar("constrainer", default=None)
 
 
-@contextlib.contextmanager
-def constrained_activations(apply: Constrainer) -> Iterator[None]:
-    """While tracing inside this, `constrain(x, axes)` calls `apply(x, axes)`."""
-    token = _constrainer.set(apply)
-    try:
-        yield
-    finally:
-        _constrainer.reset(token)
+def constrain(layout: Optional[Constrainer], x, axes: tuple[Optional[str], ...]):
+    """Activation `x` laid out by its logical axes, e.g. ("batch", "seq", "embed"), as `layout`
+    (the module's build option) pins them; unchanged without one (eager calls, generation)."""
+    return x if layout is None else layout(x, axes)
 
 
-def constrain(x, axes: tuple[Optional[str], ...]):
-    """Asks that activation `x` be laid out by its logical axes, e.g. ("batch", "seq", "embed")."""
-    apply = _constrainer.get()
-    return x if apply is None else apply(x, axes)
-
-
-def current_layout() -> Optional[Constrainer]:
-    """The layout of the step being traced; None outside one (eager calls, generation)."""
-    return _constrainer.get()
-
-
-def activation_splits(logical: str) -> int:
-    """Devices the step being traced splits this logical activation axis over; 1 outside one."""
-    apply = _constrainer.get()
-    return apply.splits.get(logical, 1) if apply is not None else 1
+def activation_splits(layout: Optional[Constrainer], logical: str) -> int:
+    """Devices `layout` splits this logical activation axis over; 1 without one."""
+    return layout.splits.get(logical, 1) if layout is not None else 1

@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, runtime
 import jax.numpy as jnp
 import optax
 
-from contract.activations import ONE_STAGE, StagePlan
+from contract.activations import ONE_STAGE, Constrainer, StagePlan
 from contract.adapters import NO_ADAPTATION, Adaptation
 
 
@@ -146,11 +146,13 @@ class HFLayout(Protocol):
 @dataclass(frozen=True)
 class BuildOptions:
     """What a run asks of the module beyond its config; a family reads the options it supports
-    (`stages` a family with a LayerStack, `adaptation` one with projections)."""
+    (`stages` a family with a LayerStack, `adaptation` one with projections, `layout` one that
+    names its activations' logical axes)."""
 
     batch_axis: Optional[str] = None  # the pmap axis batch statistics reduce over (None: jit)
     stages: StagePlan = ONE_STAGE  # the layer stack run as this pipeline (one stage: not)
     adaptation: Adaptation = NO_ADAPTATION  # LoRA adapters and quantised matmuls of the projections
+    layout: Optional[Constrainer] = None  # pins activations to the mesh of the step traced (None: unconstrained)
 
 
 NO_OPTIONS = BuildOptions()

@@ -23,12 +23,13 @@ each call appends one position (see models/sampling.py).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from contract.activations import ONE_STAGE, StagePlan, activation_splits, constrain
+from contract.activations import ONE_STAGE, Constrainer, StagePlan, activation_splits, constrain
 from contract.adapters import NO_ADAPTATION, Adaptation
 from models import llama_hf, sampling
 from models.configs import LlamaConfig, ModelError
@@ -101,6 +102,7 @@ class Attention(nn.Module):
     decode: bool = False
     adapt: Adaptation = NO_ADAPTATION
     pipelined: bool = False  # a stage of a pipeline (models/pipeline.py)
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -118,29 +120,35 @@ class Attention(nn.Module):
             k = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="key_norm")(k)
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        q = constrain(q, ("batch", "seq", "heads", "kv"))
-        k, v = (constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v))
-        context = activation_splits("seq") > 1
+        q = constrain(self.layout, q, ("batch", "seq", "heads", "kv"))
+        k, v = (constrain(self.layout, t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v))
+        context = activation_splits(self.layout, "seq") > 1
         if context:  # context parallelism: all keys and values on every device (an all-gather); queries stay split
-            k, v = (constrain(t, ("batch", None, "kv_heads", "kv")) for t in (k, v))
+            k, v = (constrain(self.layout, t, ("batch", None, "kv_heads", "kv")) for t in (k, v))
         if self.decode:
             k, v, mask = kv_cache(self, k, v, segment_ids)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         elif self.implementation == "splash" and not context:  # Pallas flash kernel: no [seq, seq] scores
             y = splash_attention(
-                q, k, v, segment_ids, interpret=jax.default_backend() != "tpu", pipelined=self.pipelined
+                q,
+                k,
+                v,
+                segment_ids,
+                interpret=jax.default_backend() != "tpu",
+                pipelined=self.pipelined,
+                layout=self.layout,
             )
         elif segment_ids is not None:  # packed documents: causal and within the query's document
             length = x.shape[1]
             causal = jnp.tril(jnp.ones((length, length), bool))
             mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # [batch, query, key]
-            mask = constrain(mask, ("batch", "seq", None))
+            mask = constrain(self.layout, mask, ("batch", "seq", None))
             y = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
         else:  # cuDNN's kernel takes the whole sequence: XLA's under context parallelism
             y = jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="xla" if context else self.implementation
             )
-        y = constrain(y, ("batch", "seq", "heads", "kv"))
+        y = constrain(self.layout, y, ("batch", "seq", "heads", "kv"))
         return Projection((x.shape[-1],), ("heads", "kv", "embed"), inputs=2, name="out", **dense)(y)
 
 
@@ -153,12 +161,14 @@ class Block(nn.Module):
     moe: bool = False  # a mixture-of-experts layer (else a dense MLP)
     adapt: Adaptation = NO_ADAPTATION
     pipelined: bool = False  # a stage of a pipeline (models/pipeline.py)
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
         cfg = self.cfg
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
         x = constrain(
+            self.layout,
             x
             + Attention(
                 cfg,
@@ -168,20 +178,21 @@ class Block(nn.Module):
                 self.decode,
                 self.adapt,
                 self.pipelined,
+                self.layout,
                 name="attn",
             )(y, positions, segment_ids),
             ("batch", "seq", None),
         )
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="mlp_norm")(x)
         if self.moe:
-            y = MoE(cfg, self.dtype, self.param_dtype, self.decode, name="moe")(y)
+            y = MoE(cfg, self.dtype, self.param_dtype, self.decode, self.layout, name="moe")(y)
         else:  # SwiGLU
             dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "adapt": self.adapt}
             gate = Projection((cfg.mlp_dim,), ("embed", "mlp"), name="gate", **dense)(y)
             up = Projection((cfg.mlp_dim,), ("embed", "mlp"), name="up", **dense)(y)
-            y = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
+            y = constrain(self.layout, nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
             y = Projection((x.shape[-1],), ("mlp", "embed"), name="down", **dense)(y)
-        return constrain(x + y, ("batch", "seq", None))
+        return constrain(self.layout, x + y, ("batch", "seq", None))
 
 
 class ScannedBlock(nn.Module):
@@ -193,6 +204,7 @@ class ScannedBlock(nn.Module):
     implementation: str
     decode: bool = False
     adapt: Adaptation = NO_ADAPTATION
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
@@ -207,6 +219,7 @@ class ScannedBlock(nn.Module):
             self.decode,
             self.cfg.is_moe(0),
             self.adapt,
+            layout=self.layout,
             name="block",
         )(x, positions, segment_ids), None
 
@@ -220,6 +233,7 @@ class Llama(nn.Module):
     decode: bool = False  # use and fill the key/value cache (generation)
     adapt: Adaptation = NO_ADAPTATION  # LoRA adapters, quantised matmuls (models/projection.py)
     stages: StagePlan = ONE_STAGE  # the scanned layers as a pipeline (models/pipeline.py)
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None, segment_ids=None):
@@ -239,7 +253,7 @@ class Llama(nn.Module):
             name="embed",
             embedding_init=param_init(nn.initializers.normal(0.02), ("vocab", "embed")),
         )
-        x = constrain(embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
+        x = constrain(self.layout, embed(tokens), ("batch", "seq", None))  # [batch, seq, embed]
         if cfg.scan_layers and self.stages.stages > 1 and not self.is_initializing() and not self.decode:
             x = self._pipelined(x, positions, segment_ids)
         elif cfg.scan_layers:
@@ -251,9 +265,9 @@ class Llama(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = layers(cfg, self.dtype, self.param_dtype, self.attention, self.decode, self.adapt, name="layers")(
-                x, positions, segment_ids
-            )
+            x, _ = layers(
+                cfg, self.dtype, self.param_dtype, self.attention, self.decode, self.adapt, self.layout, name="layers"
+            )(x, positions, segment_ids)
         else:
             block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
             for i in range(cfg.num_layers):
@@ -265,6 +279,7 @@ class Llama(nn.Module):
                     self.decode,
                     cfg.is_moe(i),
                     self.adapt,
+                    layout=self.layout,
                     name=f"layer_{i}",
                 )(x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
@@ -277,7 +292,17 @@ class Llama(nn.Module):
     def _pipelined(self, x, positions, segment_ids):
         """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""
         cfg = self.cfg
-        block = Block(cfg, self.dtype, self.param_dtype, self.attention, False, False, self.adapt, pipelined=True)
+        block = Block(
+            cfg,
+            self.dtype,
+            self.param_dtype,
+            self.attention,
+            False,
+            False,
+            self.adapt,
+            pipelined=True,
+            layout=self.layout,
+        )
 
         def layer(params, h, pos, seg):
             return block.apply({"params": params}, h, pos, seg)
@@ -285,7 +310,7 @@ class Llama(nn.Module):
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
         params = self.variables["params"]["layers"]["block"]
-        return run_pipeline(layer, params, x, positions, segment_ids, self.stages)
+        return run_pipeline(layer, params, x, positions, segment_ids, self.stages, self.layout)
 
 
 class _TiedHead:
@@ -323,7 +348,7 @@ def build(
             f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary "
             f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0"
         )
-    return Llama(cfg, vocab, dtype, param_dtype, attention, decode, options.adaptation, options.stages)
+    return Llama(cfg, vocab, dtype, param_dtype, attention, decode, options.adaptation, options.stages, options.layout)
 
 
 def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:

@@ -7,12 +7,13 @@ shared expert every token goes through."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from contract.activations import constrain
+from contract.activations import Constrainer, constrain
 from models.configs import LlamaConfig
 from models.layers import normal_kernel
 from models.moe_ragged import ragged_experts
@@ -24,13 +25,14 @@ class SharedExpert(nn.Module):
     width: int
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, y):
         dense = {"dtype": self.dtype, "param_dtype": self.param_dtype, "use_bias": False}
         gate = nn.Dense(self.width, kernel_init=normal_kernel(("embed", "mlp")), name="gate", **dense)(y)
         up = nn.Dense(self.width, kernel_init=normal_kernel(("embed", "mlp")), name="up", **dense)(y)
-        h = constrain(nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        h = constrain(self.layout, nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return nn.Dense(y.shape[-1], kernel_init=normal_kernel(("mlp", "embed")), name="down", **dense)(h)
 
 
@@ -82,6 +84,7 @@ class MoE(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     decode: bool = False
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, x):
@@ -100,30 +103,32 @@ class MoE(nn.Module):
             )
         }
         if cfg.moe_dispatch == "ragged":
-            y, dropped = ragged_experts(x.astype(self.dtype), chosen, gates, weight, cfg.expert_buffer_factor)
+            y, dropped = ragged_experts(
+                x.astype(self.dtype), chosen, gates, weight, cfg.expert_buffer_factor, self.layout
+            )
         else:  # generating (a cache, calls of one token): no token is dropped
             capacity = seq if self.decode else expert_capacity(cfg, seq)
-            y, dropped = onehot_experts(x.astype(self.dtype), chosen, gates, weight, capacity)
+            y, dropped = onehot_experts(x.astype(self.dtype), chosen, gates, weight, capacity, self.layout)
         self.sow("aux", "aux_loss", cfg.router_aux_loss_coef * balance)
         self.sow("aux", "routed", jnp.asarray(batch * seq * cfg.experts_per_token, jnp.float32))
         self.sow("aux", "dropped", jnp.asarray(dropped, jnp.float32))
         if cfg.shared_expert:
-            y = y + SharedExpert(hidden, self.dtype, self.param_dtype, name="shared")(x)
+            y = y + SharedExpert(hidden, self.dtype, self.param_dtype, self.layout, name="shared")(x)
         return y
 
 
-def onehot_experts(x, chosen, gates, weight: dict, capacity: int):
+def onehot_experts(x, chosen, gates, weight: dict, capacity: int, layout: Optional[Constrainer] = None):
     """x [b, s, d] through the experts `weight` (gate, up, down: [e, ...]) by one-hot einsums →
     (y [b, s, d], assignments dropped); with the experts split over mesh.expert the dispatch and
     the return are all-to-alls."""
     experts = weight["gate"].shape[0]
     dispatch, combine, dropped = slots(gates, chosen, experts, capacity)
     routed = jnp.einsum("bsec,bsd->becd", dispatch.astype(x.dtype), x)
-    routed = constrain(routed, ("expert_batch", "expert", None, None))
+    routed = constrain(layout, routed, ("expert_batch", "expert", None, None))
     h = nn.silu(jnp.einsum("becd,edf->becf", routed, weight["gate"])) * jnp.einsum(
         "becd,edf->becf", routed, weight["up"]
     )
-    h = constrain(h, ("expert_batch", "expert", None, "mlp"))
-    out = constrain(jnp.einsum("becf,efd->becd", h, weight["down"]), ("expert_batch", "expert", None, None))
-    out = constrain(out, ("batch", None, None, None))  # and back (an all-to-all)
+    h = constrain(layout, h, ("expert_batch", "expert", None, "mlp"))
+    out = constrain(layout, jnp.einsum("becf,efd->becd", h, weight["down"]), ("expert_batch", "expert", None, None))
+    out = constrain(layout, out, ("batch", None, None, None))  # and back (an all-to-all)
     return jnp.einsum("becd,bsec->bsd", out, combine.astype(x.dtype)), dropped

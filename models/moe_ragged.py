@@ -18,13 +18,14 @@ the rows; GPUs and TPUs have grouped kernels.)"""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from contract.activations import current_layout
+from contract.activations import Constrainer
 
 
 def grouped_swiglu(rows, group_sizes, weight: dict):
@@ -85,12 +86,12 @@ def exchanged_experts(x, chosen, gates, weight: dict, axis: str, shards: int, ro
     return y, jnp.sum(~kept)
 
 
-def ragged_experts(x, chosen, gates, weight: dict, buffer_factor: float):
+def ragged_experts(x, chosen, gates, weight: dict, buffer_factor: float, layout: Optional[Constrainer] = None):
     """x [b, s, d] through the experts `weight` (gate, up, down: [e, ...]) by sorted tokens and
-    grouped matmuls → (y [b, s, d], assignments dropped: only buffer overflows under mesh.expert)."""
+    grouped matmuls → (y [b, s, d], assignments dropped: only buffer overflows under mesh.expert);
+    per device under the mesh of a `layout`."""
     batch, seq, width = x.shape
     k = chosen.shape[-1]
-    layout = current_layout()
     if layout is None or layout.vmapped or layout.mesh.size == 1:
         y = local_experts(x.reshape(batch * seq, width), chosen.reshape(-1, k), gates.reshape(-1, k), weight)
         return y.reshape(batch, seq, width), jnp.zeros((), jnp.int32)

@@ -19,12 +19,12 @@ scan (all forwards, then all backwards: GPipe's activation memory, bounded by mo
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from contract.activations import StagePlan, constrain
+from contract.activations import Constrainer, StagePlan, constrain
 
 
 def _micro(a, count: int):
@@ -37,10 +37,12 @@ def _unmicro(a):
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def run_pipeline(layer: Callable, params, x, positions, segment_ids, plan: StagePlan):
+def run_pipeline(
+    layer: Callable, params, x, positions, segment_ids, plan: StagePlan, layout: Optional[Constrainer] = None
+):
     """x [batch, seq, embed] through the stacked layers `params` (leading dimension: layers,
     stored stage-major) as the pipeline `plan` describes; `layer(one layer's params, x,
-    positions, segment_ids) → x`. segment_ids may be None."""
+    positions, segment_ids) → x`. segment_ids may be None; `layout` pins the stages' activations."""
     stages, repeats, count = plan.stages, plan.repeats, plan.microbatches
     stacked = jax.tree.map(lambda a: a.reshape(stages, repeats, -1, *a.shape[1:]), params)  # [S, R, per, ...]
     inputs = _micro(x, count)  # [M, mb, seq, embed]
@@ -57,10 +59,10 @@ def run_pipeline(layer: Callable, params, x, positions, segment_ids, plan: Stage
         clipped = jnp.clip(item, 0, repeats * count - 1)
         repeat, micro = clipped // count, clipped % count
         first = jnp.where(t < count, inputs[t % count], store[t % count])  # a new micro-batch, or one going round
-        h = constrain(jnp.concatenate([first[None], held[:-1]]), ("stage", "batch", "seq", None))
+        h = constrain(layout, jnp.concatenate([first[None], held[:-1]]), ("stage", "batch", "seq", None))
         pos, seg = (None if a is None else a[micro] for a in side)
         out = jax.vmap(stage)(stacked, repeat, h, pos, seg)
-        out = constrain(out, ("stage", "batch", "seq", None))
+        out = constrain(layout, out, ("stage", "batch", "seq", None))
         done = (item[-1] >= 0) & (item[-1] < repeats * count)  # the last stage finished a micro-batch's repeat
         store = jax.lax.dynamic_update_index_in_dim(store, jnp.where(done, out[-1], store[micro[-1]]), micro[-1], 0)
         return (out, store), None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
-from contract.activations import current_layout
+from contract.activations import Constrainer
 from models.configs import ModelError
 
 BLOCKS = (512, 256, 128)  # tile sizes tried, largest first; the kernel's tiles are multiples of 128
@@ -58,11 +59,21 @@ def _local_attention(q, k, v, segment_ids, block: int, interpret: bool):
     return jnp.swapaxes(y, 1, 2)  # [batch, seq, heads, dim]
 
 
-def splash_attention(q, k, v, segment_ids=None, *, interpret: bool, block: int | None = None, pipelined: bool = False):
+def splash_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    interpret: bool,
+    block: int | None = None,
+    pipelined: bool = False,
+    layout: Optional[Constrainer] = None,
+):
     """Causal attention of q [batch, seq, heads, dim] over k, v [batch, seq, kv_heads, dim] →
     [batch, seq, heads, dim]; segment_ids [batch, seq]: a token attends only within its segment.
-    Under a mesh it runs per device (jax.shard_map) over the batch and head splits, which a
-    `pipelined` layer (a pipeline stage) cannot."""
+    Under the mesh of a `layout` it runs per device (jax.shard_map) over the batch and head
+    splits, which a `pipelined` layer (a pipeline stage) cannot."""
     seq = q.shape[1]
     block = block or block_size(seq)
     if seq % block:
@@ -70,7 +81,6 @@ def splash_attention(q, k, v, segment_ids=None, *, interpret: bool, block: int |
             f"model.attention=splash: block {block} does not divide the sequence length {seq}; "
             f"use a data.seq_len that is a multiple of {block}, or model.attention=xla"
         )
-    layout = current_layout()
     if layout is not None:  # the mesh's devices decide: a plan's are a TPU topology's on a CPU host
         interpret = layout.mesh.devices.flat[0].platform != "tpu"
     if layout is None or layout.mesh.size == 1:

@@ -4,11 +4,13 @@ blocks of causal self-attention (jax.nn.dot_product_attention) and an MLP, optio
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from contract.activations import constrain
+from contract.activations import Constrainer, constrain
 from models import gpt2_hf, sampling
 from models.configs import ModelError, TransformerConfig
 from models.family import NO_OPTIONS, BuildOptions, Family, FlopsAccounting, LanguageModel, NextToken
@@ -39,6 +41,7 @@ class Block(nn.Module):
     param_dtype: jnp.dtype
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation
     decode: bool = False  # use and fill the key/value cache (generation)
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(self, x, example_ids, train: bool, dropout_rate=None, segment_ids=None):
@@ -57,7 +60,7 @@ class Block(nn.Module):
             )(y)  # [batch, seq, heads, kv]
             for name in ("query", "key", "value")
         )
-        q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
+        q, k, v = (constrain(self.layout, t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
         if self.decode:
             k, v, mask = kv_cache(self, k, v, segment_ids)
             y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
@@ -83,14 +86,16 @@ class Block(nn.Module):
             name="attn_out",
         )(y)
         x = constrain(
+            self.layout,
             x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate),
             ("batch", "seq", None),
         )
         y = layer_norm(self.dtype, self.param_dtype, "mlp_norm")(x)
         y = nn.gelu(dense(self.mlp_dim, ("embed", "mlp"), self.dtype, self.param_dtype, name="mlp_in")(y))
-        y = constrain(y, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
+        y = constrain(self.layout, y, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
         y = dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y)
         return constrain(
+            self.layout,
             x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate),
             ("batch", "seq", None),
         )
@@ -110,6 +115,7 @@ class Transformer(nn.Module):
     attention: str = "xla"
     loss_chunk: int = 0
     decode: bool = False
+    layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
     def __call__(
@@ -144,7 +150,7 @@ class Transformer(nn.Module):
         )
         where = table[:seq] if positions is None else jnp.take(table, positions, axis=0)
         x = embed(tokens) + where.astype(self.dtype)  # [batch, seq, embed]
-        x = constrain(x, ("batch", "seq", None))
+        x = constrain(self.layout, x, ("batch", "seq", None))
         block_cls = Block
         if self.remat != "none":
             block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
@@ -157,6 +163,7 @@ class Transformer(nn.Module):
                 self.param_dtype,
                 self.attention,
                 self.decode,
+                self.layout,
                 name=f"block_{i}",
             )(x, example_ids, train, dropout_rate, segment_ids)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
@@ -191,6 +198,7 @@ def build(
         attention,
         cfg.loss_chunk,
         decode,
+        options.layout,
     )
 
 

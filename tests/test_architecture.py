@@ -178,15 +178,13 @@ def test_a_model_family_has_a_small_required_core():
 
 
 def test_the_engine_passes_the_models_what_they_need_as_arguments():
-    # no context variable carries anything between engine and models (build takes BuildOptions:
-    # the pipeline, LoRA adapters), but the activation layout of the step being traced
-    layout = ROOT / "contract" / "activations.py"
+    # no context variable carries anything between engine and models: build takes BuildOptions
+    # (the pipeline, LoRA adapters, the activation layout of the step traced)
     hits = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in MODELS + sorted((ROOT / "contract").rglob("*.py"))
         for n, line in enumerate(path.read_text().splitlines(), 1)
-        if ("ContextVar" in line or "contextvars" in line)
-        and not (path == layout and (line == "import contextvars" or line.startswith("_constrainer: ")))
+        if "ContextVar" in line or "contextvars" in line
     ]
     assert not hits, hits
 

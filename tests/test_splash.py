@@ -10,7 +10,6 @@ import pytest
 from test_parallel import train_losses
 from test_tokens import LLAMA_TOKENS, tokenized_corpus
 
-from contract.activations import constrained_activations
 from engine.errors import UsageError
 from engine.parallel.mesh import build_mesh
 from engine.parallel.sharding import ActivationLayout, unbox
@@ -36,8 +35,8 @@ def xla_attention(q, k, v, segment_ids=None):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
 
 
-def splash(q, k, v, segment_ids=None):
-    return splash_attention(q, k, v, segment_ids, interpret=True, block=BLOCK)
+def splash(q, k, v, segment_ids=None, layout=None):
+    return splash_attention(q, k, v, segment_ids, interpret=True, block=BLOCK, layout=layout)
 
 
 def values_and_grads(attention, q, k, v, cotangent, segment_ids=None):
@@ -85,8 +84,7 @@ def test_sharded_over_batch_and_heads_equals_xla():
     mesh = build_mesh({"data": 2, "tensor": 4}, {}, jax.devices()[:8])
 
     def sharded(q, k, v, segment_ids):
-        with constrained_activations(ActivationLayout(mesh)):
-            return splash(q, k, v, segment_ids)
+        return splash(q, k, v, segment_ids, layout=ActivationLayout(mesh))
 
     (want, want_grads), (got, got_grads) = (
         values_and_grads(attention, q, k, v, cotangent, segment_ids) for attention in (xla_attention, sharded)

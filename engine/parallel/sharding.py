@@ -135,7 +135,7 @@ def activation_spec(
 
 class ActivationLayout:
     """(activation, logical axes) → the activation pinned to its layout on `mesh`; the engine
-    hands one to the models (contract.activations.constrained_activations) while it traces a step."""
+    builds the modules of the steps it compiles with one (models.family.BuildOptions.layout)."""
 
     def __init__(self, mesh: Mesh, exclude: tuple[str, ...] = ()):
         self.mesh, self.exclude = mesh, exclude

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from contract.activations import constrained_activations
 from engine.data import process_rows
 from engine.parallel import sharding
 from engine.parallel.sync import SyncPart
@@ -141,21 +140,19 @@ def compile_jit(
         donate_argnums=0,
     )
     start = time.perf_counter()
-    # Traced here: the models' activation constraints pin activations to this mesh.
-    with constrained_activations(sharding.ActivationLayout(mesh, shapes.vmapped)):
-        program = jitted.lower(shapes.state, block_abstract).compile() if jitted else None
-        compile_seconds = time.perf_counter() - start
-    with constrained_activations(sharding.ActivationLayout(mesh)):
-        eval_batch = {
-            **abstract_arrays(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
-            "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding),
-        }
-        jitted_eval = jax.jit(
-            eval_step,
-            in_shardings=(weights_of(shapes.state_shardings), batch_sharding),
-            out_shardings=sharding.replicated(mesh),
-        )
-        evaluate = jitted_eval.lower(weights_of(shapes.state), eval_batch).compile()
+    # (the steps' modules pin their activations to this mesh: setup.step_modules)
+    program = jitted.lower(shapes.state, block_abstract).compile() if jitted else None
+    compile_seconds = time.perf_counter() - start
+    eval_batch = {
+        **abstract_arrays(shapes.train_arrays, (shapes.eval_batch,), batch_sharding),
+        "mask": jax.ShapeDtypeStruct((shapes.eval_batch,), jnp.float32, sharding=batch_sharding),
+    }
+    jitted_eval = jax.jit(
+        eval_step,
+        in_shardings=(weights_of(shapes.state_shardings), batch_sharding),
+        out_shardings=sharding.replicated(mesh),
+    )
+    evaluate = jitted_eval.lower(weights_of(shapes.state), eval_batch).compile()
     return Compiled(train_step=program, eval_step=evaluate, compile_seconds=compile_seconds, program=program, **common)
 
 

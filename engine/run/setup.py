@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from contract.activations import ONE_STAGE, StagePlan
+from contract.activations import ONE_STAGE, Constrainer, StagePlan
 from engine.config import Config
 from engine.data import Dataset, TrainBatches, example_spec, load_dataset
 from engine.data.placement import resident_bytes
@@ -29,6 +29,7 @@ from engine.lm import finetune
 from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
 from engine.parallel import diloco
 from engine.parallel.mesh import make_mesh
+from engine.parallel.sharding import ActivationLayout
 from engine.parallel.stages import layouts as pipeline_layouts
 from engine.parallel.stages import storage_order
 from engine.parallel.sync import compile_sync
@@ -112,12 +113,18 @@ def with_config_hparams(state: TrainState, cfg: Config) -> TrainState:
     return state.replace(hparams=schedule, opt_state=state.opt_state._replace(hyperparams=optimizer))
 
 
-def build_model(cfg: Config, info, pmap_axis: Optional[str] = None, stages: StagePlan = ONE_STAGE):
-    """(family, flax module) of cfg.model, its layer stack run as the pipeline `stages`; a
-    model's ValueError is the user's (exit 2)."""
+def build_model(
+    cfg: Config,
+    info,
+    pmap_axis: Optional[str] = None,
+    stages: StagePlan = ONE_STAGE,
+    layout: Optional[Constrainer] = None,
+):
+    """(family, flax module) of cfg.model, its layer stack run as the pipeline `stages`, its
+    activations pinned by `layout`; a model's ValueError is the user's (exit 2)."""
     family = REGISTRY[cfg.model.name]
     try:
-        options = BuildOptions(pmap_axis, stages, finetune.adaptation(cfg, projections(family)))
+        options = BuildOptions(pmap_axis, stages, finetune.adaptation(cfg, projections(family)), layout)
         module = family.build(
             cfg.model, info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype), options
         )
@@ -164,21 +171,18 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     packed = "segments" in example_spec(dataset.train)
     bp = blueprint(cfg, dict(mesh.shape), dataset.info, packed, REGISTRY[cfg.model.name], jax.default_backend())
     cfg = bp.cfg
-    family, module = build_model(cfg, dataset.info, bp.pmap_axis)  # whole: init, export (not pipelined)
+    family, module = build_model(cfg, dataset.info, bp.pmap_axis)  # whole, unconstrained: init, export
     tx = make_optimizer(cfg.optimizer)
     state = state_plan(cfg, mesh, family, module, dataset.info, tx, run_hparams(cfg))
-    # the compiled steps run the layer stack as the pipeline (eager ones run it whole)
-    piped = bp.stages.stages > 1 and not cfg.train.eager
-    stepped = build_model(cfg, dataset.info, bp.pmap_axis, bp.stages)[1] if piped else module
-    loss_fn = make_loss_fn(stepped, family.task, family.hparams, len(dataset.info.sources))
+    replica_axes: tuple[str, ...] = (diloco.REPLICA,) if bp.replicas_from else ()
+    trained, evaluated = step_modules(cfg, dataset.info, bp, mesh, module, replica_axes)
+    loss_fn = make_loss_fn(trained, family.task, family.hparams, len(dataset.info.sources))
     resident = resident_bytes(cfg, dataset, lambda: device_memory_bytes(mesh))
     steps = bp.steps_per_block(resident > 0)
     one_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, bp.pmap_axis)
     sync_step: Optional[Callable] = None
-    replica_axes: tuple[str, ...] = ()
     if bp.replicas_from:  # DiLoCo: the step taken by every replica alone, and the outer step
         one_step, sync_step = diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco)
-        replica_axes = (diloco.REPLICA,)
         state = state_plan_of(*diloco.state_functions(state, mesh), state.param_layouts, state.seed, state.hparams)
     train_step = make_block_step(one_step, steps, bp.steps_per_call, resident > 0)
     shapes = Shapes(
@@ -192,8 +196,26 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
         vmapped=replica_axes,
         metrics_axes=replica_axes,
     )
-    eval_step = make_eval_step(loss_fn, bp.pmap_axis)
+    eval_loss_fn = make_loss_fn(evaluated, family.task, family.hparams, len(dataset.info.sources))
+    eval_step = make_eval_step(eval_loss_fn, bp.pmap_axis)
     return Plan(mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step)
+
+
+def step_modules(cfg: Config, info, bp: Blueprint, mesh: Mesh, module, vmapped: tuple[str, ...]) -> tuple[Any, Any]:
+    """The modules the train and eval steps trace: the layer stack run as the pipeline (eager
+    steps run it whole) and, where jit compiles them, the activations pinned to `mesh` (the
+    train step's not over the mesh axes it is vmapped over); `module` itself where neither."""
+    piped = bp.stages.stages > 1 and not cfg.train.eager
+    pinned = cfg.mesh.backend != "pmap" and not cfg.train.eager
+    stages = bp.stages if piped else ONE_STAGE
+
+    def built(layout: Optional[Constrainer]):
+        return build_model(cfg, info, bp.pmap_axis, stages, layout)[1]
+
+    if pinned:
+        return built(ActivationLayout(mesh, vmapped)), built(ActivationLayout(mesh))
+    stepped = built(None) if piped else module
+    return stepped, stepped
 
 
 def train_batches(cfg: Config, plan: Plan, rows: np.ndarray) -> TrainBatches:
