@@ -135,7 +135,9 @@ class LlamaConfig:
     )
     attention: str = option(
         "auto",
-        "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla, cudnn or splash (the Pallas "
+        "auto (splash on TPU devices, plan's TPU targets included, where the sequence tiles and the step "
+        "is not vmapped or pipelined; cuDNN flash attention on GPU in bf16/fp16; else XLA), xla, cudnn or "
+        "splash (the Pallas "
         "TPU flash kernel, compiled for TPU devices and plan's TPU targets, interpreted on CPU and GPU; "
         "data.seq_len a multiple of 128; training and eval only: "
         "generation's key/value cache and mesh.context > 1 stay on XLA)",

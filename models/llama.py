@@ -47,7 +47,7 @@ from models.layers import LMHead, fused_cross_entropy, kv_cache, param_init
 from models.moe import MoE
 from models.pipeline import run_pipeline
 from models.projection import Projection
-from models.splash import block_size, splash_attention
+from models.splash import BLOCKS, block_size, splash_attention
 from models.transformer import REMAT_POLICIES
 
 
@@ -331,10 +331,14 @@ def build(
     cfg: LlamaConfig, info, dtype, param_dtype, options: BuildOptions = NO_OPTIONS, decode: bool = False
 ) -> nn.Module:
     """The module; `decode`: with a key/value cache, for generation (models/sampling.py)."""
-    attention = cfg.attention
-    if attention == "auto":  # cuDNN's flash attention wants a GPU and 16-bit inputs
-        low_precision = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        attention = "cudnn" if jax.default_backend() == "gpu" and low_precision else "xla"
+    layout = options.layout  # (its mesh's devices are a plan's TPU topology on a CPU host)
+    attention = chosen_attention(
+        cfg.attention,
+        layout.mesh.devices.flat[0].platform if layout is not None else jax.default_backend(),
+        jnp.dtype(dtype),
+        info.seq_len,
+        per_device=not (layout is not None and layout.vmapped) and options.stages.stages == 1,
+    )
     if attention == "splash":
         block_size(info.seq_len)  # the kernel's tiles divide the sequence (else a ModelError naming the fix)
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
@@ -349,6 +353,17 @@ def build(
             f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0"
         )
     return Llama(cfg, vocab, dtype, param_dtype, attention, decode, options.adaptation, options.stages, options.layout)
+
+
+def chosen_attention(name: str, platform: str, dtype, seq_len: int, per_device: bool) -> str:
+    """model.attention=auto: splash on TPU where its tiles divide the sequence and it can run per
+    device (not in a vmapped step or a pipeline), cuDNN's flash attention on GPU in 16 bits, else XLA."""
+    if name != "auto":
+        return name
+    if platform == "tpu" and per_device and seq_len % BLOCKS[-1] == 0:
+        return "splash"
+    low_precision = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if platform == "gpu" and low_precision else "xla"
 
 
 def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:

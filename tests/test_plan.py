@@ -352,7 +352,7 @@ def test_splash_attention_compiles_for_tpu_and_keeps_no_score_matrix(make_config
 
     target = parse_target("v5e-8")
     xla = plan(tiny(make_config, "data.seq_len=1024", "model.attention=xla"), target, compile_eval=False)
-    cfg = tiny(make_config, "data.seq_len=1024", "model.attention=splash")
+    cfg = tiny(make_config, "data.seq_len=1024", "model.attention=auto")  # (auto: splash for TPU devices)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compilation_cache_dir=""))
     program = plan_run(cfg, devices=target.devices)
     compiled = compile_plan(cfg, program)

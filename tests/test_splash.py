@@ -156,3 +156,18 @@ def test_packed_documents_train_to_xla_losses_sharded(make_config, tmp_path):
         "mesh.tensor=2",
     ]
     assert_splash_trains_like_xla(make_config, args)
+
+
+@pytest.mark.nocompile
+def test_auto_attention_is_splash_on_tpu_where_it_can_run_and_cudnn_or_xla_elsewhere():
+    from models.llama import chosen_attention
+
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert chosen_attention("auto", "tpu", bf16, 8192, per_device=True) == "splash"
+    assert chosen_attention("auto", "tpu", f32, 1024, per_device=True) == "splash"
+    assert chosen_attention("auto", "tpu", bf16, 1000, per_device=True) == "xla"  # 128 does not divide 1000
+    assert chosen_attention("auto", "tpu", bf16, 8192, per_device=False) == "xla"  # vmapped or pipelined
+    assert chosen_attention("auto", "gpu", bf16, 8192, per_device=True) == "cudnn"
+    assert chosen_attention("auto", "gpu", f32, 8192, per_device=True) == "xla"
+    assert chosen_attention("auto", "cpu", bf16, 8192, per_device=True) == "xla"
+    assert chosen_attention("xla", "tpu", bf16, 8192, per_device=True) == "xla"  # named: as named
