@@ -71,6 +71,18 @@ def test_control_characters_in_slurm_values_are_refused(tmp_path, value):
         load_sweep(sweep_file)
 
 
+def train_on_npz(tmp_path):
+    """The shipped MLP on tmp_path/d.npz, in workdir tmp_path/w."""
+    return run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(tmp_path / "w"),
+        "data.name=npz",
+        f"data.path={tmp_path / 'd.npz'}",
+    )
+
+
 @pytest.mark.parametrize(
     "labels, expected",
     [
@@ -87,14 +99,7 @@ def test_bad_labels_are_refused_at_load(tmp_path, labels, expected):
     y = np.array(labels * 20, np.int64)
     x = np.random.default_rng(0).random((len(y), 4, 4), np.float32)
     np.savez(tmp_path / "d.npz", x=x, y=y)
-    proc = run_cli(
-        "--config",
-        "configs/mnist_mlp.yaml",
-        "--workdir",
-        str(tmp_path / "w"),
-        "data.name=npz",
-        f"data.path={tmp_path / 'd.npz'}",
-    )
+    proc = train_on_npz(tmp_path)
     assert proc.returncode == 2 and expected in proc.stderr and str(tmp_path / "d.npz") in proc.stderr, proc.stderr
     assert not (tmp_path / "w").exists()  # refused before anything was written
 
@@ -105,14 +110,7 @@ def test_nan_inputs_are_refused_at_load(tmp_path):
     x = np.random.default_rng(0).random((60, 4, 4), np.float32)
     x[17, 1, 2] = np.nan
     np.savez(tmp_path / "d.npz", x_train=x, y_train=np.arange(60) % 10, x_test=x[:10], y_test=np.arange(10))
-    proc = run_cli(
-        "--config",
-        "configs/mnist_mlp.yaml",
-        "--workdir",
-        str(tmp_path / "w"),
-        "data.name=npz",
-        f"data.path={tmp_path / 'd.npz'}",
-    )
+    proc = train_on_npz(tmp_path)
     assert proc.returncode == 2 and "of x_train hold NaN or infinite values, the first at x_train[17]" in proc.stderr, (
         proc.stderr
     )

@@ -320,7 +320,7 @@ def _set_before_last_name(overrides: Sequence[str]) -> set[str]:
     source named earlier (a launcher's defaults, then the user's own data.name=...)."""
     keys = [item.split("=", 1)[0].strip() for item in overrides if "=" in item]
     last = max((i for i, key in enumerate(keys) if key == "data.name"), default=-1)
-    return {key.split(".", 2)[1] for key in keys[:last] if key.startswith("data.") and key.count(".") >= 1}
+    return {key.split(".")[1] for key in keys[:last] if key.startswith("data.")}
 
 
 def _data_keys(raw: dict, overrides: dict, source: str, override_source: str, superseded: set[str]) -> str:
