@@ -18,15 +18,27 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from contract.fields import option
+from models.remat import DESCRIPTION as REMAT_DESCRIPTION
+from models.remat import REMAT_NAMES
 
 
 class ModelError(ValueError):
     """A model setting is wrong; the message names the `model.` key and the fix."""
 
 
-REMAT_NAMES = ("none", "full", "dots")  # models.transformer.REMAT_POLICIES maps them to jax policies
 ATTENTION_NAMES = ("auto", "xla", "cudnn")  # jax.nn.dot_product_attention's implementations (auto: by device)
 LLAMA_ATTENTION_NAMES = (*ATTENTION_NAMES, "splash")  # splash: the Pallas TPU flash kernel (models/splash.py)
+LOSS_CHUNK_DESCRIPTION = (
+    ">0: the loss makes float32 logits for this many positions at a time (divides data.seq_len); "
+    "0: auto, the whole sequence at once unless one device's float32 logits exceed "
+    "model.logits_budget_mib, then the largest divisor of data.seq_len whose piece fits (a multiple "
+    "of 128 where one fits); the backward pass makes each piece's logits again"
+)
+LOGITS_BUDGET_DESCRIPTION = (
+    "MiB of float32 logits one device may hold at once before model.loss_chunk=0 splits the loss "
+    "(its share of the batch x its share of the sequence x vocabulary x 4 bytes); 0 = no limit, "
+    "never split automatically"
+)
 
 
 @dataclass(frozen=True)
@@ -88,18 +100,12 @@ class TransformerConfig:
     num_heads: int = option(4, "attention heads")
     mlp_dim: int = option(1024, "hidden width of each block's MLP")
     dropout_rate: float = option(0.1, "dropout rate")
-    remat: str = option(
-        "none", "activation rematerialisation per block: none, full or dots (keep matmul outputs)", choices=REMAT_NAMES
-    )
+    remat: str = option("none", f"activation rematerialisation per block: {REMAT_DESCRIPTION}", choices=REMAT_NAMES)
     attention: str = option(
         "auto", "auto (cuDNN flash attention on GPU in bf16/fp16, else XLA), xla or cudnn", choices=ATTENTION_NAMES
     )
-    loss_chunk: int = option(
-        0,
-        ">0: the loss makes float32 logits for this many positions at a time (divides "
-        "data.seq_len); 0: the whole sequence at once",
-        at_least=0,
-    )
+    loss_chunk: int = option(0, LOSS_CHUNK_DESCRIPTION, at_least=0)
+    logits_budget_mib: int = option(2048, LOGITS_BUDGET_DESCRIPTION, at_least=0)
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -130,9 +136,7 @@ class LlamaConfig:
     tie_embeddings: bool = option(False, "the output projection is the input embedding, transposed")
     qk_norm: bool = option(False, "RMSNorm of each query and key head before RoPE (Qwen3, OLMo-2)")
     scan_layers: bool = option(True, "layers under nn.scan: one compiled layer, parameters stacked on `layers`")
-    remat: str = option(
-        "none", "activation rematerialisation per layer: none, full or dots (keep matmul outputs)", choices=REMAT_NAMES
-    )
+    remat: str = option("none", f"activation rematerialisation per layer: {REMAT_DESCRIPTION}", choices=REMAT_NAMES)
     attention: str = option(
         "auto",
         "auto (splash on TPU devices, plan's TPU targets included, where the sequence tiles and the step "
@@ -143,12 +147,8 @@ class LlamaConfig:
         "generation's key/value cache and mesh.context > 1 stay on XLA)",
         choices=LLAMA_ATTENTION_NAMES,
     )
-    loss_chunk: int = option(
-        0,
-        ">0: the loss makes float32 logits for this many positions at a time (divides "
-        "data.seq_len); 0: the whole sequence at once",
-        at_least=0,
-    )
+    loss_chunk: int = option(0, LOSS_CHUNK_DESCRIPTION, at_least=0)
+    logits_budget_mib: int = option(2048, LOGITS_BUDGET_DESCRIPTION, at_least=0)
     num_experts: int = option(
         0, "routed experts per mixture-of-experts layer (0 = a dense SwiGLU MLP in every layer)", at_least=0
     )

@@ -95,11 +95,15 @@ class NextToken:
 
     def target_weights(self, batch):
         """Packed data: a target counts only within its input's document (not padding, not
-        the first token of the next document)."""
+        the first token of the next document), and, where the batch has a `loss_mask` (1 for
+        each token to train on: conversations' assistant turns), only where it marks the target."""
         if "segments" not in batch:
             return None
         segments = batch["segments"]
-        return ((segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)).astype(jnp.float32)
+        weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)).astype(jnp.float32)
+        if "loss_mask" in batch:
+            weights = weights * batch["loss_mask"][:, 1:].astype(jnp.float32)
+        return weights
 
     def losses(self, out, targets):
         return out  # (losses, hits) from the module's fused loss
@@ -166,6 +170,9 @@ class FlopsAccounting:
     formula: str  # per_example in words, for the run summary
     per_example: Callable[[Any, Any, int], float]  # (cfg, DataInfo, parameters) → training FLOPs of one example
     work_settings: Mapping[str, Any] = field(default_factory=dict)  # config field → its plain reference value
+    # fields the reference step sets too, not compared with the run's: their effect is decided as
+    # the step is traced (model.logits_budget_mib: whether loss_chunk=0 splits the loss)
+    reference_settings: Mapping[str, Any] = field(default_factory=dict)
     formula_only: Callable[[Any], str] = lambda cfg: ""  # why XLA cannot count them ("": it can)
 
     def settings_used(self, cfg, module) -> dict[str, Any]:
@@ -181,6 +188,9 @@ class LanguageModel:
     splits_sequence: bool = False  # the module splits its sequence over the context axis (activations on "seq")
     generate: Optional[Generate] = None  # text generation (None: the family does not generate)
     hf_layout: Optional[HFLayout] = None  # Hugging Face interop (None: no Hugging Face layout)
+    # (model cfg, data info, sequences, devices splitting them, devices splitting each sequence) →
+    # how the fused loss makes its logits, models/layers.py LossChunk (None: the family has no such loss)
+    loss_chunk: Optional[Callable[[Any, Any, int, int, int], Any]] = None
     # The named projections (models/projection.py) that take LoRA adapters, a quantised base and
     # quantised matmuls: name → (contracted input axes, output axes) of its kernel, which may have
     # a leading stacked-layers axis ({}: fine-tuning is not supported).
@@ -258,8 +268,8 @@ class Family:
         return {name: float(getattr(cfg, name)) for name in self.hparams}
 
     def remat(self, cfg) -> Optional[str]:
-        """The activation rematerialisation policy in use (model.remat: none, dots or full); None
-        when the family has no such setting."""
+        """The activation rematerialisation policy in use (model.remat: a name of models/remat.py,
+        none, full, dots, minimal, ... offload); None when the family has no such setting."""
         return None
 
     def loops_fast_on_cpu(self) -> bool:

@@ -5,6 +5,7 @@ microbatches or a pmap axis."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
@@ -12,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from contract.activations import Constrainer, activation_splits
 
 
 def param_init(init, axes: tuple[Optional[str], ...]):
@@ -145,6 +148,66 @@ def _fused_backward(dtype, chunk, residuals, cotangents):
 
 
 fused_cross_entropy.defvjp(_fused_forward, _fused_backward)
+
+
+MIB = 1 << 20
+LOSS_TILE = 128  # an automatic loss chunk is a multiple of this where one fits (TPU tiles)
+
+
+@dataclass(frozen=True)
+class LossChunk:
+    """How the loss makes its float32 logits: `chunk` positions at a time (0: the whole sequence);
+    `auto`: chosen by the budget (model.loss_chunk=0); `logits_bytes`: one device's float32
+    logits of the whole sequence; `budget_bytes`: model.logits_budget_mib in bytes (0: no limit)."""
+
+    chunk: int
+    auto: bool
+    logits_bytes: int
+    budget_bytes: int
+
+
+def _share(size: int, splits: int) -> int:
+    """One device's share of an axis split over `splits` devices; whole where they do not divide
+    it (the layout leaves such an activation axis unsplit: engine/parallel/sharding.py)."""
+    return size // splits if splits > 1 and size % splits == 0 else size
+
+
+def choose_loss_chunk(
+    chunk: int, budget_mib: int, batch: int, seq: int, vocab: int, batch_splits: int = 1, seq_splits: int = 1
+) -> LossChunk:
+    """model.loss_chunk as the loss runs it, for `batch` sequences of `seq` positions split over
+    `batch_splits` and `seq_splits` devices. chunk > 0: as set. 0 (auto): the whole sequence
+    unless one device's float32 logits (its share of the batch × its share of the sequence ×
+    vocab × 4 bytes) exceed `budget_mib` (0: no limit); then the largest divisor of `seq` whose
+    piece fits, the largest multiple of 128 (TPU tiles) where one fits, else the largest
+    divisor, at least 1. A piece is counted whole on each device (the loop over the sequence's
+    pieces does not keep one split over the context axis), and the vocabulary whole too (a
+    tensor-split head holds less): the estimate errs towards smaller pieces."""
+    rows = _share(batch, batch_splits)
+    whole, budget = rows * _share(seq, seq_splits) * vocab * 4, budget_mib * MIB
+    if chunk or not budget or whole <= budget:  # (a chunk of the whole sequence is no chunk: LMHead.loss)
+        return LossChunk(chunk if chunk < seq else 0, not chunk, whole, budget)
+    fitting = [d for d in range(1, seq) if seq % d == 0 and rows * d * vocab * 4 <= budget]
+    tiled = [d for d in fitting if d % LOSS_TILE == 0]
+    return LossChunk(max(tiled or fitting or [1]), True, whole, budget)
+
+
+def config_loss_chunk(cfg, info, batch: int, batch_splits: int = 1, seq_splits: int = 1) -> LossChunk:
+    """choose_loss_chunk for a language model's config (loss_chunk, logits_budget_mib and a
+    vocab_size, 0 or absent: the data's) and `batch` of the data's sequences (a plan's figure)."""
+    vocab = getattr(cfg, "vocab_size", 0) or info.vocab_size
+    return choose_loss_chunk(
+        cfg.loss_chunk, cfg.logits_budget_mib, batch, info.seq_len, vocab, batch_splits, seq_splits
+    )
+
+
+def traced_loss_chunk(chunk: int, budget_mib: int, targets, vocab: int, layout: Optional[Constrainer]) -> int:
+    """The loss chunk of a traced step (choose_loss_chunk) from its targets' shape [batch, seq]
+    (global under jit, one trial's under vmap, one micro-batch's under gradient accumulation)
+    and how `layout` splits the batch and the sequence (None: one device)."""
+    batch, seq = targets.shape[0], targets.shape[1]
+    splits = activation_splits(layout, "batch"), activation_splits(layout, "seq")
+    return choose_loss_chunk(chunk, budget_mib, batch, seq, vocab, *splits).chunk
 
 
 class LMHead(nn.Module):

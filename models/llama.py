@@ -28,6 +28,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from contract.activations import ONE_STAGE, Constrainer, StagePlan, activation_splits, constrain
 from contract.adapters import NO_ADAPTATION, Adaptation
@@ -43,12 +44,12 @@ from models.family import (
     LayerStack,
     NextToken,
 )
-from models.layers import LMHead, fused_cross_entropy, kv_cache, param_init
+from models.layers import LMHead, config_loss_chunk, fused_cross_entropy, kv_cache, param_init, traced_loss_chunk
 from models.moe import MoE
 from models.pipeline import run_pipeline
 from models.projection import Projection
-from models.splash import BLOCKS, block_size, splash_attention
-from models.transformer import REMAT_POLICIES
+from models.remat import ATTENTION_OUT, KEY, LAYER_INPUT, MLP_OUT, QUERY, VALUE, policy
+from models.splash import block_size, chosen_attention, splash_attention
 
 
 def rope_frequencies(cfg: LlamaConfig) -> jnp.ndarray:
@@ -115,6 +116,7 @@ class Attention(nn.Module):
             Projection((cfg.kv_heads, width), ("embed", "kv_heads", "kv"), name=name, **dense)(x)
             for name in ("key", "value")
         )  # [batch, seq, kv_heads, kv]
+        q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), (QUERY, KEY, VALUE)))  # models/remat.py
         if cfg.qk_norm:
             q = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="query_norm")(q)
             k = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, "kv", name="key_norm")(k)
@@ -149,7 +151,8 @@ class Attention(nn.Module):
                 q, k, v, is_causal=True, implementation="xla" if context else self.implementation
             )
         y = constrain(self.layout, y, ("batch", "seq", "heads", "kv"))
-        return Projection((x.shape[-1],), ("heads", "kv", "embed"), inputs=2, name="out", **dense)(y)
+        y = Projection((x.shape[-1],), ("heads", "kv", "embed"), inputs=2, name="out", **dense)(y)
+        return checkpoint_name(y, ATTENTION_OUT)
 
 
 class Block(nn.Module):
@@ -165,7 +168,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
-        cfg = self.cfg
+        cfg, x = self.cfg, checkpoint_name(x, LAYER_INPUT)  # (what a remat policy may keep: models/remat.py)
         y = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="attn_norm")(x)
         x = constrain(
             self.layout,
@@ -192,7 +195,7 @@ class Block(nn.Module):
             up = Projection((cfg.mlp_dim,), ("embed", "mlp"), name="up", **dense)(y)
             y = constrain(self.layout, nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
             y = Projection((x.shape[-1],), ("mlp", "embed"), name="down", **dense)(y)
-        return constrain(self.layout, x + y, ("batch", "seq", None))
+        return constrain(self.layout, x + checkpoint_name(y, MLP_OUT), ("batch", "seq", None))
 
 
 class ScannedBlock(nn.Module):
@@ -208,9 +211,7 @@ class ScannedBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None):
-        block = Block
-        if self.cfg.remat != "none":
-            block = nn.remat(Block, policy=REMAT_POLICIES[self.cfg.remat])
+        block = Block if self.cfg.remat == "none" else nn.remat(Block, policy=policy(self.cfg.remat))
         return block(
             self.cfg,
             self.dtype,
@@ -269,7 +270,7 @@ class Llama(nn.Module):
                 cfg, self.dtype, self.param_dtype, self.attention, self.decode, self.adapt, self.layout, name="layers"
             )(x, positions, segment_ids)
         else:
-            block = Block if cfg.remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
+            block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy(cfg.remat))
             for i in range(cfg.num_layers):
                 x = block(
                     cfg,
@@ -287,7 +288,10 @@ class Llama(nn.Module):
             head: _TiedHead | LMHead = _TiedHead(embed, self.dtype)
         else:
             head = LMHead(cfg.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
-        return head(x) if targets is None else head.loss(x, targets, cfg.loss_chunk)
+        if targets is None:
+            return head(x)
+        chunk = traced_loss_chunk(cfg.loss_chunk, cfg.logits_budget_mib, targets, self.vocab_size, self.layout)
+        return head.loss(x, targets, chunk)
 
     def _pipelined(self, x, positions, segment_ids):
         """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""
@@ -308,7 +312,7 @@ class Llama(nn.Module):
             return block.apply({"params": params}, h, pos, seg)
 
         if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+            layer = jax.checkpoint(layer, policy=policy(cfg.remat))  # the policies of the scanned layers
         params = self.variables["params"]["layers"]["block"]
         return run_pipeline(layer, params, x, positions, segment_ids, self.stages, self.layout)
 
@@ -344,7 +348,7 @@ def build(
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
         raise ModelError(
             f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
-            f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once"
+            f"choose a divisor of {info.seq_len}, or 0 to choose by model.logits_budget_mib"
         )
     vocab = cfg.vocab_size or info.vocab_size
     if vocab < info.vocab_size:
@@ -353,17 +357,6 @@ def build(
             f"({info.vocab_size} token ids); set model.vocab_size >= {info.vocab_size} or 0"
         )
     return Llama(cfg, vocab, dtype, param_dtype, attention, decode, options.adaptation, options.stages, options.layout)
-
-
-def chosen_attention(name: str, platform: str, dtype, seq_len: int, per_device: bool) -> str:
-    """model.attention=auto: splash on TPU where its tiles divide the sequence and it can run per
-    device (not in a vmapped step or a pipeline), cuDNN's flash attention on GPU in 16 bits, else XLA."""
-    if name != "auto":
-        return name
-    if platform == "tpu" and per_device and seq_len % BLOCKS[-1] == 0:
-        return "splash"
-    low_precision = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if platform == "gpu" and low_precision else "xla"
 
 
 def flops_per_example(cfg: LlamaConfig, info, num_params: int) -> float:
@@ -417,6 +410,7 @@ class LlamaFamily(Family):
         # remat recomputes; a scan, or a chunked loss, is a loop XLA's cost analysis counts once;
         # fused (cuDNN) attention is a custom call it cannot count: MFU is measured without them
         work_settings={"scan_layers": False, "remat": "none", "loss_chunk": 0, "attention": "xla"},
+        reference_settings={"logits_budget_mib": 0},
         formula_only=_formula_only,
     )
     language_model = LanguageModel(
@@ -425,6 +419,7 @@ class LlamaFamily(Family):
         generate=sampling.generate,
         hf_layout=llama_hf,
         projections=PROJECTIONS,
+        loss_chunk=config_loss_chunk,
     )
     layer_stack = LayerStack(_stacked_layers)
     experts = Experts(_num_experts)

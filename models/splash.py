@@ -1,4 +1,6 @@
-"""Causal attention through JAX's Pallas TPU flash kernel (splash attention): no [seq, seq] scores."""
+"""Causal attention through JAX's Pallas TPU flash kernel (splash attention): no [seq, seq] scores.
+
+`chosen_attention` is what model.attention=auto runs on a platform: splash, cuDNN or XLA."""
 
 from __future__ import annotations
 
@@ -109,3 +111,14 @@ def splash_attention(
         out_specs=q_spec,
         check_vma=False,  # the kernel's outputs (pallas_call) do not say which mesh axes they vary over
     )(q, k, v, segment_ids)
+
+
+def chosen_attention(name: str, platform: str, dtype, seq_len: int, per_device: bool) -> str:
+    """model.attention=auto: splash on TPU where its tiles divide the sequence and it can run per
+    device (not in a vmapped step or a pipeline), cuDNN's flash attention on GPU in 16 bits, else XLA."""
+    if name != "auto":
+        return name
+    if platform == "tpu" and per_device and seq_len % BLOCKS[-1] == 0:
+        return "splash"
+    low_precision = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if platform == "gpu" and low_precision else "xla"

@@ -9,18 +9,14 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from contract.activations import Constrainer, constrain
 from models import gpt2_hf, sampling
 from models.configs import ModelError, TransformerConfig
 from models.family import NO_OPTIONS, BuildOptions, Family, FlopsAccounting, LanguageModel, NextToken
-from models.layers import Dropout, LMHead, dense, kv_cache, param_init
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,  # recompute every activation
-    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep matmul outputs
-}
+from models.layers import Dropout, LMHead, config_loss_chunk, dense, kv_cache, param_init, traced_loss_chunk
+from models.remat import ATTENTION_OUT, KEY, LAYER_INPUT, MLP_OUT, QUERY, VALUE, policy
 
 
 def layer_norm(dtype, param_dtype, name=None):
@@ -45,6 +41,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, example_ids, train: bool, dropout_rate=None, segment_ids=None):
+        x = checkpoint_name(x, LAYER_INPUT)  # (the names: what a remat policy may keep, models/remat.py)
         d_model = x.shape[-1]
         head_dim = d_model // self.num_heads
         qkv_init = param_init(nn.initializers.lecun_normal(), ("embed", "heads", "kv"))
@@ -60,6 +57,7 @@ class Block(nn.Module):
             )(y)  # [batch, seq, heads, kv]
             for name in ("query", "key", "value")
         )
+        q, k, v = (checkpoint_name(t, name) for t, name in zip((q, k, v), (QUERY, KEY, VALUE)))
         q, k, v = (constrain(self.layout, t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
         if self.decode:
             k, v, mask = kv_cache(self, k, v, segment_ids)
@@ -85,6 +83,7 @@ class Block(nn.Module):
             kernel_init=param_init(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
             name="attn_out",
         )(y)
+        y = checkpoint_name(y, ATTENTION_OUT)
         x = constrain(
             self.layout,
             x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate),
@@ -93,7 +92,7 @@ class Block(nn.Module):
         y = layer_norm(self.dtype, self.param_dtype, "mlp_norm")(x)
         y = nn.gelu(dense(self.mlp_dim, ("embed", "mlp"), self.dtype, self.param_dtype, name="mlp_in")(y))
         y = constrain(self.layout, y, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
-        y = dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y)
+        y = checkpoint_name(dense(d_model, ("mlp", "embed"), self.dtype, self.param_dtype, name="mlp_out")(y), MLP_OUT)
         return constrain(
             self.layout,
             x + Dropout(self.dropout_rate)(y, train=train, example_ids=example_ids, rate=dropout_rate),
@@ -116,6 +115,7 @@ class Transformer(nn.Module):
     loss_chunk: int = 0
     decode: bool = False
     layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
+    logits_budget_mib: int = 2048  # loss_chunk=0: split the loss above this (models/layers.py choose_loss_chunk)
 
     @nn.compact
     def __call__(
@@ -153,7 +153,7 @@ class Transformer(nn.Module):
         x = constrain(self.layout, x, ("batch", "seq", None))
         block_cls = Block
         if self.remat != "none":
-            block_cls = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(3,))
+            block_cls = nn.remat(Block, policy=policy(self.remat), static_argnums=(3,))
         for i in range(self.num_layers):
             x = block_cls(
                 self.num_heads,
@@ -168,7 +168,10 @@ class Transformer(nn.Module):
             )(x, example_ids, train, dropout_rate, segment_ids)
         x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
         head = LMHead(self.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
-        return head(x) if targets is None else head.loss(x, targets, self.loss_chunk)
+        if targets is None:
+            return head(x)
+        chunk = traced_loss_chunk(self.loss_chunk, self.logits_budget_mib, targets, self.vocab_size, self.layout)
+        return head.loss(x, targets, chunk)
 
 
 def build(
@@ -182,7 +185,7 @@ def build(
     if cfg.loss_chunk and info.seq_len % cfg.loss_chunk:
         raise ModelError(
             f"model.loss_chunk={cfg.loss_chunk} does not divide data.seq_len={info.seq_len}; "
-            f"choose a divisor of {info.seq_len}, or 0 for the whole sequence at once"
+            f"choose a divisor of {info.seq_len}, or 0 to choose by model.logits_budget_mib"
         )
     return Transformer(
         info.vocab_size,
@@ -199,6 +202,7 @@ def build(
         cfg.loss_chunk,
         decode,
         options.layout,
+        cfg.logits_budget_mib,
     )
 
 
@@ -219,8 +223,11 @@ class TransformerFamily(Family):
         # remat recomputes; a chunked loss is a loop XLA's cost analysis counts once; fused
         # (cuDNN) attention is a custom call it cannot count: MFU is measured without them
         work_settings={"remat": "none", "loss_chunk": 0, "attention": "xla"},
+        reference_settings={"logits_budget_mib": 0},
     )
-    language_model = LanguageModel(packed_documents=True, generate=sampling.generate, hf_layout=gpt2_hf)
+    language_model = LanguageModel(
+        packed_documents=True, generate=sampling.generate, hf_layout=gpt2_hf, loss_chunk=config_loss_chunk
+    )
 
     def remat(self, cfg) -> str:
         return cfg.remat

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, run_cli
 from engine.config import load_config
 from engine.errors import UsageError
-from engine.plan.compiled import plan
+from engine.plan.compiled import model_choices, plan
 from engine.plan.layouts import search
 from engine.plan.tpu import Target, parse_target
 from engine.plan.verdict import render, verdict
@@ -358,3 +358,4 @@ def test_splash_attention_compiles_for_tpu_and_keeps_no_score_matrix(make_config
     compiled = compile_plan(cfg, program)
     assert "tpu_custom_call" in compiled.program.as_text()  # the kernel, for the chip
     assert compiled.memory.temp_size_in_bytes < xla.programs[0].temporaries / 2
+    assert (xla.attention, model_choices(program)[0]) == ("xla", "splash")  # what the plan's text names

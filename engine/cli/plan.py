@@ -29,7 +29,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="slices of that shape (multi-slice: the mesh's dcn_* keys place axes across them)",
     )
-    p.add_argument("--search", action="store_true", help="rank candidate layouts (mesh, remat, micro-batch)")
+    p.add_argument(
+        "--search", action="store_true", help="rank candidate layouts (mesh, remat, attention, loss chunk, micro-batch)"
+    )
     p.add_argument(
         "--compiles", type=int, default=4, metavar="K", help="with --search: how many candidates to compile (default 4)"
     )

@@ -159,7 +159,8 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     gradient accumulation, from the lowered (not compiled) program; None if not analysable.
     The reference model's parameters may be laid out differently (unscanned layers): its
     state's shapes come from its own init."""
-    model_cfg = dataclasses.replace(cfg.model, **(family.flops.work_settings if family.flops else {}))
+    plain = {**family.flops.work_settings, **family.flops.reference_settings} if family.flops else {}
+    model_cfg = dataclasses.replace(cfg.model, **plain)
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
     step = make_train_step(
         make_loss_fn(module, family.task, family.hparams, len(dataset.info.sources)), tx, cfg.optimizer.schedule

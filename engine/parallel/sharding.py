@@ -140,6 +140,8 @@ class ActivationLayout:
     def __init__(self, mesh: Mesh, exclude: tuple[str, ...] = ()):
         self.mesh, self.exclude = mesh, exclude
         self.splits = {logical: mesh.shape[axis] for logical, axis in ACTIVATION_AXES.items()}
+        # "batch": the batch axes the step is not vmapped over (activation_spec splits it over them)
+        self.splits["batch"] = math.prod(mesh.shape[a] for a in BATCH_AXES if a not in exclude)
         self.vmapped = tuple(a for a in VMAPPED_AXES if mesh.shape.get(a, 1) > 1)
 
     def spec(self, shape, logical) -> PartitionSpec:

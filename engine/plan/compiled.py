@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 
@@ -21,9 +21,10 @@ from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
 from engine.parallel.sharding import batch_shards, per_device_bytes
 from engine.plan import hlo
-from engine.plan.hlo import Collective
+from engine.plan.hlo import Collective, human_bytes
 from engine.plan.tpu import Target
 from engine.run.setup import compile_plan, plan_run
+from models.layers import LossChunk
 
 MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at
 BOUND_AT = 0.5  # the MFU at which a step's collectives are weighed against its compute
@@ -41,6 +42,7 @@ class Program:
     temporaries: int
     total: int  # arguments + outputs - donated + temporaries + code
     compile_seconds: float
+    host: int = 0  # host memory (pinned_host): what remat=offload keeps off the chip (not in total)
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Planned:
     tokens_per_step: int = 0
     refused: str = ""  # the compiler's own refusal (out of memory), if any
     flops_formula: str = ""  # how the family counts a step's FLOPs (models/family.py FlopsAccounting)
+    attention: str = ""  # the attention implementation the programs run ("": the model has none)
+    remat: str = ""  # the activation rematerialisation policy ("": the model has none)
+    loss: Optional[LossChunk] = None  # the train program's loss chunk (None: the model has none)
 
     @property
     def peak(self) -> int:
@@ -116,12 +121,15 @@ def plan(
             program, compiled, state, block = _compile(cfg, target, group, Phases(started, progress))
     except _Refused as refused:
         planned = _planned(refused.program.cfg, target, refused.program.mesh)
-        planned.refused = refused.text
+        planned.refused, planned.loss = refused.text, train_loss_chunk(refused.program)
+        planned.attention, planned.remat = model_choices(refused.program)
         params, optimizer, other, block = refused.parts
         planned.programs.append(Program("train", params, optimizer, other, block, -1, -1, 0.0))
         return planned
     cfg = program.cfg  # (the steps per call the run takes: setup.Plan.cfg)
     planned = _planned(cfg, target, program.mesh)
+    planned.attention, planned.remat = model_choices(program)
+    planned.loss = train_loss_chunk(program)
     parts = _parts(state)
     planned.programs.append(_program("train", compiled.program, (*parts, block), time.perf_counter() - started))
     if compile_eval:
@@ -135,6 +143,43 @@ def plan(
     planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
     planned.flops_formula = family.flops.formula if family.flops else ""
     return planned
+
+
+def train_loss_chunk(program) -> Optional[LossChunk]:
+    """The loss chunk the train step traces (models/layers.py choose_loss_chunk): from a
+    micro-batch (one trial's in a vectorised group) of the data's sequences, split as the mesh
+    splits the batch and the sequence; None for a model without model.loss_chunk."""
+    cfg, mesh, language_model = program.cfg, program.mesh, program.family.language_model
+    if language_model is None or language_model.loss_chunk is None:
+        return None
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    batch_splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
+
+
+def loss_line(planned: Planned) -> str:
+    """The train program's loss chunk in words ("" for a model without one)."""
+    loss, per = planned.loss, "chip" if planned.target.chip.devices_per_chip == 1 else "device"
+    if loss is None:
+        return ""
+    logits = f"{human_bytes(loss.logits_bytes)} of float32 logits per {per}"
+    if not loss.auto:
+        return f"loss chunk {loss.chunk or 'none, the whole sequence'} (model.loss_chunk; at once: {logits})"
+    if not loss.budget_bytes:
+        return f"loss chunk none, the whole sequence at once ({logits}; model.logits_budget_mib=0: no budget)"
+    budget = human_bytes(loss.budget_bytes)
+    if loss.chunk:
+        return f"loss chunk {loss.chunk} (auto: {logits} over the {budget} budget)"
+    return f"loss chunk none, the whole sequence at once (auto: {logits} within the {budget} budget)"
+
+
+def model_choices(program) -> tuple[str, str]:
+    """(attention implementation, remat policy) of the module the train step traces (built for
+    the target's devices: auto attention resolved as on the TPU), as it resolved them ("": none)."""
+    family, model = program.family, program.cfg.model
+    module = program.trained if program.trained is not None else program.module
+    settings = family.flops.settings_used(model, module) if family.flops else {}
+    return str(settings.get("attention", "")), family.remat(model) or ""
 
 
 def _for_plan(cfg: Config) -> Config:
@@ -269,7 +314,9 @@ def _program(name: str, compiled, parts: tuple, seconds: float) -> Program:
     params, optimizer, other, batch = parts
     extra = max(m.output_size_in_bytes - m.alias_size_in_bytes, 0) + m.generated_code_size_in_bytes
     total = params + optimizer + other + batch + m.temp_size_in_bytes + extra
-    return Program(name, params, optimizer, other, batch, m.temp_size_in_bytes, total, seconds)
+    host = m.host_argument_size_in_bytes + m.host_temp_size_in_bytes
+    host += max(m.host_output_size_in_bytes - m.host_alias_size_in_bytes, 0)  # (offloaded activations: temporaries)
+    return Program(name, params, optimizer, other, batch, m.temp_size_in_bytes, total, seconds, host)
 
 
 def as_record(planned: Planned) -> dict[str, Any]:
@@ -280,6 +327,8 @@ def as_record(planned: Planned) -> dict[str, Any]:
         "mesh": planned.mesh,
         "fits": planned.fits,
         "hbm_bytes": planned.hbm,
+        "attention": planned.attention,
+        "remat": planned.remat,
         "refused": planned.refused,
         "programs": [vars(p) for p in planned.programs],
         "ici_bytes_per_step": planned.per_step(False),
@@ -290,4 +339,5 @@ def as_record(planned: Planned) -> dict[str, Any]:
         "flops_per_token": planned.flops_per_token(),
         "collective_seconds_per_step": planned.collective_seconds(),
         "communication_bound": planned.communication_bound(),
+        "loss_chunk": dataclasses.asdict(planned.loss) if planned.loss else None,
     }

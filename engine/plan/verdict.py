@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.parallel.stages import describe as describe_pipeline
 from engine.parallel.stages import stage_plan
-from engine.plan.compiled import BOUND_AT, MFUS, Planned, Program
+from engine.plan.compiled import BOUND_AT, MFUS, Planned, Program, loss_line
 from engine.plan.hlo import Collective, human_bytes
 from models import REGISTRY
 from models.family import stacked_layers
@@ -30,7 +30,10 @@ def render(planned: Planned) -> str:
     stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
     if stages.stages > 1:
         lines.append(describe_pipeline(stages, stacked_layers(REGISTRY[planned.cfg.model.name], planned.cfg.model)))
+    lines += _model_lines(planned)
+    lines += [line for line in [loss_line(planned)] if line]
     lines += _memory_table(planned)
+    lines += _host_lines(planned)
     if planned.refused:
         lines.append(f"the TPU compiler refused the train program: {planned.refused}")
         return "\n".join(lines)
@@ -46,6 +49,20 @@ def _links(planned: Planned, axis: str, size: int) -> str:
     """How an axis's devices talk: over ICI inside a slice, or its outer factor over DCN."""
     across = planned.dcn[axis]
     return f"DCN x{across}, ICI x{size // across}" if across > 1 else "ICI"
+
+
+def _model_lines(planned: Planned) -> list[str]:
+    """The attention implementation and remat policy the programs were built with."""
+    named = [f"{key} {value}" for key, value in (("attention", planned.attention), ("remat", planned.remat)) if value]
+    return [f"model: {', '.join(named)}"] if named else []
+
+
+def _host_lines(planned: Planned) -> list[str]:
+    """Host memory per chip, where a program keeps activations there (remat=offload): not in HBM."""
+    offloaded = [f"{p.name} {human_bytes(p.host)}" for p in planned.programs if p.host > 0]
+    if not offloaded:
+        return []
+    return [f"host memory per chip (pinned_host, offloaded: not in the HBM above): {', '.join(offloaded)}"]
 
 
 def _memory_table(planned: Planned) -> list[str]:
@@ -173,8 +190,11 @@ def _fixes(planned: Planned, worst: Optional[Program]) -> str:
             f"and optimizer state over {wider} chips)"
         )
     family = REGISTRY[cfg.model.name]
-    if family.remat(cfg.model) not in (None, "full"):
+    remat = family.remat(cfg.model)
+    if remat not in (None, "full", "offload"):
         fixes.append("model.remat=full (recompute activations)")
+    elif remat == "full":
+        fixes.append("model.remat=offload (each layer's saved input in host memory)")
     micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
     if micro // batch_shards_of(planned) >= 2:
         fixes.append(f"train.grad_accum_steps={cfg.train.grad_accum_steps * 2} (a micro-batch of {micro // 2})")
