@@ -32,7 +32,7 @@ class DataConfig:
     reads: ClassVar[Optional[Callable]] = None  # the source (engine/data/sources.py) a section is of
 
     name: str = _name(sources.digits)
-    path: Optional[str] = option(None, "the file or directory for npz, idx, cifar10, text and tokens")
+    path: Optional[str] = option(None, "the file or directory for npz, idx, cifar10, text, tokens and chat")
     shuffle: bool = option(True, "reshuffle every epoch; the order is a function of (seed, epoch)")
     prefetch: int = option(
         2,
@@ -76,7 +76,7 @@ def _eval_fraction() -> Any:
 def _eval_path() -> Any:
     return option(
         None,
-        "table, text: the held-out split read from these files (as data.path takes them) instead of "
+        "table, text, chat: the held-out split read from these files (as data.path takes them) instead of "
         "data.eval_fraction of data.path; all of data.path then trains",
     )
 
@@ -216,6 +216,35 @@ class TableData(DataConfig):
     )
 
 
+@dataclass(frozen=True)
+class ChatData(DataConfig):
+    reads: ClassVar[Callable] = sources.chat
+    name: str = _name(reads)
+    eval_fraction: float = _eval_fraction()
+    eval_path: Optional[str] = _eval_path()
+    seq_len: int = _seq_len()
+    loss_on: str = option(
+        "assistant",
+        "chat: the tokens the loss covers: assistant (each assistant message's span of the rendered text: its "
+        "content and what the template writes after it, such as the end-of-turn token), completion (a "
+        "prompt/completion record's completion; a messages record's last message, where it is the assistant's) "
+        "or all",
+        choices=("assistant", "completion", "all"),
+    )
+    overflow: str = option(
+        "truncate",
+        "chat: a conversation longer than data.seq_len + 1 tokens is cut to them (truncate), left out (drop) or "
+        "refused (error: exit 2 naming its file and line); the counts are said at the start",
+        choices=("truncate", "drop", "error"),
+    )
+    tokenizer: str = option(
+        "",
+        "chat: the directory (an import-hf workdir, or a Hugging Face directory) or tokenizer.json whose tokenizer "
+        "and chat template render and tokenize the conversations; \"\" = the model's: finetune.base's or "
+        "checkpoint.restore_from's workdir, else the run's own",
+    )
+
+
 _SECTIONS = (
     DigitsData,
     SyntheticData,
@@ -227,6 +256,7 @@ _SECTIONS = (
     PythonSourceData,
     TokensData,
     TableData,
+    ChatData,
 )
 
 

@@ -30,6 +30,7 @@ class DataInfo:
     # the workdir's and the export's preprocessing.json; "" = none
     preprocessing_data: str = ""
     serving_files: tuple[str, ...] = ()  # files an export carries to apply that preprocessing (preprocess.py)
+    notes: tuple[str, ...] = ()  # lines the source says of the data at a run's start (chat: what was cut or left out)
 
 
 @dataclass(frozen=True)

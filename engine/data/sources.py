@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset, existing_dir
+from engine.data.chat_data import chat
 from engine.data.table import table
 from engine.data.text import python_source, synthetic_text, text, tokens
 from engine.errors import UsageError
@@ -275,11 +276,12 @@ SOURCES = {
     "python_source": python_source,
     "tokens": tokens,
     "table": table,
+    "chat": chat,
 }
 
-FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table")  # the sources that read data.path
+FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table", "chat")  # the sources that read data.path
 MIXTURE_SOURCES = ("tokens",)  # the sources that read a weighted mixture from data.sources
-EVAL_PATH_SOURCES = ("table", "text")  # the sources that read their held-out split from data.eval_path
+EVAL_PATH_SOURCES = ("table", "text", "chat")  # the sources that read their held-out split from data.eval_path
 
 
 def load_dataset(cfg) -> Dataset:

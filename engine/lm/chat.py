@@ -176,6 +176,38 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return "".join(texts)
 
 
+class Renderer:
+    """A chat template compiled once, rendering one conversation per call within the bounds; each
+    fault is a UsageError naming `where` (if given), the template's file, the fault and `fix`."""
+
+    def __init__(self, template: ChatTemplate, fix: str) -> None:
+        self.template, self.fix = template, fix
+        self.env = BoundedEnvironment()
+        with self._faults(""), _bounded(self.env):  # compiling runs nothing of the template, but is bounded too
+            self.compiled = self.env.from_string(template.text)
+
+    def __call__(
+        self, messages: list[dict], add_generation_prompt: bool = True, where: str = "", allow_refusal: bool = False
+    ) -> Optional[str]:
+        """`messages` rendered (as transformers' apply_chat_template(..., add_generation_prompt)
+        renders them); with `allow_refusal`, None where the template's own raise_exception() refuses them."""
+        with self._faults(where, allow_refusal), _bounded(self.env):
+            chunks = self.compiled.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.template.special
+            )
+            return _joined(chunks, self.env.budget)
+        return None  # the template refused them, which `allow_refusal` allows
+
+    @contextlib.contextmanager
+    def _faults(self, where: str, allow_refusal: bool = False) -> Iterator[None]:
+        try:
+            yield
+        except (Exception, _Alarm) as e:  # a template is code: whatever it raises is its fault, said in one line
+            if allow_refusal and isinstance(e, _Refused):
+                return
+            raise UsageError(f"{where}{self.template.source}: the chat template {_fault(e)}; {self.fix}") from None
+
+
 def render_chats(
     template: ChatTemplate, conversations: list[list[dict]], fix: str, allow_refusal: bool = False
 ) -> list[str]:
@@ -183,20 +215,14 @@ def render_chats(
     apply_chat_template(..., add_generation_prompt=True) renders it), each render within the
     bounds; otherwise UsageError naming the template's file, the fault and `fix`. With
     `allow_refusal`, the template's own raise_exception() gives [] instead."""
-    env = BoundedEnvironment()
-    try:
-        with _bounded(env):  # compiling runs nothing of the template (no constant folding), but is bounded too
-            compiled = env.from_string(template.text)
-        rendered = []
-        for messages in conversations:
-            with _bounded(env):
-                chunks = compiled.generate(messages=messages, add_generation_prompt=True, **template.special)
-                rendered.append(_joined(chunks, env.budget))
-        return rendered
-    except (Exception, _Alarm) as e:  # a template is code: whatever it raises is its fault, said in one line
-        if allow_refusal and isinstance(e, _Refused):
+    render = Renderer(template, fix)
+    rendered = []
+    for messages in conversations:
+        text = render(messages, allow_refusal=allow_refusal)
+        if text is None:
             return []
-        raise UsageError(f"{template.source}: the chat template {_fault(e)}; {fix}") from None
+        rendered.append(text)
+    return rendered
 
 
 def _joined(chunks: Iterator[str], budget: _Budget) -> str:

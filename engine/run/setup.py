@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from contract.activations import ONE_STAGE, Constrainer, StagePlan
 from engine.config import Config
 from engine.data import Dataset, TrainBatches, example_spec, load_dataset
+from engine.data.chat_data import with_model
 from engine.data.placement import resident_bytes
 from engine.errors import UsageError
 from engine.lm import finetune
@@ -150,6 +151,7 @@ class Plan:
     resident_bytes: int  # >0: the train split lives on the devices (data.placement)
     blueprint: Blueprint  # what the config builds on this mesh (engine/run/blueprint.py)
     sync_step: Optional[Callable] = None  # train.sync=diloco: the outer step (engine/parallel/diloco.py), not compiled
+    trained: Any = None  # the module the train step traces (its activations pinned to the mesh: step_modules)
 
     @property
     def cfg(self) -> Config:
@@ -167,7 +169,7 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     `devices`: the config's mesh over these (a TPU topology's, for `launch.py plan`)."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
     mesh = mesh or make_mesh(cfg.mesh, devices, replicas_from(cfg))
-    dataset = load_dataset(cfg.data)
+    dataset = load_dataset(with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))  # (chat: its template)
     packed = "segments" in example_spec(dataset.train)
     bp = blueprint(cfg, dict(mesh.shape), dataset.info, packed, REGISTRY[cfg.model.name], jax.default_backend())
     cfg = bp.cfg
@@ -198,7 +200,9 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     )
     eval_loss_fn = make_loss_fn(evaluated, family.task, family.hparams, len(dataset.info.sources))
     eval_step = make_eval_step(eval_loss_fn, bp.pmap_axis)
-    return Plan(mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step)
+    return Plan(
+        mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step, trained
+    )
 
 
 def step_modules(cfg: Config, info, bp: Blueprint, mesh: Mesh, module, vmapped: tuple[str, ...]) -> tuple[Any, Any]:

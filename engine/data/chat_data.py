@@ -1,0 +1,184 @@
+"""`data.name=chat`: conversations rendered with the model's chat template, tokenized with its
+tokenizer, packed into windows with document boundaries, and a loss mask of the trained tokens.
+
+Each conversation (engine/data/conversations.py) is one document of the packing that token
+corpora get (engine/data/tokens.py: `segments`, `positions`, no document split across windows),
+and each window also carries `loss_mask`: 1 for a token of a span data.loss_on trains on (a
+token that overlaps the span's characters, by the tokenizer's offsets), which NextToken
+(models/family.py) multiplies into its targets' weights. A conversation longer than a window
+(data.seq_len + 1 tokens: the inputs and the shifted targets) is cut to it, left out, or refused
+(data.overflow); a conversation with no token left to train on is left out; the counts are said at
+the run's start (DataInfo.notes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from engine.data import tokens as tk
+from engine.data.base import SPLIT_SEED, DataInfo, Dataset
+from engine.data.conversations import Conversation, loss_spans, read_conversations
+from engine.errors import UsageError
+from engine.lm.chat import CONFIG_FILE, JINJA_FILE, Renderer, read_chat_template
+from engine.lm.tokenizer import TOKENIZER
+
+
+def with_model(data, model_dir: Union[str, Path]):
+    """`data` with data.tokenizer="" of data.name=chat set to `model_dir`: the directory of the
+    model the run trains (its finetune.base or checkpoint.restore_from's workdir, else its own),
+    whose tokenizer and chat template the conversations are rendered and tokenized with."""
+    if data.name != "chat" or data.tokenizer:
+        return data
+    return dataclasses.replace(data, tokenizer=str(model_dir))
+
+
+@dataclass
+class Counts:
+    """What happened to a split's conversations on their way into windows."""
+
+    read: int = 0
+    truncated: int = 0
+    dropped: int = 0  # longer than a window, with data.overflow=drop
+    untrained: int = 0  # no token to train on (after truncation): left out
+    tokens: int = 0  # tokens kept
+    trained: int = 0  # of them, in the loss
+
+    def line(self, what: str, window: int, windows: int) -> str:
+        return (
+            f"data: chat {what}: {self.read:,} conversations ({self.truncated:,} truncated to {window} tokens, "
+            f"{self.dropped:,} dropped as longer, {self.untrained:,} with no token to train on left out) in "
+            f"{windows:,} windows of {window} tokens; {self.trained:,} of {self.tokens:,} tokens trained on"
+        )
+
+
+def chat(cfg) -> Dataset:
+    """Conversations of JSON Lines (data.path, data.eval_path or data.eval_fraction of data.path
+    held out), rendered, tokenized and packed (see the module's docstring)."""
+    tokenizer_file, render = _model_files(cfg)
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise UsageError(f"{tokenizer_file} is not a readable tokenizers file ({e}); put the model's there") from None
+    train = read_conversations(Path(cfg.path).expanduser(), "data.path")
+    if cfg.eval_path:
+        held = read_conversations(Path(cfg.eval_path).expanduser(), "data.eval_path")
+    else:
+        train, held = _split(train, cfg.eval_fraction, cfg.path)
+    splits, notes = [], []
+    for what, conversations in (("train", train), ("eval", held)):
+        arrays, counts = _packed(conversations, render, tokenizer, cfg)
+        notes.append(counts.line(what, cfg.seq_len + 1, len(arrays["tokens"])))
+        splits.append(arrays)
+    info = DataInfo(
+        "tokens",
+        len(splits[0]["tokens"]),
+        len(splits[1]["tokens"]),
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        seq_len=cfg.seq_len,
+        text_codec="tokenizer",
+        tokenizer=str(tokenizer_file),
+        notes=tuple(notes),
+    )
+    return Dataset(splits[0], splits[1], info)
+
+
+def _model_files(cfg) -> tuple[Path, Renderer]:
+    """The tokenizer.json and the chat template (compiled) of data.tokenizer's directory."""
+    if not cfg.tokenizer:
+        raise UsageError(
+            "data.name=chat reads the model's tokenizer and chat template: set data.tokenizer=DIR (a workdir "
+            "import-hf made, or a Hugging Face directory)"
+        )
+    given = Path(cfg.tokenizer).expanduser()
+    directory = given.parent if given.is_file() else given
+    fix = "import a chat model (launch.py import-hf) and train from its workdir, or set data.tokenizer=DIR to one"
+    if not (directory / TOKENIZER).is_file():
+        raise UsageError(f"data.name=chat: {directory} has no {TOKENIZER} to tokenize the conversations with; {fix}")
+    template = read_chat_template(directory)
+    if template is None:
+        raise UsageError(
+            f"data.name=chat: {directory} has no chat template (no {JINJA_FILE}, nor chat_template in "
+            f"{CONFIG_FILE}) to render the conversations with; {fix}"
+        )
+    return directory / TOKENIZER, Renderer(template, "correct the conversation, or the template")
+
+
+def _split(conversations: list[Conversation], fraction: float, path: str) -> tuple[list, list]:
+    """A fixed share of the conversations held out (whatever the run's seed), the rest in file order."""
+    count = len(conversations)
+    held = max(1, int(round(count * fraction)))
+    if held >= count:
+        raise UsageError(
+            f"data.path={path} holds {count} conversation(s): too few to hold out data.eval_fraction={fraction} "
+            "of them and train on the rest; give more, or the held-out ones in data.eval_path"
+        )
+    out = set(np.random.default_rng(SPLIT_SEED).permutation(count)[:held].tolist())
+    return [c for k, c in enumerate(conversations) if k not in out], [
+        c for k, c in enumerate(conversations) if k in out
+    ]
+
+
+def _packed(conversations: list[Conversation], render: Renderer, tokenizer, cfg) -> tuple[dict, Counts]:
+    """The conversations as packed windows: tokens, segments, positions and loss_mask [windows, seq_len + 1]."""
+    window = cfg.seq_len + 1
+    rendered = [loss_spans(render, c, cfg.loss_on) for c in conversations]
+    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
+    counts = Counts(read=len(conversations))
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for conversation, (_, spans), encoding in zip(conversations, rendered, encodings):
+        tokens, mask = np.asarray(encoding.ids, np.int64), _mask(encoding.offsets, spans)
+        if len(tokens) > window:
+            if cfg.overflow == "error":
+                raise UsageError(
+                    f"{conversation.where}: the conversation is {len(tokens):,} tokens, more than data.seq_len + 1 = "
+                    f"{window}; give a longer data.seq_len, shorten it, or set data.overflow=truncate or drop"
+                )
+            if cfg.overflow == "drop":
+                counts.dropped += 1
+                continue
+            counts.truncated += 1
+            tokens, mask = tokens[:window], mask[:window]
+        if not mask[1:].any():  # (a document's first token is no one's target)
+            counts.untrained += 1
+            continue
+        ids.append(tokens)
+        masks.append(mask)
+    counts.tokens, counts.trained = sum(map(len, ids)), int(sum(m[1:].sum() for m in masks))
+    if not ids:
+        where = conversations[0].where.rsplit(":", 1)[0]
+        raise UsageError(
+            f"{where}: none of its {len(conversations)} conversation(s) leaves a token to train on "
+            f"(data.loss_on={cfg.loss_on}, data.overflow={cfg.overflow}, data.seq_len={cfg.seq_len}); check the "
+            "conversations' roles, or use a longer data.seq_len"
+        )
+    return _windows(ids, masks, window, tokenizer.get_vocab_size(with_added_tokens=True)), counts
+
+
+def _mask(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters overlap one of `spans`."""
+    where = np.asarray(offsets, np.int64).reshape(-1, 2)
+    mask = np.zeros(len(where), np.uint8)
+    for start, end in spans:
+        mask |= ((where[:, 0] < end) & (where[:, 1] > start)).astype(np.uint8)
+    return mask
+
+
+def _windows(ids: list[np.ndarray], masks: list[np.ndarray], window: int, vocab: int) -> dict[str, np.ndarray]:
+    """Documents packed as token corpora are (tokens.Windows): whole, in order, padding after."""
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    stream = tk.TokenStream([np.concatenate(ids).astype(dtype)], [np.cumsum([len(t) for t in ids])])
+    packed = tk.Windows(stream, window - 1, packing=True)
+    arrays = tk.Examples(packed, len(packed), packed.spec(), ordered=True).take(range(len(packed)))
+    loss_mask = np.zeros((len(packed), window), np.uint8)
+    mask = np.concatenate(masks)
+    for row, (start, stop) in enumerate(zip(packed.cuts[:-1].tolist(), packed.cuts[1:].tolist())):
+        loss_mask[row, : stop - start] = mask[start:stop]
+    return {**arrays, "loss_mask": loss_mask}
