@@ -8,7 +8,10 @@ newest readable checkpoint straight into the target shardings, after its checksu
 (integrity.py) and its fit to the train state (diagnosis.py) are checked. A finished checkpoint
 that fails to read or to match its checksums is skipped with a warning and moved into
 `damaged/`, and the previous one is used. A fine-tuning run's frozen base is stripped from its
-saves and rejoined on restore (frozen_base.py).
+saves and rejoined on restore (frozen_base.py). With checkpoint.local_dir, a run's checkpointer
+also keeps the local tier (local_tier.py): frequent saves of each process's shards to node-local
+storage and a peer's; a restore takes its newest complete step when it is as new as the
+persistent tier's newest, and says which tier it used.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engine.checkpoint.diagnosis import (
 )
 from engine.checkpoint.frozen_base import FrozenBase
 from engine.checkpoint.integrity import Checksums, Damaged, set_aside, verdict
+from engine.checkpoint.local_tier import LocalTier
 from engine.checkpoint.staging import InBackground, effective_staging, staged_copy
 from engine.errors import UsageError
 from engine.lm.finetune import BaseWeights, base_weights
@@ -40,7 +44,9 @@ class Restored(NamedTuple):
     """A restored checkpoint."""
 
     state: Any  # the TrainState, in the target shardings
-    meta: dict  # {"step", "data": the iterator's position, "config": the resolved config as YAML}
+    # {"step", "data": the iterator's position, "config": the resolved config as YAML; "tier": local or
+    # persistent, "restored_from": for the console, "checkpoint DIR/STEP" or the local tier's copies}
+    meta: dict
     step: int
 
 
@@ -59,6 +65,7 @@ class Checkpointer:
         verify: bool = True,
         base: Optional[BaseWeights] = None,
         best: Optional[tuple[str, str]] = None,  # checkpoint.keep_best and best_mode: that step is kept too
+        local: Optional[dict] = None,  # the local tier's settings (LocalTier's): checkpoint.local_dir and its keys
     ):
         self.directory = Path(directory).absolute()
         self.base = base  # a fine-tuning run's frozen base: not saved, read from its own checkpoint
@@ -70,6 +77,8 @@ class Checkpointer:
         self._saving = InBackground("checkpoint-save")  # staging host or device: the save in progress
         if read_only and not self.directory.is_dir():
             raise UsageError(f"no checkpoints at {self.directory}; train first or check the path")
+        fresh = not self.directory.exists()  # (before orbax creates it) a new run: no earlier local steps count
+        self.local = LocalTier(persistent=self.directory, fresh=fresh, **local) if local else None
         self.manager = self._open_manager(keep, async_save, best)
 
     def _open_manager(self, keep: int, async_save: bool, best: Optional[tuple[str, str]]) -> ocp.CheckpointManager:
@@ -112,6 +121,14 @@ class Checkpointer:
             return
         self._saving.start(self._save, step, staged_copy(state, self.staging), meta, metrics)
 
+    def save_local(self, step: int, state, meta: dict) -> None:
+        """A save to the local tier (checkpoint.local_dir): every process's shards to its own
+        storage and its peers'; returns once they are on the host and exchanged."""
+        assert self.local is not None, "save_local needs checkpoint.local_dir"
+        if self._frozen_base is not None:
+            state, meta = self._frozen_base.strip(state, meta)
+        self.local.save(step, state, meta)
+
     def _save(self, step: int, state, meta: dict, metrics: Optional[dict]) -> None:
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=True, metrics=metrics)  # metrics: checkpoint.keep_best's
@@ -119,11 +136,15 @@ class Checkpointer:
 
     def wait(self) -> None:
         self._saving.join()
+        if self.local is not None:
+            self.local.wait()
         self.manager.wait_until_finished()
         self._sums.join()
 
     def close(self) -> None:
         self._saving.finish()  # a save cut short by an error elsewhere still finishes
+        if self.local is not None:
+            self.local.close()
         try:
             self.manager.close()  # waits for orbax's saves to end
         finally:
@@ -145,14 +166,31 @@ class Checkpointer:
         Arrays are read directly into the shardings that `abstract_state` carries.
         """
         steps = [step] if step is not None else list(reversed(self.steps()))
-        if not steps:
-            return None
-        if self._frozen_base is None:
-            return self._restore(abstract_state, steps, step)
-        restored = self._restore(FrozenBase.saved_part(abstract_state), steps, step)
-        where = f"{self.directory}/{restored.step}"
+        target = abstract_state if self._frozen_base is None else FrozenBase.saved_part(abstract_state)
+        restored = self._restore_local(target, steps[0] if steps else None) if step is None else None
+        if restored is None and steps:
+            restored = self._restore(target, steps, step)
+            tier = "; the persistent tier: the local tier has no step as new" if self.local is not None else ""
+            source = f"checkpoint {self.directory}/{restored.step}{tier}"
+            restored = restored._replace(meta={**restored.meta, "tier": "persistent", "restored_from": source})
+        if self.local is not None and step is None:  # the run goes on from here: later local steps are its past
+            self.local.discard_after(restored.step if restored else 0)
+        if restored is None or self._frozen_base is None:
+            return restored
+        local = restored.meta["tier"] == "local"
+        where = restored.meta["restored_from"] if local else f"{self.directory}/{restored.step}"
         state = self._frozen_base.rejoin(restored.state, restored.meta, where, abstract_state, load_base)
         return restored._replace(state=state)
+
+    def _restore_local(self, target, persistent_newest: Optional[int]) -> Optional[Restored]:
+        """The local tier's newest complete step when it is as new as `persistent_newest` (None: none)."""
+        if self.local is None or self.read_only:
+            return None
+        got = self.local.restore(target, persistent_newest)
+        if got is None:
+            return None
+        check_shardings(got.state, target)
+        return Restored(got.state, {**got.meta, "tier": "local", "restored_from": got.source}, got.step)
 
     def _restore(self, abstract_state, steps: list[int], step: Optional[int]) -> Restored:
         failures, damaged = [], {}
@@ -240,7 +278,11 @@ def open_checkpoints(
     """The one way the engine opens a checkpoint directory. `cfg` is the config of the run that
     wrote (or writes) it: its keep, verification, barrier timeout, staging and keep_best; with
     `frozen_base`, its fine-tuning base is stripped from saves and rejoined on restore.
-    Read-only unless `write`."""
+    Read-only unless `write`; written, with checkpoint.local_dir, with its local tier too."""
+    section = cfg.checkpoint
+    local = dict(
+        local_dir=section.local_dir, keep=section.local_keep, replicas=section.local_replicas, verify=section.verify
+    )
     return Checkpointer(
         directory,
         cfg.checkpoint.keep,
@@ -250,6 +292,7 @@ def open_checkpoints(
         verify=cfg.checkpoint.verify,
         base=base_weights(cfg) if frozen_base else None,
         best=(cfg.checkpoint.keep_best, cfg.checkpoint.best_mode) if write and cfg.checkpoint.keep_best else None,
+        local=local if write and section.local_dir else None,
     )
 
 

@@ -268,6 +268,18 @@ class CheckpointConfig:
         choices=("host", "device"),
     )
     verify: bool = option(True, "SHA256SUMS per step, written after each save and checked before a restore")
+    local_dir: str = option(
+        "",
+        "the local tier: node-local fast storage (/dev/shm/..., a local SSD) where each process saves its own "
+        'shards every checkpoint.local_every_steps, and a copy of them at a peer process ("" = no local tier)',
+    )
+    local_every_steps: int = option(
+        0, "save to the local tier every N steps (frequent; needs checkpoint.local_dir; 0 = off)", at_least=0
+    )
+    local_keep: int = option(2, "most recent steps the local tier keeps", at_least=1)
+    local_replicas: int = option(
+        1, "peer processes (the next ones by process index) that hold a copy of each process's local shards", at_least=0
+    )
 
 
 @dataclass(frozen=True)

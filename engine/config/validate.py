@@ -51,6 +51,7 @@ def validate(cfg):
         warmup = cfg.train.steps
     _check_mesh(cfg.mesh)
     _check_diloco(cfg)
+    _check_local_tier(cfg.checkpoint)
     _check_finetune(cfg.finetune)
     _check_watched(cfg)
     _check_data(cfg.data)
@@ -192,6 +193,27 @@ def _check_finetune(finetune) -> None:
         raise UsageError("finetune.lora.targets is empty; name the projections to adapt, e.g. [attention]")
 
 
+def _check_local_tier(checkpoint) -> None:
+    """checkpoint.local_dir and checkpoint.local_every_steps come together."""
+    if checkpoint.local_every_steps and not checkpoint.local_dir:
+        raise UsageError(
+            f"checkpoint.local_every_steps={checkpoint.local_every_steps} saves to the local tier, but "
+            "checkpoint.local_dir is not set; set checkpoint.local_dir to node-local storage, e.g. "
+            "checkpoint.local_dir=/dev/shm/checkpoints, or checkpoint.local_every_steps=0"
+        )
+    if checkpoint.local_dir and not checkpoint.local_every_steps:
+        raise UsageError(
+            f"checkpoint.local_dir={checkpoint.local_dir} sets up the local tier, but checkpoint.local_every_steps"
+            "=0 never saves to it; set checkpoint.local_every_steps, e.g. checkpoint.local_every_steps=10, or "
+            'checkpoint.local_dir=""'
+        )
+    if checkpoint.local_dir and not Path(checkpoint.local_dir).expanduser().is_absolute():
+        raise UsageError(
+            f"checkpoint.local_dir={checkpoint.local_dir} must be an absolute path on each host's own storage, "
+            "e.g. checkpoint.local_dir=/dev/shm/checkpoints"
+        )
+
+
 def _check_watched(cfg) -> None:
     """checkpoint.keep_best and train.early_stop.metric name eval metrics (eval/NAME; which names a
     run records is known at its first evaluation); early stopping needs evaluations during the run."""
@@ -225,6 +247,7 @@ def _fit_steps_per_call(cfg) -> int:
         "log.every_steps": cfg.log.every_steps,
         "eval.every_steps": cfg.eval.every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "checkpoint.local_every_steps": cfg.checkpoint.local_every_steps if cfg.checkpoint.local_dir else 0,
         **({"diloco.inner_steps": cfg.diloco.inner_steps} if cfg.train.sync == "diloco" else {}),
     }
     common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
@@ -273,7 +296,7 @@ def _check_table(data) -> None:
 
 def _check_sources(data) -> None:
     """data.tokenizer names a tokenizer; data.sources is a list of {path, weight[, name]} mappings."""
-    tokenizer = getattr(data, "tokenizer", "bytes")
+    tokenizer = getattr(data, "tokenizer", "bytes") if data.name != "chat" else "bytes"  # (chat's: a model's)
     bpe = tokenizer.startswith("bpe:") and tokenizer[4:].isdigit()
     if tokenizer != "bytes" and not bpe and not Path(tokenizer).expanduser().is_file():
         raise UsageError(

@@ -85,12 +85,14 @@ def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Opti
 
 
 def _refuse_watched(cfgs: list[Config]) -> None:
-    """checkpoint.keep_best and train.early_stop are a run alone's: a group's trials share one
-    program and one schedule of saves, and would each stop or keep a step at their own time."""
+    """checkpoint.keep_best, train.early_stop and the local tier (checkpoint.local_dir) are a run
+    alone's: a group's trials share one program and one schedule of saves, and would each stop or
+    keep a step at their own time."""
     for cfg in cfgs:
         for key, value in (
             ("checkpoint.keep_best", cfg.checkpoint.keep_best),
             ("train.early_stop.metric", cfg.train.early_stop.metric),
+            ("checkpoint.local_dir", cfg.checkpoint.local_dir),
         ):
             if value:
                 raise UsageError(
@@ -184,7 +186,8 @@ class GroupJob:
                 trial.outputs.evaluated(done, metrics[index])
         return Verdict()  # (no trial watches a metric: _refuse_watched)
 
-    def save(self, step: int, state, window: Window) -> None:
+    def save(self, step: int, state, window: Window, local: bool = False) -> None:
+        assert not local, "a group has no local tier (_refuse_watched)"
         self.saves.start(step, state, window)
 
     def wait(self) -> None:

@@ -58,8 +58,9 @@ class Job(Protocol):
         """Evaluates `state` at step `done`; the verdict says whether to save now or end the run."""
         ...
 
-    def save(self, step: int, state, window: Window) -> None:
-        """Starts a checkpoint of `state` at `step` (with the log window in progress)."""
+    def save(self, step: int, state, window: Window, local: bool = False) -> None:
+        """Starts a checkpoint of `state` at `step` (with the log window in progress); `local`: to
+        the local tier (checkpoint.local_dir), else the persistent one."""
         ...
 
     def wait(self) -> None:
@@ -153,6 +154,9 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
             with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
                 job.save(done, state, window)  # returns once its copy is dispatched
             last_saved = done
+        if cfg.checkpoint.local_dir and done < total and _due(cfg.checkpoint.local_every_steps, done, 0):
+            with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
+                job.save(done, state, window, local=True)
         if stop:
             job.wait()
             raise Preempted(done, preemption.signum)

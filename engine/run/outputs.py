@@ -150,11 +150,14 @@ class RunOutputs:
             self.writer.message(self.monitor.why())
         return verdict
 
-    def save(self, step: int, state, window: Optional[dict]) -> None:
+    def save(self, step: int, state, window: Optional[dict], local: bool = False) -> None:
         """Starts a checkpoint of `state` at `step` with its meta (the log window in progress,
-        `Window.carried`, and the watched metrics)."""
+        `Window.carried`, and the watched metrics); `local`: to the local tier (checkpoint.local_dir)."""
         meta = checkpoint_meta(self.cfg, step, self.config_text, window=window, **self.monitor.record())
-        self.checkpointer.save(step, state, meta, self.monitor.metrics(step))
+        if local:
+            self.checkpointer.save_local(step, state, meta)
+        else:
+            self.checkpointer.save(step, state, meta, self.monitor.metrics(step))
 
 
 def checkpoint_meta(cfg: Config, step: int, config_text: str = "", **more) -> dict:
@@ -265,5 +268,5 @@ def write_run_files(cfg: Config, info, workdir: Path) -> None:
     carry_model_files(base, workdir)  # its context, special tokens, chat template: for sample and export
     if info.preprocessing_data:
         write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
-    if info.tokenizer:
+    if info.tokenizer and Path(info.tokenizer).resolve() != (workdir / TOKENIZER).resolve():  # (chat: maybe its own)
         shutil.copyfile(info.tokenizer, workdir / TOKENIZER)

@@ -95,8 +95,8 @@ class RunJob:
         self.result.eval_metrics = metrics
         return self.outputs.evaluated(done, metrics)
 
-    def save(self, step: int, state, window: Window) -> None:
-        self.outputs.save(step, self.run.compiled.from_step_layout(state), window.carried(self.fetch))
+    def save(self, step: int, state, window: Window, local: bool = False) -> None:
+        self.outputs.save(step, self.run.compiled.from_step_layout(state), window.carried(self.fetch), local)
 
     def wait(self) -> None:
         self.outputs.checkpointer.wait()
@@ -146,7 +146,7 @@ def _open(
     writer = outputs.open_writer(start)
     window = Window.resumed(start, meta.get("window"), outputs.columns)  # the log window a checkpoint cut in two
     if start < outputs.end:
-        for line in startup_lines(run):
+        for line in [*startup_lines(run), *run.dataset.info.notes]:  # (notes: what the data source says, chat's counts)
             writer.message(line)
     if run.inputs.resident_bytes and start < outputs.end:
         writer.message(
@@ -172,7 +172,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
             raise UsageError(f"checkpoint.restore_from={cfg.checkpoint.restore_from} holds no complete checkpoint")
         _say(f"starting from {cfg.checkpoint.restore_from} at step {restored.step}")
     elif restored is not None:
-        _say(f"resuming from step {restored.step} (checkpoint {checkpointer.directory / str(restored.step)})")
+        _say(f"resuming from step {restored.step} ({restored.meta['restored_from']})")
     state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
     if restored is None and checkpointer.base is not None:  # a fresh fine-tuning run: its frozen base
         state = with_frozen(state, load_base(checkpointer.base, run.abstract_state.model_state[FROZEN]))
