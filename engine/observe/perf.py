@@ -106,7 +106,9 @@ def lowered_flops(lowered) -> Optional[float]:
     return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
-def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, compiled, copies: int = 1) -> StepCost:
+def step_cost(
+    cfg, family, module, dataset, tx, abstract_state, devices: int, compiled, copies: int = 1, auto_chunk: int = 0
+) -> StepCost:
     """The model FLOPs of one train step per device.
 
     XLA's cost analysis of the compiled step counts them, except where the run's settings
@@ -116,7 +118,8 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     same step is lowered (a trace, no compile) without them and counted; where the backend
     cannot analyse a lowered program (GPU and TPU plugins may not), the family's formula.
     `copies`: runs the compiled program steps at once (a vectorised group's trials; XLA's count
-    of the program already holds them all)."""
+    of the program already holds them all); `auto_chunk`: the loss chunk model.loss_chunk=0 chose
+    as the step was traced (0: the whole sequence at once)."""
     info = dataset.info
     num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
     accounting = family.flops  # None: no formula, and no settings XLA would miscount
@@ -133,6 +136,7 @@ def step_cost(cfg, family, module, dataset, tx, abstract_state, devices: int, co
     plain = accounting.work_settings if accounting else {}
     resolved = accounting.settings_used(cfg.model, module) if accounting else {}
     differs = [f"{key}={resolved[key]}" for key, value in plain.items() if resolved[key] != value]
+    differs += [f"loss_chunk={auto_chunk} (auto)"] if auto_chunk else []
     differs += [
         f"{key}={getattr(cfg.train, key)}"
         for key in ("grad_accum_steps", "steps_per_call")

@@ -23,7 +23,7 @@ from engine.parallel.sharding import batch_shards, per_device_bytes
 from engine.plan import hlo
 from engine.plan.hlo import Collective, human_bytes
 from engine.plan.tpu import Target
-from engine.run.setup import compile_plan, plan_run
+from engine.run.setup import compile_plan, plan_run, train_loss_chunk
 from models.layers import LossChunk
 
 MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at
@@ -143,18 +143,6 @@ def plan(
     planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
     planned.flops_formula = family.flops.formula if family.flops else ""
     return planned
-
-
-def train_loss_chunk(program) -> Optional[LossChunk]:
-    """The loss chunk the train step traces (models/layers.py choose_loss_chunk): from a
-    micro-batch (one trial's in a vectorised group) of the data's sequences, split as the mesh
-    splits the batch and the sequence; None for a model without model.loss_chunk."""
-    cfg, mesh, language_model = program.cfg, program.mesh, program.family.language_model
-    if language_model is None or language_model.loss_chunk is None:
-        return None
-    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
-    batch_splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
 
 
 def loss_line(planned: Planned) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,6 +30,7 @@ from engine.errors import UsageError
 from engine.lm import finetune
 from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
 from engine.parallel import diloco
+from engine.parallel.axes import BATCH_AXES
 from engine.parallel.mesh import make_mesh
 from engine.parallel.sharding import ActivationLayout
 from engine.parallel.stages import layouts as pipeline_layouts
@@ -43,6 +45,7 @@ from engine.runtime.memory import device_memory_bytes
 from engine.runtime.settings import compile_cache_events
 from models import REGISTRY, ModelFamily
 from models.family import BuildOptions, projections, stacked_layers
+from models.layers import LossChunk
 
 
 @dataclass(frozen=True)
@@ -270,8 +273,22 @@ def _stacked_leaves(param_layouts: list, tx, state: TrainState) -> TrainState:
     )
 
 
+def train_loss_chunk(program) -> Optional[LossChunk]:
+    """The loss chunk the train step traces (models/layers.py choose_loss_chunk): from a
+    micro-batch (one trial's in a vectorised group) of the data's sequences, split as the mesh
+    splits the batch and the sequence; None for a model without model.loss_chunk."""
+    cfg, mesh, language_model = program.cfg, program.mesh, program.family.language_model
+    if language_model is None or language_model.loss_chunk is None:
+        return None
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    batch_splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
+
+
 def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> StepCost:
-    """The model FLOPs of one step of the plan's compiled program, per device (perf.step_cost)."""
+    """The model FLOPs of one step of the plan's compiled program, per device (perf.step_cost;
+    a loss the budget splits, model.loss_chunk=0, is a loop XLA counts once, as a set chunk is)."""
+    chunk = train_loss_chunk(plan)
     return step_cost(
         cfg,
         plan.family,
@@ -282,6 +299,7 @@ def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> S
         plan.mesh.size,
         compiled.program,
         copies,
+        chunk.chunk if chunk is not None and chunk.auto else 0,
     )
 
 
