@@ -143,8 +143,8 @@ def _computations(hlo: str) -> dict[str, list[str]]:
             current = found.setdefault(header.group("name"), [])
             if line.startswith("ENTRY"):
                 found["ENTRY"] = current
-        elif line.startswith("}"):
-            current = None
+        elif line.rstrip() == "}":  # (a line such as `}}, metadata=…` continues an instruction: a
+            current = None  # custom call's backend config may hold newlines, as splash attention's does)
         elif current is not None:
             current.append(line)
     return found
