@@ -73,7 +73,7 @@ def line(name: str, record: dict, seconds: float) -> str:
     train = record["programs"][0]
     compute = record["step_seconds"]["50%"]
     tokens = {mfu: record["tokens_per_step"] / record["chips"] / s for mfu, s in record["step_seconds"].items()}
-    host = train.get("host_bytes", 0)
+    host = train.get("host", 0)
     return (
         f"{name}: fits={record['fits']} {human_bytes(train['total'])} per chip "
         f"(temporaries {human_bytes(train['temporaries'])}) of {human_bytes(record['hbm_bytes'])}"

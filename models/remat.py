@@ -17,9 +17,11 @@ QUERY, KEY, VALUE = "query_proj", "key_proj", "value_proj"  # the attention's pr
 ATTENTION_OUT = "out_proj"  # the attention's output projection [batch, seq, embed]
 MLP_OUT = "mlp_out"  # the MLP's (or the mixture of experts') output projection [batch, seq, embed]
 
-# The named values each saving policy keeps on the device (the rest is recomputed).
+# The named values each saving policy keeps on the device (the rest is recomputed). No policy
+# names MLP_OUT: the backward pass never needs it (it is only added to the residual stream, and
+# an add's backward pass needs no value of its inputs), so naming it would keep nothing more.
 SAVED: dict[str, tuple[str, ...]] = {
-    "minimal": (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_OUT),  # embed width or less: not the MLP's inner ones
+    "minimal": (QUERY, KEY, VALUE, ATTENTION_OUT),  # embed width or less: not the MLP's inner ones
     "save_qkv_proj": (QUERY, KEY, VALUE),
     "save_out_proj": (ATTENTION_OUT,),
 }
@@ -30,7 +32,7 @@ OFFLOADED: dict[str, tuple[str, ...]] = {"offload": (LAYER_INPUT,)}  # kept in h
 RECOMPUTE = {
     "none": 1.0,
     "dots": 7 / 6,  # recompute the elementwise work, keep every matmul's output
-    "minimal": 7 / 6,  # keep the projections' outputs of embed width, recompute the MLP's inner ones
+    "minimal": 7 / 6,  # keep the attention's projections, recompute the MLP's inner activations
     "save_qkv_proj": 5 / 4,  # keep the query, key and value projections
     "save_out_proj": 5 / 4,  # keep the attention's output projection
     "full": 4 / 3,  # keep each layer's input, recompute the whole layer
@@ -41,8 +43,8 @@ REMAT_NAMES = ("none", "full", "dots", *SAVED, *OFFLOADED)  # model.remat's choi
 
 DESCRIPTION = (
     "none (keep every activation), full (keep each layer's input, recompute the layer), dots (keep "
-    "every matmul's output), minimal (keep the query, key, value, attention-output and MLP-output "
-    "projections; recompute the MLP's inner activations, norms, RoPE and attention), save_qkv_proj "
+    "every matmul's output), minimal (keep the query, key, value and attention-output projections; "
+    "recompute the MLP's inner activations, norms, RoPE and attention), save_qkv_proj "
     "(keep the query, key and value projections), save_out_proj (keep the attention's output "
     "projection) or offload (as full, with each layer's input in host memory, pinned_host)"
 )

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import QUIET, ROOT, run_cli
 from engine.config.data_sections import data_config
-from engine.data.conversations import Conversation, loss_spans
+from engine.data.conversations import Conversation, loss_spans, read_conversations
 from engine.data.sources import load_dataset
 from engine.errors import UsageError
 from engine.lm.chat import Renderer, read_chat_template
@@ -217,6 +217,45 @@ def test_an_empty_file_and_a_template_that_renders_prefixes_otherwise_are_refuse
     chat_data(tmp_path, other, RECORDS[:2], loss_on="all")  # all needs no spans
 
 
+@pytest.mark.nocompile
+def test_data_tokenizer_is_a_tokenizers_file_of_any_name_or_a_directory_holding_tokenizer_json(tmp_path, model_dir):
+    """A file is used as it is (the chat template is its directory's); a directory gives its
+    tokenizer.json; anything else is refused naming data.tokenizer."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer_config.json").write_bytes((model_dir / "tokenizer_config.json").read_bytes())
+    (other / "custom.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    (other / "tokenizer.json").write_text("{}")  # not the one named: never read
+    by_file = chat_data(tmp_path, other / "custom.json", RECORDS)
+    by_directory = chat_data(tmp_path, model_dir, RECORDS)
+    assert by_file.info.tokenizer == str(other / "custom.json")
+    assert by_directory.info.tokenizer == str(model_dir / "tokenizer.json")
+    assert all(np.array_equal(by_file.train[k], by_directory.train[k]) for k in by_directory.train)
+    with pytest.raises(UsageError, match=r"data.tokenizer: .*tokenizer.json is not a readable Hugging Face tokenizers"):
+        chat_data(tmp_path, other, RECORDS)  # (its tokenizer.json is no tokenizer)
+    (other / "tokenizer.json").unlink()
+    with pytest.raises(UsageError, match=r"data.tokenizer=.*other: the directory has no tokenizer.json"):
+        chat_data(tmp_path, other, RECORDS)
+    with pytest.raises(UsageError, match=r"data.tokenizer=.*missing is neither a file nor a directory; give"):
+        chat_data(tmp_path, tmp_path / "missing", RECORDS)
+    (other / "not_a_tokenizer.json").write_text("not json")
+    with pytest.raises(UsageError, match=r"data.tokenizer: .*not_a_tokenizer.json is not .*set data.tokenizer"):
+        chat_data(tmp_path, other / "not_a_tokenizer.json", RECORDS)
+
+
+@pytest.mark.nocompile
+def test_a_line_that_is_not_utf8_is_refused_naming_its_file_line_and_byte(tmp_path):
+    first = json.dumps(RECORDS[1]).encode() + b"\n"
+    (tmp_path / "train.jsonl").write_bytes(first + b'{"prompt": "caf\xe9", "completion": "x"}\n')
+    offset = len(first) + len(b'{"prompt": "caf')
+    with pytest.raises(
+        UsageError, match=rf"train.jsonl:2: not UTF-8 text \(byte {offset} of the file, b'\\xe9'.*UTF-8"
+    ):
+        read_conversations(tmp_path / "train.jsonl", "data.path")
+    (tmp_path / "train.jsonl").write_bytes(first + '{"prompt": "café", "completion": "x"}\r\n'.encode())
+    assert read_conversations(tmp_path / "train.jsonl", "data.path")[1].messages[0]["content"] == "café"
+
+
 def test_the_sft_loss_is_the_masked_mean_over_the_assistant_tokens(tmp_path, model_dir):
     data = chat_data(tmp_path, model_dir, RECORDS, seq_len=48)
     batch = {name: jnp.asarray(array) for name, array in data.train.items()}
@@ -287,6 +326,11 @@ def test_sft_runs_end_to_end_with_the_workdirs_template(tmp_path, model_dir):
     [
         ('{"messages": [{"role": "tool", "content": "x"}]}', [], "train.jsonl:4: .*unknown role: tool"),
         (json.dumps({"prompt": "hello " * 80, "completion": "hi"}), ["data.overflow=error"], "train.jsonl:4: the con"),
+        (
+            json.dumps(RECORDS[1]),
+            ["data.tokenizer=nowhere/tokenizer.json"],
+            "data.tokenizer=nowhere/tokenizer.json is neither a file nor a dir",
+        ),
     ],
 )
 def test_bad_data_exits_2_with_one_line(tmp_path, model_dir, line, keys, message):

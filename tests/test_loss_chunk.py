@@ -20,7 +20,7 @@ from engine.plan.compiled import Planned, as_record, loss_line, train_loss_chunk
 from engine.plan.tpu import parse_target
 from models import REGISTRY
 from models.configs import LlamaConfig, TransformerConfig
-from models.layers import MIB, choose_loss_chunk, traced_loss_chunk
+from models.layers import MIB, LossChunk, choose_loss_chunk, traced_loss_chunk
 
 VOCAB = 32768
 
@@ -46,8 +46,9 @@ def test_over_the_budget_the_largest_fitting_divisor_a_multiple_of_128_where_one
 
 @pytest.mark.nocompile
 def test_a_budget_of_0_never_chunks_and_a_set_chunk_is_kept():
-    assert choose_loss_chunk(0, 0, 64, 8192, 128256) == choose_loss_chunk(0, 0, 64, 8192, 128256, 1, 1)
-    assert choose_loss_chunk(0, 0, 64, 8192, 128256).chunk == 0
+    whole = 64 * 8192 * 128256 * 4  # 250 GiB of logits, and no budget to hold them to
+    assert choose_loss_chunk(0, 0, 64, 8192, 128256) == LossChunk(0, True, whole, 0)
+    assert choose_loss_chunk(256, 0, 64, 8192, 128256) == LossChunk(256, False, whole, 0)
     kept = choose_loss_chunk(256, 2048, 1, 1024, 10)
     assert (kept.chunk, kept.auto) == (256, False)
     assert choose_loss_chunk(1024, 2048, 1, 1024, 10).chunk == 0  # a chunk of the whole sequence is none

@@ -302,12 +302,49 @@ def test_the_search_table_shows_each_candidates_attention_and_loss_chunk(tmp_pat
     ]
     for row in rows:
         row.planned = Planned(cfg=cfg, target=target, mesh=mesh, dcn={}, hbm=16 * 2**30)
-    header, *lines = [re.split(r"\s{2,}", line.strip()) for line in layouts.render(rows).splitlines()]
+    header, *lines = [re.split(r"\s{2,}", line.strip()) for line in layouts.render(rows, cfg).splitlines()]
     assert header[-3:] == ["attention", "loss chunk", "overrides"]
     assert [line[-3:-1] for line in lines] == [["splash", "auto"], ["xla", "1024"], ["-", "-"]]
-    assert (
-        lines[0][-1] == "mesh.data=4 model.remat=dots model.attention=auto model.loss_chunk=0 train.grad_accum_steps=1"
-    )
+    # (the config's own: mesh.data=-1, remat none, attention auto, loss chunk 0, one micro-batch)
+    assert [line[-1] for line in lines] == [
+        "mesh.data=4 model.remat=dots",
+        "mesh.data=4 model.remat=full model.attention=xla model.loss_chunk=1024 train.grad_accum_steps=2",
+        "mesh.data=4",
+    ]
+    assert rows[0].overrides() == [
+        "mesh.data=4",
+        "model.remat=dots",
+        "model.attention=auto",
+        "model.loss_chunk=0",
+        "train.grad_accum_steps=1",
+    ]  # (best: every one)
+
+
+@pytest.mark.nocompile
+def test_the_search_tables_overrides_turn_the_searched_config_into_each_candidate(tmp_path):
+    """Only the overrides equal to the config's own values are left out of the table: with
+    mesh.tensor=2 and remat full configured, a candidate's tensor=1 and remat none are shown."""
+    from engine.plan.compiled import Planned
+
+    cfg, listed = plan_config(tmp_path, "mnist_mlp.yaml", *TINY_LLAMA, "mesh.tensor=2", "model.remat=full")
+    target = parse_target("v5e-4")
+    picked = {}  # one candidate of each tensor split, remat, attention, loss chunk and micro-batch count
+    for c in layouts.candidates(cfg, target):
+        for key in (("tensor", c.mesh["tensor"]), c.remat, c.attention, ("chunk", c.loss_chunk), ("accum", c.accum)):
+            picked.setdefault(key, c)
+    rows = list({id(c): c for c in picked.values()}.values())
+    for row in rows:
+        row.planned = Planned(cfg=cfg, target=target, mesh=row.mesh, dcn={}, hbm=16 * 2**30)
+    _, *lines = [re.split(r"\s{2,}", line.strip()) for line in layouts.render(rows, cfg).splitlines()]
+    for row, line in zip(rows, lines, strict=True):
+        shown = [] if line[-1] == "(as configured)" else line[-1].split()
+        loaded = load_config(ROOT / "configs" / "mnist_mlp.yaml", [*listed, *shown], str(tmp_path))
+        expected = layouts.configured(cfg, row)
+        assert (loaded.model, loaded.mesh, loaded.train) == (expected.model, expected.mesh, expected.train), shown
+    typed = [line[-1] for row, line in zip(rows, lines) if row.mesh["tensor"] == 1 and row.remat == "none"]
+    assert typed and all({"mesh.tensor=1", "model.remat=none"} <= set(t.split()) for t in typed)
+    assert not [line for line in lines if "model.remat=full" in line[-1] or "mesh.tensor=2" in line[-1]]
+    assert layouts.Candidate({"tensor": 2}, "full", 1, "auto", 0).overrides(cfg) == []  # the config itself
 
 
 @pytest.mark.nocompile

@@ -239,9 +239,10 @@ class ChatData(DataConfig):
     )
     tokenizer: str = option(
         "",
-        "chat: the directory (an import-hf workdir, or a Hugging Face directory) or tokenizer.json whose tokenizer "
-        "and chat template render and tokenize the conversations; \"\" = the model's: finetune.base's or "
-        "checkpoint.restore_from's workdir, else the run's own",
+        "chat: the directory (an import-hf workdir, or a Hugging Face directory) whose tokenizer.json and chat "
+        "template render and tokenize the conversations, or a tokenizers JSON file of any name (with its "
+        "directory's chat template); \"\" = the model's: finetune.base's or checkpoint.restore_from's workdir, "
+        "else the run's own",
     )
 
 

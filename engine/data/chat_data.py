@@ -65,7 +65,10 @@ def chat(cfg) -> Dataset:
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as e:  # tokenizers raises its own Exception type for a malformed file
-        raise UsageError(f"{tokenizer_file} is not a readable tokenizers file ({e}); put the model's there") from None
+        raise UsageError(
+            f"data.tokenizer: {tokenizer_file} is not a readable Hugging Face tokenizers file ({e}); set "
+            "data.tokenizer to the model's tokenizer.json, or to the directory that holds it (and its chat template)"
+        ) from None
     train = read_conversations(Path(cfg.path).expanduser(), "data.path")
     if cfg.eval_path:
         held = read_conversations(Path(cfg.eval_path).expanduser(), "data.eval_path")
@@ -90,24 +93,36 @@ def chat(cfg) -> Dataset:
 
 
 def _model_files(cfg) -> tuple[Path, Renderer]:
-    """The tokenizer.json and the chat template (compiled) of data.tokenizer's directory."""
+    """data.tokenizer's tokenizer file (itself where it names a file, a Hugging Face tokenizers
+    JSON of any name; else its directory's tokenizer.json) and the chat template (compiled) of
+    that directory (a file's own)."""
     if not cfg.tokenizer:
         raise UsageError(
             "data.name=chat reads the model's tokenizer and chat template: set data.tokenizer=DIR (a workdir "
             "import-hf made, or a Hugging Face directory)"
         )
     given = Path(cfg.tokenizer).expanduser()
-    directory = given.parent if given.is_file() else given
     fix = "import a chat model (launch.py import-hf) and train from its workdir, or set data.tokenizer=DIR to one"
-    if not (directory / TOKENIZER).is_file():
-        raise UsageError(f"data.name=chat: {directory} has no {TOKENIZER} to tokenize the conversations with; {fix}")
+    if given.is_file():
+        tokenizer_file, directory = given, given.parent
+    elif given.is_dir():
+        tokenizer_file, directory = given / TOKENIZER, given
+        if not tokenizer_file.is_file():
+            raise UsageError(
+                f"data.tokenizer={given}: the directory has no {TOKENIZER} to tokenize the conversations with; {fix}"
+            )
+    else:
+        raise UsageError(
+            f"data.tokenizer={given} is neither a file nor a directory; give the model's directory (an import-hf "
+            f"workdir, or a Hugging Face directory) or its {TOKENIZER}"
+        )
     template = read_chat_template(directory)
     if template is None:
         raise UsageError(
-            f"data.name=chat: {directory} has no chat template (no {JINJA_FILE}, nor chat_template in "
+            f"data.tokenizer={given}: {directory} has no chat template (no {JINJA_FILE}, nor chat_template in "
             f"{CONFIG_FILE}) to render the conversations with; {fix}"
         )
-    return directory / TOKENIZER, Renderer(template, "correct the conversation, or the template")
+    return tokenizer_file, Renderer(template, "correct the conversation, or the template")
 
 
 def _split(conversations: list[Conversation], fraction: float, path: str) -> tuple[list, list]:

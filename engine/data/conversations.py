@@ -48,11 +48,26 @@ def read_conversations(path: Path, key: str) -> list[Conversation]:
 
 
 def _records(path: Path) -> Iterator[Conversation]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(iter(lambda: f.readline(MAX_RECORD_CHARS + 1), ""), 1):
+    """The file's records, each line decoded strictly: invalid UTF-8 is refused (file:line and its
+    byte offset), not trained on as U+FFFD. A line over MAX_RECORD_CHARS characters is refused,
+    one over 4 bytes a character (UTF-8's most) before it is decoded."""
+    start = 0  # the line's byte offset in the file
+    with open(path, "rb") as f:
+        for number, raw in enumerate(iter(lambda: f.readline(4 * MAX_RECORD_CHARS + 1), b""), 1):
             where = f"{path}:{number}"
+            too_long = f"{where}: a record longer than {MAX_RECORD_CHARS:,} characters; shorten it"
+            if len(raw) > 4 * MAX_RECORD_CHARS:  # (UTF-8 takes at most 4 bytes a character)
+                raise UsageError(too_long)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(
+                    f"{where}: not UTF-8 text (byte {start + e.start:,} of the file, {raw[e.start : e.end]!r}: "
+                    f"{e.reason}); save the file as UTF-8"
+                ) from None
+            start += len(raw)
             if len(line) > MAX_RECORD_CHARS:
-                raise UsageError(f"{where}: a record longer than {MAX_RECORD_CHARS:,} characters; shorten it")
+                raise UsageError(too_long)
             if not line.strip():
                 continue
             try:

@@ -25,7 +25,7 @@ def plan_command(
     target = parse_target(target_name, slices)
     if search_layouts:
         ranked = search(cfg, target, compiles)
-        print(render_search(ranked))
+        print(render_search(ranked, cfg))
         best = ranked[0] if ranked and ranked[0].planned and ranked[0].planned.fits else None
         if best is None:
             print(f"no layout tried fits {target.name}; try more chips, remat, or a smaller micro-batch")

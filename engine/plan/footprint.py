@@ -67,7 +67,7 @@ def saved_per_token(d: float, qkv: float, a: float, mlp_in: float) -> dict[str, 
     return {
         "none": whole,
         "dots": 3 * d + qkv + mlp_in,  # every matmul's output without batch dimensions
-        "minimal": 3 * d + qkv,  # the query, key, value, attention-output and MLP-output projections
+        "minimal": 2 * d + qkv,  # the query, key, value and attention-output projections
         "save_qkv_proj": d + qkv,
         "save_out_proj": 2 * d,
         "full": d,

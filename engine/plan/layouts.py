@@ -52,13 +52,17 @@ class Candidate:
     activation_bytes: int = 0  # a rough estimate from the shapes (footprint.py); 0: none made
     planned: Optional[Planned] = None
 
-    def overrides(self) -> list[str]:
-        """The key=value overrides that give the config this candidate."""
-        sizes = [f"mesh.{axis}={size}" for axis, size in self.mesh.items()]
-        remat = [f"model.remat={self.remat}"] if self.remat else []
-        attention = [f"model.attention={self.attention}"] if self.attention else []
-        chunk = [f"model.loss_chunk={self.loss_chunk}"] if self.loss_chunk is not None else []
-        return [*sizes, *remat, *attention, *chunk, f"train.grad_accum_steps={self.accum}"]
+    def overrides(self, cfg: Optional[Config] = None) -> list[str]:
+        """The key=value overrides that give the config this candidate; given `cfg`, only those
+        whose value differs from cfg's own (what to type after cfg's to get the candidate)."""
+        settings: dict[str, Any] = {f"mesh.{axis}": size for axis, size in self.mesh.items()}
+        settings |= {"model.remat": self.remat, "model.attention": self.attention, "model.loss_chunk": self.loss_chunk}
+        settings["train.grad_accum_steps"] = self.accum
+        return [
+            f"{key}={value}"
+            for key, value in settings.items()
+            if value is not None and (cfg is None or _config_value(cfg, key) != value)
+        ]
 
     def seconds(self) -> float:
         """The estimate the table ranks by (inf when not compiled)."""
@@ -67,6 +71,12 @@ class Candidate:
         return self.planned.estimate_seconds() + self.planned.step_seconds(1.0) * (
             RECOMPUTE.get(self.remat or "none", 1.0) - 1
         )
+
+
+def _config_value(cfg: Config, key: str) -> Any:
+    """cfg's value of a dotted `section.name` key (None: the section has no such key)."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name, None)
 
 
 def candidates(cfg: Config, target: Target) -> list[Candidate]:
@@ -216,7 +226,9 @@ def search(cfg: Config, target: Target, compiles: int, say=print) -> list[Candid
     return compiled
 
 
-def render(ranked: list[Candidate]) -> str:
+def render(ranked: list[Candidate], cfg: Config) -> str:
+    """The ranked candidates as a table; each row's overrides are those that change `cfg` (the
+    searched config) into the candidate, to type after its own."""
     header = (
         "rank",
         "fits",
@@ -242,7 +254,7 @@ def render(ranked: list[Candidate]) -> str:
                 f"{c.seconds() * 1e3:.2f} ms",
                 c.kernel,
                 "-" if c.loss_chunk is None else str(c.loss_chunk or "auto"),
-                " ".join(o for o in c.overrides() if not o.endswith("=1") or o.startswith("train")),
+                " ".join(c.overrides(cfg)) or "(as configured)",
             )
         )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
