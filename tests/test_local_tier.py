@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from conftest import QUIET, ROOT, run_cli, start_cli, wait_until
 from engine.checkpoint.local_tier import run_directory
 from engine.checkpoint.packing import LayoutMismatch, check_fits, pack, unpack
+from engine.checkpoint.peers import HOST_VARIABLE
 from engine.checkpoint.store import open_checkpoints
 from engine.config import load_config
 from engine.errors import UsageError
@@ -106,6 +107,9 @@ def test_a_damaged_local_step_is_set_aside_like_a_persistent_one(make_config, tm
     checkpointer.close()
     assert restored.step == 20 and restored.meta["tier"] == "persistent"
     assert "the persistent tier" in restored.meta["restored_from"]
+    assert restored.meta["restored_from"].endswith(
+        "the persistent tier: the local tier holds no complete step of this run"
+    )
 
 
 RUN = [
@@ -140,7 +144,7 @@ def test_sigkilled_run_resumes_from_the_newer_local_step(tmp_path):
     assert losses(workdir) == losses(tmp_path / "ref")  # bit-identical: JSON floats round-trip exactly
 
 
-def _two_processes(workdir, local_dir):
+def _two_processes(workdir, local_dir, env=None):
     return run_cli(
         "--config",
         "configs/mnist_mlp.yaml",
@@ -159,16 +163,21 @@ def _two_processes(workdir, local_dir):
         *QUIET,
         "log.every_steps=1",
         "eval.every_steps=0",
+        env=env,
         timeout=400,
     )
+
+
+ONE_HOST = "note: every process of this job runs on one host: the local tier's peer copies guard against a lost"
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_restore_from_a_peers_copy_then_the_persistent_tier(tmp_path):
     workdir, local_dir = tmp_path / "run", tmp_path / "shm"
-    first = _two_processes(workdir, local_dir)
+    first = _two_processes(workdir, local_dir, env={HOST_VARIABLE: "host{process}"})  # two hosts, as it seems
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert ONE_HOST not in first.stdout
     reference = losses(workdir)
     assert [s for s, _ in reference] == list(range(1, 9))
     run_dir = run_directory(str(local_dir), workdir / "checkpoints")
@@ -179,6 +188,7 @@ def test_two_processes_restore_from_a_peers_copy_then_the_persistent_tier(tmp_pa
     shutil.rmtree(workdir / "checkpoints" / "8")
     second = _two_processes(workdir, local_dir)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert ONE_HOST in second.stdout  # (both processes on this host)
     assert "resuming from step 6 (the local tier" in second.stdout
     assert "the shards of process(es) 1 from a peer's copy" in second.stdout
     assert losses(workdir) == reference

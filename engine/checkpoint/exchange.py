@@ -1,7 +1,7 @@
-"""Bytes between processes over the devices' own links: each process's buffer sent to a peer
-process by one collective permute, and small integer tables gathered to every process.
+"""Bytes between processes over the devices' own links: buffers moved between chosen pairs of
+processes by collective permutes, and small integer tables gathered to every process.
 
-The local checkpoint tier (local_tier.py) copies each process's shards to a peer process. It does
+The local checkpoint tier (local_tier.py) copies each process's shards to peer processes. It does
 not assume a shared filesystem: the bytes travel as a uint8 array through the job's
 collectives (gloo between CPU processes, NCCL on GPUs, ICI/DCN on TPUs), one device per
 process, in chunks of at most CHUNK bytes so that a transfer needs little device memory,
@@ -12,6 +12,7 @@ functions at the same point of its program, in the same order (they are collecti
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 CHUNK = 64 * 2**20  # the most bytes one permute moves per process
 _AXIS = "processes"
+Pairs = tuple[tuple[int, int], ...]  # (source process, destination process)
 
 
 @lru_cache(maxsize=None)
@@ -31,51 +33,76 @@ def _process_mesh(count: int) -> Mesh:
 
 
 @lru_cache(maxsize=None)
-def _permute(count: int, shift: int):
-    """The compiled permute: process p's row goes to process (p + shift) mod count."""
+def _permute(count: int, pairs: Pairs):
+    """The compiled permute: each source's row goes to its destination (the others get zeros)."""
     mesh = _process_mesh(count)
     spec = PartitionSpec(_AXIS)
-    pairs = [(p, (p + shift) % count) for p in range(count)]
     moved = jax.shard_map(lambda x: jax.lax.ppermute(x, _AXIS, pairs), mesh=mesh, in_specs=spec, out_specs=spec)
     return jax.jit(moved), NamedSharding(mesh, spec)
 
 
+def rounds(pairs) -> list[Pairs]:
+    """`pairs` split, in order, into rounds in which each process sends at most once and receives
+    at most once (what one permute can move)."""
+    result: list[list[tuple[int, int]]] = []
+    for source, destination in pairs:
+        for batch in result:
+            if all(source != s and destination != d for s, d in batch):
+                batch.append((source, destination))
+                break
+        else:
+            result.append([(source, destination)])
+    return [tuple(batch) for batch in result]
+
+
 def gather_rows(rows: np.ndarray) -> list[np.ndarray]:
-    """Every process's int64 table [k, width] (k may differ between processes), on every process."""
+    """Every process's int64 table [k, width] (k may differ between processes), on every process,
+    exact (each number travels as two int32 halves: without jax_enable_x64 an int64 array would
+    be cut to int32 on its way)."""
     rows = np.asarray(rows, np.int64)
     if jax.process_count() == 1:
         return [rows]
     from jax.experimental import multihost_utils
 
-    counts = np.asarray(multihost_utils.process_allgather(np.int64(len(rows)))).reshape(-1)
+    counts = np.asarray(multihost_utils.process_allgather(np.int32(len(rows)))).reshape(-1)
     padded = np.zeros((max(int(counts.max()), 1), rows.shape[1]), np.int64)
     padded[: len(rows)] = rows
-    tables = np.asarray(multihost_utils.process_allgather(padded))
+    halves = np.asarray(multihost_utils.process_allgather(padded.view(np.int32)), np.int32)
+    tables = np.ascontiguousarray(halves).view(np.int64)
     return [tables[p, : int(counts[p])] for p in range(jax.process_count())]
 
 
-def send(payload: bytes, shift: int) -> bytes:
-    """Sends `payload` to process (this + shift) mod the process count and returns what process
-    (this - shift) sent here (b"" when it sent nothing). Every process calls it with the same shift."""
-    count = jax.process_count()
-    if count == 1 or shift % count == 0:
-        return payload
-    sizes = gather_rows(np.array([[len(payload)]]))
-    incoming = int(sizes[(jax.process_index() - shift) % count][0, 0])
-    longest = max(int(size[0, 0]) for size in sizes)
+def _as_bytes(payload) -> np.ndarray:
+    return np.frombuffer(payload, np.uint8) if len(payload) else np.zeros(0, np.uint8)
+
+
+def exchange(payload, pairs: Pairs) -> Optional[np.ndarray]:
+    """Moves each source's `payload` (bytes-like; ignored on a process that is no source) to its
+    destination, and returns what this process received as a uint8 array (None when it is no
+    destination). `pairs` is one of `rounds`'; every process calls this with the same pairs.
+    The received bytes are written straight into one array: no other copy of a payload is made
+    beyond a chunk."""
+    count, me = jax.process_count(), jax.process_index()
+    source = _as_bytes(payload) if any(s == me for s, _ in pairs) else np.zeros(0, np.uint8)
+    sender = next((s for s, d in pairs if d == me), None)
+    if count == 1:
+        return source.copy() if sender is not None else None
+    sizes = [int(table[0, 0]) for table in gather_rows(np.array([[len(source)]]))]
+    incoming = sizes[sender] if sender is not None else 0
+    longest = max(sizes[s] for s, _ in pairs) if pairs else 0
+    received = np.empty(incoming, np.uint8) if sender is not None else None
     if longest == 0:
-        return b""
+        return received
     chunk = min(CHUNK, -(-longest // 4096) * 4096)  # one compiled shape per run, a small one for small states
-    permute, sharding = _permute(count, shift % count)
-    device = sharding.mesh.devices[jax.process_index()]
-    source = np.frombuffer(payload, np.uint8)
-    received = bytearray()
+    permute, sharding = _permute(count, tuple(pairs))
+    device = sharding.mesh.devices[me]
     for begin in range(0, longest, chunk):
-        block = np.zeros(chunk, np.uint8)
-        part = source[begin : begin + chunk]
-        block[: len(part)] = part
+        block = source[begin : begin + chunk]
+        if len(block) < chunk:  # the tail (or nothing): padded
+            block = np.concatenate([block, np.zeros(chunk - len(block), np.uint8)])
         piece = jax.device_put(block.reshape(1, chunk), device)
-        array = jax.make_array_from_single_device_arrays((count, chunk), sharding, [piece])
-        moved = permute(array)
-        received += np.asarray(moved.addressable_shards[0].data).tobytes()
-    return bytes(received[:incoming])
+        moved = permute(jax.make_array_from_single_device_arrays((count, chunk), sharding, [piece]))
+        if received is not None and begin < incoming:
+            end = min(begin + chunk, incoming)
+            received[begin:end] = np.asarray(moved.addressable_shards[0].data).reshape(-1)[: end - begin]
+    return received

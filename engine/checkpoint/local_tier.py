@@ -1,49 +1,60 @@
 """The local checkpoint tier: each process's shards saved every few steps to node-local storage,
-with a copy at a peer process, and restored from wherever a complete step survives.
+with a copy at a peer process on another host, and restored from wherever a complete step survives.
 
 checkpoint.local_dir holds, per run (named after its workdir) and per process,
-`process_<i>/owner_<o>/<step>/`: process o's shards of that step (packing.py's buffer
-`shards.bin`, its `index.json`, the checkpoint's `meta.json`, `tier.json` and, with
-checkpoint.verify, `SHA256SUMS`). Process i keeps its own (o = i) and the copies of the
-checkpoint.local_replicas processes before it (the peer of process o is o + 1, o + 2, ...,
-modulo the process count); the copies travel through the job's collectives (exchange.py), not a
-shared filesystem. A step directory is written under a temporary name and renamed when
-complete; the newest checkpoint.local_keep steps are kept.
+`process_<i>/owner_<o>/<step>/` (local_files.py): process o's shards of that step. Process i
+keeps its own (o = i) and the copies of the processes whose peer it is: each process's
+checkpoint.local_replicas peers are the next processes on other hosts (peers.py), so that
+losing one host's local storage loses no local step while there are several hosts. The copies
+travel through the job's collectives (exchange.py), not a shared filesystem. Files are written
+in the background; a write that fails (a full RAM disk) is a warning at the next save, agreed on
+by every process, and the next local saves try again. The newest checkpoint.local_keep steps
+are kept. Every step records the run's id (peers.py): another run's steps are never restored.
 
-Restore gathers every process's inventory and takes the newest step that is complete across
-the processes (each process's shards present at itself or at a peer), newer than the
-persistent tier's newest or as new; a step whose files fail their checksums or do not read is
-set aside into `process_<i>/damaged/` with the reason, and the next candidate is tried.
+Restore first agrees, through one gather, on the hosts (the peers), the run id, a new run (what
+the local tier holds then is removed) and the persistent tier's newest step (the newest any
+process lists). It then gathers every process's inventory and takes the newest step that is
+complete across the processes (each process's shards present at itself or at a peer) and as
+new as that persistent step; a step directory that does not read (whatever the error) is set
+aside into `process_<i>/damaged/` with the reason, and the next candidate is tried. Whether the
+chosen step fits and reads is agreed again before any process uses it; if not, every process
+restores the persistent tier (`declined` says why).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
 
-from engine.checkpoint.exchange import gather_rows, send
+from engine.checkpoint.exchange import exchange, gather_rows, rounds
+from engine.checkpoint.local_files import (
+    Copy,
+    from_header,
+    header,
+    read_copy,
+    read_tier,
+    reason,
+    set_aside,
+    steps,
+    write_copy,
+)
 from engine.checkpoint.packing import LayoutMismatch, check_fits, pack, unpack
+from engine.checkpoint.peers import (
+    choose_peers,
+    host_key,
+    host_name,
+    keep_run_id,
+    new_run_id,
+    one_host,
+    stored_run_id,
+)
 from engine.checkpoint.staging import InBackground
-from engine.runtime.rundir import check_sums, write_sums
-
-SHARDS, INDEX, META, TIER = "shards.bin", "index.json", "meta.json", "tier.json"
-
-
-class Copy(NamedTuple):
-    """One process's shards of one step: what a step directory holds."""
-
-    owner: int
-    buffer: bytes
-    layout: dict  # packing.py's index of the buffer
-    meta: dict
 
 
 class LocalRestored(NamedTuple):
@@ -61,15 +72,9 @@ def run_directory(local_dir: str, persistent: Path) -> Path:
     return Path(local_dir).expanduser().absolute() / f"{workdir.name}-{digest}"
 
 
-def _frame(copy: Copy) -> bytes:
-    header = json.dumps({"owner": copy.owner, "layout": copy.layout, "meta": copy.meta}).encode()
-    return len(header).to_bytes(8, "little") + header + copy.buffer
-
-
-def _unframe(data: bytes) -> Copy:
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + size])
-    return Copy(header["owner"], data[8 + size :], header["layout"], header["meta"])
+def _any(flag: bool) -> list[int]:
+    """The processes for which `flag` holds (a collective)."""
+    return [p for p, table in enumerate(gather_rows(np.array([[int(flag)]]))) if table[0, 0]]
 
 
 class LocalTier:
@@ -80,153 +85,234 @@ class LocalTier:
         """`fresh`: the run's persistent directory did not exist yet (a new run): what the local
         tier holds of an earlier run in this workdir is removed at restore."""
         self.setting = local_dir
+        self.workdir = Path(persistent).absolute().parent
         self.process, self.count = jax.process_index(), jax.process_count()
         self.root = run_directory(local_dir, persistent) / f"process_{self.process}"
         self.keep, self.verify, self.fresh = keep, verify, fresh
         self.replicas = min(replicas, self.count - 1)
+        self.peers: Optional[list[list[int]]] = None  # each process's peers (agreed at the first collective)
+        self.run = 0  # the run id (agreed with the peers)
+        self.declined = ""  # why the last restore used no local step
+        self._unusable: set[tuple[int, int]] = set()  # (owner, step) found damaged here
         self._writing = InBackground("local-checkpoint")
+        self._writing_step = 0
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _owner_dir(self, owner: int) -> Path:
         return self.root / f"owner_{owner}"
 
+    def _agree(self, persistent_newest: Optional[int]) -> tuple[bool, Optional[int]]:
+        """The first collective: every process's host (→ the peers), process 0's run id, whether
+        the run is new (any process says so) and the persistent tier's newest step (the newest any
+        process lists: a local step older than what one process sees is never preferred to it)."""
+        kept = stored_run_id(self.workdir) if self.process == 0 and not self.fresh else 0
+        newest = -1 if persistent_newest is None else persistent_newest
+        made = new_run_id() if self.process == 0 else 0  # (used when the run is new, or has no id yet)
+        mine = [int(self.fresh), host_key(host_name(self.process)), newest, kept, made]
+        table = np.concatenate(gather_rows(np.array([mine])))
+        afresh, hosts, listed, kept_ids, new_ids = table.T.tolist()  # (a column per field; a row per process)
+        fresh = any(afresh)
+        self.peers = choose_peers(hosts, self.replicas)
+        self.run = new_ids[0] if fresh or not kept_ids[0] else kept_ids[0]
+        if self.process == 0 and self.run != kept:
+            failure = keep_run_id(self.workdir, self.run)
+            if failure:
+                print(
+                    f"warning: could not record the local tier's run id ({failure}); after a restart "
+                    "this run's local steps are not restored",
+                    file=sys.stderr,
+                )
+        if self.process == 0 and self.replicas and one_host(hosts):
+            print(
+                "note: every process of this job runs on one host: the local tier's peer copies guard against a "
+                "lost process's storage, not a lost host (the persistent tier does)",
+                file=sys.stderr,
+            )
+        newest = max(listed)
+        return fresh, newest if newest >= 0 else None
+
     def save(self, step: int, state, meta: dict) -> None:
         """This process's shards of `state` to its local storage, and a copy to each of its peers;
-        returns once the bytes are on the host and exchanged (the files are written in the background)."""
-        self._writing.join()
+        returns once the bytes are on the host and exchanged (the files are written in the
+        background). The previous write's failure on any process is a warning here."""
+        if self.peers is None:
+            self._agree(None)
+        failure = self._written()
+        failed = _any(bool(failure))
+        if failure:
+            self._unwritten(failure)
+        elif failed and self.process == 0:
+            print(
+                f"warning: local checkpoint step {self._writing_step} was not written on process(es) "
+                f"{', '.join(map(str, failed))} (their output says why)",
+                file=sys.stderr,
+            )
         buffer, index = pack(state)
         mine = Copy(self.process, buffer, {**index, "processes": self.count}, meta)
-        copies = [mine]
-        for shift in range(1, self.replicas + 1):  # to process + shift; from process - shift
-            copies.append(_unframe(send(_frame(mine), shift)))
-        self._writing.start(self._write, step, copies)
+        assert self.peers is not None
+        moves = [(owner, peer, owner) for owner in range(self.count) for peer in self.peers[owner]]
+        received = [from_header(*pair) for pair in self._transfer(moves, {self.process: mine})]
+        self._writing_step = step
+        self._writing.start(self._write, step, [mine, *received])
+
+    def _transfer(self, moves: list[tuple[int, int, int]], held: dict[int, Copy]) -> list[tuple[Any, Any]]:
+        """For each (source, destination, owner) of `moves`, the source's copy of owner's shards
+        sent to the destination; the (header, buffer) pairs this process received."""
+        owners = {(source, destination): owner for source, destination, owner in moves}
+        got = []
+        for batch in rounds([(source, destination) for source, destination, _ in moves]):
+            outgoing = next((held[owners[pair]] for pair in batch if pair[0] == self.process), None)
+            head = exchange(header(outgoing) if outgoing else b"", batch)
+            buffer = exchange(outgoing.buffer if outgoing else b"", batch)
+            if head is not None:
+                got.append((head, buffer))
+        return got
 
     def _write(self, step: int, copies: list[Copy]) -> None:
+        assert self.peers is not None
         for copy in copies:
             folder = self._owner_dir(copy.owner)
-            partial = folder / f"{step}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            (partial / SHARDS).write_bytes(copy.buffer)
-            (partial / INDEX).write_text(json.dumps(copy.layout))
-            (partial / META).write_text(json.dumps(copy.meta))
-            (partial / TIER).write_text(json.dumps({"step": step, "owner": copy.owner, "processes": self.count}))
-            if self.verify:
-                write_sums(partial)
-            final = folder / str(step)
-            if final.exists():  # a step saved again after a restore from an earlier one
-                shutil.rmtree(final)
-            partial.rename(final)
-            for old in _steps(folder)[: -self.keep]:
+            tier = dict(step=step, owner=copy.owner, processes=self.count, peers=self.peers[copy.owner], run=self.run)
+            write_copy(folder, step, copy, tier, self.verify)
+            for old in steps(folder)[: -self.keep]:
                 shutil.rmtree(folder / str(old), ignore_errors=True)
 
+    def _written(self) -> str:
+        """Waits for the write in progress; why it failed ("" when it did not)."""
+        try:
+            self._writing.join()
+        except Exception as e:  # reported by the caller: a warning, the persistent tier untouched
+            return reason(e)
+        return ""
+
+    def _unwritten(self, failure: str) -> None:
+        print(
+            f"warning: local checkpoint step {self._writing_step} was not written on process {self.process} to "
+            f"{self.root} ({failure}); the persistent tier is untouched, and the next local saves try again",
+            file=sys.stderr,
+        )
+
     def wait(self) -> None:
-        self._writing.join()
+        """Waits for the write in progress; its failure is a warning (on this process)."""
+        failure = self._written()
+        if failure:
+            self._unwritten(failure)
 
     def close(self) -> None:
-        self._writing.finish()
+        self.wait()
 
     def _inventory(self) -> np.ndarray:
-        """[(owner, step, processes)] of the complete step directories this process holds."""
-        rows = []
+        """[(owner, step, processes)] of the complete step directories of this run that this process
+        holds; one that does not read is set aside, one of another run removed (each said)."""
+        rows, others = [], []
         for folder in sorted(self.root.glob("owner_*")):
-            for step in _steps(folder):
+            for step in steps(folder):
+                owner = int(folder.name.removeprefix("owner_")) if folder.name[6:].isdigit() else -1
+                if (owner, step) in self._unusable:
+                    continue
                 try:
-                    tier = json.loads((folder / str(step) / TIER).read_text())
-                except (OSError, ValueError):
-                    continue  # unreadable: not counted (a read would fail the same way)
-                rows.append((int(tier["owner"]), step, int(tier["processes"])))
+                    tier = read_tier(folder / str(step), owner, step)
+                except Exception as e:  # any failure to read makes it damaged, whatever the error
+                    self._damaged(owner, step, f"{folder.name}/{step}/tier.json: {reason(e)}")
+                    continue
+                if tier.get("run") != self.run:
+                    others.append(f"{folder.name}/{step}")
+                    shutil.rmtree(folder / str(step), ignore_errors=True)
+                    continue
+                rows.append((owner, step, tier["processes"]))
+        if others:
+            print(
+                f"note: removed local checkpoint(s) {', '.join(others)} from {self.root}: another run's "
+                f"(not run id {self.run})",
+                file=sys.stderr,
+            )
         return np.array(rows, np.int64).reshape(-1, 3)
 
+    def _damaged(self, owner: int, step: int, why: str) -> None:
+        self._unusable.add((owner, step))  # (not tried again, even where it cannot be moved aside)
+        set_aside(self.root, self._owner_dir(owner) / str(step), owner, step, why)
+
     def restore(self, abstract_state, persistent_newest: Optional[int]) -> Optional[LocalRestored]:
-        """The newest step complete across the processes and not older than `persistent_newest`,
-        read into `abstract_state`'s shardings; None when there is none (or it does not fit)."""
-        if any(table[0, 0] for table in gather_rows(np.array([[int(self.fresh)]]))):
+        """The newest step complete across the processes and not older than the persistent tier's
+        newest, read into `abstract_state`'s shardings; None when there is none or it does not fit
+        or read (on any process: all then restore the persistent tier; `declined` says why)."""
+        fresh, newest = self._agree(persistent_newest)
+        self.fresh = False  # (the run has begun: a later restore keeps what it saves)
+        if fresh:
             shutil.rmtree(self.root, ignore_errors=True)  # an earlier run's, in a workdir begun afresh
             self.root.mkdir(parents=True, exist_ok=True)
+            self.declined = "the run begins afresh"
             return None
         while True:
-            chosen = self._choose(gather_rows(self._inventory()), persistent_newest)
+            chosen = self._choose(gather_rows(self._inventory()), newest)
             if chosen is None:
                 return None
             step, holders = chosen
-            loaded = {owner: self._load(owner, step) for owner, holder in holders.items() if holder == self.process}
-            copies = {owner: copy for owner, copy in loaded.items() if copy is not None}
-            failed = len(copies) < len(loaded)
-            if not any(table[0, 0] for table in gather_rows(np.array([[int(failed)]]))):
-                return self._assemble(step, holders, copies, abstract_state)
+            loaded: dict[int, Copy] = {}
+            for owner in (owner for owner, holder in holders.items() if holder == self.process):
+                folder = self._owner_dir(owner) / str(step)
+                try:
+                    loaded[owner] = read_copy(folder, owner, self.verify)
+                except Exception as e:  # any failure to read makes it damaged, whatever the error
+                    self._damaged(owner, step, reason(e))
+            if not _any(len(loaded) < sum(holder == self.process for holder in holders.values())):
+                return self._assemble(step, holders, loaded, abstract_state)
 
-    def _choose(self, tables: list[np.ndarray], persistent_newest: Optional[int]):
-        """(step, {owner: the process that serves its shards}) of the newest usable step, or None."""
+    def _choose(self, tables: list[np.ndarray], newest: Optional[int]):
+        """(step, {owner: the process that serves its shards}) of the newest usable step, or None
+        (with `declined` saying why)."""
         held: dict[tuple[int, int], list[int]] = {}
         for holder, table in enumerate(tables):
             for owner, step, processes in table.tolist():
                 if processes == self.count:
                     held.setdefault((owner, step), []).append(holder)
-        complete = {step for _, step in held if all((owner, step) in held for owner in range(self.count))}
-        usable = sorted((s for s in complete if persistent_newest is None or s >= persistent_newest), reverse=True)
+        complete = sorted({step for _, step in held if all((o, step) in held for o in range(self.count))})
+        usable = [s for s in complete if newest is None or s >= newest]
         if not usable:
+            self.declined = (
+                f"the local tier's newest complete step, {complete[-1]}, is older than step {newest}"
+                if complete
+                else "the local tier holds no complete step of this run"
+            )
             return None
-        step = usable[0]
+        step = usable[-1]
         holders = {}
         for owner in range(self.count):
             present = held[(owner, step)]
             holders[owner] = owner if owner in present else min(present, key=lambda h: (h - owner) % self.count)
         return step, holders
 
-    def _load(self, owner: int, step: int) -> Optional[Copy]:
-        """The copy this process holds of `owner`'s shards at `step`; None (after setting it aside) when
-        its files fail their checksums or do not read."""
-        folder = self._owner_dir(owner) / str(step)
-        try:
-            mismatch = check_sums(folder) if self.verify else None
-            if mismatch is None:
-                index, meta = json.loads((folder / INDEX).read_text()), json.loads((folder / META).read_text())
-                return Copy(owner, (folder / SHARDS).read_bytes(), index, meta)
-        except (OSError, ValueError) as e:
-            mismatch = (str(e).splitlines() or [type(e).__name__])[0][:300]
-        self._set_aside(folder, owner, step, mismatch)
-        return None
-
-    def _set_aside(self, folder: Path, owner: int, step: int, reason: str) -> None:
-        aside = self.root / "damaged"
-        aside.mkdir(exist_ok=True)
-        target = aside / f"owner_{owner}-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        folder.rename(target)
-        (aside / f"{target.name}.reason.txt").write_text(reason + "\n")
-        print(
-            f"warning: local checkpoint {folder} is unreadable ({reason}); moved it to {target}; trying "
-            f"another copy or an earlier step",
-            file=sys.stderr,
-        )
-
     def _assemble(self, step: int, holders: dict[int, int], loaded: dict[int, Copy], abstract_state):
-        """Each copy sent to its owner, then this process's arrays rebuilt from its own copy."""
-        mine = loaded.get(self.process)
-        for shift in sorted({(holder - owner) % self.count for owner, holder in holders.items()} - {0}):
-            owner = (self.process - shift) % self.count  # the process this one may serve at this shift
-            outgoing = loaded.get(owner) if holders[owner] == self.process and owner != self.process else None
-            received = send(_frame(outgoing) if outgoing else b"", -shift)
-            if holders[self.process] == (self.process + shift) % self.count:
-                mine = _unframe(received)
-        assert mine is not None, "every owner's shards are served by one holder"
-        problem = ""
+        """Each copy sent to its owner, then this process's arrays rebuilt from its own copy, once
+        every process has found that its copy fits and reads."""
+        moves = [(holder, owner, owner) for owner, holder in sorted(holders.items()) if holder != owner]
+        received = self._transfer(moves, loaded)  # (a collective: nothing here raises before it ends)
+        problem, state, mine = "", None, loaded.get(self.process)
         try:
+            mine = mine or from_header(*received[0])
             check_fits(mine.layout, abstract_state)
+            state = unpack(mine.buffer, mine.layout, abstract_state)
         except LayoutMismatch as e:
-            problem = str(e)
-        if any(table[0, 0] for table in gather_rows(np.array([[int(bool(problem))]]))):
-            print(
-                f"note: local checkpoint step {step} does not fit this run ({problem or 'on another process'}); "
-                "restoring the persistent tier",
-                file=sys.stderr,
-            )
+            problem = f"does not fit this run ({e})"
+        except Exception as e:  # any failure to read: every process restores the persistent tier
+            problem = f"does not read ({reason(e)})"
+        failed = _any(bool(problem))
+        if failed:
+            if problem:
+                print(
+                    f"note: local checkpoint step {step} {problem} on process {self.process}; restoring the "
+                    "persistent tier",
+                    file=sys.stderr,
+                )
+            on = f"process(es) {', '.join(map(str, failed))}"
+            self.declined = f"the local tier's step {step} {problem or 'does not fit or read'} on {on}"
             return None
+        assert state is not None and mine is not None
         peers = sorted(owner for owner, holder in holders.items() if holder != owner)
         source = f"the local tier, checkpoint.local_dir={self.setting}"
         if peers:
             source += f"; the shards of process(es) {', '.join(map(str, peers))} from a peer's copy"
-        return LocalRestored(unpack(mine.buffer, mine.layout, abstract_state), mine.meta, step, source)
+        return LocalRestored(state, mine.meta, step, source)
 
     def discard_after(self, step: int) -> None:
         """Removes the steps after `step` (the run goes on from `step`: those belong to a past it
@@ -234,10 +320,5 @@ class LocalTier:
         for folder in self.root.glob("owner_*"):
             for partial in folder.glob("*.partial"):
                 shutil.rmtree(partial, ignore_errors=True)
-            for later in (s for s in _steps(folder) if s > step):
+            for later in (s for s in steps(folder) if s > step):
                 shutil.rmtree(folder / str(later), ignore_errors=True)
-
-
-def _steps(folder: Path) -> list[int]:
-    """The complete steps in an owner's folder, oldest first."""
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []

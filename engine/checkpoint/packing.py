@@ -30,8 +30,9 @@ def _key(slices: list[list[int]]) -> str:
     return ",".join(f"{start}:{stop}" for start, stop in slices)
 
 
-def pack(state) -> tuple[bytes, dict]:
-    """(buffer, index) of this process's distinct shards of every array of `state`."""
+def pack(state) -> tuple[np.ndarray, dict]:
+    """(buffer, index) of this process's distinct shards of every array of `state`; the buffer is
+    one uint8 array (the shards are copied into it one by one, each host copy dropped after)."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     picked: list[tuple[int, list[list[int]], Any]] = []
     for number, (_, leaf) in enumerate(leaves):
@@ -45,16 +46,28 @@ def pack(state) -> tuple[bytes, dict]:
                 seen.add(_key(slices))
                 picked.append((number, slices, shard.data))
     hosted = jax.device_get([data for _, _, data in picked])  # one transfer of them all
-    buffer = bytearray(sum(np.asarray(data).nbytes for data in hosted))
+    buffer = np.empty(sum(np.asarray(data).nbytes for data in hosted), np.uint8)
     shards, offset = [], 0
-    for (number, slices, _), data in zip(picked, hosted):
-        data = np.ascontiguousarray(data)
-        buffer[offset : offset + data.nbytes] = data.tobytes()
+    hosted.reverse()  # (popped in order from the end)
+    for number, slices, _ in picked:
+        data = np.ascontiguousarray(hosted.pop())
+        buffer[offset : offset + data.nbytes] = data.reshape(-1).view(np.uint8)
         shards.append({"leaf": number, "slices": slices, "dtype": data.dtype.name, "offset": offset})
         offset += data.nbytes
     paths = [jax.tree_util.keystr(path) for path, _ in leaves]
     shapes = [list(np.shape(leaf)) for _, leaf in leaves]
-    return bytes(buffer), {"paths": paths, "shapes": shapes, "shards": shards}
+    return buffer, {"paths": paths, "shapes": shapes, "shards": shards}
+
+
+def packed_size(index: dict) -> int:
+    """The bytes a buffer with this index holds (where its last shard ends)."""
+    ends = [
+        shard["offset"]
+        + int(np.prod([stop - start for start, stop in shard["slices"]], dtype=np.int64))
+        * np.dtype(shard["dtype"]).itemsize
+        for shard in index["shards"]
+    ]
+    return max(ends, default=0)
 
 
 def _table(index: dict, abstract_state) -> tuple[list, Any, list[dict[str, dict]]]:
@@ -85,7 +98,7 @@ def check_fits(index: dict, abstract_state) -> None:
                 raise LayoutMismatch(f"{index['paths'][number]} was saved as {shard['dtype']}, not {target.dtype}")
 
 
-def unpack(buffer: bytes, index: dict, abstract_state):
+def unpack(buffer, index: dict, abstract_state):
     """The state `pack` packed, in the shapes, dtypes and shardings of `abstract_state` (check_fits first)."""
     leaves, treedef, by_leaf = _table(index, abstract_state)
     arrays = []

@@ -170,7 +170,8 @@ class Checkpointer:
         restored = self._restore_local(target, steps[0] if steps else None) if step is None else None
         if restored is None and steps:
             restored = self._restore(target, steps, step)
-            tier = "; the persistent tier: the local tier has no step as new" if self.local is not None else ""
+            why = (self.local.declined if step is None else f"step {step} was named") if self.local else ""
+            tier = f"; the persistent tier: {why}" if why else ""
             source = f"checkpoint {self.directory}/{restored.step}{tier}"
             restored = restored._replace(meta={**restored.meta, "tier": "persistent", "restored_from": source})
         if self.local is not None and step is None:  # the run goes on from here: later local steps are its past

@@ -88,16 +88,17 @@ def _refuse_watched(cfgs: list[Config]) -> None:
     """checkpoint.keep_best, train.early_stop and the local tier (checkpoint.local_dir) are a run
     alone's: a group's trials share one program and one schedule of saves, and would each stop or
     keep a step at their own time."""
+    no_local = 'checkpoint.local_dir="" checkpoint.local_every_steps=0'  # (the two come together: validate.py)
     for cfg in cfgs:
-        for key, value in (
-            ("checkpoint.keep_best", cfg.checkpoint.keep_best),
-            ("train.early_stop.metric", cfg.train.early_stop.metric),
-            ("checkpoint.local_dir", cfg.checkpoint.local_dir),
+        for key, value, off in (
+            ("checkpoint.keep_best", cfg.checkpoint.keep_best, 'checkpoint.keep_best=""'),
+            ("train.early_stop.metric", cfg.train.early_stop.metric, 'train.early_stop.metric=""'),
+            ("checkpoint.local_dir", cfg.checkpoint.local_dir, no_local),
         ):
             if value:
                 raise UsageError(
                     f"run {cfg.workdir}: {key}={value} is not supported by a vectorised group; remove vectorize "
-                    f'(each run trains in its own process), or set {key}=""'
+                    f"(each run trains in its own process), or set {off}"
                 )
 
 
