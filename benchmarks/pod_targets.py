@@ -37,10 +37,7 @@ TARGETS = [
 # variants of the first target: what each setting is worth
 VARIANTS = [
     ("8b-v6e xla", "llama3_8b", "v6e-64", ["train.global_batch_size=256", "model.attention=xla"]),
-    *[
-        (f"8b-v6e remat={r}", "llama3_8b", "v6e-64", ["train.global_batch_size=256", f"model.remat={r}"])
-        for r in ("offload", "minimal", "dots", "none")
-    ],
+    ("8b-v6e remat=offload", "llama3_8b", "v6e-64", ["train.global_batch_size=256", "model.remat=offload"]),
     ("8b-v6e tensor=2", "llama3_8b", "v6e-64", ["train.global_batch_size=256", "mesh.tensor=2"]),
     (
         "8b-v6e tensor=2 offload",
@@ -48,7 +45,13 @@ VARIANTS = [
         "v6e-64",
         ["train.global_batch_size=256", "mesh.tensor=2", "model.remat=offload"],
     ),
+    ("8b-v6e 1 per chip", "llama3_8b", "v6e-64", ["train.global_batch_size=64"]),
+    ("8b-v6e remat=minimal", "llama3_8b", "v6e-64", ["train.global_batch_size=256", "model.remat=minimal"]),
     ("8b-v6e logits whole", "llama3_8b", "v6e-64", ["train.global_batch_size=256", "model.logits_budget_mib=0"]),
+    *[
+        (f"8b-v6e remat={r}", "llama3_8b", "v6e-64", ["train.global_batch_size=256", f"model.remat={r}"])
+        for r in ("dots", "none")
+    ],
 ]
 
 

@@ -83,7 +83,7 @@ def test_llama_1b_with_fsdp_over_four_v5e_chips_fits(make_config):
     cfg = make_config("llama_1b.yaml", "mesh.data=1", "mesh.fsdp=4", "train.global_batch_size=8", "model.remat=full")
     planned = plan(cfg, parse_target("v5e-4"))
     assert planned.fits, verdict(planned)
-    assert planned.peak > 8 * 2**30  # the state alone: 1.24B parameters x 12 bytes / 4 chips
+    assert planned.peak > 1.24e9 * 12 / 4  # more than the state alone: 1.24B parameters x 12 bytes / 4 chips
     assert verdict(planned).startswith("fits:")
 
 
