@@ -74,6 +74,8 @@ def line(name: str, record: dict, seconds: float) -> str:
     if "error" in record:
         return f"{name}: no plan ({seconds:.0f}s): {record['error'].strip().splitlines()[-1]}"
     train = record["programs"][0]
+    if record["refused"]:  # the TPU compiler's own words: how much the program needs
+        return f"{name}: refused ({seconds:.0f}s): {record['refused'].strip().splitlines()[0][:300]}"
     compute = record["step_seconds"]["50%"]
     tokens = {mfu: record["tokens_per_step"] / record["chips"] / s for mfu, s in record["step_seconds"].items()}
     host = train.get("host", 0)
