@@ -165,7 +165,7 @@ def test_a_plan_for_tpu_reports_the_host_memory_offload_uses_and_its_fewer_devic
     """remat=offload compiled for a v5e-8 by the TPU compiler: each layer's input lives in host
     memory (pinned_host), which the plan reports per chip (text and --json), and the device's
     temporaries are smaller than remat=full's, which keeps those inputs on the chip. (Many thin
-    layers, so that the saved inputs outweigh one layer's recomputation; seq 128: XLA attention.)"""
+    layers, so that the saved inputs outweigh one layer's recomputation; seq 128: splash attention.)"""
     pytest.importorskip("libtpu", reason="the TPU compiler (libtpu) is not installed")
     from engine.plan.compiled import as_record, plan
     from engine.plan.tpu import parse_target
@@ -180,11 +180,11 @@ def test_a_plan_for_tpu_reports_the_host_memory_offload_uses_and_its_fewer_devic
     }
     full, offload = (as_record(planned[remat]) for remat in ("full", "offload"))
     inputs = 128 * (64 // 8) * 128 * 128 * 4  # layers x [batch per chip, seq, embed] in float32
-    assert offload["remat"] == "offload" and offload["attention"] == "xla" and full["remat"] == "full"
+    assert offload["remat"] == "offload" and offload["attention"] == "splash" and full["remat"] == "full"
     assert offload["programs"][0]["host"] >= inputs and full["programs"][0]["host"] == 0
     assert offload["programs"][0]["temporaries"] < full["programs"][0]["temporaries"] - inputs // 2
     text = render(planned["offload"])
-    assert "model: attention xla, remat offload" in text
+    assert "model: attention splash, remat offload" in text
     assert "host memory per chip (pinned_host, offloaded: not in the HBM above): train 64.0 MiB" in text, text
     assert "host memory" not in render(planned["full"])
 
