@@ -341,7 +341,9 @@ def build(
         layout.mesh.devices.flat[0].platform if layout is not None else jax.default_backend(),
         jnp.dtype(dtype),
         info.seq_len,
-        per_device=not (layout is not None and layout.vmapped) and options.stages.stages == 1,
+        per_device=not (layout is not None and layout.vmapped)
+        and options.stages.stages == 1
+        and activation_splits(layout, "seq") == 1,  # (under mesh.context Attention runs XLA's)
     )
     if attention == "splash":
         block_size(info.seq_len)  # the kernel's tiles divide the sequence (else a ModelError naming the fix)

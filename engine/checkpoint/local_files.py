@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from engine.checkpoint.packing import packed_size
-from engine.runtime.rundir import check_sums, write_sums
+from engine.runtime.rundir import SUMS, check_sums, write_sums
 
 SHARDS, INDEX, META, TIER = "shards.bin", "index.json", "meta.json", "tier.json"
 
@@ -85,8 +85,10 @@ def read_tier(folder: Path, owner: int, step: int) -> dict:
 
 
 def read_copy(folder: Path, owner: int, verify: bool) -> Copy:
-    """The copy a step directory holds; ValueError when its files fail their checksums or the
-    buffer is shorter than its index says."""
+    """The copy a step directory holds; ValueError when its files fail their checksums (or, with
+    `verify`, have none) or the buffer is shorter than its index says."""
+    if verify and not (folder / SUMS).is_file():  # (written before the step's rename: its absence is damage)
+        raise ValueError(f"{SUMS} is missing (the step was saved with checkpoint.verify=false, or it was lost)")
     mismatch = check_sums(folder) if verify else None
     if mismatch is not None:
         raise ValueError(mismatch)

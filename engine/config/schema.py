@@ -278,7 +278,9 @@ class CheckpointConfig:
     )
     local_keep: int = option(2, "most recent steps the local tier keeps", at_least=1)
     local_replicas: int = option(
-        1, "peer processes (the next ones by process index) that hold a copy of each process's local shards", at_least=0
+        1,
+        "peer processes (on other hosts first: docs/checkpoints.md) that hold a copy of each process's local shards",
+        at_least=0,
     )
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 import numpy as np
 
+from engine.parallel.axes import BATCH_AXES
 from engine.parallel.stages import describe as describe_pipeline
 from engine.parallel.stages import stage_plan
 from engine.plan.compiled import BOUND_AT, MFUS, Planned, Program, loss_line
@@ -202,4 +203,4 @@ def _fixes(planned: Planned, worst: Optional[Program]) -> str:
 
 
 def batch_shards_of(planned: Planned) -> int:
-    return int(np.prod([planned.mesh[a] for a in ("data", "fsdp", "expert")]))
+    return int(np.prod([planned.mesh.get(a, 1) for a in BATCH_AXES]))

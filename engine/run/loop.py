@@ -154,7 +154,8 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
             with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
                 job.save(done, state, window)  # returns once its copy is dispatched
             last_saved = done
-        if cfg.checkpoint.local_dir and done < total and _due(cfg.checkpoint.local_every_steps, done, 0):
+        local_due = _due(cfg.checkpoint.local_every_steps, done, 0) and not stop  # (stop: saved persistently)
+        if cfg.checkpoint.local_dir and done < total and local_due:
             with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
                 job.save(done, state, window, local=True)
         if stop:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,9 +29,8 @@ from engine.errors import UsageError
 from engine.lm import finetune
 from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
 from engine.parallel import diloco
-from engine.parallel.axes import BATCH_AXES
 from engine.parallel.mesh import make_mesh
-from engine.parallel.sharding import ActivationLayout
+from engine.parallel.sharding import ActivationLayout, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
 from engine.parallel.stages import storage_order
 from engine.parallel.sync import compile_sync
@@ -281,7 +279,7 @@ def train_loss_chunk(program) -> Optional[LossChunk]:
     if language_model is None or language_model.loss_chunk is None:
         return None
     micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
-    batch_splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    batch_splits = batch_shards(mesh)
     return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
 
 
@@ -292,7 +290,7 @@ def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> S
     return step_cost(
         cfg,
         plan.family,
-        plan.module,
+        plan.trained if plan.trained is not None else plan.module,  # (as the step traced it)
         plan.dataset,
         plan.tx,
         plan.state.abstract,
