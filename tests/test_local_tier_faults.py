@@ -50,9 +50,9 @@ def _abstract(state):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
 
 
-def _saved(tmp_path, mesh, steps=(2, 4)):
+def _saved(tmp_path, mesh, steps=(2, 4), verify=False):
     """A run whose local tier holds `steps` (the state at step s is arange * s)."""
-    tier = _tier(tmp_path, fresh=True)
+    tier = _tier(tmp_path, fresh=True, verify=verify)
     assert tier.restore(_abstract(_state(mesh)), None) is None and tier.declined == "the run begins afresh"
     for step in steps:
         tier.save(step, _state(mesh, step), {"step": step})
@@ -78,6 +78,17 @@ def test_any_unreadable_step_directory_is_set_aside(tmp_path, mesh2x4, capfd):
     assert len(reasons) == 2 and "'processes'" in reasons[0] + reasons[1]
     assert any("shards.bin holds 100 bytes; its index needs 256" in r for r in reasons)
     assert "local checkpoint" in capfd.readouterr().err
+
+
+def test_with_verify_a_step_without_its_checksums_is_damaged(tmp_path, mesh2x4):
+    """The writer hashes a step before renaming it complete: a step with no SHA256SUMS was not
+    written so (or lost them), and is not restored unchecked."""
+    folder = _saved(tmp_path, mesh2x4, verify=True)
+    (folder / "4" / "SHA256SUMS").unlink()
+    got = _tier(tmp_path, verify=True).restore(_abstract(_state(mesh2x4)), None)
+    assert got.step == 2
+    reasons = [p.read_text() for p in (folder.parent / "damaged").glob("*.reason.txt")]
+    assert len(reasons) == 1 and "SHA256SUMS is missing" in reasons[0]
 
 
 def test_a_step_of_another_run_is_removed_not_restored(tmp_path, mesh2x4, capfd):
