@@ -136,11 +136,12 @@ def test_sigkilled_run_resumes_from_the_newer_local_step(tmp_path):
     proc.kill()
     proc.wait()
     kept = local_steps(local_dir, workdir)
-    assert len(kept) == 2 and kept[1] - kept[0] == 3 and 20 < kept[0] < kept[1] < 200
+    # local_keep=2, pruned after each save: a kill between a save and its pruning leaves three
+    assert len(kept) in (2, 3) and all(b - a == 3 for a, b in zip(kept, kept[1:])) and 20 < kept[0] < kept[-1] < 200
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [20]
     again = run_cli(*RUN, "--workdir", str(workdir), "train.steps=200", *tier)
     assert again.returncode == 0, again.stderr
-    assert f"resuming from step {kept[1]} (the local tier, checkpoint.local_dir={local_dir})" in again.stdout
+    assert f"resuming from step {kept[-1]} (the local tier, checkpoint.local_dir={local_dir})" in again.stdout
     assert losses(workdir) == losses(tmp_path / "ref")  # bit-identical: JSON floats round-trip exactly
 
 
