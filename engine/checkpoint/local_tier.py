@@ -18,7 +18,9 @@ complete across the processes (each process's shards present at itself or at a p
 new as that persistent step; a step directory that does not read (whatever the error) is set
 aside into `process_<i>/damaged/` with the reason, and the next candidate is tried. Whether the
 chosen step fits and reads is agreed again before any process uses it; if not, every process
-restores the persistent tier (`declined` says why).
+restores the persistent tier (`declined` says why). A step saved by another process count, or
+in another sharding of the same arrays, is restored too: local_reshard.py gathers every saved
+process's shards to every process and rebuilds the arrays in this run's shardings, exactly.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from engine.checkpoint.local_files import (
     steps,
     write_copy,
 )
-from engine.checkpoint.packing import LayoutMismatch, check_fits, pack, unpack
+from engine.checkpoint.local_reshard import describe, rebuild, to_all
+from engine.checkpoint.packing import LayoutMismatch, ShardingMismatch, check_fits, pack, unpack
 from engine.checkpoint.peers import (
     choose_peers,
     host_key,
@@ -158,10 +161,12 @@ class LocalTier:
     def _transfer(self, moves: list[tuple[int, int, int]], held: dict[int, Copy]) -> list[tuple[Any, Any]]:
         """For each (source, destination, owner) of `moves`, the source's copy of owner's shards
         sent to the destination; the (header, buffer) pairs this process received."""
-        owners = {(source, destination): owner for source, destination, owner in moves}
+        owners: dict[tuple[int, int], list[int]] = {}  # (a pair moves several owners' copies in several rounds)
+        for source, destination, owner in moves:
+            owners.setdefault((source, destination), []).append(owner)
         got = []
         for batch in rounds([(source, destination) for source, destination, _ in moves]):
-            outgoing = next((held[owners[pair]] for pair in batch if pair[0] == self.process), None)
+            outgoing = next((held[owners[pair].pop(0)] for pair in batch if pair[0] == self.process), None)
             head = exchange(header(outgoing) if outgoing else b"", batch)
             buffer = exchange(outgoing.buffer if outgoing else b"", batch)
             if head is not None:
@@ -247,7 +252,7 @@ class LocalTier:
             chosen = self._choose(gather_rows(self._inventory()), newest)
             if chosen is None:
                 return None
-            step, holders = chosen
+            step, saved, holders = chosen
             loaded: dict[int, Copy] = {}
             for owner in (owner for owner, holder in holders.items() if holder == self.process):
                 folder = self._owner_dir(owner) / str(step)
@@ -256,18 +261,24 @@ class LocalTier:
                 except Exception as e:  # any failure to read makes it damaged, whatever the error
                     self._damaged(owner, step, reason(e))
             if not _any(len(loaded) < sum(holder == self.process for holder in holders.values())):
+                if saved != self.count:
+                    return self._reshard(step, saved, holders, loaded, abstract_state)
                 return self._assemble(step, holders, loaded, abstract_state)
 
     def _choose(self, tables: list[np.ndarray], newest: Optional[int]):
-        """(step, {owner: the process that serves its shards}) of the newest usable step, or None
-        (with `declined` saying why)."""
-        held: dict[tuple[int, int], list[int]] = {}
+        """(step, the process count that saved it, {owner: the process that serves its shards}) of
+        the newest usable step, or None (with `declined` saying why). A step is complete when every
+        process that saved it (owners 0..count-1) has its copy at some process of this job."""
+        held: dict[tuple[int, int, int], list[int]] = {}
         for holder, table in enumerate(tables):
             for owner, step, processes in table.tolist():
-                if processes == self.count:
-                    held.setdefault((owner, step), []).append(holder)
-        complete = sorted({step for _, step in held if all((o, step) in held for o in range(self.count))})
-        usable = [s for s in complete if newest is None or s >= newest]
+                held.setdefault((owner, step, processes), []).append(holder)
+        saves = {(step, processes) for _, step, processes in held}
+        whole = [(s, n) for s, n in saves if all((o, s, n) in held for o in range(n))]
+        # the newest step; of two saves of it (by other process counts), this job's count, else the larger
+        whole.sort(key=lambda save: (save[0], save[1] == self.count, save[1]))
+        complete = [s for s, _ in whole]
+        usable = [save for save in whole if newest is None or save[0] >= newest]
         if not usable:
             self.declined = (
                 f"the local tier's newest complete step, {complete[-1]}, is older than step {newest}"
@@ -275,27 +286,59 @@ class LocalTier:
                 else "the local tier holds no complete step of this run"
             )
             return None
-        step = usable[-1]
+        step, saved = usable[-1]
         holders = {}
-        for owner in range(self.count):
-            present = held[(owner, step)]
+        for owner in range(saved):
+            present = held[(owner, step, saved)]
             holders[owner] = owner if owner in present else min(present, key=lambda h: (h - owner) % self.count)
-        return step, holders
+        return step, saved, holders
 
     def _assemble(self, step: int, holders: dict[int, int], loaded: dict[int, Copy], abstract_state):
         """Each copy sent to its owner, then this process's arrays rebuilt from its own copy, once
-        every process has found that its copy fits and reads."""
+        every process has found that its copy fits and reads; resharded (on every process) when a
+        copy holds the arrays in another sharding."""
         moves = [(holder, owner, owner) for owner, holder in sorted(holders.items()) if holder != owner]
         received = self._transfer(moves, loaded)  # (a collective: nothing here raises before it ends)
-        problem, state, mine = "", None, loaded.get(self.process)
+        problem, state, mine, other = "", None, loaded.get(self.process), False
         try:
             mine = mine or from_header(*received[0])
             check_fits(mine.layout, abstract_state)
             state = unpack(mine.buffer, mine.layout, abstract_state)
+        except ShardingMismatch:
+            other = True  # (another mesh: every process reshards below)
         except LayoutMismatch as e:
             problem = f"does not fit this run ({e})"
         except Exception as e:  # any failure to read: every process restores the persistent tier
             problem = f"does not read ({reason(e)})"
+        if self._refused(step, problem):
+            return None
+        if _any(other):
+            return self._reshard(step, self.count, holders, loaded, abstract_state)
+        assert state is not None and mine is not None
+        return LocalRestored(state, mine.meta, step, self._source(holders, ""))
+
+    def _reshard(self, step: int, saved: int, holders: dict[int, int], loaded: dict[int, Copy], abstract_state):
+        """Every served copy sent to every process, then this process's arrays rebuilt from all of
+        them in `abstract_state`'s shardings (local_reshard.py), once every process has found that
+        they fit and read."""
+        received = self._transfer(to_all(holders, self.count), loaded)  # (a collective)
+        problem, state = "", None
+        copies = dict(loaded)
+        try:
+            copies.update((copy.owner, copy) for copy in (from_header(*pair) for pair in received))
+            state = rebuild(copies, abstract_state)
+        except LayoutMismatch as e:
+            problem = f"does not fit this run ({e})"
+        except Exception as e:  # any failure to read: every process restores the persistent tier
+            problem = f"does not read ({reason(e)})"
+        if self._refused(step, problem):
+            return None
+        assert state is not None
+        return LocalRestored(state, copies[0].meta, step, self._source(holders, describe(saved, self.count)))
+
+    def _refused(self, step: int, problem: str) -> bool:
+        """Whether any process found a problem with the chosen step (a collective); `declined`
+        then says which (every process then restores the persistent tier)."""
         failed = _any(bool(problem))
         if failed:
             if problem:
@@ -306,13 +349,17 @@ class LocalTier:
                 )
             on = f"process(es) {', '.join(map(str, failed))}"
             self.declined = f"the local tier's step {step} {problem or 'does not fit or read'} on {on}"
-            return None
-        assert state is not None and mine is not None
-        peers = sorted(owner for owner, holder in holders.items() if holder != owner)
+        return bool(failed)
+
+    def _source(self, holders: dict[int, int], resharded: str) -> str:
+        """Where a restored step came from, for the console."""
         source = f"the local tier, checkpoint.local_dir={self.setting}"
+        if resharded:
+            source += f"; {resharded}"
+        peers = sorted(owner for owner, holder in holders.items() if holder != owner)
         if peers:
             source += f"; the shards of process(es) {', '.join(map(str, peers))} from a peer's copy"
-        return LocalRestored(state, mine.meta, step, source)
+        return source
 
     def discard_after(self, step: int) -> None:
         """Removes the steps after `step` (the run goes on from `step`: those belong to a past it

@@ -5,8 +5,9 @@ The local checkpoint tier (local_tier.py) saves what `pack` gives: each array's 
 held by this process's devices (a replicated array once), their raw bytes one after another,
 and an index naming each shard's array (its path in the state), global slice, dtype and place
 in the buffer. `unpack` rebuilds the arrays from the same process's buffer, byte for byte; a
-target whose structure, shapes, dtypes or shard slices differ (another model, mesh or process
-count) is a LayoutMismatch, and the persistent tier restores instead.
+target whose structure, shapes or dtypes differ (another model) is a LayoutMismatch, and the
+persistent tier restores instead; one whose shard slices differ (another mesh or process count)
+is a ShardingMismatch, and local_reshard.py rebuilds the arrays from every process's shards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import numpy as np
 
 class LayoutMismatch(Exception):
     """A packed state does not fit the target: another structure, shape, dtype or sharding."""
+
+
+class ShardingMismatch(LayoutMismatch):
+    """A packed state holds the target's arrays in another sharding (mesh or process count): the
+    local tier reshards it (local_reshard.py)."""
 
 
 def _slices(index: tuple, shape: tuple) -> list[list[int]]:
@@ -93,7 +99,8 @@ def check_fits(index: dict, abstract_state) -> None:
         for where in target.sharding.addressable_devices_indices_map(target.shape).values():
             shard = shards.get(_key(_slices(where, target.shape)))
             if shard is None:
-                raise LayoutMismatch(f"{index['paths'][number]} was saved in another sharding (mesh or process count)")
+                path = index["paths"][number]
+                raise ShardingMismatch(f"{path} was saved in another sharding (mesh or process count)")
             if np.dtype(shard["dtype"]) != np.dtype(target.dtype):
                 raise LayoutMismatch(f"{index['paths'][number]} was saved as {shard['dtype']}, not {target.dtype}")
 
