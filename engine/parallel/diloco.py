@@ -11,10 +11,26 @@ is a second compiled program, run at the end of each round: the mean over replic
 all-reduce of the parameters per round, H times fewer than data parallelism's every step
 (engine/parallel/sync.py compiles and runs it as train.sync's `diloco` strategy).
 
+The overlapped outer step (diloco.delay=1; Kale et al. 2025's "delayed outer gradients", the
+one-round-stale update of asynchronous parameter-server training). Round t starts every replica
+at the global parameters θ_t; at its end each replica r has θ_t^r and
+    Δ̄_t = θ_t − mean_r(θ_t^r)                          (the round's all-reduce, float32)
+    θ_{t+1} = OuterOpt(θ_t, Δ̄_{t−1}),   Δ̄_{−1} = 0      (delay=0: OuterOpt(θ_t, Δ̄_t))
+and every replica starts round t+1 at θ_{t+1}: its own progress of round t reaches the global
+parameters only through Δ̄_t, one round later. The step applies nothing at t=0 (the momentum
+stays zero); Δ̄_t waits in the state (`pending`) until the end of round t+1, so the new round's
+start does not depend on round t's all-reduce, which can run beside round t+1's inner steps
+(here the outer step is still its own program between two rounds: the rule is the overlapped
+one, the schedule not yet).
+OuterOpt is diloco.outer_optimizer on the momentum m (nesterov: m ← μm + g, θ ← θ − lr(g + μm);
+momentum: θ ← θ − lr·m; sgd: θ ← θ − lr·g). Non-trainable model state (batch statistics) is
+averaged over the replicas at each round's end, undelayed.
+
 The state (DilocoState) holds what exact resumption needs at any step, mid-round too: the
 global parameters (what evaluation, export and sampling read: `step.weights_of`), the
-replicas' parameters and inner optimizer states (a leading replica axis), and the outer
-momentum. Checkpoints are ordinary orbax checkpoints of that tree.
+replicas' parameters and inner optimizer states (a leading replica axis), the outer
+momentum and, with diloco.delay=1, the pending Δ̄ (float32, sharded as the parameters).
+Checkpoints are ordinary orbax checkpoints of that tree.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ class DilocoState:
     hparams: Any
     replicas: Any  # {"params": [replicas, ...], "model_state": [replicas, ...]}: where each replica is
     momentum: Any  # the outer optimizer's momentum (float32, like params)
+    pending: Any = None  # diloco.delay=1: the last round's mean change Δ̄, applied at the next round's end (float32)
 
     if TYPE_CHECKING:
 
@@ -87,8 +104,13 @@ def _broadcast(tree, replicas: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
 
 
-def from_train_state(base: TrainState, replicas: int) -> DilocoState:
-    """A fresh round: every replica at the global parameters, with the base's optimizer state."""
+def _zeros_f32(params):
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+
+def from_train_state(base: TrainState, replicas: int, delay: int = 0) -> DilocoState:
+    """A fresh round: every replica at the global parameters, with the base's optimizer state
+    (delay=1: a zero pending change, so the first round's outer step applies nothing)."""
     return DilocoState(
         step=base.step,
         params=base.params,
@@ -97,11 +119,12 @@ def from_train_state(base: TrainState, replicas: int) -> DilocoState:
         rng=base.rng,
         hparams=base.hparams,
         replicas={"params": _broadcast(base.params, replicas), "model_state": _broadcast(base.model_state, replicas)},
-        momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), base.params),
+        momentum=_zeros_f32(base.params),
+        pending=_zeros_f32(base.params) if delay else None,
     )
 
 
-def state_shardings(mesh: Mesh, base: TrainState) -> DilocoState:
+def state_shardings(mesh: Mesh, base: TrainState, delay: int = 0) -> DilocoState:
     """The DiLoCo state's shardings from a TrainState's: replica-stacked leaves split over the
     replica axis, each replica's share laid out as a run's state is."""
     stacked = lambda tree: jax.tree.map(lambda s: _stacked_sharding(mesh, s), tree)  # noqa: E731
@@ -114,6 +137,7 @@ def state_shardings(mesh: Mesh, base: TrainState) -> DilocoState:
         hparams=base.hparams,
         replicas={"params": stacked(base.params), "model_state": stacked(base.model_state)},
         momentum=base.params,
+        pending=base.params if delay else None,
     )
 
 
@@ -158,11 +182,24 @@ def make_inner_step(train_step: Callable, mesh: Mesh) -> Callable:
     return inner_step
 
 
+def outer_update(cfg, params, momentum, outer_grad):
+    """diloco.outer_optimizer's step with outer gradient `outer_grad` (float32): (params, momentum)."""
+    kind, lr, mu = cfg.outer_optimizer, cfg.outer_learning_rate, cfg.outer_momentum
+    if kind == "sgd":
+        update = outer_grad
+    else:
+        momentum = jax.tree.map(lambda m, d: mu * m + d, momentum, outer_grad)
+        update = momentum if kind == "momentum" else jax.tree.map(lambda m, d: d + mu * m, momentum, outer_grad)
+    params = jax.tree.map(lambda g, u: (g.astype(jnp.float32) - lr * u).astype(g.dtype), params, update)
+    return params, momentum
+
+
 def make_sync_step(cfg) -> Callable:
     """The outer step: (DilocoState) → (state with new global parameters and every replica at
-    them, {"drift", "outer_grad_norm"}). The outer gradient is θ − mean(θ_replica), in float32;
-    drift is the replicas' root-mean-square distance from θ before the exchange."""
-    kind, lr, mu = cfg.outer_optimizer, cfg.outer_learning_rate, cfg.outer_momentum
+    them, {"drift", "outer_grad_norm"}). The outer gradient is θ − mean(θ_replica), in float32
+    (diloco.delay=1: this round's is kept in `pending` and the last round's applied; the module
+    docstring); drift is the replicas' root-mean-square distance from θ before the exchange, and
+    outer_grad_norm this round's outer gradient's norm."""
 
     def sync_step(state: DilocoState):
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
@@ -173,12 +210,8 @@ def make_sync_step(cfg) -> Callable:
             for g, r in zip(jax.tree.leaves(state.params), jax.tree.leaves(replica_params))
         ]
         drift = jnp.sqrt(jnp.mean(sum(squares))) if squares else jnp.zeros(())
-        if kind == "sgd":
-            momentum, update = state.momentum, outer_grad
-        else:
-            momentum = jax.tree.map(lambda m, d: mu * m + d, state.momentum, outer_grad)
-            update = momentum if kind == "momentum" else jax.tree.map(lambda m, d: d + mu * m, momentum, outer_grad)
-        params = jax.tree.map(lambda g, u: (f32(g) - lr * u).astype(g.dtype), state.params, update)
+        applied = state.pending if cfg.delay else outer_grad
+        params, momentum = outer_update(cfg, state.params, state.momentum, applied)
         model_state = jax.tree.map(lambda r: jnp.mean(f32(r), axis=0).astype(r.dtype), state.replicas["model_state"])
         replicas = jax.tree.leaves(replica_params)[0].shape[0] if replica_params else 1
         new = state.replace(
@@ -186,6 +219,7 @@ def make_sync_step(cfg) -> Callable:
             model_state=model_state,
             momentum=momentum,
             replicas={"params": _broadcast(params, replicas), "model_state": _broadcast(model_state, replicas)},
+            pending=outer_grad if cfg.delay else None,
         )
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(outer_grad)))
         return new, {"drift": drift, "outer_grad_norm": norm}
@@ -193,19 +227,20 @@ def make_sync_step(cfg) -> Callable:
     return sync_step
 
 
-def state_functions(base, mesh: Mesh) -> tuple[Callable, Callable, DilocoState]:
+def state_functions(base, mesh: Mesh, delay: int = 0) -> tuple[Callable, Callable, DilocoState]:
     """From a run's state plan (setup._StatePlan): DiLoCo's (init(seed, hparams), init with
     given parameters (seed, hparams, params), shardings). Each replica's parameters and inner
-    optimizer state are stacked over the replica axis, the global ones beside them."""
+    optimizer state are stacked over the replica axis, the global ones beside them (delay=1:
+    and the pending outer gradient, laid out as the parameters)."""
     replicas = mesh.shape[REPLICA]
 
     def init_state(seed, hparams):
-        return from_train_state(base.init(seed, hparams), replicas)
+        return from_train_state(base.init(seed, hparams), replicas, delay)
 
     def with_params(seed, hparams, params):
-        return from_train_state(base.init(seed, hparams).replace(params=params), replicas)
+        return from_train_state(base.init(seed, hparams).replace(params=params), replicas, delay)
 
-    return init_state, with_params, state_shardings(mesh, base.shardings)
+    return init_state, with_params, state_shardings(mesh, base.shardings, delay)
 
 
 def param_count(abstract_params) -> int:
