@@ -118,7 +118,29 @@ def _local_job(args, argv: list[str]) -> int:
         return 2
     from engine.runtime.launcher import run_local_job
 
+    cfg = _elastic_config(args)
+    if cfg is not None:
+        from engine.runtime.elastic import run_elastic_job
+
+        return run_elastic_job(without_local_flags(argv), cfg, args.local_processes, args.devices_per_process)
     return run_local_job(without_local_flags(argv), args.local_processes, args.devices_per_process)
+
+
+def _elastic_config(args):
+    """The job's config when it sets fault.elastic (the launcher restarts the job itself), else None.
+    Read quietly: a config that does not load is the processes' to report, as without fault.elastic."""
+    import contextlib
+    import io
+
+    from engine.config import load_config
+    from engine.errors import UsageError
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            cfg = load_config(args.config, args.overrides, args.workdir)
+        except UsageError:
+            return None
+    return cfg if cfg.fault.elastic else None
 
 
 def _distributed_overrides(args) -> list[str]:

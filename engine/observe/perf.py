@@ -163,6 +163,8 @@ def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float
     gradient accumulation, from the lowered (not compiled) program; None if not analysable.
     The reference model's parameters may be laid out differently (unscanned layers): its
     state's shapes come from its own init."""
+    if cfg.train.objective != "lm":  # (the plain step is a language model's; a DPO batch holds pairs)
+        return None
     plain = {**family.flops.work_settings, **family.flops.reference_settings} if family.flops else {}
     model_cfg = dataclasses.replace(cfg.model, **plain)
     module = family.build(model_cfg, dataset.info, jnp.dtype(cfg.train.compute_dtype), jnp.dtype(cfg.train.param_dtype))
@@ -204,9 +206,10 @@ class Goodput:
     redone_steps: int = 0  # steps run again after a restart (logged before, lost since the checkpoint)
     dispatch_seconds: float = 0.0  # in the loop: handing calls to the runtime (host time)
     device_wait_seconds: float = 0.0  # in the loop: waiting for the device's results (log lines, syncs)
+    recovery_seconds: float = 0.0  # fault.elastic: from the failure recovered from to this process's start
 
     def summary(self, ended: float) -> dict[str, float]:
-        wall = ended - self.started
+        wall = ended - self.started + self.recovery_seconds  # (a restarted job's clock starts at the failure)
         mean_step = self.loop_seconds / self.steps_run if self.steps_run else 0.0
         redone = min(self.redone_steps * mean_step, self.loop_seconds - self.data_wait_seconds)
         badput = {
@@ -215,6 +218,7 @@ class Goodput:
             "checkpoint_blocking": self.checkpoint_seconds,
             "eval": self.eval_seconds,
             "redone_steps": redone,
+            "recovery": self.recovery_seconds,  # stopping the job and starting it again; its start-up is `other`
         }
         productive = max(self.loop_seconds - self.data_wait_seconds - redone, 0.0)
         other = max(wall - productive - sum(badput.values()), 0.0)
@@ -227,6 +231,7 @@ class Goodput:
             "checkpoint_blocking_seconds": self.checkpoint_seconds,
             "eval_seconds": self.eval_seconds,
             "redone_steps": self.redone_steps,
+            "recovery_seconds": self.recovery_seconds,
             "goodput": productive / wall if wall > 0 else 0.0,
             **{f"badput_{name}": seconds / wall if wall > 0 else 0.0 for name, seconds in badput.items()},
             "badput_other": other / wall if wall > 0 else 0.0,  # start-up, restore, logging

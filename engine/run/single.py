@@ -22,6 +22,7 @@ from engine.run.best import Verdict, check_names
 from engine.run.evaluator import evaluate
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import NonFiniteLoss, RunOutputs
+from engine.run.recovery import Recovery, kill_if_due, kill_step
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.step import FROZEN
 from engine.runtime.distributed import barrier
@@ -54,8 +55,18 @@ def fit(cfg: Config, run: Optional[Run] = None, started: Optional[float] = None)
 class RunJob:
     """The loop's Job for a run alone; process 0 writes the records, every process saves."""
 
-    def __init__(self, run: Run, outputs: RunOutputs, result: FitResult, start: int):
+    def __init__(
+        self,
+        run: Run,
+        outputs: RunOutputs,
+        result: FitResult,
+        start: int,
+        goodput: Optional[Goodput] = None,
+        recovery: Optional[Recovery] = None,
+    ):
         self.cfg, self.run, self.outputs, self.result, self.start = run.cfg, run, outputs, result, start
+        self.goodput, self.recovery = goodput, recovery  # (a restarted elastic job's records, after its first step)
+        self.kill_at = kill_step()  # (tests only: ENGINE_TEST_KILL_AT)
         self.workdir = Path(self.cfg.workdir)
         self.steps_per_block, self.steps_per_call = run.inputs.steps_per_block, run.inputs.steps_per_call
         self.sync_each_step = run.sync_each_step
@@ -73,12 +84,16 @@ class RunJob:
     def step(self, state, block):
         state, metrics = self.run.compiled.train_step(state, block)
         self.done += self.steps_per_call
+        kill_if_due(self.kill_at, self.done)
         return self.sync.after(state, self.done), metrics
 
     def fetch(self, arrays: list) -> np.ndarray:
         return self.sync.fetch(arrays)
 
     def log(self, host, window: Window, done: int) -> None:
+        if self.recovery is not None:  # (the first log comes after the first step)
+            self.recovery.write(self.outputs.writer, self.goodput.first_step_at if self.goodput else None)
+            self.recovery = None
         losses, record = self.outputs.train_record(host, window, self.rates)
         if record.get("moe_dropped_tokens") and not self.warned_drops:  # said once a run: metrics.jsonl has each
             self.warned_drops = True
@@ -153,7 +168,10 @@ def _open(
             f"data: the train split ({run.inputs.resident_bytes / 2**20:.1f} MiB) lives on every device "
             f"(data.placement={cfg.data.placement}); each step gathers its rows on the device"
         )
-    return Started(RunJob(run, outputs, result, start), state, start, window, outputs.end)
+    recovery = Recovery.begin(cfg, start, meta)
+    if recovery is not None:
+        goodput.recovery_seconds = recovery.seconds_before(goodput.started)
+    return Started(RunJob(run, outputs, result, start, goodput, recovery), state, start, window, outputs.end)
 
 
 def initial_state(run: Run, checkpointer: Checkpointer):

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 # this program, for the processes it starts (local processes, a sweep's runs): the checkout's
@@ -56,9 +57,17 @@ def _describe(code: int) -> str:
     return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
 
 
-def run_local_job(args: list[str], processes: int, devices_per_process: int) -> int:
-    """Runs `launch.py args` as `processes` processes; returns the job's exit code."""
-    children, relays = _start(args, processes, devices_per_process)
+def run_local_job(
+    args: list[str],
+    processes: int,
+    devices_per_process: int,
+    env: Optional[dict[str, str]] = None,
+    failed: Optional[list[tuple[int, int, float]]] = None,
+) -> int:
+    """Runs `launch.py args` as `processes` processes (with `env` added to their environment);
+    returns the job's exit code. `failed` receives (process, return code, time.time()) of the first failures seen
+    (a preemption's exits are not failures)."""
+    children, relays = _start(args, processes, devices_per_process, env or {})
     preempted: list[int] = []
 
     def forward_sigterm(signum, frame):  # preemption of the launcher (or Ctrl-C) preempts every process
@@ -69,7 +78,7 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
 
     previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _wait(children, preempted)
+        return _wait(children, preempted, failed if failed is not None else [])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -78,11 +87,12 @@ def run_local_job(args: list[str], processes: int, devices_per_process: int) -> 
             relay.join(timeout=5)
 
 
-def _start(args: list[str], processes: int, devices_per_process: int):
+def _start(args: list[str], processes: int, devices_per_process: int, extra: dict[str, str]):
     """The processes, each with a thread relaying its output lines prefixed by its index."""
     port = free_port()
     env = dict(
         os.environ,
+        **extra,
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
@@ -113,8 +123,9 @@ def _start(args: list[str], processes: int, devices_per_process: int):
     return children, relays
 
 
-def _wait(children: list[subprocess.Popen], preempted: list[int]) -> int:
-    """The job's exit code: 0 when all succeed; the first failure stops the others."""
+def _wait(children: list[subprocess.Popen], preempted: list[int], seen: list[tuple[int, int, float]]) -> int:
+    """The job's exit code: 0 when all succeed; the first failure stops the others (`seen` gets
+    the failures found at that moment)."""
     while True:
         codes = [child.poll() for child in children]
         if preempted:  # every process is saving its part of the checkpoint: let them finish
@@ -124,6 +135,7 @@ def _wait(children: list[subprocess.Popen], preempted: list[int]) -> int:
             return _exit_status(max((code for code in codes if code is not None), key=abs))
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
+            seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
             sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
             _stop(children)

@@ -207,7 +207,8 @@ def final_metrics(workdir: Path) -> dict[str, float]:
 
 
 def drop_records_after(path: Path, step: int) -> int:
-    """On resume, forget metrics logged after the checkpoint: those steps run again, identically.
+    """On resume, forget metrics logged after the checkpoint: those steps run again, identically
+    (a failure's `recovery` records stay: they are the run's history, not its steps).
 
     Returns how many logged training steps will be redone (badput of the restart)."""
     if not path.exists():
@@ -217,7 +218,8 @@ def drop_records_after(path: Path, step: int) -> int:
         keep_aside(path, "".join(line + "\n" for _, line in damaged))
         print(f"warning: {path}: moved {len(damaged)} damaged line(s) to {path.name}.damaged", file=sys.stderr)
     logged = max((r["step"] for r in records if r["split"] == "train"), default=step)
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    kept = [r for r in records if r["step"] <= step or r["split"] == "recovery"]  # (fault.elastic's: history)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return max(logged - step, 0)
 
 

@@ -1,0 +1,222 @@
+"""fault.elastic on the local launcher: a job whose process dies or hangs is restarted on the processes left.
+
+The launcher (launcher.py) runs the job; when a process fails (a nonzero exit, a signal, or the
+watchdog's exit on a hang) the others are stopped as always, and with fault.elastic the job is
+started again on the processes left (each start with a fresh coordinator port), resuming from the
+newest checkpoint of either tier, until it succeeds, fewer than fault.min_processes would remain or
+fault.max_restarts restarts are used. The axis that shrinks is the outermost data axis: the mesh's
+other axes keep their sizes, mesh.data (and mesh.dcn_data) take the devices left; the global batch,
+the data order and the random numbers do not depend on the process count (engine/data/pipeline.py),
+so each device's share of the batch grows. Whether every smaller job from N-1 processes down to
+fault.min_processes has such a layout is checked before the first start (`shrink_plan`).
+
+Each restarted process gets ENGINE_ELASTIC_ATTEMPT=k and the failures so far in
+ENGINE_ELASTIC_FAILURES (JSON); process 0 of the job that recovers writes one `split: "recovery"`
+record per failure to metrics.jsonl after its first step (engine/run/recovery.py). Failures no
+job recovered from are recorded by the launcher when it gives up. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from engine.errors import UsageError
+from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
+from engine.runtime.rundir import METRICS, append_line, read_records
+
+ATTEMPT = "ENGINE_ELASTIC_ATTEMPT"  # 0 for the first start, k for the k-th restart
+FAILURES = "ENGINE_ELASTIC_FAILURES"  # the failures so far: a JSON list of `failure` dicts
+RECOVERY = "recovery"  # the metrics.jsonl split of failure and recovery records
+
+
+def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
+    """For every process count from fault.min_processes to processes - 1: the mesh overrides of a
+    job on that many processes (the data axis shrinks). UsageError naming the fix when one has none."""
+    fault = cfg.fault
+    if processes < 2:
+        raise UsageError("fault.elastic=true needs a job of several processes (--local-processes 2 or more)")
+    if fault.min_processes >= processes:
+        raise UsageError(
+            f"fault.elastic=true: fault.min_processes={fault.min_processes} leaves no smaller job for "
+            f"{processes} processes to go on with; set fault.min_processes below {processes}"
+        )
+    if cfg.train.sync == "diloco":
+        raise UsageError(
+            "fault.elastic=true with train.sync=diloco: continuing on fewer DiLoCo replicas is not built yet; "
+            "set fault.elastic=false (a lost process then ends the job) or train.sync to another mode"
+        )
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in CONFIG_AXES}
+    derived = [axis for axis, size in sizes.items() if size == -1 and axis != "data"]
+    if derived:
+        raise UsageError(
+            f"fault.elastic=true: mesh.{derived[0]}=-1 would take the devices a lost process leaves, but only "
+            f"the data axis shrinks; set mesh.{derived[0]} to a size and mesh.data=-1"
+        )
+    others = math.prod(size for axis, size in sizes.items() if axis != "data")
+    batch_others = math.prod(sizes[axis] for axis in BATCH_AXES if axis in sizes and axis != "data")
+    counts = range(fault.min_processes, processes)
+    plans = {}
+    for count in counts:
+        problem, overrides = _layout(cfg, count, processes, devices, others, batch_others)
+        if problem:
+            raise UsageError(
+                f"fault.elastic=true: the job cannot go on with {count} processes ({count * devices} devices), "
+                f"where the data axis is the one that shrinks: {problem}. Fix: {_fix(cfg, counts, devices, others)}"
+            )
+        plans[count] = overrides
+    return plans
+
+
+def _layout(cfg, count: int, processes: int, devices: int, others: int, batch_others: int):
+    """(what stops a job of `count` processes, "" if nothing; its mesh overrides)."""
+    total = count * devices
+    if total % others:
+        return f"the mesh's other axes use {others} devices, which do not divide {total}", []
+    data = total // others
+    overrides = [f"mesh.data={data}"] if cfg.mesh.data != -1 else []
+    dcn = cfg.mesh.dcn_data
+    if dcn > 1:
+        if (dcn * count) % processes or data % (dcn * count // processes):
+            return f"mesh.dcn_data={dcn} over {processes} processes has no counterpart over {count}", []
+        overrides.append(f"mesh.dcn_data={dcn * count // processes}")
+    shards = data * batch_others
+    train = cfg.train
+    batches = {
+        "train.global_batch_size": train.global_batch_size,
+        "the microbatch train.global_batch_size / train.grad_accum_steps": train.global_batch_size
+        // train.grad_accum_steps,
+        "eval.batch_size": cfg.eval.batch_size or train.global_batch_size,
+    }
+    for name, value in batches.items():
+        if value % shards:
+            return f"{name} = {value} is not divisible by its {shards} batch shards", []
+    return "", overrides
+
+
+def _fix(cfg, counts: range, devices: int, others: int) -> str:
+    """What makes every smaller job possible (or a higher fault.min_processes)."""
+    if any((count * devices) % others for count in counts):
+        return (
+            f"keep the non-data mesh axes within one process (a product dividing --devices-per-process={devices}), "
+            f"or raise fault.min_processes"
+        )
+    batch_others = math.prod(getattr(cfg.mesh, a) for a in BATCH_AXES if a in CONFIG_AXES and a != "data")
+    shards = [count * devices // others * batch_others for count in [*counts, counts.stop]]
+    multiple = math.lcm(*shards) * cfg.train.grad_accum_steps
+    return (
+        f"make train.global_batch_size (and eval.batch_size) a multiple of {multiple}, which every job from "
+        f"fault.min_processes={counts.start} to {counts.stop} processes divides into its batch shards, or raise "
+        f"fault.min_processes"
+    )
+
+
+def describe(code: int) -> str:
+    """How a process ended, from its return code."""
+    return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+
+
+def lost(seen: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    """The processes lost among the failures seen at once: those killed by a signal (not the
+    launcher's SIGTERM), else the first (the others' errors are likely its consequence)."""
+    killed = [failure for failure in seen if failure[1] < 0 and -failure[1] != signal.SIGTERM]
+    return killed or seen[:1]
+
+
+def recorded(workdir: Path) -> set[tuple[int, int]]:
+    """(attempt, process) of the failures metrics.jsonl already holds a record of."""
+    return {
+        (r.get("attempt", -1), r.get("lost_process", -1))
+        for r in read_records(Path(workdir) / METRICS)
+        if r["split"] == RECOVERY
+    }
+
+
+def pending(workdir: Path, failures: list[dict]) -> list[dict]:
+    """The failures without a record yet."""
+    done = recorded(workdir)
+    return [f for f in failures if (f["attempt"], f["process"]) not in done]
+
+
+def failure_record(failure: dict, **recovery: Any) -> dict:
+    """A metrics.jsonl record's fields for `failure` and how the job recovered (step_restored,
+    tier, restored_from, seconds_lost, processes_now, recovered)."""
+    return {
+        "time": failure["time"],
+        "attempt": failure["attempt"],
+        "lost_process": failure["process"],
+        "how": failure["how"],
+        "step_reached": failure["step"],
+        "processes_before": failure["processes"],
+        **recovery,
+    }
+
+
+def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
+    """The local job under fault.elastic: started again on the processes left after each failure;
+    its exit code (1 with one message naming every failure when it cannot go on)."""
+    from engine.runtime.launcher import run_local_job
+
+    plans = shrink_plan(cfg, processes, devices)
+    workdir, fault = Path(cfg.workdir), cfg.fault
+    failures: list[dict] = []
+    alive, attempt = processes, 0
+    while True:
+        hangs = set(workdir.glob("hang-*.txt"))
+        seen: list[tuple[int, int, float]] = []
+        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures)}
+        code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen)
+        if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
+            return code
+        step = _step_reached(workdir)
+        new_hangs = sorted(set(workdir.glob("hang-*.txt")) - hangs)
+        for index, rc, when in lost(seen):
+            how = describe(rc)
+            if new_hangs and rc == 1:
+                how = f"hung ({how} by its watchdog: {new_hangs[0].name})"
+            failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
+        alive -= len(lost(seen))
+        limit = _limit(fault, attempt, alive)
+        if limit:
+            return _give_up(workdir, failures, limit)
+        attempt += 1
+        sys.stderr.write(
+            f"elastic: restarting the job on {alive} processes (restart {attempt} of at most "
+            f"fault.max_restarts={fault.max_restarts}), from the newest checkpoint\n"
+        )
+
+
+def _limit(fault, attempt: int, alive: int) -> str:
+    """Why the job cannot be restarted ("" when it can)."""
+    if attempt >= fault.max_restarts:
+        return f"fault.max_restarts={fault.max_restarts} restart(s) used"
+    if alive < fault.min_processes:
+        return f"{alive} process(es) would remain, fewer than fault.min_processes={fault.min_processes}"
+    return ""
+
+
+def _step_reached(workdir: Path) -> Optional[int]:
+    """The last training step metrics.jsonl records (None before the first)."""
+    steps = [r["step"] for r in read_records(workdir / METRICS) if r["split"] == "train"]
+    return max(steps, default=None)
+
+
+def _give_up(workdir: Path, failures: list[dict], limit: str) -> int:
+    """Records the failures no job recovered from, says every failure, and returns 1."""
+    for failure in pending(workdir, failures) if workdir.is_dir() else []:
+        record = failure_record(failure, step_restored=None, tier=None, seconds_lost=None, processes_now=0)
+        record = {"step": failure["step"] or 0, "split": RECOVERY, **record, "recovered": False}
+        append_line(workdir / METRICS, json.dumps(record) + "\n")
+    named = "; ".join(
+        f"process {f['process']} of {f['processes']} {f['how']} at step {f['step'] or 0} (start {f['attempt']})"
+        for f in failures
+    )
+    sys.stderr.write(
+        f"error: the job cannot go on ({limit}); failures: {named}. The newest checkpoint is intact: "
+        "running the same command again resumes from it\n"
+    )
+    return 1

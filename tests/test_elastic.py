@@ -1,0 +1,133 @@
+"""fault.elastic on the local launcher: a SIGKILLed process's job goes on with the processes left, from
+the local tier, with the unbroken run's losses; its failures recorded; a job that cannot go on ends
+with exit 1 naming them; a layout that cannot shrink is refused at start."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from engine.config import load_config
+from engine.observe.perf import Goodput
+from engine.runtime.elastic import shrink_plan
+from engine.runtime.rundir import drop_records_after, read_records
+
+STEPS, LOCAL_EVERY = 16, 4
+JOB = [
+    "configs/mnist_mlp.yaml",
+    "train.global_batch_size=48",  # 8 batch shards on 4 processes x 2 devices, 6 on 3
+    f"train.steps={STEPS}",
+    "train.steps_per_call=1",
+    "log.every_steps=1",
+    "log.progress=false",
+    "eval.every_steps=0",
+    "eval.max_batches=2",
+    "fault.elastic=true",
+]
+
+
+def records(workdir, split):
+    return [r for r in read_records(workdir / "metrics.jsonl") if r["split"] == split]
+
+
+def local_job(workdir, *overrides, processes, devices=2, env=None, timeout=600):
+    flags = ["--local-processes", str(processes), "--devices-per-process", str(devices)]
+    args = ["--config", JOB[0], "--workdir", str(workdir), *flags, *JOB[1:], *overrides]
+    return run_cli(*args, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_killed_process_s_job_goes_on_with_the_rest(tmp_path):
+    rng = random.Random(44)
+    process, step = rng.randint(1, 3), rng.randint(6, 12)  # the seeded failure
+    tier = [
+        f"checkpoint.local_dir={tmp_path / 'shm'}",
+        f"checkpoint.local_every_steps={LOCAL_EVERY}",
+        "checkpoint.every_steps=50",
+    ]
+    kill = {"ENGINE_TEST_KILL_AT": f"{process}:{step}"}
+    job = local_job(tmp_path / "elastic", *tier, processes=4, env=kill)
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-3000:]
+    assert f"process {process} was killed by signal 9 (SIGKILL)" in job.stderr
+    assert "elastic: restarting the job on 3 processes" in job.stderr
+    assert "[0] process 0 of 3: joined the job" in job.stdout
+    (recovery,) = records(tmp_path / "elastic", "recovery")
+    assert recovery["lost_process"] == process and "SIGKILL" in recovery["how"]
+    assert recovery["processes_before"] == 4 and recovery["processes_now"] == 3 and recovery["recovered"]
+    assert recovery["tier"] == "local", recovery  # (the local tier restored onto 3 processes)
+    assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= LOCAL_EVERY
+    assert recovery["seconds_lost"] > 0 and f"recovered: process {process}" in job.stdout
+    (summary,) = records(tmp_path / "elastic", "summary")
+    assert summary["badput_recovery"] > 0
+    losses = {r["step"]: r["loss"] for r in records(tmp_path / "elastic", "train")}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    # the unbroken run: the same mesh of 8 devices in one process
+    one = run_cli(
+        "--config",
+        JOB[0],
+        "--workdir",
+        str(tmp_path / "unbroken"),
+        *JOB[1:],
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in records(tmp_path / "unbroken", "train")}
+    assert sorted(expected) == sorted(losses)
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_second_failure_with_none_left_ends_the_job_naming_both(tmp_path):
+    workdir = tmp_path / "run"
+    kill = {"ENGINE_TEST_KILL_AT": "1:7:0,0:14:1"}  # process 1 at step 7; then, restarted alone, process 0
+    job = local_job(workdir, "checkpoint.every_steps=4", processes=2, devices=1, env=kill)
+    assert job.returncode == 1, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "elastic: restarting the job on 1 processes" in job.stderr
+    message = job.stderr.strip().splitlines()[-1]
+    assert "fewer than fault.min_processes=1" in message and "newest checkpoint is intact" in message
+    assert "process 1 of 2 was killed by signal 9 (SIGKILL) at step" in message
+    assert "process 0 of 1 was killed by signal 9 (SIGKILL) at step" in message
+    first, second = records(workdir, "recovery")
+    assert (first["lost_process"], first["recovered"], first["processes_now"]) == (1, True, 1)
+    assert (second["lost_process"], second["recovered"], second["step_restored"]) == (0, False, None)
+    assert first["step_restored"] <= first["step_reached"] < second["step_reached"]
+    saved = [int(p.parent.name) for p in (workdir / "checkpoints").glob("*/SHA256SUMS")]
+    assert max(saved) >= max(first["step_restored"], 8)  # complete and checked: a re-run resumes from it
+
+
+@pytest.mark.nocompile
+def test_a_layout_that_cannot_shrink_is_refused_at_start(tmp_path):
+    job = local_job(tmp_path / "run", "train.global_batch_size=64", processes=4)
+    assert job.returncode == 2, job.stderr[-2000:]
+    assert "cannot go on with 3 processes (6 devices)" in job.stderr
+    assert "make train.global_batch_size (and eval.batch_size) a multiple of 24" in job.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no process was started
+
+
+@pytest.mark.nocompile
+def test_the_shrink_plan_and_the_accounting(tmp_path):
+    def plan(*overrides, processes=4):
+        return shrink_plan(load_config(JOB[0], [*JOB[1:], *overrides]), processes, 2)
+
+    assert plan() == {1: [], 2: [], 3: []}  # mesh.data=-1 takes the devices left
+    assert plan("mesh.data=8", "fault.min_processes=3") == {3: ["mesh.data=6"]}
+    assert plan("mesh.data=-1", "mesh.fsdp=2", "mesh.dcn_data=4", "fault.min_processes=2") == {
+        2: ["mesh.dcn_data=2"],
+        3: ["mesh.dcn_data=3"],
+    }
+    with pytest.raises(ValueError, match="mesh.fsdp=-1 would take the devices"):
+        plan("mesh.data=1", "mesh.fsdp=-1")
+    with pytest.raises(ValueError, match="fault.min_processes=4 leaves no smaller job"):
+        plan("fault.min_processes=4")
+    # a resume keeps the failures' records, and a restarted job's lost time is badput
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "split": "train", "loss": 1.0} for s in (1, 2, 3)] + [{"step": 3, "split": "recovery"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert drop_records_after(path, 1) == 2
+    assert [r["split"] for r in read_records(path)] == ["train", "recovery"]
+    summary = Goodput(started=100.0, recovery_seconds=5.0, loop_seconds=10.0, steps_run=10).summary(115.0)
+    assert summary["wall_seconds"] == 20.0 and summary["badput_recovery"] == 0.25 and summary["goodput"] == 0.5
