@@ -48,11 +48,14 @@ LLAMA = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=48)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A model's directory as import-hf leaves it: a byte-level BPE tokenizer.json (trained here,
-    offline) and tokenizer_config.json with the chat template and special tokens."""
+    return write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def write_model_dir(directory):
+    """`directory` made a model's directory as import-hf leaves it: a byte-level BPE tokenizer.json
+    (trained here, offline) and tokenizer_config.json with the chat template and special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    directory = tmp_path_factory.mktemp("model")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

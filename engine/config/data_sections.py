@@ -32,7 +32,9 @@ class DataConfig:
     reads: ClassVar[Optional[Callable]] = None  # the source (engine/data/sources.py) a section is of
 
     name: str = _name(sources.digits)
-    path: Optional[str] = option(None, "the file or directory for npz, idx, cifar10, text, tokens and chat")
+    path: Optional[str] = option(
+        None, "the file or directory for npz, idx, cifar10, text, tokens, table, chat and preferences"
+    )
     shuffle: bool = option(True, "reshuffle every epoch; the order is a function of (seed, epoch)")
     prefetch: int = option(
         2,
@@ -76,7 +78,7 @@ def _eval_fraction() -> Any:
 def _eval_path() -> Any:
     return option(
         None,
-        "table, text, chat: the held-out split read from these files (as data.path takes them) instead of "
+        "table, text, chat, preferences: the held-out split read from these files (as data.path takes them) instead of "
         "data.eval_fraction of data.path; all of data.path then trains",
     )
 
@@ -98,6 +100,27 @@ def _packing() -> Any:
         True,
         "tokens: pack whole documents into windows with segment ids and positions "
         "(else windows are cut from the concatenated stream)",
+    )
+
+
+def _overflow() -> Any:
+    return option(
+        "truncate",
+        "chat: a conversation longer than data.seq_len + 1 tokens is cut to them (truncate), left out (drop) or "
+        "refused (error: exit 2 naming its file and line); preferences: a pair's longer response is cut so that "
+        "the prompt (kept whole) and it fit (a pair whose prompt alone fills them is left out), the pair left "
+        "out, or refused; the counts are said at the start",
+        choices=("truncate", "drop", "error"),
+    )
+
+
+def _model_tokenizer() -> Any:
+    return option(
+        "",
+        "chat, preferences: the directory (an import-hf workdir, or a Hugging Face directory) whose tokenizer.json "
+        "and chat template render and tokenize the conversations, or a tokenizers JSON file of any name (with its "
+        "directory's chat template); \"\" = the model's: finetune.base's or checkpoint.restore_from's workdir, "
+        "else the run's own",
     )
 
 
@@ -231,19 +254,21 @@ class ChatData(DataConfig):
         "or all",
         choices=("assistant", "completion", "all"),
     )
-    overflow: str = option(
-        "truncate",
-        "chat: a conversation longer than data.seq_len + 1 tokens is cut to them (truncate), left out (drop) or "
-        "refused (error: exit 2 naming its file and line); the counts are said at the start",
-        choices=("truncate", "drop", "error"),
-    )
-    tokenizer: str = option(
-        "",
-        "chat: the directory (an import-hf workdir, or a Hugging Face directory) whose tokenizer.json and chat "
-        "template render and tokenize the conversations, or a tokenizers JSON file of any name (with its "
-        "directory's chat template); \"\" = the model's: finetune.base's or checkpoint.restore_from's workdir, "
-        "else the run's own",
-    )
+    overflow: str = _overflow()
+    tokenizer: str = _model_tokenizer()
+
+
+@dataclass(frozen=True)
+class PreferencesData(DataConfig):
+    """Preference pairs (JSON Lines of prompt, chosen, rejected) for train.objective=dpo."""
+
+    reads: ClassVar[Callable] = sources.preferences
+    name: str = _name(reads)
+    eval_fraction: float = _eval_fraction()
+    eval_path: Optional[str] = _eval_path()
+    seq_len: int = _seq_len()
+    overflow: str = _overflow()
+    tokenizer: str = _model_tokenizer()
 
 
 _SECTIONS = (
@@ -258,6 +283,7 @@ _SECTIONS = (
     TokensData,
     TableData,
     ChatData,
+    PreferencesData,
 )
 
 

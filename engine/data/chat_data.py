@@ -27,12 +27,14 @@ from engine.errors import UsageError
 from engine.lm.chat import CONFIG_FILE, JINJA_FILE, Renderer, read_chat_template
 from engine.lm.tokenizer import TOKENIZER
 
+MODEL_TEXT_SOURCES = ("chat", "preferences")  # the sources whose data.tokenizer is a model's (or "": the run's)
+
 
 def with_model(data, model_dir: Union[str, Path]):
-    """`data` with data.tokenizer="" of data.name=chat set to `model_dir`: the directory of the
-    model the run trains (its finetune.base or checkpoint.restore_from's workdir, else its own),
-    whose tokenizer and chat template the conversations are rendered and tokenized with."""
-    if data.name != "chat" or data.tokenizer:
+    """`data` with data.tokenizer="" of data.name=chat (or preferences) set to `model_dir`: the
+    directory of the model the run trains (its finetune.base or checkpoint.restore_from's workdir,
+    else its own), whose tokenizer and chat template the conversations are rendered and tokenized with."""
+    if data.name not in MODEL_TEXT_SOURCES or data.tokenizer:
         return data
     return dataclasses.replace(data, tokenizer=str(model_dir))
 
@@ -59,21 +61,12 @@ class Counts:
 def chat(cfg) -> Dataset:
     """Conversations of JSON Lines (data.path, data.eval_path or data.eval_fraction of data.path
     held out), rendered, tokenized and packed (see the module's docstring)."""
-    tokenizer_file, render = _model_files(cfg)
-    from tokenizers import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
-        raise UsageError(
-            f"data.tokenizer: {tokenizer_file} is not a readable Hugging Face tokenizers file ({e}); set "
-            "data.tokenizer to the model's tokenizer.json, or to the directory that holds it (and its chat template)"
-        ) from None
+    tokenizer_file, tokenizer, render = model_text(cfg)
     train = read_conversations(Path(cfg.path).expanduser(), "data.path")
     if cfg.eval_path:
         held = read_conversations(Path(cfg.eval_path).expanduser(), "data.eval_path")
     else:
-        train, held = _split(train, cfg.eval_fraction, cfg.path)
+        train, held = held_out(train, cfg.eval_fraction, cfg.path)
     splits, notes = [], []
     for what, conversations in (("train", train), ("eval", held)):
         arrays, counts = _packed(conversations, render, tokenizer, cfg)
@@ -92,13 +85,13 @@ def chat(cfg) -> Dataset:
     return Dataset(splits[0], splits[1], info)
 
 
-def _model_files(cfg) -> tuple[Path, Renderer]:
+def model_text(cfg) -> tuple[Path, Any, Renderer]:
     """data.tokenizer's tokenizer file (itself where it names a file, a Hugging Face tokenizers
-    JSON of any name; else its directory's tokenizer.json) and the chat template (compiled) of
-    that directory (a file's own)."""
+    JSON of any name; else its directory's tokenizer.json), that tokenizer (tokenizers.Tokenizer)
+    and the chat template (compiled) of that directory (a file's own)."""
     if not cfg.tokenizer:
         raise UsageError(
-            "data.name=chat reads the model's tokenizer and chat template: set data.tokenizer=DIR (a workdir "
+            f"data.name={cfg.name} reads the model's tokenizer and chat template: set data.tokenizer=DIR (a workdir "
             "import-hf made, or a Hugging Face directory)"
         )
     given = Path(cfg.tokenizer).expanduser()
@@ -122,22 +115,29 @@ def _model_files(cfg) -> tuple[Path, Renderer]:
             f"data.tokenizer={given}: {directory} has no chat template (no {JINJA_FILE}, nor chat_template in "
             f"{CONFIG_FILE}) to render the conversations with; {fix}"
         )
-    return tokenizer_file, Renderer(template, "correct the conversation, or the template")
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise UsageError(
+            f"data.tokenizer: {tokenizer_file} is not a readable Hugging Face tokenizers file ({e}); set "
+            "data.tokenizer to the model's tokenizer.json, or to the directory that holds it (and its chat template)"
+        ) from None
+    return tokenizer_file, tokenizer, Renderer(template, "correct the conversation, or the template")
 
 
-def _split(conversations: list[Conversation], fraction: float, path: str) -> tuple[list, list]:
-    """A fixed share of the conversations held out (whatever the run's seed), the rest in file order."""
-    count = len(conversations)
+def held_out(records: list, fraction: float, path: str, what: str = "conversation") -> tuple[list, list]:
+    """A fixed share of the records (`what`s) held out (whatever the run's seed), the rest in file order."""
+    count = len(records)
     held = max(1, int(round(count * fraction)))
     if held >= count:
         raise UsageError(
-            f"data.path={path} holds {count} conversation(s): too few to hold out data.eval_fraction={fraction} "
+            f"data.path={path} holds {count} {what}(s): too few to hold out data.eval_fraction={fraction} "
             "of them and train on the rest; give more, or the held-out ones in data.eval_path"
         )
     out = set(np.random.default_rng(SPLIT_SEED).permutation(count)[:held].tolist())
-    return [c for k, c in enumerate(conversations) if k not in out], [
-        c for k, c in enumerate(conversations) if k in out
-    ]
+    return [c for k, c in enumerate(records) if k not in out], [c for k, c in enumerate(records) if k in out]
 
 
 def _packed(conversations: list[Conversation], render: Renderer, tokenizer, cfg) -> tuple[dict, Counts]:
@@ -149,7 +149,7 @@ def _packed(conversations: list[Conversation], render: Renderer, tokenizer, cfg)
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     for conversation, (_, spans), encoding in zip(conversations, rendered, encodings):
-        tokens, mask = np.asarray(encoding.ids, np.int64), _mask(encoding.offsets, spans)
+        tokens, mask = np.asarray(encoding.ids, np.int64), token_mask(encoding.offsets, spans)
         if len(tokens) > window:
             if cfg.overflow == "error":
                 raise UsageError(
@@ -177,7 +177,7 @@ def _packed(conversations: list[Conversation], render: Renderer, tokenizer, cfg)
     return _windows(ids, masks, window, tokenizer.get_vocab_size(with_added_tokens=True)), counts
 
 
-def _mask(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+def token_mask(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
     """1 for each token whose characters overlap one of `spans`."""
     where = np.asarray(offsets, np.int64).reshape(-1, 2)
     mask = np.zeros(len(where), np.uint8)

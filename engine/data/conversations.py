@@ -41,16 +41,17 @@ def read_conversations(path: Path, key: str) -> list[Conversation]:
     and the field for the first bad one, and for a file that holds none."""
     if not path.is_file():
         raise UsageError(f"{key}={path} is not a file; give {FORMAT}")
-    conversations = list(_records(path))
+    conversations = [_conversation(record, where) for where, record in json_records(path, FORMAT)]
     if not conversations:
         raise UsageError(f"{key}={path} holds no conversations; give {FORMAT}")
     return conversations
 
 
-def _records(path: Path) -> Iterator[Conversation]:
-    """The file's records, each line decoded strictly: invalid UTF-8 is refused (file:line and its
-    byte offset), not trained on as U+FFFD. A line over MAX_RECORD_CHARS characters is refused,
-    one over 4 bytes a character (UTF-8's most) before it is decoded."""
+def json_records(path: Path, form: str) -> Iterator[tuple[str, Any]]:
+    """(file:line, the decoded JSON value) of each of the file's lines but blank ones, each line
+    decoded strictly: invalid UTF-8 is refused (file:line and its byte offset), not trained on as
+    U+FFFD. A line over MAX_RECORD_CHARS characters is refused, one over 4 bytes a character
+    (UTF-8's most) before it is decoded. `form`: the records' format, said where a line is no JSON."""
     start = 0  # the line's byte offset in the file
     with open(path, "rb") as f:
         for number, raw in enumerate(iter(lambda: f.readline(4 * MAX_RECORD_CHARS + 1), b""), 1):
@@ -74,8 +75,8 @@ def _records(path: Path) -> Iterator[Conversation]:
                 record = json.loads(line)
             except (json.JSONDecodeError, RecursionError) as e:
                 reason = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-                raise UsageError(f"{where}: not a JSON record ({reason}); {FORMAT}, one per line") from None
-            yield _conversation(record, where)
+                raise UsageError(f"{where}: not a JSON record ({reason}); {form}, one per line") from None
+            yield where, record
 
 
 def _conversation(record: Any, where: str) -> Conversation:
@@ -91,12 +92,12 @@ def _conversation(record: Any, where: str) -> Conversation:
         raise UsageError(f'{where}: no "messages" or "prompt" field (the record has {sorted(record)}); {FORMAT}')
     if "completion" not in record:
         raise UsageError(f'{where}: "prompt" without "completion" (the record has {sorted(record)}); {FORMAT}')
-    prompt = _part(record["prompt"], "prompt", "user", where)
-    completion = _part(record["completion"], "completion", "assistant", where)
+    prompt = as_messages(record["prompt"], "prompt", "user", where)
+    completion = as_messages(record["completion"], "completion", "assistant", where)
     return Conversation(where, prompt + completion, len(prompt))
 
 
-def _part(value: Any, field: str, role: str, where: str) -> list[dict]:
+def as_messages(value: Any, field: str, role: str, where: str) -> list[dict]:
     """A prompt or a completion: a string (one message of `role`) or a list of messages."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset, existing_dir
 from engine.data.chat_data import chat
+from engine.data.preferences import preferences
 from engine.data.table import table
 from engine.data.text import python_source, synthetic_text, text, tokens
 from engine.errors import UsageError
@@ -277,11 +278,14 @@ SOURCES = {
     "tokens": tokens,
     "table": table,
     "chat": chat,
+    "preferences": preferences,
 }
 
-FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table", "chat")  # the sources that read data.path
+# the sources that read data.path
+FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table", "chat", "preferences")
 MIXTURE_SOURCES = ("tokens",)  # the sources that read a weighted mixture from data.sources
-EVAL_PATH_SOURCES = ("table", "text", "chat")  # the sources that read their held-out split from data.eval_path
+# the sources that read their held-out split from data.eval_path
+EVAL_PATH_SOURCES = ("table", "text", "chat", "preferences")
 
 
 def load_dataset(cfg) -> Dataset:
