@@ -76,6 +76,12 @@ class TrainConfig:
         "gradients): fp8 (e4m3; gradients e5m2) or int8; none: compute_dtype. Llama-family models",
         choices=("none", "fp8", "int8"),
     )
+    objective: str = option(
+        "lm",
+        "what the run trains for: lm (next-token cross-entropy, or the model's own loss) or dpo (direct "
+        "preference optimisation on data.name=preferences pairs; the `dpo` section)",
+        choices=("lm", "dpo"),
+    )
     eager: bool = option(False, "run the step without jit, op by op (slow; for debugging, like TF eager)")
     compilation_cache_dir: str = option(
         "~/.cache/jax-engine/xla", 'JAX\'s persistent compilation cache ("" = off): a relaunch skips XLA compilation'
@@ -201,6 +207,34 @@ class DilocoConfig:
     )
     outer_learning_rate: float = option(0.7, "the outer optimizer's learning rate", above=0.0)
     outer_momentum: float = option(0.9, "the outer optimizer's momentum (nesterov, momentum)", at_least=0.0)
+    delay: int = option(
+        0,
+        "rounds between an outer gradient's exchange and its use: 0 (applied at the end of its own round) "
+        "or 1 (the overlapped outer step: applied at the end of the next round, so its all-reduce can "
+        "overlap that round's inner steps; replicas restart each round from the global parameters)",
+        choices=(0, 1),
+    )
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    """train.objective=dpo: direct preference optimisation against the frozen starting point (the
+    reference), with Hugging Face TRL's DPOTrainer's losses and metric names (docs/language-models.md)."""
+
+    beta: float = option(0.1, "how far the policy may move from the reference (TRL's beta)", above=0.0)
+    loss: str = option(
+        "sigmoid",
+        "TRL's loss_type: sigmoid (DPO), ipo (IPO's squared loss) or hinge (SLiC's)",
+        choices=("sigmoid", "ipo", "hinge"),
+    )
+    label_smoothing: float = option(
+        0.0, "sigmoid: the share of pairs taken as mislabelled (conservative DPO), in [0, 0.5)", at_least=0.0
+    )
+    precompute_reference: bool = option(
+        False,
+        "compute the reference's log-probabilities once before training instead of every step (not built "
+        "yet: true is refused)",
+    )
 
 
 @dataclass(frozen=True)
@@ -343,6 +377,21 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """What a multi-process job does when a process dies or hangs (docs/multihost.md, Elastic
+    continuation): with fault.elastic the local launcher (--local-processes) restarts the job on the
+    processes left, from the newest checkpoint, with the same global batch, data order and random numbers."""
+
+    elastic: bool = option(
+        False,
+        "restart the job on the processes left when one dies or hangs (--local-processes only; SLURM and "
+        "Kubernetes not yet); the outermost data axis (mesh.dcn_data, then mesh.data) shrinks",
+    )
+    min_processes: int = option(1, "fault.elastic: the fewest processes the job goes on with", at_least=1)
+    max_restarts: int = option(3, "fault.elastic: the most restarts before the job ends with exit 1", at_least=0)
+
+
+@dataclass(frozen=True)
 class Config:
     seed: int = option(0, "every random draw (init, dropout, data order) derives from this", at_least=0)
     workdir: str = option("", 'where outputs go ("" = runs/<config file name>; --workdir overrides it)')
@@ -354,11 +403,13 @@ class Config:
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     diloco: DilocoConfig = dataclasses.field(default_factory=DilocoConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+    dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = dataclasses.field(default_factory=WatchdogConfig)
+    fault: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
 
 def sections() -> list[tuple[str, Any]]:

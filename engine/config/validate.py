@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from contract.fields import choices_of
+from engine.config.objective import check_objective
+from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.data.features import entries
 from engine.data.sources import EVAL_PATH_SOURCES, FILE_SOURCES, MIXTURE_SOURCES
 from engine.data.text import source_name
@@ -53,6 +55,7 @@ def validate(cfg):
     _check_diloco(cfg)
     _check_local_tier(cfg.checkpoint)
     _check_finetune(cfg.finetune)
+    check_objective(cfg)
     _check_watched(cfg)
     _check_data(cfg.data)
     try:
@@ -146,6 +149,11 @@ def _check_mesh(mesh) -> None:
 def _check_diloco(cfg) -> None:
     """train.sync=diloco: the replicas' axis is set, and the rest of the run composes with it."""
     if cfg.train.sync != "diloco":
+        if cfg.diloco.delay:
+            raise UsageError(
+                f"diloco.delay={cfg.diloco.delay} delays DiLoCo's outer step, but train.sync={cfg.train.sync}; "
+                "set train.sync=diloco, or diloco.delay=0"
+            )
         return
     mesh, axis = cfg.mesh, cfg.diloco.replica_axis
     replicas = mesh.dcn_data if axis == "dcn_data" else mesh.data
@@ -296,7 +304,7 @@ def _check_table(data) -> None:
 
 def _check_sources(data) -> None:
     """data.tokenizer names a tokenizer; data.sources is a list of {path, weight[, name]} mappings."""
-    tokenizer = getattr(data, "tokenizer", "bytes") if data.name != "chat" else "bytes"  # (chat's: a model's)
+    tokenizer = getattr(data, "tokenizer", "bytes") if data.name not in MODEL_TEXT_SOURCES else "bytes"  # a model's
     bpe = tokenizer.startswith("bpe:") and tokenizer[4:].isdigit()
     if tokenizer != "bytes" and not bpe and not Path(tokenizer).expanduser().is_file():
         raise UsageError(

@@ -17,7 +17,10 @@ from engine.runtime.rundir import METRICS, append_line, read_records
 from engine.sweep.judge import Judged
 
 # what a plain (not a terminal's) train line shows of a train record, every log.every_steps
-PLAIN_TRAIN_KEYS = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu", "outer_step", "drift")
+# (and train.objective=dpo's, under TRL's names)
+PLAIN_TRAIN_KEYS: tuple[str, ...] = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu")
+PLAIN_TRAIN_KEYS += ("outer_step", "drift", "rewards/accuracies", "rewards/margins")
+BRIEF_KEYS = ("loss", "accuracy", "rewards/accuracies")  # what a progress bar shows
 
 
 class MetricWriter:
@@ -88,7 +91,7 @@ class MetricWriter:
         if split == "summary":  # the trainer prints its own one-paragraph summary
             return
         if self.bar is not None:
-            brief: dict[str, Any] = {k: values[k] for k in ("loss", "accuracy") if k in values}
+            brief: dict[str, Any] = {k: values[k] for k in BRIEF_KEYS if k in values}
             if split == "train":
                 self.bar.set_postfix({k: f"{v:.4g}" for k, v in brief.items()}, refresh=False)
             else:

@@ -18,6 +18,7 @@ import numpy as np
 from engine.checkpoint.store import Checkpointer, open_checkpoints
 from engine.config import Config, save_config, to_yaml
 from engine.data import eval_batches
+from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.data.recorded import PREPROCESSING, check_preprocessing
 from engine.lm.finetune import base_workdir
 from engine.lm.tokenizer import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
@@ -25,7 +26,7 @@ from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Throughput, Window
 from engine.observe.trackers import open_trackers
 from engine.run.best import Monitor, Verdict
-from engine.run.columns import MetricColumns
+from engine.run.columns import DPO_SUMS, MetricColumns, dpo_record
 from engine.run.step import weights_of
 from engine.runtime.preemption import starting
 from engine.runtime.rundir import (
@@ -75,7 +76,8 @@ class RunOutputs:
             return self.checkpointer
         if self.chief:
             write_run_files(self.cfg, info, self.workdir)
-        self.columns, self.config_text = MetricColumns(info.sources), to_yaml(self.cfg)
+        self.columns = MetricColumns(info.sources, dpo=self.cfg.train.objective == "dpo")
+        self.config_text = to_yaml(self.cfg)
         self.checkpointer = self._enter(open_checkpoints(directory, self.cfg, write=True, **options))
         return self.checkpointer
 
@@ -201,9 +203,14 @@ def eval_metrics(evaluation: Evaluation, state, trials: int = 0) -> list[dict[st
     weights = weights_of(state)
     for host_batch in evaluation.batches():
         sums = jax.device_get(evaluation.eval_step(weights, evaluation.put(host_batch)))  # a host sync per batch
-        totals = {name: total + np.asarray(sums[name], np.float64) for name, total in totals.items()}
+        for name in (*EVAL_SUMS, *DPO_SUMS):  # (DPO_SUMS: a DPO run's, engine/run/dpo.py)
+            if name in sums:
+                totals[name] = totals.get(name, 0.0) + np.asarray(sums[name], np.float64)
     metrics = []
     for index in range(trials) if trials else [()]:
+        if DPO_SUMS[0] in totals:  # TRL's names
+            metrics.append(dpo_record({name: total[index] for name, total in totals.items()}))
+            continue
         loss_sum, correct, count = (float(totals[name][index]) for name in EVAL_SUMS)
         loss = loss_sum / count
         metrics.append(
@@ -257,6 +264,15 @@ def claim(workdir: Path, closing: contextlib.ExitStack, **lock) -> None:
         closing.callback(unused)
 
 
+def _data_model_dir(data) -> Optional[Path]:
+    """The model directory of data.tokenizer where the data is a model's text (chat, preferences):
+    the directory it names, or its file's; None for other data."""
+    if data.name not in MODEL_TEXT_SOURCES or not data.tokenizer:
+        return None
+    given = Path(data.tokenizer).expanduser()
+    return given if given.is_dir() else given.parent
+
+
 def write_run_files(cfg: Config, info, workdir: Path) -> None:
     """config.yaml, the model files of the run it starts from (finetune.base, restore_from), and the
     tokenizer the run's text is read back with (sample, export); a UsageError first when the
@@ -265,7 +281,9 @@ def write_run_files(cfg: Config, info, workdir: Path) -> None:
     check_data_tokenizer(model_tokenizer_file(workdir, base), info, f"data (data.name={cfg.data.name})")
     check_preprocessing(workdir / PREPROCESSING, info)
     save_config(cfg, workdir / "config.yaml")
-    carry_model_files(base, workdir)  # its context, special tokens, chat template: for sample and export
+    # its context, special tokens, chat template: for sample and export (a run from scratch on chat
+    # data: the files of the model directory data.tokenizer names, whose template the data is in)
+    carry_model_files(base or _data_model_dir(cfg.data), workdir)
     if info.preprocessing_data:
         write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
     if info.tokenizer and Path(info.tokenizer).resolve() != (workdir / TOKENIZER).resolve():  # (chat: maybe its own)

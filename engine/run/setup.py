@@ -36,9 +36,10 @@ from engine.parallel.stages import storage_order
 from engine.parallel.sync import compile_sync
 from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
+from engine.run.dpo import objective_loss_fn
 from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
-from engine.run.step import TrainState, make_block_step, make_eval_step, make_loss_fn, make_train_step
+from engine.run.step import TrainState, make_block_step, make_eval_step, make_train_step
 from engine.runtime.memory import device_memory_bytes
 from engine.runtime.settings import compile_cache_events
 from models import REGISTRY, ModelFamily
@@ -179,14 +180,15 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     state = state_plan(cfg, mesh, family, module, dataset.info, tx, run_hparams(cfg))
     replica_axes: tuple[str, ...] = (diloco.REPLICA,) if bp.replicas_from else ()
     trained, evaluated = step_modules(cfg, dataset.info, bp, mesh, module, replica_axes)
-    loss_fn = make_loss_fn(trained, family.task, family.hparams, len(dataset.info.sources))
+    loss_fn = objective_loss_fn(cfg, trained, family, len(dataset.info.sources))
     resident = resident_bytes(cfg, dataset, lambda: device_memory_bytes(mesh))
     steps = bp.steps_per_block(resident > 0)
     one_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, bp.pmap_axis)
     sync_step: Optional[Callable] = None
     if bp.replicas_from:  # DiLoCo: the step taken by every replica alone, and the outer step
         one_step, sync_step = diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco)
-        state = state_plan_of(*diloco.state_functions(state, mesh), state.param_layouts, state.seed, state.hparams)
+        functions = diloco.state_functions(state, mesh, cfg.diloco.delay)
+        state = state_plan_of(*functions, state.param_layouts, state.seed, state.hparams)
     train_step = make_block_step(one_step, steps, bp.steps_per_call, resident > 0)
     shapes = Shapes(
         state.abstract,
@@ -199,7 +201,7 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
         vmapped=replica_axes,
         metrics_axes=replica_axes,
     )
-    eval_loss_fn = make_loss_fn(evaluated, family.task, family.hparams, len(dataset.info.sources))
+    eval_loss_fn = objective_loss_fn(cfg, evaluated, family, len(dataset.info.sources))
     eval_step = make_eval_step(eval_loss_fn, bp.pmap_axis)
     return Plan(
         mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step, trained

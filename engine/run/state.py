@@ -18,7 +18,7 @@ from engine.errors import UsageError
 from engine.lm import finetune
 from engine.parallel import sharding
 from engine.plan.hlo import human_bytes
-from engine.run.step import FROZEN, TrainState, split_variables
+from engine.run.step import FROZEN, REFERENCE, TrainState, split_variables
 from models import ModelFamily
 from models.family import projections
 
@@ -109,7 +109,25 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     def with_params(seed, hparams, params) -> TrainState:  # (the unused init is left out by XLA)
         return init_state(seed, hparams).replace(params=params)
 
+    if cfg.train.objective == "dpo" and not lora:  # DPO's reference (under LoRA: the base, engine/run/dpo.py)
+        init_state, with_params, shardings = with_reference(init_state, with_params, shardings)
     return state_plan_of(init_state, with_params, shardings, param_layouts, np.int32(cfg.seed), hparams)
+
+
+def with_reference(init_state, with_params, shardings) -> tuple[Callable, Callable, TrainState]:
+    """(init, init with given parameters, shardings) of a state whose model state also holds
+    REFERENCE: a copy of the starting parameters (DPO's reference model under full fine-tuning),
+    laid out as the parameters."""
+
+    def init(seed, hparams) -> TrainState:
+        state = init_state(seed, hparams)
+        return state.replace(model_state={**state.model_state, REFERENCE: jax.tree.map(jnp.copy, state.params)})
+
+    def init_with(seed, hparams, params) -> TrainState:
+        state = with_params(seed, hparams, params)
+        return state.replace(model_state={**state.model_state, REFERENCE: jax.tree.map(jnp.copy, params)})
+
+    return init, init_with, shardings.replace(model_state={**shardings.model_state, REFERENCE: shardings.params})
 
 
 def check_fits(abstract_state, room: int) -> None:

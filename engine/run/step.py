@@ -53,7 +53,7 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
         if target_weights is not None:
             weights = weights * target_weights
         variables = model_variables(params, model_state)
-        mutable = [*(c for c in model_state if train and c != FROZEN), AUX_COLLECTION]
+        mutable = [*(c for c in model_state if train and c not in UNTRAINED), AUX_COLLECTION]
         model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
         out, collections = module.apply(
             variables,
@@ -66,7 +66,7 @@ def make_loss_fn(module: nn.Module, task, hparam_names: tuple[str, ...] = (), nu
             **extra,
         )
         new_model_state = {**model_state, **split_variables(collections)[1]} if train else model_state
-        aux = _aux_totals(collections.get(AUX_COLLECTION, {}))
+        aux = aux_totals(collections.get(AUX_COLLECTION, {}))
         losses, hits = task.losses(out, targets)  # float32 per target, argmax == target
         count = jnp.sum(weights)
         loss_sum = jnp.sum(losses * weights)
@@ -94,15 +94,20 @@ AUX_COLLECTION = "aux"  # what a model sows while it runs (models/llama.py's MoE
 # the model state's frozen parameters (LoRA's base, engine/lm/finetune.py): they join the trained
 # ones (the state's `params`, the adapters) in the model's `params`, and get no gradient
 FROZEN = "frozen"
+# train.objective=dpo under full fine-tuning: the starting parameters, the reference model
+# (engine/run/dpo.py); neither collection is the module's own state, nor ever updated
+REFERENCE = "reference"
+UNTRAINED = (FROZEN, REFERENCE)
 
 
 def model_variables(params, model_state) -> dict:
     """The flax variables of (params, model_state): a fine-tuned model's frozen base and its
     trained adapters make one `params` tree."""
+    rest = {k: v for k, v in model_state.items() if k not in UNTRAINED}
     if FROZEN not in model_state:
-        return {"params": params, **model_state}
+        return {"params": params, **rest}
     merged = {**flatten_dict(model_state[FROZEN]), **flatten_dict(params)}
-    return {"params": unflatten_dict(merged), **{k: v for k, v in model_state.items() if k != FROZEN}}
+    return {"params": unflatten_dict(merged), **rest}
 
 
 AUX = ("aux_loss", "routed", "dropped")  # the values models may sow there
@@ -114,13 +119,16 @@ def split_variables(variables: Mapping) -> tuple[Any, dict]:
     return variables.get("params"), state
 
 
-def _aux_totals(sown) -> dict[str, jax.Array]:
+def aux_totals(sown) -> dict[str, jax.Array]:
     """Each AUX value summed over every layer that sowed it (0 where none did)."""
     totals = {name: jnp.zeros((), jnp.float32) for name in AUX}
     for path, value in jax.tree_util.tree_flatten_with_path(sown)[0]:
         name = next(str(k.key) for k in reversed(path) if hasattr(k, "key"))
         totals[name] = totals[name] + jnp.sum(value.astype(jnp.float32))
     return totals
+
+
+_aux_totals = aux_totals  # (its name before engine/run/dpo.py shared it)
 
 
 def _example_ids(batch, axis_name: Optional[str]) -> jax.Array:

@@ -1,0 +1,140 @@
+"""The DPO objective (train.objective=dpo): preference pairs scored by the policy and the reference.
+
+A batch of preference pairs (engine/data/preferences.py) holds `tokens`, `segments`, `positions`
+and `loss_mask` of shape [pairs, 2, seq_len + 1] (index 0 the chosen response, 1 the rejected
+one). Both are scored in one forward pass of the module ([2 * pairs, seq_len + 1] rows); a
+response's log-probability is the sum of log p(target) over the targets the language-model task
+counts (NextToken.target_weights: within the sequence, and on the response's tokens only).
+
+The reference model is the frozen starting point: under LoRA the same base with every adapter's
+B set to zero (B @ A adds nothing: the base alone; no second copy of the weights), under full
+fine-tuning the starting parameters, kept in the model state's REFERENCE collection (never
+trained; checkpointed with the state). Losses and metrics follow Hugging Face TRL's DPOTrainer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from engine.run.columns import DPO_SUMS
+from engine.run.step import AUX_COLLECTION, FROZEN, REFERENCE, UNTRAINED, aux_totals, make_loss_fn, model_variables
+
+
+def pair_rows(batch) -> dict:
+    """A batch of pairs → one of rows, chosen and rejected side by side: each array of a pair's two
+    rows ([pairs, 2, L]) → [2 * pairs, L] (the arrays of one value per pair are left out)."""
+    rows = {name: x.reshape(-1, *x.shape[2:]) for name, x in batch.items() if x.ndim >= 3}
+    if "example_id" in batch:  # dropout masks drawn per row: each pair's two rows their own
+        ids = batch["example_id"].astype(jnp.int32)
+        rows["example_id"] = (ids[:, None] * 2 + jnp.arange(2, dtype=jnp.int32)).reshape(-1)
+    return rows
+
+
+def sequence_logps(out, weights, average: bool = False) -> jax.Array:
+    """Each response's log-probability [pairs, 2] from the module's per-target cross-entropy
+    (`out`: (losses, hits) [2 * pairs, L]) and the targets counted (`weights`); `average`: per
+    counted target (TRL's IPO)."""
+    losses, _ = out
+    total = -jnp.sum(losses * weights, axis=-1)
+    if average:
+        total = total / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
+    return total.reshape(-1, 2)
+
+
+def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, loss: str, label_smoothing: float = 0.0):
+    """Per-pair loss of TRL's DPOTrainer (loss_type sigmoid, ipo or hinge) from the policy's and
+    the reference's response log-probabilities."""
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if loss == "sigmoid":
+        return -jax.nn.log_sigmoid(beta * h) * (1 - label_smoothing) - jax.nn.log_sigmoid(-beta * h) * label_smoothing
+    if loss == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    if loss == "hinge":
+        return jax.nn.relu(1 - beta * h)
+    raise ValueError(f"dpo.loss={loss} is not one of sigmoid, ipo, hinge")
+
+
+def reference_variables(params, model_state) -> dict:
+    """The flax variables of the reference model: the full fine-tuning run's starting parameters
+    (REFERENCE), or a LoRA run's base with its adapters switched off (each lora_b zero)."""
+    if REFERENCE in model_state:
+        rest = {k: v for k, v in model_state.items() if k != REFERENCE}
+        return model_variables(jax.lax.stop_gradient(model_state[REFERENCE]), rest)
+    if FROZEN not in model_state:
+        raise ValueError("train.objective=dpo needs a reference: LoRA's frozen base or the starting parameters")
+
+    def off(path, leaf):
+        return jnp.zeros_like(leaf) if getattr(path[-1], "key", None) == "lora_b" else leaf
+
+    return model_variables(jax.lax.stop_gradient(jax.tree_util.tree_map_with_path(off, params)), model_state)
+
+
+def pair_metrics(logps, ref_logps, pair_weights, dpo) -> tuple[jax.Array, dict]:
+    """(the loss summed over the pairs, TRL's metrics as sums over the pairs: DPO_SUMS, `correct`
+    (rewards/accuracies) and `count` (the pairs))."""
+    (chosen, rejected), (ref_chosen, ref_rejected) = logps.T, ref_logps.T  # (each [pairs, 2])
+    losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss, dpo.label_smoothing)
+    reward_chosen = jax.lax.stop_gradient(dpo.beta * (chosen - ref_chosen))
+    reward_rejected = jax.lax.stop_gradient(dpo.beta * (rejected - ref_rejected))
+    per_pair = {
+        "rewards_chosen": reward_chosen,
+        "rewards_rejected": reward_rejected,
+        "logps_chosen": jax.lax.stop_gradient(chosen),
+        "logps_rejected": jax.lax.stop_gradient(rejected),
+    }
+    sums = {name: jnp.sum(per_pair[name] * pair_weights) for name in DPO_SUMS}
+    sums["correct"] = jnp.sum((reward_chosen > reward_rejected).astype(jnp.float32) * pair_weights)
+    sums["count"] = jnp.sum(pair_weights)
+    return jnp.sum(losses * pair_weights), sums
+
+
+def make_dpo_loss_fn(module: nn.Module, task, dpo, hparam_names: tuple[str, ...] = ()) -> Callable:
+    """loss(params, model_state, batch, rng, train, hparams) → (mean loss over the pairs, (metric
+    sums, new model_state)), as engine/run/step.py make_loss_fn's: `loss_sum`, `correct` and
+    `count` count pairs, and DPO_SUMS add TRL's rewards and log-probabilities (`dpo`: the config's
+    `dpo` section)."""
+    average = dpo.loss == "ipo"  # TRL scores IPO's responses by their mean log-probability per token
+
+    def score(variables, rows, rng, train: bool, mutable, model_hparams):
+        inputs, targets, extra = task.model_inputs(rows)
+        out, collections = module.apply(
+            variables,
+            inputs,
+            train=train,
+            example_ids=rows.get("example_id"),
+            rngs={"dropout": rng} if train else None,
+            mutable=mutable,
+            **model_hparams,
+            **extra,
+        )
+        return sequence_logps(task.losses(out, targets), task.target_weights(rows), average), collections
+
+    def loss_fn(params, model_state, batch, rng, train: bool, hparams=None):
+        rows = pair_rows(batch)
+        mutable = [*(c for c in model_state if train and c not in UNTRAINED), AUX_COLLECTION]
+        model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
+        logps, collections = score(model_variables(params, model_state), rows, rng, train, mutable, model_hparams)
+        ref_logps, _ = score(reference_variables(params, model_state), rows, None, False, [AUX_COLLECTION], {})
+        pairs = jax.tree.leaves(batch)[0].shape[0]
+        pair_weights = batch.get("mask", jnp.ones((pairs,), jnp.float32)).astype(jnp.float32)
+        loss_sum, metrics = pair_metrics(logps, jax.lax.stop_gradient(ref_logps), pair_weights, dpo)
+        new_state = {k: v for k, v in collections.items() if k != AUX_COLLECTION}
+        new_model_state = {**model_state, **new_state} if train else model_state
+        aux = aux_totals(collections.get(AUX_COLLECTION, {}))
+        metrics.update(
+            loss_sum=loss_sum, aux_loss=aux["aux_loss"] * metrics["count"], routed=aux["routed"], dropped=aux["dropped"]
+        )
+        return loss_sum / jnp.maximum(metrics["count"], 1.0) + aux["aux_loss"], (metrics, new_model_state)
+
+    return loss_fn
+
+
+def objective_loss_fn(cfg, module: nn.Module, family, num_sources: int = 0) -> Callable:
+    """The loss function of the config's train.objective: make_dpo_loss_fn's, or make_loss_fn's."""
+    if cfg.train.objective == "dpo":
+        return make_dpo_loss_fn(module, family.task, cfg.dpo, family.hparams)
+    return make_loss_fn(module, family.task, family.hparams, num_sources)
