@@ -47,7 +47,7 @@ from engine.checkpoint.local_files import (
     write_copy,
 )
 from engine.checkpoint.local_reshard import describe, rebuild, to_all
-from engine.checkpoint.packing import LayoutMismatch, ShardingMismatch, check_fits, pack, unpack
+from engine.checkpoint.packing import LayoutMismatch, ShardingMismatch, check_fits, pack, refitted, unpack
 from engine.checkpoint.peers import (
     choose_peers,
     host_key,
@@ -239,8 +239,9 @@ class LocalTier:
 
     def restore(self, abstract_state, persistent_newest: Optional[int]) -> Optional[LocalRestored]:
         """The newest step complete across the processes and not older than the persistent tier's
-        newest, read into `abstract_state`'s shardings; None when there is none or it does not fit
-        or read (on any process: all then restore the persistent tier; `declined` says why)."""
+        newest, read into `abstract_state`'s shardings (or a refit's: packing.refitted); None when there
+        is none or it does not fit or read (on any process: all then restore the persistent tier;
+        `declined` says why)."""
         fresh, newest = self._agree(persistent_newest)
         self.fresh = False  # (the run has begun: a later restore keeps what it saves)
         if fresh:
@@ -302,6 +303,7 @@ class LocalTier:
         problem, state, mine, other = "", None, loaded.get(self.process), False
         try:
             mine = mine or from_header(*received[0])
+            abstract_state = refitted(abstract_state, mine.layout["paths"], mine.layout["shapes"])
             check_fits(mine.layout, abstract_state)
             state = unpack(mine.buffer, mine.layout, abstract_state)
         except ShardingMismatch:
@@ -326,7 +328,8 @@ class LocalTier:
         copies = dict(loaded)
         try:
             copies.update((copy.owner, copy) for copy in (from_header(*pair) for pair in received))
-            state = rebuild(copies, abstract_state)
+            layout = copies[min(copies)].layout if copies else {"paths": [], "shapes": []}
+            state = rebuild(copies, refitted(abstract_state, layout["paths"], layout["shapes"]))
         except LayoutMismatch as e:
             problem = f"does not fit this run ({e})"
         except Exception as e:  # any failure to read: every process restores the persistent tier

@@ -12,6 +12,7 @@ is a ShardingMismatch, and local_reshard.py rebuilds the arrays from every proce
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -20,6 +21,15 @@ import numpy as np
 
 class LayoutMismatch(Exception):
     """A packed state does not fit the target: another structure, shape, dtype or sharding."""
+
+
+def refitted(target, paths: list[str], shapes: list) -> Any:
+    """`target`, or, when it is a refit (a function of the saved arrays' shapes by path, "a/b/c" →
+    shape), the abstract state it gives for those: a state read into another shape than the run's
+    (DiLoCo's replicas on another count, engine/parallel/diloco_shrink.py)."""
+    if not callable(target):
+        return target
+    return target({"/".join(re.findall(r"\w+", path)): tuple(shape) for path, shape in zip(paths, shapes)})
 
 
 class ShardingMismatch(LayoutMismatch):

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
+import jax
 import orbax.checkpoint as ocp
 
 from engine.checkpoint.diagnosis import (
@@ -34,6 +35,7 @@ from engine.checkpoint.diagnosis import (
 from engine.checkpoint.frozen_base import FrozenBase
 from engine.checkpoint.integrity import Checksums, Damaged, set_aside, verdict
 from engine.checkpoint.local_tier import LocalTier
+from engine.checkpoint.packing import refitted
 from engine.checkpoint.staging import InBackground, effective_staging, staged_copy
 from engine.errors import UsageError
 from engine.lm.finetune import BaseWeights, base_weights
@@ -163,7 +165,9 @@ class Checkpointer:
     def restore(self, abstract_state, step: Optional[int] = None) -> Optional[Restored]:
         """The checkpoint at `step`, or the newest readable one; None if there is none.
 
-        Arrays are read directly into the shardings that `abstract_state` carries.
+        Arrays are read directly into the shardings that `abstract_state` carries; a refit (a
+        function of a checkpoint's saved shapes by path, packing.refitted) gives the abstract state
+        for each checkpoint it tries (DiLoCo onto another replica count: diloco_shrink.py).
         """
         steps = [step] if step is not None else list(reversed(self.steps()))
         target = abstract_state if self._frozen_base is None else FrozenBase.saved_part(abstract_state)
@@ -190,16 +194,18 @@ class Checkpointer:
         got = self.local.restore(target, persistent_newest)
         if got is None:
             return None
-        check_shardings(got.state, target)
+        if not callable(target):
+            check_shardings(got.state, target)
         return Restored(got.state, {**got.meta, "tier": "local", "restored_from": got.source}, got.step)
 
-    def _restore(self, abstract_state, steps: list[int], step: Optional[int]) -> Restored:
+    def _restore(self, target, steps: list[int], step: Optional[int]) -> Restored:
         failures, damaged = [], {}
         for candidate in steps:
             try:
                 mismatch = self._verify(candidate)
                 if mismatch:
                     raise Damaged(mismatch)
+                abstract_state = self._refitted(target, candidate)
                 check_compatible(self._saved_params(candidate), abstract_state.params, self.directory, candidate)
                 restored = self._read(candidate, abstract_state)
             except UsageError:
@@ -229,6 +235,21 @@ class Checkpointer:
             f"deleted. Move that directory aside to start afresh, or set checkpoint.restore_from to a "
             f"good checkpoint"
         )
+
+    def _refitted(self, target, step: int):
+        """`target`, or a refit's abstract state for the arrays saved at `step`."""
+        if not callable(target):
+            return target
+        flat = jax.tree_util.tree_flatten_with_path(self.manager.item_metadata(step)["state"])[0]
+        return refitted(target, [jax.tree_util.keystr(path) for path, _ in flat], [leaf.shape for _, leaf in flat])
+
+    def discard_after(self, step: int) -> None:
+        """The run goes on from `step`, before the step it restored (DiLoCo's round start): the
+        checkpoints after it, of both tiers, belong to a past it trains again and are deleted."""
+        for later in (s for s in self.steps() if s > step):
+            self.manager.delete(later)
+        if self.local is not None:
+            self.local.discard_after(step)
 
     def _read(self, step: int, abstract_state) -> dict:
         """The step's state (into `abstract_state`) and meta; a checkpoint saved before the

@@ -7,6 +7,7 @@ so a job never asks which strategy is in use."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Optional
 
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from engine.observe.perf import fetch_rows
-from engine.parallel import diloco
+from engine.parallel import diloco, diloco_shrink
 from engine.parallel.sharding import replicated
 from engine.run.columns import combine_copies
 
@@ -31,6 +32,9 @@ class SyncPart:
     program: Any = None  # the compiled sync program: state → (state, {figure: scalar}), after every `every` steps
     combine: Optional[Callable] = None  # compiled: [steps, copies, columns] → [steps, columns]
     fields: Callable[[int], dict] = _no_fields  # a log record's figures at a step (the sync program's added by Syncing)
+    # (checkpointer, abstract state) → its Restored: the strategy's own way back from a checkpoint (DiLoCo's: onto
+    # another replica count, diloco_shrink.py); None: the checkpointer's restore
+    restore: Optional[Callable] = None
 
 
 def _every_step(cfg, compiled, plan):
@@ -55,7 +59,8 @@ def _diloco(cfg, compiled, plan):
     def fields(done: int) -> dict:
         return {"outer_step": done // inner, "exchanged_bytes_per_step": per_step}
 
-    part = SyncPart(inner, program, jax.jit(combine_copies, out_shardings=replicated(plan.mesh)), fields)
+    combine = jax.jit(combine_copies, out_shardings=replicated(plan.mesh))
+    part = SyncPart(inner, program, combine, fields, functools.partial(diloco_shrink.restore, inner_steps=inner))
     return dataclasses.replace(
         compiled, sync=part, compile_seconds=compiled.compile_seconds + time.perf_counter() - started
     )
