@@ -51,7 +51,14 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="M",
-        help="simulated CPU devices per local process (default 1)",
+        help="simulated CPU devices per local process (default 1); with --elastic: each SLURM task's devices "
+        "(default: SLURM_GPUS_PER_TASK, else XLA_FLAGS' forced CPU device count, else 1)",
+    )
+    group.add_argument(
+        "--elastic",
+        action="store_true",
+        help="inside a SLURM allocation (sbatch script or salloc; not under srun): drive the job as srun steps of "
+        "the allocation's tasks, restarted on the tasks left when one dies (needs fault.elastic=true)",
     )
     group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
     group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
@@ -62,14 +69,16 @@ def parser() -> argparse.ArgumentParser:
 
 def trains(argv: list[str]) -> bool:
     """The launcher of local processes trains nothing itself: its children note signals."""
-    return not any(arg.split("=")[0] == "--local-processes" for arg in argv)
+    return not any(arg.split("=")[0] in ("--local-processes", "--elastic") for arg in argv)
 
 
 def runs_jax(args) -> bool:
-    return not args.local_processes
+    return not args.local_processes and not args.elastic
 
 
 def run(args, argv: list[str]) -> int:
+    if args.elastic:
+        return _slurm_job(args, argv)
     if args.local_processes:
         return _local_job(args, argv)
     import jax
@@ -124,6 +133,24 @@ def _local_job(args, argv: list[str]) -> int:
 
         return run_elastic_job(without_local_flags(argv), cfg, args.local_processes, args.devices_per_process)
     return run_local_job(without_local_flags(argv), args.local_processes, args.devices_per_process)
+
+
+def _slurm_job(args, argv: list[str]) -> int:
+    """`--elastic`: this process drives the SLURM job (engine/runtime/elastic_slurm.py)."""
+    from engine.config import load_config
+    from engine.errors import UsageError
+    from engine.runtime.elastic_slurm import check_driver, run_slurm_job, task_devices
+
+    if args.local_processes:
+        raise UsageError(
+            "--elastic drives a SLURM job; a local job (--local-processes N) restarts itself with fault.elastic=true "
+            "alone: drop --elastic"
+        )
+    cfg = load_config(args.config, args.overrides, args.workdir)
+    tasks = check_driver(cfg)
+    given = args.devices_per_process if any(a.split("=")[0] == "--devices-per-process" for a in argv) else None
+    step_args = [a for a in without_local_flags(argv) if a != "--elastic"]
+    return run_slurm_job(step_args, cfg, tasks, task_devices(given))
 
 
 def _elastic_config(args):

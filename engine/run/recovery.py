@@ -7,8 +7,10 @@ failure, the lost process, how it died, the step reached, the step restored, the
 seconds lost from the failure to this first step, the processes now), and says it on the console.
 The time from the failure to this process's start is counted as the summary's badput_recovery.
 
-ENGINE_TEST_KILL_AT=process:step[:start],... (tests only) makes that process SIGKILL itself once it
-has dispatched that step, in that start of the job (ENGINE_ELASTIC_ATTEMPT; 0 when not given).
+ENGINE_TEST_KILL_AT=process:step[:start[:local]],... (tests only) makes that process SIGKILL itself once
+it has dispatched that step, in that start of the job (ENGINE_ELASTIC_ATTEMPT; 0 when not given; `local`:
+engine/runtime/restart.py). ENGINE_TEST_HANG_AT (the same form) makes it sleep for ever there instead:
+a hung process, which its watchdog ends.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +27,7 @@ import jax
 
 from engine.runtime.elastic import ATTEMPT, FAILURES, RECOVERY, failure_record, pending
 
-KILL = "ENGINE_TEST_KILL_AT"
+KILL, HANG = "ENGINE_TEST_KILL_AT", "ENGINE_TEST_HANG_AT"
 
 
 def attempt() -> int:
@@ -32,19 +35,25 @@ def attempt() -> int:
     return int(os.environ.get(ATTEMPT, "0") or 0)
 
 
-def kill_step() -> Optional[int]:
-    """The step after which this process kills itself (ENGINE_TEST_KILL_AT; tests only), or None."""
-    for entry in filter(None, os.environ.get(KILL, "").split(",")):
-        process, step, *start = (int(part) for part in entry.split(":"))
-        if process == jax.process_index() and (start[0] if start else 0) == attempt():
-            return step
+def kill_step() -> Optional[tuple[int, bool]]:
+    """The step after which this process kills itself (ENGINE_TEST_KILL_AT), or hangs
+    (ENGINE_TEST_HANG_AT: True), and which; None when neither names it (tests only)."""
+    for hang, variable in enumerate((KILL, HANG)):
+        for entry in filter(None, os.environ.get(variable, "").split(",")):
+            process, step, *start = (int(part) for part in entry.split(":")[:3])
+            if process == jax.process_index() and (start[0] if start else 0) == attempt():
+                return step, bool(hang)
     return None
 
 
-def kill_if_due(at: Optional[int], done: int) -> None:
-    """SIGKILL this process once `done` reaches `at` (the tests' lost process: no clean-up)."""
-    if at is not None and done >= at:
-        os.kill(os.getpid(), signal.SIGKILL)
+def kill_if_due(at: Optional[tuple[int, bool]], done: int) -> None:
+    """SIGKILL this process once `done` reaches `at` (the tests' lost process: no clean-up), or
+    sleep for ever (the tests' hung process: its watchdog ends it)."""
+    if at is None or done < at[0]:
+        return
+    while at[1]:
+        time.sleep(60)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Recovery:
@@ -59,8 +68,8 @@ class Recovery:
         chief = jax.process_index() == 0
         if cfg.fault.elastic and ATTEMPT not in os.environ and jax.process_count() > 1 and chief:
             print(
-                "note: fault.elastic restarts jobs started with --local-processes only (SLURM and Kubernetes: "
-                "not yet); here a lost process ends the job",
+                "note: fault.elastic restarts jobs started with --local-processes, or driven by `launch.py train "
+                "--elastic` in a SLURM allocation (Kubernetes: not yet); here a lost process ends the job",
                 file=sys.stderr,
             )
         failures = json.loads(os.environ.get(FAILURES, "") or "[]")

@@ -14,6 +14,17 @@ Each restarted process gets ENGINE_ELASTIC_ATTEMPT=k and the failures so far in
 ENGINE_ELASTIC_FAILURES (JSON); process 0 of the job that recovers writes one `split: "recovery"`
 record per failure to metrics.jsonl after its first step (engine/run/recovery.py). Failures no
 job recovered from are recorded by the launcher when it gives up. Imports no jax.
+
+After a failure the survivors are SIGKILLed at once, not given the launcher's SIGTERM grace
+(launcher.GRACE_SECONDS, 10 s): with a peer gone, a survivor's SIGTERM save cannot complete (it
+is a collective: the preemption sync point and every shard's write need every process), and a
+survivor blocked in a step's collective waits there until the SIGKILL anyway, so the grace only
+added its seconds to the time lost. Nothing is lost by it: every checkpoint of either tier is
+written to a temporary name and committed when complete (a killed save leaves none, and a local
+step that does not read is set aside), so the tiers hold the newest step saved before the failure
+whatever moment the kill comes. The record's `seconds_to_stop` is that stop (measured on this
+2-core machine, mnist_mlp 4x2 killed at step 20: seconds_lost 26.9 s with the grace, see
+docs/multihost.md for after). fault.precompile: engine/runtime/restart.py.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import json
 import math
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,10 +57,10 @@ def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
             f"fault.elastic=true: fault.min_processes={fault.min_processes} leaves no smaller job for "
             f"{processes} processes to go on with; set fault.min_processes below {processes}"
         )
-    if cfg.train.sync == "diloco":
+    if cfg.train.sync == "diloco" and cfg.finetune.base:
         raise UsageError(
-            "fault.elastic=true with train.sync=diloco: continuing on fewer DiLoCo replicas is not built yet; "
-            "set fault.elastic=false (a lost process then ends the job) or train.sync to another mode"
+            "fault.elastic=true with train.sync=diloco and finetune.base: continuing on fewer DiLoCo replicas is "
+            "not built for a frozen base yet; set fault.elastic=false (a lost process then ends the job)"
         )
     sizes = {axis: getattr(cfg.mesh, axis) for axis in CONFIG_AXES}
     derived = [axis for axis, size in sizes.items() if size == -1 and axis != "data"]
@@ -69,7 +81,23 @@ def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
                 f"where the data axis is the one that shrinks: {problem}. Fix: {_fix(cfg, counts, devices, others)}"
             )
         plans[count] = overrides
+        _check_replicas(cfg, count, processes, count * devices // others)
     return plans
+
+
+def _check_replicas(cfg, count: int, processes: int, data: int) -> None:
+    """train.sync=diloco: UsageError when a job of `count` processes (mesh.data = `data`) would hold
+    fewer than 2 replicas (its replica axis shrinks with the data axis: diloco_shrink.py)."""
+    if cfg.train.sync != "diloco":
+        return
+    axis = cfg.diloco.replica_axis
+    replicas = cfg.mesh.dcn_data * count // processes if axis == "dcn_data" else data
+    if replicas < 2:
+        raise UsageError(
+            f"fault.elastic=true with train.sync=diloco: a job of {count} processes would hold {replicas} "
+            f"replica(s) (diloco.replica_axis={axis}), and DiLoCo needs 2 or more; raise fault.min_processes "
+            f"above {count}"
+        )
 
 
 def _layout(cfg, count: int, processes: int, devices: int, others: int, batch_others: int):
@@ -152,6 +180,7 @@ def failure_record(failure: dict, **recovery: Any) -> dict:
         "how": failure["how"],
         "step_reached": failure["step"],
         "processes_before": failure["processes"],
+        "seconds_to_stop": failure.get("seconds_to_stop"),
         **recovery,
     }
 
@@ -160,8 +189,11 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
     """The local job under fault.elastic: started again on the processes left after each failure;
     its exit code (1 with one message naming every failure when it cannot go on)."""
     from engine.runtime.launcher import run_local_job
+    from engine.runtime.restart import Precompiles, check_precompile, drop_local_tier
 
     plans = shrink_plan(cfg, processes, devices)
+    check_precompile(cfg)
+    precompiles = Precompiles(args, plans, devices, cfg)
     workdir, fault = Path(cfg.workdir), cfg.fault
     failures: list[dict] = []
     alive, attempt = processes, 0
@@ -169,20 +201,24 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
         hangs = set(workdir.glob("hang-*.txt"))
         seen: list[tuple[int, int, float]] = []
         env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures)}
-        code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen)
+        precompiles.start(alive)
+        code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen, grace=0)
+        precompiles.stop()
         if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
             return code
-        step = _step_reached(workdir)
+        step = step_reached(workdir)
         new_hangs = sorted(set(workdir.glob("hang-*.txt")) - hangs)
         for index, rc, when in lost(seen):
             how = describe(rc)
             if new_hangs and rc == 1:
                 how = f"hung ({how} by its watchdog: {new_hangs[0].name})"
             failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
+            failures[-1]["seconds_to_stop"] = round(time.time() - when, 3)  # the survivors stopped
         alive -= len(lost(seen))
-        limit = _limit(fault, attempt, alive)
+        limit = restart_limit(fault, attempt, alive)
         if limit:
-            return _give_up(workdir, failures, limit)
+            return give_up(workdir, failures, limit)
+        drop_local_tier(cfg, attempt)  # (tests only)
         attempt += 1
         sys.stderr.write(
             f"elastic: restarting the job on {alive} processes (restart {attempt} of at most "
@@ -190,7 +226,7 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
         )
 
 
-def _limit(fault, attempt: int, alive: int) -> str:
+def restart_limit(fault, attempt: int, alive: int) -> str:
     """Why the job cannot be restarted ("" when it can)."""
     if attempt >= fault.max_restarts:
         return f"fault.max_restarts={fault.max_restarts} restart(s) used"
@@ -199,13 +235,13 @@ def _limit(fault, attempt: int, alive: int) -> str:
     return ""
 
 
-def _step_reached(workdir: Path) -> Optional[int]:
+def step_reached(workdir: Path) -> Optional[int]:
     """The last training step metrics.jsonl records (None before the first)."""
     steps = [r["step"] for r in read_records(workdir / METRICS) if r["split"] == "train"]
     return max(steps, default=None)
 
 
-def _give_up(workdir: Path, failures: list[dict], limit: str) -> int:
+def give_up(workdir: Path, failures: list[dict], limit: str) -> int:
     """Records the failures no job recovered from, says every failure, and returns 1."""
     for failure in pending(workdir, failures) if workdir.is_dir() else []:
         record = failure_record(failure, step_restored=None, tier=None, seconds_lost=None, processes_now=0)

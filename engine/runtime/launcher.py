@@ -38,11 +38,14 @@ def _relay(index: int, stream, sink) -> None:
         sink.flush()
 
 
-def _stop_with(launcher: int):
+def _stop_with(launcher: int, niceness: int = 0):
     """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG), so it saves and stops instead of training on unattended."""
+    PR_SET_PDEATHSIG), so it saves and stops instead of training on unattended; `niceness` lowers
+    its CPU priority (a background job's)."""
 
     def arrange() -> None:
+        if niceness:
+            os.nice(niceness)
         if sys.platform.startswith("linux"):
             import ctypes
 
@@ -63,10 +66,12 @@ def run_local_job(
     devices_per_process: int,
     env: Optional[dict[str, str]] = None,
     failed: Optional[list[tuple[int, int, float]]] = None,
+    grace: float = GRACE_SECONDS,
 ) -> int:
     """Runs `launch.py args` as `processes` processes (with `env` added to their environment);
     returns the job's exit code. `failed` receives (process, return code, time.time()) of the first failures seen
-    (a preemption's exits are not failures)."""
+    (a preemption's exits are not failures). After a failure the others get SIGTERM and `grace`
+    seconds before SIGKILL (0: SIGKILL at once; engine/runtime/elastic.py says why it may)."""
     children, relays = _start(args, processes, devices_per_process, env or {})
     preempted: list[int] = []
 
@@ -78,17 +83,24 @@ def run_local_job(
 
     previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _wait(children, preempted, failed if failed is not None else [])
+        return _wait(children, preempted, failed if failed is not None else [], grace)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop(children)
+        _stop(children, grace)
         for relay in relays:  # the children's last lines (an error message, say) are still in the pipes
             relay.join(timeout=5)
 
 
-def _start(args: list[str], processes: int, devices_per_process: int, extra: dict[str, str]):
-    """The processes, each with a thread relaying its output lines prefixed by its index."""
+def start_background(args: list[str], processes: int, devices_per_process: int, log) -> list[subprocess.Popen]:
+    """`launch.py args` as `processes` processes at the lowest CPU priority (nice 19), their output
+    to the open file `log`; each is its own process group (stop it with os.killpg)."""
+    return _start(args, processes, devices_per_process, {}, log)[0]
+
+
+def _start(args: list[str], processes: int, devices_per_process: int, extra: dict[str, str], log=None):
+    """The processes, each with a thread relaying its output lines prefixed by its index (or, in
+    the background, writing them to the open file `log` at nice 19)."""
     port = free_port()
     env = dict(
         os.environ,
@@ -110,20 +122,24 @@ def _start(args: list[str], processes: int, devices_per_process: int, extra: dic
         child = subprocess.Popen(
             command,
             env=env,
-            stdout=subprocess.PIPE,
+            stdout=log or subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
-            preexec_fn=_stop_with(os.getpid()),
+            preexec_fn=_stop_with(os.getpid(), 19 if log else 0),
         )
+        children.append(child)
+        if log:
+            continue
         relay = threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True)
         relay.start()
-        children.append(child)
         relays.append(relay)
     return children, relays
 
 
-def _wait(children: list[subprocess.Popen], preempted: list[int], seen: list[tuple[int, int, float]]) -> int:
+def _wait(
+    children: list[subprocess.Popen], preempted: list[int], seen: list[tuple[int, int, float]], grace: float
+) -> int:
     """The job's exit code: 0 when all succeed; the first failure stops the others (`seen` gets
     the failures found at that moment)."""
     while True:
@@ -138,7 +154,7 @@ def _wait(children: list[subprocess.Popen], preempted: list[int], seen: list[tup
             seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
             sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
-            _stop(children)
+            _stop(children, grace)
             return code if code == 143 and all(c == 143 for _, c in failed) else 1
         if all(code == 0 for code in codes):
             return 0
@@ -150,14 +166,15 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _stop(children: list[subprocess.Popen]) -> None:
+def _stop(children: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM to the processes still running, SIGKILL to their process groups after `grace` seconds."""
     for child in children:
-        if child.poll() is None:
+        if child.poll() is None and grace > 0:
             child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
+    deadline = time.monotonic() + grace
     for child in children:
         try:
-            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1) if grace > 0 else 0)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)  # its whole process group
             child.wait()

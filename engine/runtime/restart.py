@@ -1,0 +1,121 @@
+"""Between an elastic job's starts: the background precompiles of its smaller sizes, a test's lost local tier.
+
+fault.precompile: while a job of n processes trains, the launcher runs `launch.py ... --dry-run`
+(the engine's own ahead-of-time compile of the train and eval steps, engine/plan/dryrun.py) as a
+job of n-1 processes with that size's mesh overrides, at the lowest CPU priority (nice 19),
+writing into JAX's persistent compilation cache (train.compilation_cache_dir); then n-2, down to
+fault.min_processes, one size at a time. A restart on n-1 processes then finds its programs in
+the cache (its summary's compile_cache_hits) and skips XLA compilation. The cache's key is the
+program, its device assignment, the XLA flags and the jax/XLA versions, so the dry run of the same
+command on the same process and device counts compiles exactly what the restarted job asks for
+(jax 0.10.2, CPU, 3 processes x 2 devices: the training job's build had 6 hits and no miss after
+one dry run). The precompiles start once the job has written to metrics.jsonl (its own compile is
+over: they never compete with it), each size's output goes to WORKDIR/precompile-<n>.log and one
+line on stderr says when it is in the cache; a failed precompile is a warning, never the job's
+end. A restart stops the precompiles still running (SIGKILL: they only write complete cache
+entries) and starts those of the sizes below the new one.
+
+ENGINE_TEST_KILL_AT=process:step:start:local (tests only; recovery.py reads the first three
+fields): after that start of the job ended, before the restart, the launcher removes the lost
+process's local tier: `own` its process_<k> folder in checkpoint.local_dir (its host's storage:
+the restore takes its shards from a peer's copy), `all` every copy of its shards too (the restore
+takes the persistent tier). Imports no jax.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.errors import UsageError
+from engine.runtime.launcher import start_background
+
+KILL = "ENGINE_TEST_KILL_AT"
+
+
+def check_precompile(cfg) -> None:
+    """fault.precompile needs the persistent compilation cache (UsageError naming the fix)."""
+    if cfg.fault.precompile and not cfg.train.compilation_cache_dir:
+        raise UsageError(
+            "fault.precompile=true compiles the smaller jobs into the persistent compilation cache, but "
+            'train.compilation_cache_dir="" turns it off; set train.compilation_cache_dir to a folder '
+            "(the default ~/.cache/jax-engine/xla) or fault.precompile=false"
+        )
+
+
+class Precompiles:
+    """The background dry runs of the job's smaller sizes (nothing unless fault.precompile)."""
+
+    def __init__(self, args: list[str], plans: dict[int, list[str]], devices: int, cfg):
+        self.args, self.plans, self.devices = args, plans, devices
+        self.enabled, self.workdir = cfg.fault.precompile, Path(cfg.workdir)
+        self.stopped = threading.Event()
+        self.children: list = []
+        self.thread: threading.Thread | None = None
+
+    def start(self, alive: int) -> None:
+        """Precompiles the sizes below `alive`, largest first, once the job of `alive` has compiled."""
+        sizes = sorted((n for n in self.plans if n < alive), reverse=True)
+        if not self.enabled or not sizes:
+            return
+        self.stopped.clear()
+        self.thread = threading.Thread(target=self._run, args=(sizes, time.time()), name="precompile", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Until every size started has been precompiled (or failed)."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def stop(self) -> None:
+        """Ends the precompile running now (and the ones after it)."""
+        self.stopped.set()
+        for child in self.children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def _run(self, sizes: list[int], since: float) -> None:
+        metrics = self.workdir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.stat().st_mtime > since):  # the job's own compile first
+            if self.stopped.wait(1.0):
+                return
+        for count in sizes:
+            began, log_path = time.monotonic(), self.workdir / f"precompile-{count}.log"
+            with open(log_path, "w") as log:
+                args = [*self.args, *self.plans[count], "fault.elastic=false", "--dry-run"]
+                self.children = start_background(args, count, self.devices, log)
+            codes = [child.wait() for child in self.children]
+            if self.stopped.is_set():
+                return
+            took = time.monotonic() - began
+            if any(codes):
+                sys.stderr.write(f"warning: precompile of the {count}-process job failed ({log_path}); not cached\n")
+                continue
+            sys.stderr.write(
+                f"precompile: the {count}-process job's programs are in the compilation cache ({took:.1f}s)\n"
+            )
+
+
+def drop_local_tier(cfg, attempt: int) -> None:
+    """(tests only) Removes the local-tier copies ENGINE_TEST_KILL_AT names for this start's lost process."""
+    for entry in filter(None, os.environ.get(KILL, "").split(",")):
+        process, _, *rest = entry.split(":")
+        if rest[1:2] == [] or int(rest[0]) != attempt or not cfg.checkpoint.local_dir:
+            continue
+        which = rest[1]
+        for run in Path(cfg.checkpoint.local_dir).expanduser().glob(f"{Path(cfg.workdir).name}-*"):
+            doomed = [run / f"process_{process}"]
+            if which == "all":
+                doomed += sorted(f for f in run.glob(f"process_*/owner_{process}") if f.parent != doomed[0])
+            for folder in doomed:
+                shutil.rmtree(folder, ignore_errors=True)
+            sys.stderr.write(f"test: removed {', '.join(str(f.relative_to(run)) for f in doomed)} of {run}\n")
