@@ -235,10 +235,13 @@ def test_config_checks(make_config):
         ({"loss": "ipo", "label_smoothing": 0.1}, "dpo.loss=ipo takes no label smoothing"),
         ({"loss": "hinge", "label_smoothing": 0.1}, "dpo.loss=hinge takes no label smoothing"),
         ({"label_smoothing": 0.5}, r"must be in \[0, 0.5\)"),
-        ({"precompute_reference": True}, "not built yet"),
     ):
         with pytest.raises(UsageError, match=message):
             check_objective(dataclasses.replace(preferences, dpo=dataclasses.replace(cfg.dpo, **dpo)))
+    lora = dataclasses.replace(cfg.finetune.lora, dropout=0.1)  # DPO scores without dropout (TRL's disable_dropout)
+    with pytest.raises(UsageError, match=r"finetune.lora.dropout=0.1 has no effect.*set finetune.lora.dropout=0"):
+        check_objective(dataclasses.replace(preferences, finetune=dataclasses.replace(cfg.finetune, lora=lora)))
+    check_objective(dataclasses.replace(preferences, dpo=dataclasses.replace(cfg.dpo, precompute_reference=True)))
     check_objective(dataclasses.replace(preferences, dpo=dataclasses.replace(cfg.dpo, label_smoothing=0.2)))
 
 

@@ -47,10 +47,11 @@ def check_objective(cfg) -> None:
             f"dpo.loss={dpo.loss} takes no label smoothing (TRL ignores it there), but dpo.label_smoothing="
             f"{dpo.label_smoothing}; set dpo.label_smoothing=0, or dpo.loss=sigmoid"
         )
-    if dpo.precompute_reference:
+    if cfg.finetune.lora.dropout:
         raise UsageError(
-            "dpo.precompute_reference=true is not built yet; set dpo.precompute_reference=false (the reference's "
-            "log-probabilities are then computed in each step, from the frozen base or the starting parameters)"
+            f"finetune.lora.dropout={cfg.finetune.lora.dropout} has no effect with train.objective=dpo, which "
+            "scores the policy and the reference without dropout (as TRL's disable_dropout); set "
+            "finetune.lora.dropout=0"
         )
     for key, value, fix in (("mesh.pipeline", cfg.mesh.pipeline, 1), ("train.sync", cfg.train.sync, "every_step")):
         if value != fix:

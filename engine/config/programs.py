@@ -12,7 +12,8 @@ from engine.errors import UsageError
 from models.configs import CONFIGS
 
 # config keys whose values are numbers in the train state (plus the model family's hparams)
-VECTOR_KEYS = ("seed", *(f"optimizer.{name}" for name in state_number_fields()))
+# (dpo.beta: train.objective=dpo's β is a step input too, engine/run/dpo.py)
+VECTOR_KEYS = ("seed", *(f"optimizer.{name}" for name in state_number_fields()), "dpo.beta")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:

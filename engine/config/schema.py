@@ -232,8 +232,9 @@ class DpoConfig:
     )
     precompute_reference: bool = option(
         False,
-        "compute the reference's log-probabilities once before training instead of every step (not built "
-        "yet: true is refused)",
+        "compute the reference's log-probabilities of every pair once before training (cached in the "
+        "workdir's reference_logps/) instead of in every step: no reference model runs in the step, and "
+        "full fine-tuning keeps no copy of the starting parameters",
     )
 
 
@@ -379,16 +380,24 @@ class WatchdogConfig:
 @dataclass(frozen=True)
 class FaultConfig:
     """What a multi-process job does when a process dies or hangs (docs/multihost.md, Elastic
-    continuation): with fault.elastic the local launcher (--local-processes) restarts the job on the
-    processes left, from the newest checkpoint, with the same global batch, data order and random numbers."""
+    continuation): with fault.elastic the local launcher (--local-processes), or the SLURM driver
+    (launch.py train --elastic), restarts the job on the processes left, from the newest checkpoint,
+    with the same global batch, data order and random numbers."""
 
     elastic: bool = option(
         False,
-        "restart the job on the processes left when one dies or hangs (--local-processes only; SLURM and "
-        "Kubernetes not yet); the outermost data axis (mesh.dcn_data, then mesh.data) shrinks",
+        "restart the job on the processes left when one dies or hangs (--local-processes, or SLURM with "
+        "`launch.py train --elastic` in the allocation; Kubernetes not yet); the outermost data axis "
+        "(mesh.dcn_data, then mesh.data) shrinks",
     )
     min_processes: int = option(1, "fault.elastic: the fewest processes the job goes on with", at_least=1)
     max_restarts: int = option(3, "fault.elastic: the most restarts before the job ends with exit 1", at_least=0)
+    precompile: bool = option(
+        False,
+        "fault.elastic: while the job trains, compile the smaller jobs' programs (N-1 processes, then fewer) "
+        "in the background into the persistent compilation cache (train.compilation_cache_dir); a restart "
+        "then skips compiling",
+    )
 
 
 @dataclass(frozen=True)

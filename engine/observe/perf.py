@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.data import example_spec
 from engine.run.columns import MetricColumns
-from engine.run.step import TrainState, make_loss_fn, make_train_step, split_variables
+from engine.run.step import FROZEN, TrainState, make_loss_fn, make_train_step, split_variables
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,
@@ -121,11 +121,10 @@ def step_cost(
     of the program already holds them all); `auto_chunk`: the loss chunk model.loss_chunk=0 chose
     as the step was traced (0: the whole sequence at once)."""
     info = dataset.info
-    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
     accounting = family.flops  # None: no formula, and no settings XLA would miscount
-    per_example = accounting.per_example(cfg.model, info, num_params) if accounting else 0.0
+    per_example, formula = analytic_per_example(cfg, accounting, info, abstract_state) if accounting else (0.0, "")
     analytic = per_example * cfg.train.global_batch_size * copies / devices
-    formula = accounting.formula if accounting and analytic else ""
+    formula = formula if analytic else ""
     flops = compiled_flops(compiled) if compiled is not None else 0.0
     if not flops:
         return StepCost(0.0, "none (the step was not compiled)", analytic, formula)
@@ -156,6 +155,32 @@ def step_cost(
             analytic, f"analytic formula ({formula}); {compiled_source} is not the model's", analytic, formula
         )
     return StepCost(flops, compiled_source, analytic, formula)
+
+
+def analytic_per_example(cfg, accounting, info, abstract_state) -> tuple[float, str]:
+    """(the model FLOPs of one example of a train step by the family's formula, in words).
+
+    The formula is a full training step's: forward, backward through the activations and the
+    weights' gradients, 2 + 2 + 2 per parameter and token. LoRA (a FROZEN base in the model
+    state): the base's weights get no gradient, so its parameters count 4 (forward and backward
+    through the activations), the adapters 6. train.objective=dpo: an example is a pair, two
+    sequences through the policy (forward and backward) and, unless dpo.precompute_reference,
+    two through the reference (forward alone: a third of a full step's work)."""
+    trained = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
+    frozen_tree = abstract_state.model_state.get(FROZEN, {}) if isinstance(abstract_state.model_state, dict) else {}
+    frozen = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(frozen_tree))
+    full = accounting.per_example(cfg.model, info, trained + frozen)  # every parameter trained
+    # the base's weight gradients, 2 of the formula's 6 per parameter (it is linear in them; an
+    # embedding table the formula takes as a lookup is counted too: a slight undercount), at most
+    # a third of the whole: never a negative count
+    base_weight_grads = min((full - accounting.per_example(cfg.model, info, trained)) / 3, full / 3)
+    policy = full - base_weight_grads
+    formula = accounting.formula + (" (LoRA: the frozen base 4*N_base*tokens)" if frozen else "")
+    if cfg.train.objective != "dpo":
+        return policy, formula
+    reference = 0.0 if cfg.dpo.precompute_reference else 2 * full / 3
+    what = "" if cfg.dpo.precompute_reference else " + the reference's forward on both (a third of the full step each)"
+    return 2 * policy + reference, f"DPO pair: the policy on chosen and rejected, {formula} each{what}"
 
 
 def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float]:

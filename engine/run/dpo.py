@@ -9,7 +9,16 @@ counts (NextToken.target_weights: within the sequence, and on the response's tok
 The reference model is the frozen starting point: under LoRA the same base with every adapter's
 B set to zero (B @ A adds nothing: the base alone; no second copy of the weights), under full
 fine-tuning the starting parameters, kept in the model state's REFERENCE collection (never
-trained; checkpointed with the state). Losses and metrics follow Hugging Face TRL's DPOTrainer.
+trained; checkpointed with the state). With dpo.precompute_reference the batches carry the
+reference's log-probabilities (`ref_logps` [pairs, 2], engine/run/reference_logps.py) and no
+reference model runs in the step. Losses and metrics follow Hugging Face TRL's DPOTrainer.
+
+β is a step input (the state's hparams[DPO_BETA], as the learning rate's schedule numbers are),
+so runs that differ in dpo.beta share one compiled program (a vectorised sweep).
+
+Dropout: as TRL's DPOTrainer (disable_dropout=True, its default), both the policy and the
+reference are scored without dropout: neither the model's own dropout nor the
+adapters' (finetune.lora.dropout, refused with dpo) is applied, so at step 0 policy = reference.
 """
 
 from __future__ import annotations
@@ -21,7 +30,18 @@ import jax
 import jax.numpy as jnp
 
 from engine.run.columns import DPO_SUMS
-from engine.run.step import AUX_COLLECTION, FROZEN, REFERENCE, UNTRAINED, aux_totals, make_loss_fn, model_variables
+from engine.run.step import (
+    AUX_COLLECTION,
+    DPO_BETA,
+    FROZEN,
+    REFERENCE,
+    UNTRAINED,
+    aux_totals,
+    make_loss_fn,
+    model_variables,
+)
+
+REF_LOGPS = "ref_logps"  # a batch's precomputed reference log-probabilities [pairs, 2] (float32)
 
 
 def pair_rows(batch) -> dict:
@@ -73,13 +93,14 @@ def reference_variables(params, model_state) -> dict:
     return model_variables(jax.lax.stop_gradient(jax.tree_util.tree_map_with_path(off, params)), model_state)
 
 
-def pair_metrics(logps, ref_logps, pair_weights, dpo) -> tuple[jax.Array, dict]:
+def pair_metrics(logps, ref_logps, pair_weights, dpo, beta=None) -> tuple[jax.Array, dict]:
     """(the loss summed over the pairs, TRL's metrics as sums over the pairs: DPO_SUMS, `correct`
-    (rewards/accuracies) and `count` (the pairs))."""
+    (rewards/accuracies) and `count` (the pairs)); `beta`: the state's β (None: dpo.beta)."""
+    beta = dpo.beta if beta is None else beta
     (chosen, rejected), (ref_chosen, ref_rejected) = logps.T, ref_logps.T  # (each [pairs, 2])
-    losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss, dpo.label_smoothing)
-    reward_chosen = jax.lax.stop_gradient(dpo.beta * (chosen - ref_chosen))
-    reward_rejected = jax.lax.stop_gradient(dpo.beta * (rejected - ref_rejected))
+    losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta, dpo.loss, dpo.label_smoothing)
+    reward_chosen = jax.lax.stop_gradient(beta * (chosen - ref_chosen))
+    reward_rejected = jax.lax.stop_gradient(beta * (rejected - ref_rejected))
     per_pair = {
         "rewards_chosen": reward_chosen,
         "rewards_rejected": reward_rejected,
@@ -92,36 +113,56 @@ def pair_metrics(logps, ref_logps, pair_weights, dpo) -> tuple[jax.Array, dict]:
     return jnp.sum(losses * pair_weights), sums
 
 
+def make_scorer(module: nn.Module, task, average: bool) -> Callable:
+    """score(variables, rows, mutable) → (each response's log-probability [pairs, 2], the
+    collections made): the module run on a batch's rows without dropout (see the docstring)."""
+
+    def score(variables, rows, mutable):
+        inputs, targets, extra = task.model_inputs(rows)
+        out, collections = module.apply(
+            variables, inputs, train=False, example_ids=rows.get("example_id"), mutable=mutable, **extra
+        )
+        return sequence_logps(task.losses(out, targets), task.target_weights(rows), average), collections
+
+    return score
+
+
+def make_reference_fn(module: nn.Module, task, dpo) -> Callable:
+    """reference(params, model_state, batch) → the reference's log-probabilities [pairs, 2] of a
+    batch of pairs (dpo.precompute_reference's pass, engine/run/reference_logps.py): a LoRA
+    state's base with the adapters off, or (full fine-tuning) the given starting parameters."""
+    score = make_scorer(module, task, dpo.loss == "ipo")
+
+    def reference(params, model_state, batch):
+        given = FROZEN in model_state or REFERENCE in model_state
+        variables = reference_variables(params, model_state) if given else model_variables(params, model_state)
+        return score(variables, pair_rows(batch), [AUX_COLLECTION])[0]
+
+    return reference
+
+
 def make_dpo_loss_fn(module: nn.Module, task, dpo, hparam_names: tuple[str, ...] = ()) -> Callable:
     """loss(params, model_state, batch, rng, train, hparams) → (mean loss over the pairs, (metric
     sums, new model_state)), as engine/run/step.py make_loss_fn's: `loss_sum`, `correct` and
     `count` count pairs, and DPO_SUMS add TRL's rewards and log-probabilities (`dpo`: the config's
-    `dpo` section)."""
-    average = dpo.loss == "ipo"  # TRL scores IPO's responses by their mean log-probability per token
-
-    def score(variables, rows, rng, train: bool, mutable, model_hparams):
-        inputs, targets, extra = task.model_inputs(rows)
-        out, collections = module.apply(
-            variables,
-            inputs,
-            train=train,
-            example_ids=rows.get("example_id"),
-            rngs={"dropout": rng} if train else None,
-            mutable=mutable,
-            **model_hparams,
-            **extra,
-        )
-        return sequence_logps(task.losses(out, targets), task.target_weights(rows), average), collections
+    `dpo` section; β from hparams[DPO_BETA] where given; a batch's REF_LOGPS stand for the
+    reference's forward pass). The family's hparams (dropout rates) have no use: no dropout."""
+    del hparam_names
+    score = make_scorer(module, task, dpo.loss == "ipo")  # TRL: IPO scores a response's mean per token
 
     def loss_fn(params, model_state, batch, rng, train: bool, hparams=None):
+        del rng  # (no dropout)
         rows = pair_rows(batch)
         mutable = [*(c for c in model_state if train and c not in UNTRAINED), AUX_COLLECTION]
-        model_hparams = {name: hparams[name] for name in hparam_names} if train and hparams else {}
-        logps, collections = score(model_variables(params, model_state), rows, rng, train, mutable, model_hparams)
-        ref_logps, _ = score(reference_variables(params, model_state), rows, None, False, [AUX_COLLECTION], {})
+        logps, collections = score(model_variables(params, model_state), rows, mutable)
+        if REF_LOGPS in batch:
+            ref_logps = batch[REF_LOGPS].astype(jnp.float32)
+        else:
+            ref_logps, _ = score(reference_variables(params, model_state), rows, [AUX_COLLECTION])
         pairs = jax.tree.leaves(batch)[0].shape[0]
         pair_weights = batch.get("mask", jnp.ones((pairs,), jnp.float32)).astype(jnp.float32)
-        loss_sum, metrics = pair_metrics(logps, jax.lax.stop_gradient(ref_logps), pair_weights, dpo)
+        beta = hparams[DPO_BETA] if hparams and DPO_BETA in hparams else None
+        loss_sum, metrics = pair_metrics(logps, jax.lax.stop_gradient(ref_logps), pair_weights, dpo, beta)
         new_state = {k: v for k, v in collections.items() if k != AUX_COLLECTION}
         new_model_state = {**model_state, **new_state} if train else model_state
         aux = aux_totals(collections.get(AUX_COLLECTION, {}))

@@ -14,6 +14,7 @@ from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
 from engine.run.best import stopped_at
 from engine.run.outputs import SIDECAR, Evaluation, RunOutputs, eval_metrics
+from engine.run.reference_logps import fill, precomputed
 from engine.run.setup import Run, build_run
 from engine.runtime.rundir import METRICS, lock_holder, read_records
 from engine.runtime.watchdog import Watchdog
@@ -55,6 +56,8 @@ def run_evaluator(
         outputs = RunOutputs(cfg, closing, sidecar=True)
         outputs.open()  # the checkpoints, read only
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
+        if precomputed(cfg):  # the trainer's cached reference log-probabilities
+            fill(run, None)
         recorded_preprocessing(workdir, run.dataset.info, "evaluate")  # (a table: the data it trained on)
         watchdog.enter("wait")  # waiting for checkpoints has no limit here: --dead-after decides
         outputs.open_writer(0)

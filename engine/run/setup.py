@@ -34,12 +34,13 @@ from engine.parallel.sharding import ActivationLayout, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
 from engine.parallel.stages import storage_order
 from engine.parallel.sync import compile_sync
+from engine.run import reference_logps
 from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
 from engine.run.dpo import objective_loss_fn
 from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
-from engine.run.step import TrainState, make_block_step, make_eval_step, make_train_step
+from engine.run.step import DPO_BETA, TrainState, make_block_step, make_eval_step, make_train_step
 from engine.runtime.memory import device_memory_bytes
 from engine.runtime.settings import compile_cache_events
 from models import REGISTRY, ModelFamily
@@ -98,6 +99,8 @@ def run_hparams(cfg: Config) -> dict:
     schedule.update(
         {name: np.float32(value) for name, value in REGISTRY[cfg.model.name].hparam_values(cfg.model).items()}
     )
+    if cfg.train.objective == "dpo":  # β: a step input, as the schedule's (a vectorised β sweep)
+        schedule[DPO_BETA] = np.float32(cfg.dpo.beta)
     return {"schedule": schedule, "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
 
 
@@ -172,6 +175,7 @@ def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequenc
     enable_compilation_cache(cfg.train.compilation_cache_dir)
     mesh = mesh or make_mesh(cfg.mesh, devices, replicas_from(cfg))
     dataset = load_dataset(with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))  # (chat: its template)
+    dataset = reference_logps.with_slots(cfg, dataset)  # (dpo.precompute_reference: filled before training)
     packed = "segments" in example_spec(dataset.train)
     bp = blueprint(cfg, dict(mesh.shape), dataset.info, packed, REGISTRY[cfg.model.name], jax.default_backend())
     cfg = bp.cfg

@@ -23,6 +23,7 @@ from engine.run.evaluator import evaluate
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import NonFiniteLoss, RunOutputs
 from engine.run.recovery import Recovery, kill_if_due, kill_step
+from engine.run.reference_logps import fill_run
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.step import FROZEN
 from engine.runtime.distributed import barrier
@@ -153,6 +154,8 @@ def _open(
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, outputs.checkpointer)
+    for line in fill_run(run, state, resumed=bool(meta)):  # (dpo.precompute_reference)
+        _say(line)
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
     if run.sync_each_step:  # XLA:CPU collectives: the init program must end before a step starts
         jax.block_until_ready(state)
@@ -178,7 +181,11 @@ def initial_state(run: Run, checkpointer: Checkpointer):
     """(state, step, meta): the workdir's newest readable checkpoint, else checkpoint.restore_from,
     else fresh (meta: the checkpoint's JSON, {} for a fresh or another run's state)."""
     cfg = run.cfg
-    restored = checkpointer.restore(run.abstract_state)
+    restore = run.compiled.sync.restore  # (train.sync's own, if it has one; not with a frozen base)
+    if restore is not None and checkpointer.base is None:
+        restored = restore(checkpointer, run.abstract_state)
+    else:
+        restored = checkpointer.restore(run.abstract_state)
     if restored is None and cfg.checkpoint.restore_from:
         source = open_checkpoints(cfg.checkpoint.restore_from, cfg, frozen_base=False)
         if cfg.checkpoint.restore_mode == "params":

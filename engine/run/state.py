@@ -109,7 +109,7 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     def with_params(seed, hparams, params) -> TrainState:  # (the unused init is left out by XLA)
         return init_state(seed, hparams).replace(params=params)
 
-    if cfg.train.objective == "dpo" and not lora:  # DPO's reference (under LoRA: the base, engine/run/dpo.py)
+    if cfg.train.objective == "dpo" and not lora and not cfg.dpo.precompute_reference:  # (engine/run/dpo.py)
         init_state, with_params, shardings = with_reference(init_state, with_params, shardings)
     return state_plan_of(init_state, with_params, shardings, param_layouts, np.int32(cfg.seed), hparams)
 

@@ -232,10 +232,18 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, r
     return block_step
 
 
+DPO_BETA = "dpo_beta"  # train.objective=dpo: β, a step input in the state's hparams (engine/run/dpo.py)
+EVAL_HPARAMS = (DPO_BETA,)  # the state's hparams that evaluation reads too
+
+
 def weights_of(state) -> dict:
     """What evaluation, export and sampling read of a train state: {"params", "model_state"} (a
-    TrainState's, or the global ones of another state kind: engine/parallel/diloco.py's)."""
-    return {"params": state.params, "model_state": state.model_state}
+    TrainState's, or the global ones of another state kind: engine/parallel/diloco.py's), and
+    {"hparams"} where the state holds EVAL_HPARAMS (DPO's β scores the eval split too)."""
+    weights = {"params": state.params, "model_state": state.model_state}
+    hparams = getattr(state, "hparams", None)
+    read = {name: hparams[name] for name in EVAL_HPARAMS if isinstance(hparams, dict) and name in hparams}
+    return {**weights, "hparams": read} if read else weights
 
 
 def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callable:
@@ -243,7 +251,7 @@ def make_eval_step(loss_fn: Callable, axis_name: Optional[str] = None) -> Callab
     (weights: weights_of(state))."""
 
     def eval_step(weights: dict, batch):
-        _, (metrics, _) = loss_fn(weights["params"], weights["model_state"], batch, None, False)
+        _, (metrics, _) = loss_fn(weights["params"], weights["model_state"], batch, None, False, weights.get("hparams"))
         if axis_name is not None:
             metrics = jax.lax.psum(metrics, axis_name)
         return metrics

@@ -4,7 +4,7 @@ compiled program, trained as one program with a leading trial axis over the trai
 
 What may differ within a group (VECTOR_KEYS): the seed, the learning-rate schedule's
 numbers, weight decay, momentum, Adam's betas and epsilon, the gradient-clipping norm, and
-the model family's hyperparameters (dropout). These are arrays in the train state already
+the model family's hyperparameters (dropout), DPO's dpo.beta. These are arrays in the train state already
 (engine/run/optimizer.py, setup.run_hparams), so the group's step is the run's own step under
 `jax.vmap`: each trial's losses are those of the same config trained alone. Where there
 are several devices, a `trial` mesh axis spreads the trials over them (each trial keeps the
@@ -134,6 +134,11 @@ def _check_group(cfgs: list[Config]) -> None:
             raise UsageError(
                 f"run {cfg.workdir}: finetune.base is not vectorised; run the sweep without vectorize "
                 f"(each trial trains in its own process)"
+            )
+        if cfg.train.objective == "dpo" and cfg.dpo.precompute_reference:  # (one dataset, each trial's reference)
+            raise UsageError(
+                f"run {cfg.workdir}: dpo.precompute_reference is not vectorised yet; set "
+                "dpo.precompute_reference=false, or run the sweep without vectorize"
             )
         differs = shape_differences(cfgs[0], cfg)
         if differs:
