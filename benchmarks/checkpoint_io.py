@@ -141,7 +141,7 @@ def main() -> None:
     run = build_run(cfg)
     state = run.compiled.to_step_layout(run.init_state())
     for step in range(args.train_steps):
-        state, _ = run.compiled.train_step(state, run.train_input(step))
+        state, _ = run.compiled.train_step(state, run.train_block(step))
     state = run.compiled.from_step_layout(jax.block_until_ready(state))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     params = sum(leaf.size for leaf in jax.tree.leaves(state.params))

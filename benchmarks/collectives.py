@@ -170,7 +170,7 @@ def median_step_seconds(run, steps: int, warmup: int) -> float:
     state = run.compiled.to_step_layout(run.init_state())
     times = []
     for step in range(warmup + steps):
-        batch = run.train_input(step)
+        batch = run.train_block(step)
         start = time.perf_counter()
         state, metrics = run.compiled.train_step(state, batch)
         jax.block_until_ready((state, metrics))  # never let two CPU multi-device steps overlap
