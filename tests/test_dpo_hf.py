@@ -196,12 +196,6 @@ def check_metrics(sums, trl_metrics):
         np.testing.assert_allclose(float(value), trl_metrics[name], rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="trl 1.16 averages IPO's log-ratios per completion token inside the loss only: its rewards/* and "
-    "logps/* stay sums over the tokens, where the engine's (sequence_logps average=True) are per-token means",
-)
 def test_ipo_metrics_are_trls(models, tmp_path):
     root, tokenizer, data = models
     _, trl_metrics = trl_step(root, tokenizer, "ipo", 0.1, tmp_path)

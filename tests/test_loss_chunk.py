@@ -130,9 +130,9 @@ def test_the_auto_chunk_gives_the_unchunked_loss_and_gradients(family):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), chunked_grads, whole_grads)
 
 
-def _program(micro_batch: int, accum: int, mesh: dict, **model):
+def _program(micro_batch: int, accum: int, mesh: dict, objective: str = "lm", **model):
     model = {"loss_chunk": 0, "logits_budget_mib": 2048, "vocab_size": 0, **model}
-    train = SimpleNamespace(global_batch_size=micro_batch * accum, grad_accum_steps=accum)
+    train = SimpleNamespace(global_batch_size=micro_batch * accum, grad_accum_steps=accum, objective=objective)
     shape = {axis: mesh.get(axis, 1) for axis in MESH_AXES}
     return SimpleNamespace(
         cfg=SimpleNamespace(model=SimpleNamespace(**model), train=train),
@@ -167,6 +167,8 @@ def test_plan_names_the_loss_chunk_of_the_train_program():
     assert loss_line(planned) == "loss chunk 512 (model.loss_chunk; at once: 3.9 GiB of float32 logits per chip)"
     over_context = train_loss_chunk(_program(32, 1, {"fsdp": 8, "context": 4}))  # 4 sequences, a quarter each
     assert over_context is not None and over_context.logits_bytes == 4 * 2048 * 128000 * 4
+    pairs = train_loss_chunk(_program(16, 1, {"fsdp": 16}, objective="dpo"))  # DPO: 16 pairs are 32 rows
+    assert pairs is not None and (pairs.chunk, pairs.logits_bytes) == (2048, 2 * 8192 * 128000 * 4)
     program.family = REGISTRY["mlp"]  # a model without a loss chunk
     assert train_loss_chunk(program) is None
 

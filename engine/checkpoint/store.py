@@ -160,7 +160,11 @@ class Checkpointer:
 
     def _saved_params(self, step: int):
         """The metadata (shapes, dtypes) of the parameters saved at `step`."""
-        return self.manager.item_metadata(step)["state"]["params"]
+        return self.saved_state(step)["params"]
+
+    def saved_state(self, step: int):
+        """The metadata (shapes, dtypes) of the train state saved at `step`, by field."""
+        return self.manager.item_metadata(step)["state"]
 
     def restore(self, abstract_state, step: Optional[int] = None) -> Optional[Restored]:
         """The checkpoint at `step`, or the newest readable one; None if there is none.

@@ -228,7 +228,10 @@ class DpoConfig:
         choices=("sigmoid", "ipo", "hinge"),
     )
     label_smoothing: float = option(
-        0.0, "sigmoid: the share of pairs taken as mislabelled (conservative DPO), in [0, 0.5)", at_least=0.0
+        0.0,
+        "sigmoid: the share of pairs taken as mislabelled (conservative DPO), in [0, 0.5); as TRL's sigmoid "
+        "loss before 0.29: TRL 1.x ignores label_smoothing for sigmoid (its robust loss takes it)",
+        at_least=0.0,
     )
     precompute_reference: bool = option(
         False,

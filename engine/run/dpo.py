@@ -54,15 +54,14 @@ def pair_rows(batch) -> dict:
     return rows
 
 
-def sequence_logps(out, weights, average: bool = False) -> jax.Array:
-    """Each response's log-probability [pairs, 2] from the module's per-target cross-entropy
-    (`out`: (losses, hits) [2 * pairs, L]) and the targets counted (`weights`); `average`: per
-    counted target (TRL's IPO)."""
+def sequence_logps(out, weights) -> tuple[jax.Array, jax.Array]:
+    """(each response's log-probability [pairs, 2], its counted targets [pairs, 2]) from the
+    module's per-target cross-entropy (`out`: (losses, hits) [2 * pairs, L]) and the targets
+    counted (`weights`): a sum over the counted targets, as TRL's (its IPO divides the loss's
+    log-ratios by the counted targets, pair_metrics)."""
     losses, _ = out
     total = -jnp.sum(losses * weights, axis=-1)
-    if average:
-        total = total / jnp.maximum(jnp.sum(weights, axis=-1), 1.0)
-    return total.reshape(-1, 2)
+    return total.reshape(-1, 2), jnp.sum(weights, axis=-1).reshape(-1, 2)
 
 
 def dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, loss: str, label_smoothing: float = 0.0):
@@ -93,12 +92,21 @@ def reference_variables(params, model_state) -> dict:
     return model_variables(jax.lax.stop_gradient(jax.tree_util.tree_map_with_path(off, params)), model_state)
 
 
-def pair_metrics(logps, ref_logps, pair_weights, dpo, beta=None) -> tuple[jax.Array, dict]:
+def pair_metrics(logps, ref_logps, targets, pair_weights, dpo, beta=None) -> tuple[jax.Array, dict]:
     """(the loss summed over the pairs, TRL's metrics as sums over the pairs: DPO_SUMS, `correct`
-    (rewards/accuracies) and `count` (the pairs)); `beta`: the state's β (None: dpo.beta)."""
+    (rewards/accuracies) and `count` (the pairs)); `beta`: the state's β (None: dpo.beta).
+    `logps`, `ref_logps`: sums over each response's counted targets ([pairs, 2]); `targets`: how
+    many each counts ([pairs, 2]). As TRL 1.x, IPO's loss takes the log-ratios per counted target
+    (the policy's and the reference's sums each divided by the response's targets), while the
+    rewards and log-probabilities it reports stay sums."""
     beta = dpo.beta if beta is None else beta
-    (chosen, rejected), (ref_chosen, ref_rejected) = logps.T, ref_logps.T  # (each [pairs, 2])
-    losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta, dpo.loss, dpo.label_smoothing)
+    (chosen, rejected), (ref_chosen, ref_rejected) = logps.T, ref_logps.T  # (each [pairs])
+    if dpo.loss == "ipo":
+        per = 1.0 / jnp.maximum(targets, 1.0).T
+        scored = (chosen * per[0], rejected * per[1], ref_chosen * per[0], ref_rejected * per[1])
+    else:
+        scored = (chosen, rejected, ref_chosen, ref_rejected)
+    losses = dpo_losses(*scored, beta, dpo.loss, dpo.label_smoothing)
     reward_chosen = jax.lax.stop_gradient(beta * (chosen - ref_chosen))
     reward_rejected = jax.lax.stop_gradient(beta * (rejected - ref_rejected))
     per_pair = {
@@ -113,16 +121,17 @@ def pair_metrics(logps, ref_logps, pair_weights, dpo, beta=None) -> tuple[jax.Ar
     return jnp.sum(losses * pair_weights), sums
 
 
-def make_scorer(module: nn.Module, task, average: bool) -> Callable:
-    """score(variables, rows, mutable) → (each response's log-probability [pairs, 2], the
-    collections made): the module run on a batch's rows without dropout (see the docstring)."""
+def make_scorer(module: nn.Module, task) -> Callable:
+    """score(variables, rows, mutable) → ((each response's log-probability, its counted targets)
+    ([pairs, 2] each, sequence_logps'), the collections made): the module run on a batch's rows
+    without dropout (see the docstring)."""
 
     def score(variables, rows, mutable):
         inputs, targets, extra = task.model_inputs(rows)
         out, collections = module.apply(
             variables, inputs, train=False, example_ids=rows.get("example_id"), mutable=mutable, **extra
         )
-        return sequence_logps(task.losses(out, targets), task.target_weights(rows), average), collections
+        return sequence_logps(task.losses(out, targets), task.target_weights(rows)), collections
 
     return score
 
@@ -131,12 +140,13 @@ def make_reference_fn(module: nn.Module, task, dpo) -> Callable:
     """reference(params, model_state, batch) → the reference's log-probabilities [pairs, 2] of a
     batch of pairs (dpo.precompute_reference's pass, engine/run/reference_logps.py): a LoRA
     state's base with the adapters off, or (full fine-tuning) the given starting parameters."""
-    score = make_scorer(module, task, dpo.loss == "ipo")
+    del dpo  # (every loss caches sums: IPO divides them by the targets in its loss)
+    score = make_scorer(module, task)
 
     def reference(params, model_state, batch):
         given = FROZEN in model_state or REFERENCE in model_state
         variables = reference_variables(params, model_state) if given else model_variables(params, model_state)
-        return score(variables, pair_rows(batch), [AUX_COLLECTION])[0]
+        return score(variables, pair_rows(batch), [AUX_COLLECTION])[0][0]
 
     return reference
 
@@ -148,21 +158,21 @@ def make_dpo_loss_fn(module: nn.Module, task, dpo, hparam_names: tuple[str, ...]
     `dpo` section; β from hparams[DPO_BETA] where given; a batch's REF_LOGPS stand for the
     reference's forward pass). The family's hparams (dropout rates) have no use: no dropout."""
     del hparam_names
-    score = make_scorer(module, task, dpo.loss == "ipo")  # TRL: IPO scores a response's mean per token
+    score = make_scorer(module, task)
 
     def loss_fn(params, model_state, batch, rng, train: bool, hparams=None):
         del rng  # (no dropout)
         rows = pair_rows(batch)
         mutable = [*(c for c in model_state if train and c not in UNTRAINED), AUX_COLLECTION]
-        logps, collections = score(model_variables(params, model_state), rows, mutable)
+        (logps, targets), collections = score(model_variables(params, model_state), rows, mutable)
         if REF_LOGPS in batch:
             ref_logps = batch[REF_LOGPS].astype(jnp.float32)
         else:
-            ref_logps, _ = score(reference_variables(params, model_state), rows, [AUX_COLLECTION])
+            (ref_logps, _), _ = score(reference_variables(params, model_state), rows, [AUX_COLLECTION])
         pairs = jax.tree.leaves(batch)[0].shape[0]
         pair_weights = batch.get("mask", jnp.ones((pairs,), jnp.float32)).astype(jnp.float32)
         beta = hparams[DPO_BETA] if hparams and DPO_BETA in hparams else None
-        loss_sum, metrics = pair_metrics(logps, jax.lax.stop_gradient(ref_logps), pair_weights, dpo, beta)
+        loss_sum, metrics = pair_metrics(logps, jax.lax.stop_gradient(ref_logps), targets, pair_weights, dpo, beta)
         new_state = {k: v for k, v in collections.items() if k != AUX_COLLECTION}
         new_model_state = {**model_state, **new_state} if train else model_state
         aux = aux_totals(collections.get(AUX_COLLECTION, {}))

@@ -196,6 +196,14 @@ class Evaluation:
         )
 
 
+def eval_metric_names(cfg: Config, task, info) -> set[str]:
+    """The names in a run's eval records (eval_metrics'): a DPO run's TRL names (dpo_record's),
+    else loss, accuracy and the task's."""
+    if cfg.train.objective == "dpo":
+        return set(dpo_record({name: 0.0 for name in (*EVAL_SUMS, *DPO_SUMS)}))
+    return {"loss", "accuracy", *task.eval_metrics(1.0, info)}
+
+
 def eval_metrics(evaluation: Evaluation, state, trials: int = 0) -> list[dict[str, float]]:
     """Loss, accuracy and the task's metrics over the eval split: one dict for a run's state,
     one per trial (`trials`) for a group's stacked states."""

@@ -107,7 +107,7 @@ def cache_key(cfg, dataset: Dataset, params_digest: str) -> str:
         "rendered": arrays.hexdigest(),
         "model": repr(cfg.model),
         "compute_dtype": cfg.train.compute_dtype,
-        "average": cfg.dpo.loss == "ipo",  # IPO's mean per token
+        "average": False,  # sums over each response's targets (IPO's per-target means were cached before)
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -285,6 +285,8 @@ def train_loss_chunk(program) -> Optional[LossChunk]:
     if language_model is None or language_model.loss_chunk is None:
         return None
     micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    if cfg.train.objective == "dpo":  # a pair is two rows to the module (engine/run/dpo.py pair_rows)
+        micro *= 2
     batch_splits = batch_shards(mesh)
     return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
 

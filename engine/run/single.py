@@ -21,11 +21,11 @@ from engine.plan.dryrun import startup_lines
 from engine.run.best import Verdict, check_names
 from engine.run.evaluator import evaluate
 from engine.run.loop import Started, fit_job
-from engine.run.outputs import NonFiniteLoss, RunOutputs
+from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
 from engine.run.recovery import Recovery, kill_if_due, kill_step
 from engine.run.reference_logps import fill_run
 from engine.run.setup import Run, build_run, with_config_hparams
-from engine.run.step import FROZEN
+from engine.run.step import FROZEN, REFERENCE
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, starting
 from engine.runtime.watchdog import Watchdog
@@ -149,7 +149,7 @@ def _open(
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
-    check_names(cfg, {"loss", "accuracy", *run.model.family.task.eval_metrics(1.0, run.dataset.info)})
+    check_names(cfg, eval_metric_names(cfg, run.model.family.task, run.dataset.info))
     outputs.open(run.dataset.info)
     watchdog.enter("restore")
     starting("restoring")
@@ -177,6 +177,25 @@ def _open(
     return Started(RunJob(run, outputs, result, start, goodput, recovery), state, start, window, outputs.end)
 
 
+def check_reference_saved(source: Checkpointer, abstract_state, directory: str) -> None:
+    """UsageError when a full fine-tuning DPO state (its REFERENCE collection, the starting
+    parameters) is to be restored whole from a checkpoint without one (an SFT run's)."""
+    steps = source.steps()
+    if REFERENCE not in abstract_state.model_state or not steps:
+        return
+    try:
+        saved = source.saved_state(steps[-1])["model_state"]
+    except (OSError, ValueError, KeyError):  # an unreadable newest step: the restore says why, or takes another
+        return
+    if REFERENCE not in saved:
+        raise UsageError(
+            f"checkpoint.restore_from={directory} (step {steps[-1]}) holds no DPO reference model (it is not a "
+            f"train.objective=dpo run's full fine-tuning state), so checkpoint.restore_mode=all cannot restore "
+            f"this run's state; set checkpoint.restore_mode=params to start DPO from its parameters (they become "
+            f"the reference too)"
+        )
+
+
 def initial_state(run: Run, checkpointer: Checkpointer):
     """(state, step, meta): the workdir's newest readable checkpoint, else checkpoint.restore_from,
     else fresh (meta: the checkpoint's JSON, {} for a fresh or another run's state)."""
@@ -192,6 +211,7 @@ def initial_state(run: Run, checkpointer: Checkpointer):
             params, _ = source.restore_params(run.abstract_state.params)
             _say(f"starting from the parameters in {cfg.checkpoint.restore_from} at step 0")
             return run.init_state(params), 0, {}
+        check_reference_saved(source, run.abstract_state, cfg.checkpoint.restore_from)
         restored = source.restore(run.abstract_state)
         if restored is None:
             raise UsageError(f"checkpoint.restore_from={cfg.checkpoint.restore_from} holds no complete checkpoint")

@@ -184,7 +184,8 @@ def make_train_step(
         if axis_name is not None:  # pmap: average over replicas (jit does this from the shardings)
             grads = jax.lax.pmean(grads, axis_name)
             metrics = jax.lax.psum(metrics, axis_name)
-            model_state = jax.lax.pmean(model_state, axis_name)
+            # (the untrained collections, a frozen base and DPO's reference, are alike on every replica)
+            model_state = {k: v if k in UNTRAINED else jax.lax.pmean(v, axis_name) for k, v in model_state.items()}
         learning_rate = learning_rate_at(schedule, state.step, state.hparams)
         opt_state = state.opt_state._replace(
             hyperparams={**state.opt_state.hyperparams, "learning_rate": learning_rate}
