@@ -1,9 +1,12 @@
 """fault.elastic on the local launcher: a SIGKILLed process's job goes on with the processes left, from
 the local tier, with the unbroken run's losses; its failures recorded; a job that cannot go on ends
-with exit 1 naming them; a layout that cannot shrink is refused at start."""
+with exit 1 naming them; a failure every process meets (a NaN stop) is not restarted; a layout that
+cannot shrink is refused at start."""
 
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,13 +14,13 @@ import pytest
 from conftest import run_cli
 from engine.config import load_config
 from engine.observe.perf import Goodput
-from engine.runtime.elastic import shrink_plan
+from engine.runtime.elastic import lost, shrink_plan
 from engine.runtime.rundir import drop_records_after, read_records
 
-STEPS, LOCAL_EVERY = 16, 4
+STEPS, LOCAL_EVERY = 12, 4
 JOB = [
     "configs/mnist_mlp.yaml",
-    "train.global_batch_size=48",  # 8 batch shards on 4 processes x 2 devices, 6 on 3
+    "train.global_batch_size=48",  # 6 batch shards on 3 processes x 2 devices, 4 on 2
     f"train.steps={STEPS}",
     "train.steps_per_call=1",
     "log.every_steps=1",
@@ -42,36 +45,39 @@ def local_job(workdir, *overrides, processes, devices=2, env=None, timeout=600):
 @pytest.mark.multiprocess
 def test_a_killed_process_s_job_goes_on_with_the_rest(tmp_path):
     rng = random.Random(44)
-    process, step = rng.randint(1, 3), rng.randint(6, 12)  # the seeded failure
+    process, step = 1, rng.randint(6, 12)  # the seeded failure: not the last process, so the survivors renumber
     tier = [
         f"checkpoint.local_dir={tmp_path / 'shm'}",
         f"checkpoint.local_every_steps={LOCAL_EVERY}",
         "checkpoint.every_steps=50",
     ]
-    kill = {"ENGINE_TEST_KILL_AT": f"{process}:{step}"}
-    job = local_job(tmp_path / "elastic", *tier, processes=4, env=kill)
+    # its host's local tier lost too: its shards' copy is at its peer, process 2, which goes on as
+    # process 1 and finds it (and its own) in process_2/, an index the job of 2 does not have
+    kill = {"ENGINE_TEST_KILL_AT": f"{process}:{step}:0:own"}
+    job = local_job(tmp_path / "elastic", *tier, processes=3, env=kill)
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-3000:]
     assert f"process {process} was killed by signal 9 (SIGKILL)" in job.stderr
-    assert "elastic: restarting the job on 3 processes" in job.stderr
-    assert "[0] process 0 of 3: joined the job" in job.stdout
+    assert "elastic: restarting the job on 2 processes" in job.stderr and "test: removed process_1 of" in job.stderr
+    assert "[0] process 0 of 2: joined the job" in job.stdout
     (recovery,) = records(tmp_path / "elastic", "recovery")
     assert recovery["lost_process"] == process and "SIGKILL" in recovery["how"]
-    assert recovery["processes_before"] == 4 and recovery["processes_now"] == 3 and recovery["recovered"]
-    assert recovery["tier"] == "local", recovery  # (the local tier restored onto 3 processes)
+    assert recovery["processes_before"] == 3 and recovery["processes_now"] == 2 and recovery["recovered"]
+    assert recovery["tier"] == "local", recovery  # (the local tier restored onto 2 processes)
+    assert recovery["restored_from"].endswith("the shards of process(es) 1 from a peer's copy"), recovery
     assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= LOCAL_EVERY
     assert recovery["seconds_lost"] > 0 and f"recovered: process {process}" in job.stdout
     (summary,) = records(tmp_path / "elastic", "summary")
     assert summary["badput_recovery"] > 0
     losses = {r["step"]: r["loss"] for r in records(tmp_path / "elastic", "train")}
     assert sorted(losses) == list(range(1, STEPS + 1))
-    # the unbroken run: the same mesh of 8 devices in one process
+    # the unbroken run: the same mesh of 6 devices in one process
     one = run_cli(
         "--config",
         JOB[0],
         "--workdir",
         str(tmp_path / "unbroken"),
         *JOB[1:],
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=6"},
     )
     assert one.returncode == 0, one.stderr[-3000:]
     expected = {r["step"]: r["loss"] for r in records(tmp_path / "unbroken", "train")}
@@ -84,7 +90,7 @@ def test_a_killed_process_s_job_goes_on_with_the_rest(tmp_path):
 def test_a_second_failure_with_none_left_ends_the_job_naming_both(tmp_path):
     workdir = tmp_path / "run"
     kill = {"ENGINE_TEST_KILL_AT": "1:7:0,0:14:1"}  # process 1 at step 7; then, restarted alone, process 0
-    job = local_job(workdir, "checkpoint.every_steps=4", processes=2, devices=1, env=kill)
+    job = local_job(workdir, "train.steps=16", "checkpoint.every_steps=4", processes=2, devices=1, env=kill)
     assert job.returncode == 1, job.stdout[-3000:] + job.stderr[-3000:]
     assert "elastic: restarting the job on 1 processes" in job.stderr
     message = job.stderr.strip().splitlines()[-1]
@@ -131,3 +137,52 @@ def test_the_shrink_plan_and_the_accounting(tmp_path):
     assert [r["split"] for r in read_records(path)] == ["train", "recovery"]
     summary = Goodput(started=100.0, recovery_seconds=5.0, loop_seconds=10.0, steps_run=10).summary(115.0)
     assert summary["wall_seconds"] == 20.0 and summary["badput_recovery"] == 0.25 and summary["goodput"] == 0.5
+
+
+@pytest.mark.nocompile
+def test_only_a_lost_process_restarts_the_job():
+    # (process, return code, time) of the failures seen before the others were stopped, of 3 processes
+    killed = [(1, -9, 5.0)]
+    assert lost(killed, 3, hung=False) == (killed, "")
+    assert lost([(0, 1, 5.0), (2, -11, 5.1)], 3, hung=False) == ([(2, -11, 5.1)], "")  # the signal's, not the first
+    assert lost([(2, 1, 5.0)], 3, hung=False) == ([(2, 1, 5.0)], "")  # alone: the others waited until stopped
+    assert lost([(1, 1, 5.0), (0, 1, 5.2)], 3, hung=False) == ([(1, 1, 5.0)], "")  # a strict subset
+    assert lost([(1, 1, 5.0), (0, 1, 5.0)], 2, hung=True) == ([(1, 1, 5.0)], "")  # its watchdog's exit
+    # every process failed on its own (a NaN stop, a traceback, a bad input): the job's failure, not restarted
+    gone, why = lost([(0, 1, 5.0), (1, 1, 5.1), (2, 1, 5.1)], 3, hung=False)
+    assert gone == [] and "every one of its 3 processes exited with code 1 on its own" in why
+    assert "not restarted" in why
+    assert lost([(0, 1, 5.0), (1, -15, 5.1)], 2, hung=False)[0] == []  # (a SIGTERM is a stop's, not a loss)
+    # a peer's SIGABRT seconds after a process failed alone (its coordination service missed it): a consequence
+    assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=False) == ([(0, 1, 5.0)], "")
+    assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=True) == ([(0, 1, 5.0)], "")  # the watchdog's, not the abort
+
+
+@pytest.mark.nocompile
+def test_the_launcher_lets_processes_that_fail_together_end_on_their_own():
+    from engine.runtime.launcher import _wait
+
+    def job(*scripts):
+        return [subprocess.Popen([sys.executable, "-c", script], start_new_session=True) for script in scripts]
+
+    fail = "import sys, time; time.sleep({}); sys.exit(1)"
+    seen: list = []
+    assert _wait(job(fail.format(0), fail.format(0.5), fail.format(0.8)), [], seen, grace=0, settle=3) == 1
+    assert sorted((index, code) for index, code, _ in seen) == [(0, 1), (1, 1), (2, 1)]
+    seen = []  # one fails, the other waits (as in a collective): stopped after the settle, not seen
+    assert _wait(job(fail.format(0), "import time; time.sleep(60)"), [], seen, grace=0, settle=1) == 1
+    assert [(index, code) for index, code, _ in seen] == [(0, 1)]
+    seen = []  # a process killed by a signal: the others are stopped at once
+    children = job("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", fail.format(1))
+    assert _wait(children, [], seen, grace=0, settle=3) == 1 and [(i, c) for i, c, _ in seen] == [(0, -9)]
+    assert children[1].returncode == -9
+
+
+@pytest.mark.multiprocess
+def test_a_failure_every_process_meets_is_not_restarted(tmp_path):
+    nan = ["optimizer.learning_rate=1e30", "train.nan_policy=stop", "train.steps=4", "train.global_batch_size=16"]
+    job = local_job(tmp_path / "run", *nan, processes=2, devices=1)
+    assert job.returncode == 1, job.stdout[-3000:] + job.stderr[-3000:]
+    assert job.stdout.count("error: training stopped: loss is nan at step") == 2
+    assert "every one of its 2 processes exited with code 1 on its own" in job.stderr
+    assert "restarting" not in job.stderr and not records(tmp_path / "run", "recovery")

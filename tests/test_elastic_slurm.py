@@ -4,13 +4,15 @@ refused outside an allocation or without fault.elastic; srun's lines about faile
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import slurm_cluster
 
 from conftest import ROOT, child_env, run_cli
-from engine.runtime.elastic_slurm import parse_task_line, task_devices
+from engine.runtime.elastic import SETTLE_SECONDS
+from engine.runtime.elastic_slurm import StepOutput, parse_task_line, task_devices
 from engine.runtime.rundir import read_records
 
 STEPS = 8
@@ -107,3 +109,11 @@ def test_srun_s_lines_about_failed_tasks_and_each_task_s_devices():
     assert task_devices(None, {"SLURM_GPUS_PER_TASK": "h100:8"}) == 8
     assert task_devices(None, {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) == 4
     assert task_devices(None, {}) == 1
+    # the driver stops the step at once after a task killed by a signal, else after the others had time to end
+    output = StepOutput()
+    output.reported = [(1, 1, time.time(), False)]
+    assert not output.settled()
+    output.reported.append((0, -9, time.time(), False))
+    assert output.settled()
+    output.reported = [(1, 1, time.time() - SETTLE_SECONDS, False)]
+    assert output.settled()

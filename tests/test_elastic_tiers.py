@@ -2,16 +2,18 @@
 persistent tier) with the losses of a run resumed by hand, and a hung process ended by its watchdog,
 with its smaller job precompiled in the background (fault.precompile)."""
 
+import os
 import shutil
+import time
 
 import pytest
 from test_elastic import JOB, local_job, records
 
 from conftest import run_cli
 from engine.config import load_config
-from engine.runtime.restart import Precompiles
+from engine.runtime.restart import Precompiles, drop_local_tier
 
-STEPS = 16
+STEPS = 12  # (test_elastic.JOB's train.steps)
 
 
 def losses(workdir, after=0):
@@ -28,9 +30,9 @@ def test_a_lost_host_s_local_tier_then_both_copies(tmp_path):
         "checkpoint.every_steps=2",
         "checkpoint.keep=20",
     ]
-    # process 2 of 3 dies at step 7 with its host's local tier; then process 1 of 2 at step 13 with
+    # process 2 of 3 dies at step 5 with its host's local tier; then process 1 of 2 at step 9 with
     # both copies of its shards (its own and its peer's)
-    kill = {"ENGINE_TEST_KILL_AT": "2:7:0:own,1:13:1:all"}
+    kill = {"ENGINE_TEST_KILL_AT": "2:5:0:own,1:9:1:all"}
     job = local_job(workdir, *tiers, processes=3, env=kill)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "test: removed process_2 of" in job.stderr and "test: removed process_1, process_0/owner_1" in job.stderr
@@ -75,9 +77,31 @@ def test_the_smaller_job_precompiled_in_the_background_compiles_nothing(tmp_path
     precompiles.start(2)  # as the launcher does beside a job of 2 processes, once the job has written metrics
     workdir.mkdir()
     (workdir / "metrics.jsonl").touch()
+    later = time.time() + 1
+    os.utime(workdir / "metrics.jsonl", (later, later))  # (a file's mtime may lag time.time() by a clock tick)
     precompiles.wait()
     assert "joined the job" in (workdir / "precompile-1.log").read_text()
     restart = local_job(workdir, *cache, "fault.elastic=false", "train.steps=2", processes=1, devices=1)
     assert restart.returncode == 0, restart.stderr[-3000:]
     (summary,) = records(workdir, "summary")
     assert summary["compile_cache_misses"] == 0 and summary["compile_cache_hits"] > 0, summary
+
+
+@pytest.mark.nocompile
+def test_the_test_s_lost_local_tier_in_every_form_of_the_kill_variable(tmp_path, monkeypatch):
+    local = [f"checkpoint.local_dir={tmp_path / 'shm'}", "checkpoint.local_every_steps=2"]
+    cfg = load_config(JOB[0], [*JOB[1:], *local], str(tmp_path / "run"))
+    run = tmp_path / "shm" / "run-0123456789"
+
+    def left(kill, attempt=0):
+        for process, owner in [(0, 0), (0, 1), (1, 1), (1, 0)]:
+            (run / f"process_{process}" / f"owner_{owner}").mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv("ENGINE_TEST_KILL_AT", kill)
+        drop_local_tier(cfg, attempt)
+        return sorted(str(f.relative_to(run)) for f in run.glob("process_*/owner_*"))
+
+    everything = ["process_0/owner_0", "process_0/owner_1", "process_1/owner_0", "process_1/owner_1"]
+    for kept in ("1:7", "1:7:0", "1", "1:7:1:own", "2:7,1:7:0"):  # (no local field, or another start)
+        assert left(kept) == everything, kept
+    assert left("1:7:1:own", attempt=1) == ["process_0/owner_0", "process_0/owner_1"]
+    assert left("0:3,1:7:0:all") == ["process_0/owner_0"]

@@ -130,6 +130,32 @@ def test_a_step_saved_by_2_processes_is_restored_on_1(tmp_path, mesh2x4):
     assert tier.restore(abstract, 6) is None and tier.declined == "the local tier holds no complete step of this run"
 
 
+def test_a_survivor_s_copies_under_its_old_process_index_are_restored(tmp_path, mesh2x4):
+    """An elastic job's survivors are renumbered: the copies of step 7 (saved by 2 processes) lie in
+    `process_2/`, an index this job of one process does not have. Restored from there (not the
+    persistent tier); a later step there is discarded with the past it belongs to; the folder is
+    removed once this job has saved a step of its own."""
+    state = _state(mesh2x4)
+    abstract = _abstract(mesh2x4, {"w": PartitionSpec("fsdp"), "b": PartitionSpec(), "step": PartitionSpec()})
+    tier = _tier(tmp_path, fresh=True)
+    assert tier.restore(abstract, None) is None  # (the run id agreed)
+    run = run_directory(str(tmp_path / "shm"), tmp_path / "run" / "checkpoints")
+    for owner, copy in _owners(state, [list(mesh2x4.devices[0]), list(mesh2x4.devices[1])]).items():
+        for step in (7, 9) if owner else (7,):  # (step 9 incomplete: owner 0's copy is missing)
+            tier_record = dict(step=step, owner=owner, processes=2, peers=[1 - owner], run=tier.run)
+            write_copy(run / "process_2" / f"owner_{owner}", step, copy, tier_record, False)
+    tier = _tier(tmp_path)
+    got = tier.restore(abstract, 6)
+    assert got is not None and got.step == 7, tier.declined
+    assert got.source.endswith("resharded onto 1; the shards of process(es) 0, 1 from a peer's copy")  # (process_2/)
+    assert all(np.array_equal(_bits(got.state[name]), _bits(state[name])) for name in state)
+    tier.discard_after(7)
+    assert sorted(p.name for p in (run / "process_2" / "owner_1").iterdir()) == ["7"]
+    tier.save(8, got.state, {"step": 8})
+    tier.close()
+    assert sorted(p.name for p in run.iterdir()) == ["process_0"]
+
+
 def test_a_step_in_another_sharding_is_resharded(tmp_path, mesh2x4):
     """The same process count, another mesh: the copy does not fit as it is, and is resharded."""
     state = _state(mesh2x4)

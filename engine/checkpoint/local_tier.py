@@ -96,13 +96,23 @@ class LocalTier:
         self.peers: Optional[list[list[int]]] = None  # each process's peers (agreed at the first collective)
         self.run = 0  # the run id (agreed with the peers)
         self.declined = ""  # why the last restore used no local step
-        self._unusable: set[tuple[int, int]] = set()  # (owner, step) found damaged here
+        self._unusable: set[Path] = set()  # step directories found damaged here
+        self._found: dict[tuple[int, int, int], Path] = {}  # (owner, step, processes) → its directory here
+        self._from_peers: list[int] = []  # the owners whose restored copy is a peer's (for the console)
+        self._orphans = True  # the folders of process indices beyond the job's may remain (until a save)
         self._writing = InBackground("local-checkpoint")
         self._writing_step = 0
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _owner_dir(self, owner: int) -> Path:
         return self.root / f"owner_{owner}"
+
+    def _owner_dirs(self) -> list[Path]:
+        """Every owner folder on this process's storage, its own process index's first: an elastic
+        job's survivors are renumbered, so a survivor's copies lie under its old index's folder (on
+        its host; on one host, every process's folders)."""
+        others = [f for f in sorted(self.root.parent.glob("process_*/owner_*")) if f.parent != self.root]
+        return [*sorted(self.root.glob("owner_*")), *others]
 
     def _agree(self, persistent_newest: Optional[int]) -> tuple[bool, Optional[int]]:
         """The first collective: every process's host (→ the peers), process 0's run id, whether
@@ -181,6 +191,11 @@ class LocalTier:
             write_copy(folder, step, copy, tier, self.verify)
             for old in steps(folder)[: -self.keep]:
                 shutil.rmtree(folder / str(old), ignore_errors=True)
+        if self._orphans:  # a step of this job is saved: the folders of indices beyond it are not needed
+            self._orphans = False
+            for folder in self.root.parent.glob("process_*"):
+                if folder.name[8:].isdigit() and int(folder.name[8:]) >= self.count:
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def _written(self) -> str:
         """Waits for the write in progress; why it failed ("" when it did not)."""
@@ -207,35 +222,43 @@ class LocalTier:
         self.wait()
 
     def _inventory(self) -> np.ndarray:
-        """[(owner, step, processes)] of the complete step directories of this run that this process
-        holds; one that does not read is set aside, one of another run removed (each said)."""
-        rows, others = [], []
-        for folder in sorted(self.root.glob("owner_*")):
+        """[(owner, step, processes, peer)] of the complete step directories of this run that this
+        process holds, in any process index's folder (`_owner_dirs`; `_found` says where; `peer`: 1 when
+        only a peer's copy, in another index's folder than the owner's); one that does not read is set
+        aside, one of another run removed (each said)."""
+        peers: dict[tuple[int, int, int], int] = {}  # (owner, step, processes) → whether only a peer's copy
+        others: list[str] = []
+        self._found = {}
+        for folder in self._owner_dirs():
             for step in steps(folder):
                 owner = int(folder.name.removeprefix("owner_")) if folder.name[6:].isdigit() else -1
-                if (owner, step) in self._unusable:
+                if folder / str(step) in self._unusable:
                     continue
                 try:
                     tier = read_tier(folder / str(step), owner, step)
                 except Exception as e:  # any failure to read makes it damaged, whatever the error
-                    self._damaged(owner, step, f"{folder.name}/{step}/tier.json: {reason(e)}")
+                    self._damaged(folder / str(step), owner, step, f"{folder.name}/{step}/tier.json: {reason(e)}")
                     continue
                 if tier.get("run") != self.run:
-                    others.append(f"{folder.name}/{step}")
+                    others.append(
+                        f"{'' if folder.parent == self.root else '../' + folder.parent.name + '/'}{folder.name}/{step}"
+                    )
                     shutil.rmtree(folder / str(step), ignore_errors=True)
                     continue
-                rows.append((owner, step, tier["processes"]))
+                key, peer = (owner, step, tier["processes"]), int(folder.parent.name != f"process_{owner}")
+                if key not in peers or peers[key] > peer:  # (the owner's own copy, else the first peer's found)
+                    self._found[key], peers[key] = folder / str(step), peer
         if others:
             print(
                 f"note: removed local checkpoint(s) {', '.join(others)} from {self.root}: another run's "
                 f"(not run id {self.run})",
                 file=sys.stderr,
             )
-        return np.array(rows, np.int64).reshape(-1, 3)
+        return np.array([(*key, peer) for key, peer in peers.items()], np.int64).reshape(-1, 4)
 
-    def _damaged(self, owner: int, step: int, why: str) -> None:
-        self._unusable.add((owner, step))  # (not tried again, even where it cannot be moved aside)
-        set_aside(self.root, self._owner_dir(owner) / str(step), owner, step, why)
+    def _damaged(self, folder: Path, owner: int, step: int, why: str) -> None:
+        self._unusable.add(folder)  # (not tried again, even where it cannot be moved aside)
+        set_aside(folder.parent.parent, folder, owner, step, why)
 
     def restore(self, abstract_state, persistent_newest: Optional[int]) -> Optional[LocalRestored]:
         """The newest step complete across the processes and not older than the persistent tier's
@@ -256,11 +279,11 @@ class LocalTier:
             step, saved, holders = chosen
             loaded: dict[int, Copy] = {}
             for owner in (owner for owner, holder in holders.items() if holder == self.process):
-                folder = self._owner_dir(owner) / str(step)
+                folder = self._found[(owner, step, saved)]
                 try:
                     loaded[owner] = read_copy(folder, owner, self.verify)
                 except Exception as e:  # any failure to read makes it damaged, whatever the error
-                    self._damaged(owner, step, reason(e))
+                    self._damaged(folder, owner, step, reason(e))
             if not _any(len(loaded) < sum(holder == self.process for holder in holders.values())):
                 if saved != self.count:
                     return self._reshard(step, saved, holders, loaded, abstract_state)
@@ -270,10 +293,10 @@ class LocalTier:
         """(step, the process count that saved it, {owner: the process that serves its shards}) of
         the newest usable step, or None (with `declined` saying why). A step is complete when every
         process that saved it (owners 0..count-1) has its copy at some process of this job."""
-        held: dict[tuple[int, int, int], list[int]] = {}
+        held: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # → (whether a peer's copy, holder)
         for holder, table in enumerate(tables):
-            for owner, step, processes in table.tolist():
-                held.setdefault((owner, step, processes), []).append(holder)
+            for owner, step, processes, peer in table.tolist():
+                held.setdefault((owner, step, processes), []).append((peer, holder))
         saves = {(step, processes) for _, step, processes in held}
         whole = [(s, n) for s, n in saves if all((o, s, n) in held for o in range(n))]
         # the newest step; of two saves of it (by other process counts), this job's count, else the larger
@@ -288,10 +311,10 @@ class LocalTier:
             )
             return None
         step, saved = usable[-1]
-        holders = {}
-        for owner in range(saved):
-            present = held[(owner, step, saved)]
-            holders[owner] = owner if owner in present else min(present, key=lambda h: (h - owner) % self.count)
+        holders, self._from_peers = {}, []
+        for owner in range(saved):  # the owner's own copy first, then the process of its index, the next
+            peer, holders[owner] = min(held[(owner, step, saved)], key=lambda c: (c[0], (c[1] - owner) % self.count))
+            self._from_peers += [owner] if peer else []
         return step, saved, holders
 
     def _assemble(self, step: int, holders: dict[int, int], loaded: dict[int, Copy], abstract_state):
@@ -359,15 +382,15 @@ class LocalTier:
         source = f"the local tier, checkpoint.local_dir={self.setting}"
         if resharded:
             source += f"; {resharded}"
-        peers = sorted(owner for owner, holder in holders.items() if holder != owner)
+        peers = sorted(self._from_peers)
         if peers:
             source += f"; the shards of process(es) {', '.join(map(str, peers))} from a peer's copy"
         return source
 
     def discard_after(self, step: int) -> None:
         """Removes the steps after `step` (the run goes on from `step`: those belong to a past it
-        will train again), and the partial ones."""
-        for folder in self.root.glob("owner_*"):
+        will train again), and the partial ones; in every process index's folder here (`_owner_dirs`)."""
+        for folder in self._owner_dirs():
             for partial in folder.glob("*.partial"):
                 shutil.rmtree(partial, ignore_errors=True)
             for later in (s for s in steps(folder) if s > step):

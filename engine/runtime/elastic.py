@@ -4,7 +4,9 @@ The launcher (launcher.py) runs the job; when a process fails (a nonzero exit, a
 watchdog's exit on a hang) the others are stopped as always, and with fault.elastic the job is
 started again on the processes left (each start with a fresh coordinator port), resuming from the
 newest checkpoint of either tier, until it succeeds, fewer than fault.min_processes would remain or
-fault.max_restarts restarts are used. The axis that shrinks is the outermost data axis: the mesh's
+fault.max_restarts restarts are used. Only a lost process restarts it (`lost`): a failure every
+process met on its own (a NaN stop, a bug's traceback: all exit 1) ends the job with exit 1 and a
+message saying why it was not restarted. The axis that shrinks is the outermost data axis: the mesh's
 other axes keep their sizes, mesh.data (and mesh.dcn_data) take the devices left; the global batch,
 the data order and the random numbers do not depend on the process count (engine/data/pipeline.py),
 so each device's share of the batch grows. Whether every smaller job from N-1 processes down to
@@ -44,6 +46,10 @@ from engine.runtime.rundir import METRICS, append_line, read_records
 ATTEMPT = "ENGINE_ELASTIC_ATTEMPT"  # 0 for the first start, k for the k-th restart
 FAILURES = "ENGINE_ELASTIC_FAILURES"  # the failures so far: a JSON list of `failure` dicts
 RECOVERY = "recovery"  # the metrics.jsonl split of failure and recovery records
+# after a process fails without a signal, how long the others may take to end on their own before
+# they are stopped: when all do, the failure is the job's own (`lost`), not a lost process
+SETTLE_SECONDS = 3.0
+AT_ONCE = 0.5  # failures seen this close to the first are of its moment (the launcher polls every 0.2 s)
 
 
 def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
@@ -148,11 +154,29 @@ def describe(code: int) -> str:
     return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
 
 
-def lost(seen: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
-    """The processes lost among the failures seen at once: those killed by a signal (not the
-    launcher's SIGTERM), else the first (the others' errors are likely its consequence)."""
-    killed = [failure for failure in seen if failure[1] < 0 and -failure[1] != signal.SIGTERM]
-    return killed or seen[:1]
+def lost(seen: list[tuple[int, int, float]], processes: int, hung: bool) -> tuple[list[tuple[int, int, float]], str]:
+    """(the processes lost, why the job is not restarted: "" when it is), from the failures `seen`
+    before the others were stopped ((process, return code, time), in the order seen; -n: killed by
+    signal n) among `processes`, and whether a watchdog's hang file appeared. A lost process is one
+    killed by a signal (not SIGTERM, a stop's) at the first failure's moment (AT_ONCE: a signal
+    later, a peer's SIGABRT once the coordination service misses it, is a consequence), else the
+    first failure when a process hung, when only a strict subset failed on its own while the
+    others went on (as a lost host's peers wait in a collective until stopped), or when the others
+    died of its consequences. When every process exited with an error code on its own, the failure
+    is the job's (a NaN stop, a bug, a bad input): a restart would meet it again."""
+    if not seen:
+        return [], "no process failed"
+    signalled = [failure for failure in seen if failure[1] < 0 and -failure[1] != signal.SIGTERM]
+    killed = [failure for failure in signalled if failure[2] <= seen[0][2] + AT_ONCE]
+    if killed:
+        return killed, ""
+    if hung or signalled or len({index for index, _, _ in seen}) < processes:
+        return seen[:1], ""
+    codes = ", ".join(sorted({describe(code) for _, code, _ in seen}))
+    return [], (
+        f"every one of its {processes} processes {codes} on its own (not killed by a signal, none hung): a failure "
+        "the job meets again when restarted, not a lost process, so it was not restarted"
+    )
 
 
 def recorded(workdir: Path) -> set[tuple[int, int]]:
@@ -202,19 +226,15 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
         seen: list[tuple[int, int, float]] = []
         env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures)}
         precompiles.start(alive)
-        code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen, grace=0)
+        code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen, grace=0, settle=SETTLE_SECONDS)
         precompiles.stop()
         if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
             return code
-        step = step_reached(workdir)
-        new_hangs = sorted(set(workdir.glob("hang-*.txt")) - hangs)
-        for index, rc, when in lost(seen):
-            how = describe(rc)
-            if new_hangs and rc == 1:
-                how = f"hung ({how} by its watchdog: {new_hangs[0].name})"
-            failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
-            failures[-1]["seconds_to_stop"] = round(time.time() - when, 3)  # the survivors stopped
-        alive -= len(lost(seen))
+        step, new_hangs = step_reached(workdir), sorted(set(workdir.glob("hang-*.txt")) - hangs)
+        gone = note_failures(failures, seen, alive, new_hangs, attempt, step)
+        if not gone:  # (the lost processes before it, when no job recovered from them, are recorded)
+            return give_up(workdir, failures, "it failed on its own") if pending(workdir, failures) else 1
+        alive -= gone
         limit = restart_limit(fault, attempt, alive)
         if limit:
             return give_up(workdir, failures, limit)
@@ -224,6 +244,24 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
             f"elastic: restarting the job on {alive} processes (restart {attempt} of at most "
             f"fault.max_restarts={fault.max_restarts}), from the newest checkpoint\n"
         )
+
+
+def note_failures(failures: list[dict], seen: list, alive: int, hangs: list[Path], attempt: int, step) -> int:
+    """Adds the processes lost among the failures `seen` (of a job of `alive`; `hangs`: the hang
+    files that appeared) to `failures`; how many were lost (0, with a message saying why, when the
+    failure is the job's own and it is not restarted)."""
+    gone, why = lost(seen, alive, bool(hangs))
+    if why:
+        sys.stderr.write(
+            f"error: the job failed at step {step or 0}: {why} (fault.elastic restarts a job after a lost process)\n"
+        )
+    for index, rc, when in gone:
+        how = describe(rc)
+        if hangs and rc == 1:
+            how = f"hung ({how} by its watchdog: {hangs[0].name})"
+        failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
+        failures[-1]["seconds_to_stop"] = round(time.time() - when, 3)  # the survivors stopped
+    return len(gone)
 
 
 def restart_limit(fault, attempt: int, alive: int) -> str:

@@ -30,9 +30,10 @@ from engine.errors import UsageError
 from engine.runtime.elastic import (
     ATTEMPT,
     FAILURES,
-    describe,
+    SETTLE_SECONDS,
     give_up,
-    lost,
+    note_failures,
+    pending,
     restart_limit,
     shrink_plan,
     step_reached,
@@ -109,15 +110,11 @@ def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
         code = run_step([*args, *plans.get(alive, [])], alive, exclude, env, seen)
         if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
             return code
-        step = step_reached(workdir)
-        new_hangs = sorted(set(workdir.glob("hang-*.txt")) - hangs)
-        for index, rc, when in lost(seen):
-            how = describe(rc)
-            if new_hangs and rc == 1:
-                how = f"hung ({how} by its watchdog: {new_hangs[0].name})"
-            failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
-            failures[-1]["seconds_to_stop"] = round(time.time() - when, 3)  # the others stopped
-        alive -= len(lost(seen))
+        step, new_hangs = step_reached(workdir), sorted(set(workdir.glob("hang-*.txt")) - hangs)
+        gone = note_failures(failures, seen, alive, new_hangs, attempt, step)
+        if not gone:  # (the lost processes before it, when no job recovered from them, are recorded)
+            return give_up(workdir, failures, "it failed on its own") if pending(workdir, failures) else 1
+        alive -= gone
         limit = restart_limit(fault, attempt, alive)
         if limit:
             return give_up(workdir, failures, limit)
@@ -176,13 +173,14 @@ def run_step(
 def _wait(step: subprocess.Popen, output: "StepOutput", name: str) -> int:
     """srun's exit code. Once a task has failed, the others are SIGKILLed at once (as on the local
     launcher, engine/runtime/elastic.py: with a peer gone their SIGTERM save cannot complete):
-    scancel's signal to the step, found by its name."""
+    scancel's signal to the step, found by its name. When no task was killed by a signal, the others
+    first get SETTLE_SECONDS to end on their own (elastic.py's `lost`: a failure every task meets)."""
     killed = False
     while True:
         try:
             return step.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
-            if output.reported and not killed:
+            if output.reported and not killed and output.settled():
                 output.stopping = True  # the failures srun reports from here on are the stop's consequence
                 killed = _signal_step(_step_id(name), "KILL")
 
@@ -219,6 +217,12 @@ class StepOutput:
             sys.stderr.flush()
             self.reported.extend((task, code, time.time(), self.stopping) for task, code in parse_task_line(line))
             self.stopping = self.stopping or bool(STOPPING.search(line))
+
+    def settled(self) -> bool:
+        """Whether the step's other tasks may be stopped now: a task was killed by a signal, or
+        SETTLE_SECONDS passed since the first failure srun reported."""
+        signalled = any(code < 0 for _, code, _, _ in self.reported)
+        return signalled or time.time() - self.reported[0][2] >= SETTLE_SECONDS
 
     def causes(self) -> list[tuple[int, int, float]]:
         """The tasks that failed before srun stopped the step (the others' ends are its consequence)."""

@@ -67,11 +67,14 @@ def run_local_job(
     env: Optional[dict[str, str]] = None,
     failed: Optional[list[tuple[int, int, float]]] = None,
     grace: float = GRACE_SECONDS,
+    settle: float = 0,
 ) -> int:
     """Runs `launch.py args` as `processes` processes (with `env` added to their environment);
-    returns the job's exit code. `failed` receives (process, return code, time.time()) of the first failures seen
-    (a preemption's exits are not failures). After a failure the others get SIGTERM and `grace`
-    seconds before SIGKILL (0: SIGKILL at once; engine/runtime/elastic.py says why it may)."""
+    returns the job's exit code. `failed` receives (process, return code, time.time()) of the failures
+    seen before the others were stopped (a preemption's exits are not failures). After a failure the
+    others get SIGTERM and `grace` seconds before SIGKILL (0: SIGKILL at once; engine/runtime/elastic.py
+    says why it may); when no process of the first failures was killed by a signal, the others first
+    get `settle` seconds to end on their own (elastic.py: a failure every process meets is not a lost one)."""
     children, relays = _start(args, processes, devices_per_process, env or {})
     preempted: list[int] = []
 
@@ -83,7 +86,7 @@ def run_local_job(
 
     previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _wait(children, preempted, failed if failed is not None else [], grace)
+        return _wait(children, preempted, failed if failed is not None else [], grace, settle)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -138,10 +141,14 @@ def _start(args: list[str], processes: int, devices_per_process: int, extra: dic
 
 
 def _wait(
-    children: list[subprocess.Popen], preempted: list[int], seen: list[tuple[int, int, float]], grace: float
+    children: list[subprocess.Popen],
+    preempted: list[int],
+    seen: list[tuple[int, int, float]],
+    grace: float,
+    settle: float = 0,
 ) -> int:
     """The job's exit code: 0 when all succeed; the first failure stops the others (`seen` gets
-    the failures found at that moment)."""
+    the failures found until then: those of that moment, and those of the `settle` seconds after it)."""
     while True:
         codes = [child.poll() for child in children]
         if preempted:  # every process is saving its part of the checkpoint: let them finish
@@ -154,11 +161,29 @@ def _wait(
             seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
             sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
+            failed += _settle(children, seen, settle)
             _stop(children, grace)
             return code if code == 143 and all(c == 143 for _, c in failed) else 1
         if all(code == 0 for code in codes):
             return 0
         time.sleep(0.2)
+
+
+def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]], settle: float) -> list:
+    """While no failure seen was a signal's, up to `settle` seconds for the other processes to end on
+    their own; (process, return code) of those that fail meanwhile (also added to `seen`)."""
+    deadline, more = time.monotonic() + settle, []
+    known = {index for index, _, _ in seen}
+    while time.monotonic() < deadline and all(code > 0 for _, code, _ in seen):
+        codes = [child.poll() for child in children]
+        new = [(i, c) for i, c in enumerate(codes) if c not in (None, 0) and i not in known]
+        seen.extend((index, code, time.time()) for index, code in new)
+        known.update(index for index, _ in new)
+        more += new
+        if all(code is not None for code in codes):
+            break
+        time.sleep(0.05)
+    return more
 
 
 def _exit_status(code: int) -> int:

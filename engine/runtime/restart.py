@@ -106,12 +106,15 @@ class Precompiles:
 
 
 def drop_local_tier(cfg, attempt: int) -> None:
-    """(tests only) Removes the local-tier copies ENGINE_TEST_KILL_AT names for this start's lost process."""
+    """(tests only) Removes the local-tier copies ENGINE_TEST_KILL_AT names for this start's lost process
+    (an entry without the fourth field, `process:step` or `process:step:start`, removes none)."""
     for entry in filter(None, os.environ.get(KILL, "").split(",")):
-        process, _, *rest = entry.split(":")
-        if rest[1:2] == [] or int(rest[0]) != attempt or not cfg.checkpoint.local_dir:
+        fields = entry.split(":")
+        if len(fields) < 4 or not fields[2].strip().isdigit() or int(fields[2]) != attempt:
             continue
-        which = rest[1]
+        process, which = fields[0], fields[3]
+        if not cfg.checkpoint.local_dir:
+            continue
         for run in Path(cfg.checkpoint.local_dir).expanduser().glob(f"{Path(cfg.workdir).name}-*"):
             doomed = [run / f"process_{process}"]
             if which == "all":
