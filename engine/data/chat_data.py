@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -67,9 +67,16 @@ def chat(cfg) -> Dataset:
         held = read_conversations(Path(cfg.eval_path).expanduser(), "data.eval_path")
     else:
         train, held = held_out(train, cfg.eval_fraction, cfg.path)
+    build = lambda part: _packed(part, render, tokenizer, cfg)  # noqa: E731
+    return tokenized_dataset((train, held), build, tokenizer_file, tokenizer, cfg)
+
+
+def tokenized_dataset(parts: tuple[list, list], build: Callable, tokenizer_file: Path, tokenizer, cfg) -> Dataset:
+    """The Dataset of the (train, eval) records `parts`, each made into arrays and their counts by
+    `build` (the counts' line said at the run's start), tokenized by `tokenizer` (of `tokenizer_file`)."""
     splits, notes = [], []
-    for what, conversations in (("train", train), ("eval", held)):
-        arrays, counts = _packed(conversations, render, tokenizer, cfg)
+    for what, records in zip(("train", "eval"), parts):
+        arrays, counts = build(records)
         notes.append(counts.line(what, cfg.seq_len + 1, len(arrays["tokens"])))
         splits.append(arrays)
     info = DataInfo(

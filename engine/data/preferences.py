@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from engine.data.base import DataInfo, Dataset
-from engine.data.chat_data import held_out, model_text, token_mask
+from engine.data.base import Dataset
+from engine.data.chat_data import held_out, model_text, token_mask, tokenized_dataset
 from engine.data.conversations import Conversation, as_messages, json_records, loss_spans
 from engine.errors import UsageError
 from engine.lm.chat import Renderer
@@ -85,22 +85,8 @@ def preferences(cfg) -> Dataset:
         held = read_pairs(Path(cfg.eval_path).expanduser(), "data.eval_path")
     else:
         train, held = held_out(train, cfg.eval_fraction, cfg.path, "preference pair")
-    splits, notes = [], []
-    for what, pairs in (("train", train), ("eval", held)):
-        arrays, counts = _examples(pairs, render, tokenizer, cfg)
-        notes.append(counts.line(what, cfg.seq_len + 1, len(arrays["tokens"])))
-        splits.append(arrays)
-    info = DataInfo(
-        "tokens",
-        len(splits[0]["tokens"]),
-        len(splits[1]["tokens"]),
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        seq_len=cfg.seq_len,
-        text_codec="tokenizer",
-        tokenizer=str(tokenizer_file),
-        notes=tuple(notes),
-    )
-    return Dataset(splits[0], splits[1], info)
+    build = lambda part: _examples(part, render, tokenizer, cfg)  # noqa: E731
+    return tokenized_dataset((train, held), build, tokenizer_file, tokenizer, cfg)
 
 
 def read_pairs(path: Path, key: str) -> list[Pair]:

@@ -228,22 +228,31 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
         precompiles.start(alive)
         code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen, grace=0, settle=SETTLE_SECONDS)
         precompiles.stop()
-        if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
-            return code
-        step, new_hangs = step_reached(workdir), sorted(set(workdir.glob("hang-*.txt")) - hangs)
-        gone = note_failures(failures, seen, alive, new_hangs, attempt, step)
-        if not gone:  # (the lost processes before it, when no job recovered from them, are recorded)
-            return give_up(workdir, failures, "it failed on its own") if pending(workdir, failures) else 1
-        alive -= gone
-        limit = restart_limit(fault, attempt, alive)
-        if limit:
-            return give_up(workdir, failures, limit)
+        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt, cfg)
+        if ended is not None:
+            return ended
         drop_local_tier(cfg, attempt)  # (tests only)
         attempt += 1
         sys.stderr.write(
             f"elastic: restarting the job on {alive} processes (restart {attempt} of at most "
             f"fault.max_restarts={fault.max_restarts}), from the newest checkpoint\n"
         )
+
+
+def after_failure(code: int, seen: list, hangs: set, failures: list[dict], alive: int, attempt: int, cfg):
+    """(the job's exit code when it ends with this start, else None; the processes left) after a
+    start of the job (local or SLURM) that ended with `code` and the failures `seen`; `hangs`: the
+    workdir's hang files before the start."""
+    workdir = Path(cfg.workdir)
+    if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
+        return code, alive
+    step, new_hangs = step_reached(workdir), sorted(set(workdir.glob("hang-*.txt")) - hangs)
+    gone = note_failures(failures, seen, alive, new_hangs, attempt, step)
+    if not gone:  # (the lost processes before it, when no job recovered from them, are recorded)
+        return (give_up(workdir, failures, "it failed on its own") if pending(workdir, failures) else 1), alive
+    alive -= gone
+    limit = restart_limit(cfg.fault, attempt, alive)
+    return (give_up(workdir, failures, limit) if limit else None), alive
 
 
 def note_failures(failures: list[dict], seen: list, alive: int, hangs: list[Path], attempt: int, step) -> int:

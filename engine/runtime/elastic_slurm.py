@@ -31,12 +31,8 @@ from engine.runtime.elastic import (
     ATTEMPT,
     FAILURES,
     SETTLE_SECONDS,
-    give_up,
-    note_failures,
-    pending,
-    restart_limit,
+    after_failure,
     shrink_plan,
-    step_reached,
 )
 from engine.runtime.launcher import SELF
 
@@ -108,16 +104,9 @@ def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
         seen: list[tuple[int, int, float]] = []
         env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures)}
         code = run_step([*args, *plans.get(alive, [])], alive, exclude, env, seen)
-        if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
-            return code
-        step, new_hangs = step_reached(workdir), sorted(set(workdir.glob("hang-*.txt")) - hangs)
-        gone = note_failures(failures, seen, alive, new_hangs, attempt, step)
-        if not gone:  # (the lost processes before it, when no job recovered from them, are recorded)
-            return give_up(workdir, failures, "it failed on its own") if pending(workdir, failures) else 1
-        alive -= gone
-        limit = restart_limit(fault, attempt, alive)
-        if limit:
-            return give_up(workdir, failures, limit)
+        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt, cfg)
+        if ended is not None:
+            return ended
         attempt += 1
         exclude = down_nodes()
         without = f", excluding the nodes SLURM reports down: {','.join(exclude)}" if exclude else ""
