@@ -4,9 +4,11 @@ with exit 1 naming them; a failure every process meets (a NaN stop) is not resta
 cannot shrink is refused at start."""
 
 import json
+import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,19 +145,44 @@ def test_the_shrink_plan_and_the_accounting(tmp_path):
 def test_only_a_lost_process_restarts_the_job():
     # (process, return code, time) of the failures seen before the others were stopped, of 3 processes
     killed = [(1, -9, 5.0)]
-    assert lost(killed, 3, hung=False) == (killed, "")
-    assert lost([(0, 1, 5.0), (2, -11, 5.1)], 3, hung=False) == ([(2, -11, 5.1)], "")  # the signal's, not the first
-    assert lost([(2, 1, 5.0)], 3, hung=False) == ([(2, 1, 5.0)], "")  # alone: the others waited until stopped
-    assert lost([(1, 1, 5.0), (0, 1, 5.2)], 3, hung=False) == ([(1, 1, 5.0)], "")  # a strict subset
-    assert lost([(1, 1, 5.0), (0, 1, 5.0)], 2, hung=True) == ([(1, 1, 5.0)], "")  # its watchdog's exit
+    assert lost(killed, 3, hung=[]) == (killed, "")
+    assert lost([(0, 1, 5.0), (2, -11, 5.1)], 3, hung=[]) == ([(2, -11, 5.1)], "")  # the signal's, not the first
+    assert lost([(2, 1, 5.0)], 3, hung=[]) == ([(2, 1, 5.0)], "")  # alone: the others waited until stopped
+    assert lost([(1, 1, 5.0), (0, 1, 5.2)], 3, hung=[]) == ([(1, 1, 5.0)], "")  # a strict subset
+    assert lost([(1, 1, 5.0), (0, 1, 5.0)], 2, hung=[1]) == ([(1, 1, 5.0)], "")  # its watchdog's exit
+    # the hung process's peer died of SIGABRT first (the coordination service missed it): the hang is blamed
+    assert lost([(0, -6, 5.0), (1, 1, 5.1)], 2, hung=[1]) == ([(1, 1, 5.1)], "")
+    assert lost([(0, -6, 5.0)], 2, hung=[1]) == ([(1, 1, 5.0)], "")  # (stopped before its watchdog's exit)
     # every process failed on its own (a NaN stop, a traceback, a bad input): the job's failure, not restarted
-    gone, why = lost([(0, 1, 5.0), (1, 1, 5.1), (2, 1, 5.1)], 3, hung=False)
+    gone, why = lost([(0, 1, 5.0), (1, 1, 5.1), (2, 1, 5.1)], 3, hung=[])
     assert gone == [] and "every one of its 3 processes exited with code 1 on its own" in why
     assert "not restarted" in why
-    assert lost([(0, 1, 5.0), (1, -15, 5.1)], 2, hung=False)[0] == []  # (a SIGTERM is a stop's, not a loss)
+    assert lost([(0, 1, 5.0), (1, -15, 5.1)], 2, hung=[])[0] == []  # (a SIGTERM is a stop's, not a loss)
     # a peer's SIGABRT seconds after a process failed alone (its coordination service missed it): a consequence
-    assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=False) == ([(0, 1, 5.0)], "")
-    assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=True) == ([(0, 1, 5.0)], "")  # the watchdog's, not the abort
+    assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=[]) == ([(0, 1, 5.0)], "")
+    assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=[0]) == ([(0, 1, 5.0)], "")  # the watchdog's, not the abort
+
+
+@pytest.mark.nocompile
+def test_the_hung_process_is_the_one_whose_host_stopped(tmp_path):
+    from engine.runtime.elastic import hung_processes
+    from engine.runtime.watchdog import STUCK, WAITING
+
+    def hang(name: str, process: int, why: str, when: float) -> Path:
+        path = tmp_path / name
+        path.write_text(f"no progress for 5s while training (watchdog.step=4); process {process}, pid 7; {why}\n\n")
+        os.utime(path, (when, when))
+        return path
+
+    waiting = hang("hang-1-process2.txt", 2, f"1 {WAITING}", 100.0)  # its peer's collective waited on process 1
+    stuck = hang("hang-2-process1.txt", 1, STUCK, 101.0)
+    early = hang("hang-0.txt", 0, f"3 {WAITING}", 99.0)
+    hang("hang-evaluator-0.txt", 0, STUCK, 98.0)
+    assert hung_processes([waiting, stuck, early, tmp_path / "hang-evaluator-0.txt"]) == [
+        (1, stuck),
+        (0, early),
+        (2, waiting),
+    ]
 
 
 @pytest.mark.nocompile

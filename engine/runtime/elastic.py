@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import sys
 import time
@@ -42,6 +43,7 @@ from typing import Any, Optional
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.runtime.rundir import METRICS, append_line, read_records
+from engine.runtime.watchdog import WAITING
 
 ATTEMPT = "ENGINE_ELASTIC_ATTEMPT"  # 0 for the first start, k for the k-th restart
 FAILURES = "ENGINE_ELASTIC_FAILURES"  # the failures so far: a JSON list of `failure` dicts
@@ -154,29 +156,53 @@ def describe(code: int) -> str:
     return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
 
 
-def lost(seen: list[tuple[int, int, float]], processes: int, hung: bool) -> tuple[list[tuple[int, int, float]], str]:
+Failure = tuple[int, int, float]  # (process, return code, time)
+
+
+def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Failure], str]:
     """(the processes lost, why the job is not restarted: "" when it is), from the failures `seen`
     before the others were stopped ((process, return code, time), in the order seen; -n: killed by
-    signal n) among `processes`, and whether a watchdog's hang file appeared. A lost process is one
-    killed by a signal (not SIGTERM, a stop's) at the first failure's moment (AT_ONCE: a signal
-    later, a peer's SIGABRT once the coordination service misses it, is a consequence), else the
-    first failure when a process hung, when only a strict subset failed on its own while the
-    others went on (as a lost host's peers wait in a collective until stopped), or when the others
-    died of its consequences. When every process exited with an error code on its own, the failure
-    is the job's (a NaN stop, a bug, a bad input): a restart would meet it again."""
+    signal n) among `processes`, and the processes whose watchdog's hang file appeared (`hung`, the
+    likeliest culprit first). A hung process is the one lost, ahead of a signal that comes with its
+    exit (a peer's SIGABRT once the coordination service misses it may arrive first). Else a lost
+    process is one killed by a signal (not SIGTERM, a stop's) at the first failure's moment
+    (AT_ONCE: a signal later is a consequence), else the first failure when only a strict subset
+    failed on its own while the others went on (as a lost host's peers wait in a collective until
+    stopped), or when the others died of its consequences. When every process exited with an
+    error code on its own, the failure is the job's (a NaN stop, a bug, a bad input): a restart
+    would meet it again."""
     if not seen:
         return [], "no process failed"
+    if hung:
+        mine = [failure for failure in seen if failure[0] == hung[0]]
+        return mine or [(hung[0], 1, seen[0][2])], ""  # (stopped by the launcher before its watchdog's exit)
     signalled = [failure for failure in seen if failure[1] < 0 and -failure[1] != signal.SIGTERM]
     killed = [failure for failure in signalled if failure[2] <= seen[0][2] + AT_ONCE]
     if killed:
         return killed, ""
-    if hung or signalled or len({index for index, _, _ in seen}) < processes:
+    if signalled or len({index for index, _, _ in seen}) < processes:
         return seen[:1], ""
     codes = ", ".join(sorted({describe(code) for _, code, _ in seen}))
     return [], (
         f"every one of its {processes} processes {codes} on its own (not killed by a signal, none hung): a failure "
         "the job meets again when restarted, not a lost process, so it was not restarted"
     )
+
+
+def hung_processes(files: list[Path]) -> list[tuple[int, Path]]:
+    """(process, hang file) of the watchdogs' hang files `files` (not an evaluator's), the likeliest
+    culprit first: a process whose own host thread stopped before one that waited on its devices
+    (its peers' collectives wait for it), then the earliest written."""
+    found = []
+    for path in files:
+        try:
+            headline = path.read_text(errors="replace").split("\n", 1)[0]
+        except OSError:
+            continue
+        match = re.search(r"; process (\d+), pid \d+", headline)
+        if match and not path.name.startswith("hang-evaluator"):
+            found.append((WAITING in headline, path.stat().st_mtime, int(match.group(1)), path))
+    return [(index, path) for _, _, index, path in sorted(found)]
 
 
 def recorded(workdir: Path) -> set[tuple[int, int]]:
@@ -259,15 +285,18 @@ def note_failures(failures: list[dict], seen: list, alive: int, hangs: list[Path
     """Adds the processes lost among the failures `seen` (of a job of `alive`; `hangs`: the hang
     files that appeared) to `failures`; how many were lost (0, with a message saying why, when the
     failure is the job's own and it is not restarted)."""
-    gone, why = lost(seen, alive, bool(hangs))
+    hung: dict[int, Path] = {}
+    for index, path in hung_processes(hangs):  # the likeliest first (dicts keep order)
+        hung.setdefault(index, path)
+    gone, why = lost(seen, alive, list(hung))
     if why:
         sys.stderr.write(
             f"error: the job failed at step {step or 0}: {why} (fault.elastic restarts a job after a lost process)\n"
         )
     for index, rc, when in gone:
         how = describe(rc)
-        if hangs and rc == 1:
-            how = f"hung ({how} by its watchdog: {hangs[0].name})"
+        if index in hung:
+            how = f"hung ({how} by its watchdog: {hung[index].name})"
         failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
         failures[-1]["seconds_to_stop"] = round(time.time() - when, 3)  # the survivors stopped
     return len(gone)

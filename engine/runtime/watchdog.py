@@ -31,6 +31,12 @@ WHAT = {
 }
 
 
+# how a hang file's headline says whether the process waited on its devices (a peer's hang keeps
+# a collective from finishing) or its own host thread stopped (engine/runtime/elastic.py reads it)
+WAITING = "dispatched result(s) not ready: waiting on the devices or a collective"
+STUCK = "nothing dispatched is pending: this process's host thread stopped"
+
+
 class Watchdog:
     def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, who: str = ""):
         self.limits, self.workdir, self.process_index = limits, Path(workdir), process_index
@@ -92,9 +98,10 @@ class Watchdog:
             + (f"-process{self.process_index}" if self.process_index else "")
             + ".txt"
         )
+        pending = len(self.in_flight) - self.ready
         headline = (
             f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
-            f"process {self.process_index}, pid {os.getpid()}"
+            f"process {self.process_index}, pid {os.getpid()}; " + (f"{pending} {WAITING}" if pending else STUCK)
         )
         stderr = sys.__stderr__ or sys.stderr
         stderr.write(f"{headline}\nevery thread's Python stack:\n")
