@@ -45,13 +45,13 @@ def local_job(workdir, *overrides, processes, devices=2, env=None, timeout=600):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_killed_process_s_job_goes_on_with_the_rest(tmp_path):
+def test_a_killed_process_s_job_goes_on_with_the_rest_then_grows_back(tmp_path):
     rng = random.Random(44)
-    process, step = 1, rng.randint(6, 12)  # the seeded failure: not the last process, so the survivors renumber
+    process, step = 1, rng.randint(6, 9)  # the seeded failure: not the last process, so the survivors renumber
     tier = [
         f"checkpoint.local_dir={tmp_path / 'shm'}",
         f"checkpoint.local_every_steps={LOCAL_EVERY}",
-        "checkpoint.every_steps=50",
+        "checkpoint.every_steps=10",  # the job of 2 grows back to 3 at step 10
     ]
     # its host's local tier lost too: its shards' copy is at its peer, process 2, which goes on as
     # process 1 and finds it (and its own) in process_2/, an index the job of 2 does not have
@@ -68,6 +68,10 @@ def test_a_killed_process_s_job_goes_on_with_the_rest(tmp_path):
     assert recovery["restored_from"].endswith("the shards of process(es) 1 from a peer's copy"), recovery
     assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= LOCAL_EVERY
     assert recovery["seconds_lost"] > 0 and f"recovered: process {process}" in job.stdout
+    (grown,) = records(tmp_path / "elastic", "grow")  # the lost process's place is free again on this machine
+    assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (2, 3, 10), grown
+    assert "elastic: growing back to 3 processes" in job.stderr and "grew back: from 2 to 3 processes" in job.stdout
+    assert grown["seconds_lost"] > 0
     (summary,) = records(tmp_path / "elastic", "summary")
     assert summary["badput_recovery"] > 0
     losses = {r["step"]: r["loss"] for r in records(tmp_path / "elastic", "train")}
@@ -92,7 +96,9 @@ def test_a_killed_process_s_job_goes_on_with_the_rest(tmp_path):
 def test_a_second_failure_with_none_left_ends_the_job_naming_both(tmp_path):
     workdir = tmp_path / "run"
     kill = {"ENGINE_TEST_KILL_AT": "1:7:0,0:14:1"}  # process 1 at step 7; then, restarted alone, process 0
-    job = local_job(workdir, "train.steps=16", "checkpoint.every_steps=4", processes=2, devices=1, env=kill)
+    job = local_job(
+        workdir, "train.steps=16", "checkpoint.every_steps=4", "fault.grow_back=false", processes=2, devices=1, env=kill
+    )
     assert job.returncode == 1, job.stdout[-3000:] + job.stderr[-3000:]
     assert "elastic: restarting the job on 1 processes" in job.stderr
     message = job.stderr.strip().splitlines()[-1]
@@ -164,25 +170,28 @@ def test_only_a_lost_process_restarts_the_job():
 
 
 @pytest.mark.nocompile
-def test_the_hung_process_is_the_one_whose_host_stopped(tmp_path):
+def test_the_hung_process_is_the_one_behind_its_peers(tmp_path):
     from engine.runtime.elastic import hung_processes
-    from engine.runtime.watchdog import STUCK, WAITING
+    from engine.runtime.watchdog import REACHED
 
-    def hang(name: str, process: int, why: str, when: float) -> Path:
+    def hang(name: str, process: int, step, when: float) -> Path:
         path = tmp_path / name
-        path.write_text(f"no progress for 5s while training (watchdog.step=4); process {process}, pid 7; {why}\n\n")
+        reached = f"; {REACHED} {step}" if step is not None else ""
+        path.write_text(f"no progress for 5s while training (watchdog.step=4); process {process}, pid 7{reached}\n\n")
         os.utime(path, (when, when))
         return path
 
-    waiting = hang("hang-1-process2.txt", 2, f"1 {WAITING}", 100.0)  # its peer's collective waited on process 1
-    stuck = hang("hang-2-process1.txt", 1, STUCK, 101.0)
-    early = hang("hang-0.txt", 0, f"3 {WAITING}", 99.0)
-    hang("hang-evaluator-0.txt", 0, STUCK, 98.0)
-    assert hung_processes([waiting, stuck, early, tmp_path / "hang-evaluator-0.txt"]) == [
-        (1, stuck),
+    ahead = hang("hang-1-process2.txt", 2, 6, 99.0)  # its peers went on to step 6 and wait there for process 1
+    behind = hang("hang-2-process1.txt", 1, 5, 101.0)
+    early = hang("hang-0.txt", 0, 6, 98.0)
+    hang("hang-evaluator-0.txt", 0, 1, 97.0)
+    assert hung_processes([ahead, behind, early, tmp_path / "hang-evaluator-0.txt"]) == [
+        (1, behind),
         (0, early),
-        (2, waiting),
+        (2, ahead),
     ]
+    starting = hang("hang-3-process3.txt", 3, None, 90.0)  # (hung before its first step: after those that began)
+    assert hung_processes([starting, early]) == [(0, early), (3, starting)]
 
 
 @pytest.mark.nocompile

@@ -42,9 +42,9 @@ def losses(workdir):
 @pytest.mark.skipif(
     not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge (.ci/run installs them)"
 )
-def test_a_killed_task_s_job_goes_on_as_a_new_srun_step(tmp_path):
+def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path):
     workdir, local = tmp_path / "elastic", tmp_path / "shm"
-    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "checkpoint.every_steps=50"]
+    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "checkpoint.every_steps=6"]
     env = {"JAX_PLATFORMS": "cpu", "ENGINE_TEST_KILL_AT": "1:5"}  # task 1 SIGKILLs itself at step 5
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     try:
@@ -70,7 +70,11 @@ def test_a_killed_task_s_job_goes_on_as_a_new_srun_step(tmp_path):
     assert recovery["lost_process"] == 1 and "SIGKILL" in recovery["how"] and recovery["recovered"]
     assert (recovery["processes_before"], recovery["processes_now"], recovery["tier"]) == (2, 1, "local")
     assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= 2
-    assert job.stdout.count(f"done: {STEPS} steps") == 1
+    # the node stayed up, so the job of 1 grows back to 2 tasks at its persistent checkpoint of step 6
+    (grown,) = records(workdir, "grow")
+    assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (1, 2, 6), grown
+    assert "elastic: growing back to 2 tasks as a new srun step" in job.stderr
+    assert job.stdout.count(f"done: {STEPS} steps") == 2  # (each task of the last step, the grown one, once)
     broken = losses(workdir)
     assert sorted(broken) == list(range(1, STEPS + 1))
     # the unbroken run: the same mesh of 2 devices in one process

@@ -29,6 +29,7 @@ def test_a_lost_host_s_local_tier_then_both_copies(tmp_path):
         "checkpoint.local_every_steps=2",
         "checkpoint.every_steps=2",
         "checkpoint.keep=20",
+        "fault.grow_back=false",  # (the second kill is in the job of 2)
     ]
     # process 2 of 3 dies at step 5 with its host's local tier; then process 1 of 2 at step 9 with
     # both copies of its shards (its own and its peer's)
@@ -59,7 +60,8 @@ def test_a_lost_host_s_local_tier_then_both_copies(tmp_path):
 def test_a_hung_process_is_ended_by_its_watchdog_and_the_job_goes_on(tmp_path):
     workdir = tmp_path / "run"
     hang = {"ENGINE_TEST_HANG_AT": "1:4"}  # process 1 sleeps for ever after step 4
-    job = local_job(workdir, "watchdog.step=4", "checkpoint.every_steps=2", processes=2, devices=1, env=hang)
+    overrides = ["watchdog.step=4", "checkpoint.every_steps=2", "fault.grow_back=false"]
+    job = local_job(workdir, *overrides, processes=2, devices=1, env=hang)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert "no progress for" in job.stdout and "(watchdog.step=4)" in job.stdout  # (the first watchdog to fire)
     (recovery,) = records(workdir, "recovery")

@@ -394,7 +394,17 @@ class FaultConfig:
         "(mesh.dcn_data, then mesh.data) shrinks",
     )
     min_processes: int = option(1, "fault.elastic: the fewest processes the job goes on with", at_least=1)
-    max_restarts: int = option(3, "fault.elastic: the most restarts before the job ends with exit 1", at_least=0)
+    max_restarts: int = option(
+        3,
+        "fault.elastic: the most restarts after failures since the job last ran at its full size; one more "
+        "failure ends it with exit 1",
+        at_least=0,
+    )
+    grow_back: bool = option(
+        True,
+        "fault.elastic: a job that shrank grows back to its full size at its next persistent checkpoint once "
+        "the lost processes can run again (local launcher: at once; SLURM: when no node of the allocation is down)",
+    )
     precompile: bool = option(
         False,
         "fault.elastic: while the job trains, compile the smaller jobs' programs (N-1 processes, then fewer) "

@@ -20,6 +20,7 @@ from engine.data import Prefetcher
 from engine.errors import UsageError
 from engine.observe.perf import Goodput, StepTrace, Throughput, Window
 from engine.run.best import Verdict
+from engine.run.recovery import GrowBack, GrowWatch
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, PreemptionWatch, end_startup
 from engine.runtime.rundir import storage_errno, storage_error
@@ -121,6 +122,7 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
     total, per_call, per_block = ready.end or cfg.train.steps, job.steps_per_call, job.steps_per_block
     batches = closing.enter_context(contextlib.closing(Prefetcher(job.block, start // per_block, cfg.data.prefetch)))
     preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
+    grow = GrowWatch.begin(cfg) if cfg.fault.elastic else None
     trace = StepTrace(cfg.log.profile_steps, start, job.workdir, per_call)
     closing.enter_context(contextlib.closing(trace))
     watchdog.watch(window.metrics)
@@ -129,7 +131,7 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
         if block is None or step % per_block == 0:
             block = next(batches)
         trace.before(step)
-        watchdog.beat()
+        watchdog.beat(step + 1)
         state, metrics = _dispatch(job, state, block, goodput)  # steps [step, step + per_call)
         window.add(metrics, per_call)
         job.advance(per_call)
@@ -161,6 +163,10 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
         if stop:
             job.wait()
             raise Preempted(done, preemption.signum)
+        persistent = _due(cfg.checkpoint.every_steps, done, total) and done < total
+        if grow is not None and persistent and grow.asked():  # (a smaller elastic job, asked to grow back)
+            job.wait()
+            raise GrowBack(done, grow.processes)
         if verdict.stop or job.stopped():
             break
     _finish(job, start, total, window, goodput, watchdog, batches, trace)

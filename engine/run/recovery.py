@@ -6,6 +6,9 @@ one `split: "recovery"` record per failure that metrics.jsonl does not hold yet 
 failure, the lost process, how it died, the step reached, the step restored, the tier used, the
 seconds lost from the failure to this first step, the processes now), and says it on the console.
 The time from the failure to this process's start is counted as the summary's badput_recovery.
+A smaller job asked to grow back stops at a persistent checkpoint (`GrowWatch`, `GrowBack`:
+engine/runtime/elastic_grow.py); the job grown from it writes one `split: "grow"` record, its
+time from the stop counted as badput_recovery too.
 
 ENGINE_TEST_KILL_AT=process:step[:start[:local]],... (tests only) makes that process SIGKILL itself once
 it has dispatched that step, in that start of the job (ENGINE_ELASTIC_ATTEMPT; 0 when not given; `local`:
@@ -24,10 +27,14 @@ from pathlib import Path
 from typing import Optional
 
 import jax
+import numpy as np
 
 from engine.runtime.elastic import ATTEMPT, FAILURES, RECOVERY, failure_record, pending
+from engine.runtime.elastic_grow import GREW, GROW, GROW_EXIT, REQUEST
+from engine.runtime.preemption import Preempted
 
 KILL, HANG = "ENGINE_TEST_KILL_AT", "ENGINE_TEST_HANG_AT"
+GROWN = "grow"  # the metrics.jsonl split of a growth's record
 
 
 def attempt() -> int:
@@ -56,11 +63,48 @@ def kill_if_due(at: Optional[tuple[int, bool]], done: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class GrowBack(Preempted):
+    """Every process stops at a complete persistent checkpoint for the launcher to start the job
+    again at its full size (engine/runtime/elastic_grow.py); exit code GROW_EXIT."""
+
+    def __init__(self, step: int, processes: int):
+        Exception.__init__(
+            self,
+            f"elastic: stopped at the persistent checkpoint of step {step} (complete) for the job to grow back to "
+            f"{processes} processes",
+        )
+        self.step, self.exit_code = step, GROW_EXIT
+
+
+class GrowWatch:
+    """A smaller elastic job's question at each persistent checkpoint: has the launcher asked it to
+    grow back? Process 0 reads the request and tells the others (one collective per persistent
+    save), so every process stops at the same step."""
+
+    def __init__(self, processes: int, request: Path):
+        self.processes, self.request = processes, request
+
+    @classmethod
+    def begin(cls, cfg) -> Optional["GrowWatch"]:
+        """The watch of a job started smaller than its full size (ENGINE_ELASTIC_GROW), else None."""
+        full = int(os.environ.get(GROW, "0") or 0)
+        return cls(full, Path(cfg.workdir) / REQUEST) if full > jax.process_count() else None
+
+    def asked(self) -> bool:
+        """Whether to stop here and grow back (the same answer on every process)."""
+        asked = jax.process_index() == 0 and self.request.exists()
+        if jax.process_count() == 1:
+            return asked
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.broadcast_one_to_all(np.int32(asked)))
+
+
 class Recovery:
     """The failures this start of the job recovers from (process 0's; none elsewhere)."""
 
-    def __init__(self, failures: list[dict], start: int, meta: dict):
-        self.failures, self.start, self.meta = failures, start, meta
+    def __init__(self, failures: list[dict], start: int, meta: dict, grew: Optional[dict] = None):
+        self.failures, self.start, self.meta, self.grew = failures, start, meta, grew
 
     @classmethod
     def begin(cls, cfg, start: int, meta: dict) -> Optional["Recovery"]:
@@ -74,11 +118,13 @@ class Recovery:
             )
         failures = json.loads(os.environ.get(FAILURES, "") or "[]")
         unrecorded = pending(Path(cfg.workdir), failures) if chief and failures else []
-        return cls(unrecorded, start, meta) if unrecorded else None
+        grew = json.loads(os.environ.get(GREW, "") or "null") if chief else None
+        return cls(unrecorded, start, meta, grew) if unrecorded or grew else None
 
     def seconds_before(self, started: float) -> float:
-        """From the earliest failure recovered from to this process's start."""
-        return max(started - min(f["time"] for f in self.failures), 0.0)
+        """From the earliest failure recovered from (or the stop to grow back) to this process's start."""
+        times = [f["time"] for f in self.failures] + ([self.grew["time"]] if self.grew else [])
+        return max(started - min(times), 0.0)
 
     def write(self, writer, first_step_at: Optional[float]) -> None:
         """The records, to metrics.jsonl and the console (`writer`: the run's MetricWriter)."""
@@ -100,4 +146,22 @@ class Recovery:
             writer.message(
                 f"recovered: process {failure['process']} {failure['how']} at step {failure['step'] or 0}; "
                 f"restored step {self.start} from {source}; {jax.process_count()} processes now; {took} lost"
+            )
+        if self.grew:
+            lost = (first_step_at - self.grew["time"]) if first_step_at else None
+            record = {
+                "time": self.grew["time"],
+                "attempt": attempt(),
+                "processes_before": self.grew["processes"],
+                "processes_now": jax.process_count(),
+                "step_restored": self.start,
+                "tier": tier,
+                "restored_from": source,
+                "seconds_lost": lost,
+            }
+            writer.write(self.start, GROWN, record)
+            took = f"{lost:.1f}s" if lost is not None else "unknown time"
+            writer.message(
+                f"grew back: from {self.grew['processes']} to {jax.process_count()} processes at the persistent "
+                f"checkpoint of step {self.start} (from {source}); {took} from the stop to this step"
             )

@@ -42,8 +42,9 @@ from typing import Any, Optional
 
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
+from engine.runtime.elastic_grow import GROW_EXIT, grew_from, request, start_env, withdraw
 from engine.runtime.rundir import METRICS, append_line, read_records
-from engine.runtime.watchdog import WAITING
+from engine.runtime.watchdog import REACHED
 
 ATTEMPT = "ENGINE_ELASTIC_ATTEMPT"  # 0 for the first start, k for the k-th restart
 FAILURES = "ENGINE_ELASTIC_FAILURES"  # the failures so far: a JSON list of `failure` dicts
@@ -191,17 +192,19 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
 
 def hung_processes(files: list[Path]) -> list[tuple[int, Path]]:
     """(process, hang file) of the watchdogs' hang files `files` (not an evaluator's), the likeliest
-    culprit first: a process whose own host thread stopped before one that waited on its devices
-    (its peers' collectives wait for it), then the earliest written."""
+    culprit first: the process whose loop is behind (its peers went on into the next step and wait
+    for it in that step's collectives), then the earliest written."""
     found = []
     for path in files:
         try:
             headline = path.read_text(errors="replace").split("\n", 1)[0]
         except OSError:
             continue
-        match = re.search(r"; process (\d+), pid \d+", headline)
-        if match and not path.name.startswith("hang-evaluator"):
-            found.append((WAITING in headline, path.stat().st_mtime, int(match.group(1)), path))
+        process = re.search(r"; process (\d+), pid \d+", headline)
+        step = re.search(rf"; {REACHED} (\d+)", headline)
+        if process and not path.name.startswith("hang-evaluator"):
+            reached = int(step.group(1)) if step else math.inf  # (hung before its first step)
+            found.append((reached, path.stat().st_mtime, int(process.group(1)), path))
     return [(index, path) for _, _, index, path in sorted(found)]
 
 
@@ -246,29 +249,41 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
     precompiles = Precompiles(args, plans, devices, cfg)
     workdir, fault = Path(cfg.workdir), cfg.fault
     failures: list[dict] = []
-    alive, attempt = processes, 0
+    alive, attempt, full_since, grew = processes, 0, 0, None
     while True:
         hangs = set(workdir.glob("hang-*.txt"))
         seen: list[tuple[int, int, float]] = []
-        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures)}
+        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), **start_env(alive, processes, grew, cfg)}
+        withdraw(workdir)
+        if alive < processes and fault.grow_back:  # a local process that died can run again at once
+            request(workdir, processes, "the lost processes can run again on this machine")
         precompiles.start(alive)
         code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen, grace=0, settle=SETTLE_SECONDS)
         precompiles.stop()
-        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt, cfg)
+        attempt, grew = attempt + 1, None
+        if code == GROW_EXIT:
+            grew, alive, full_since = grew_from(alive, processes), processes, attempt
+            sys.stderr.write(f"elastic: growing back to {processes} processes, from the checkpoint just saved\n")
+            continue
+        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt - 1, cfg, full_since)
         if ended is not None:
+            withdraw(workdir)
             return ended
-        drop_local_tier(cfg, attempt)  # (tests only)
-        attempt += 1
+        drop_local_tier(cfg, attempt - 1)  # (tests only)
         sys.stderr.write(
-            f"elastic: restarting the job on {alive} processes (restart {attempt} of at most "
-            f"fault.max_restarts={fault.max_restarts}), from the newest checkpoint\n"
+            f"elastic: restarting the job on {alive} processes (restart {restarts(failures, full_since)} of at "
+            f"most fault.max_restarts={fault.max_restarts} since the job last ran at its full size), from the "
+            "newest checkpoint\n"
         )
 
 
-def after_failure(code: int, seen: list, hangs: set, failures: list[dict], alive: int, attempt: int, cfg):
+def after_failure(
+    code: int, seen: list, hangs: set, failures: list[dict], alive: int, attempt: int, cfg, full_since: int = 0
+):
     """(the job's exit code when it ends with this start, else None; the processes left) after a
     start of the job (local or SLURM) that ended with `code` and the failures `seen`; `hangs`: the
-    workdir's hang files before the start."""
+    workdir's hang files before the start; `full_since`: the start at which the job last ran at its
+    full size (fault.max_restarts counts the restarts since)."""
     workdir = Path(cfg.workdir)
     if code != 1 or not seen or all(c == 2 for _, c, _ in seen):  # done, preempted, or a usage error
         return code, alive
@@ -277,7 +292,7 @@ def after_failure(code: int, seen: list, hangs: set, failures: list[dict], alive
     if not gone:  # (the lost processes before it, when no job recovered from them, are recorded)
         return (give_up(workdir, failures, "it failed on its own") if pending(workdir, failures) else 1), alive
     alive -= gone
-    limit = restart_limit(cfg.fault, attempt, alive)
+    limit = restart_limit(cfg.fault, restarts(failures, full_since) - 1, alive)
     return (give_up(workdir, failures, limit) if limit else None), alive
 
 
@@ -302,9 +317,14 @@ def note_failures(failures: list[dict], seen: list, alive: int, hangs: list[Path
     return len(gone)
 
 
-def restart_limit(fault, attempt: int, alive: int) -> str:
-    """Why the job cannot be restarted ("" when it can)."""
-    if attempt >= fault.max_restarts:
+def restarts(failures: list[dict], since: int) -> int:
+    """The restarts after failures from start `since` on (one per start that lost processes)."""
+    return len({failure["attempt"] for failure in failures if failure["attempt"] >= since})
+
+
+def restart_limit(fault, used: int, alive: int) -> str:
+    """Why the job cannot be restarted again after `used` restarts ("" when it can)."""
+    if used >= fault.max_restarts:
         return f"fault.max_restarts={fault.max_restarts} restart(s) used"
     if alive < fault.min_processes:
         return f"{alive} process(es) would remain, fewer than fault.min_processes={fault.min_processes}"

@@ -32,8 +32,10 @@ from engine.runtime.elastic import (
     FAILURES,
     SETTLE_SECONDS,
     after_failure,
+    restarts,
     shrink_plan,
 )
+from engine.runtime.elastic_grow import GROW_EXIT, WhenBack, grew_from, start_env, withdraw
 from engine.runtime.launcher import SELF
 
 # srun's line for a task that ended badly: "srun: error: node1: task 1: Killed",
@@ -98,21 +100,31 @@ def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
     if fault.precompile:
         sys.stderr.write("note: fault.precompile is not built under --elastic (SLURM): a restart compiles its job\n")
     failures: list[dict] = []
-    alive, attempt, exclude = tasks, 0, down_nodes()
+    alive, attempt, exclude, full_since, grew = tasks, 0, down_nodes(), 0, None
     while True:
         hangs = set(workdir.glob("hang-*.txt"))
         seen: list[tuple[int, int, float]] = []
-        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures)}
+        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), **start_env(alive, tasks, grew, cfg)}
+        withdraw(workdir)
+        back = WhenBack(workdir, tasks, lambda: not down_nodes()) if alive < tasks and fault.grow_back else None
         code = run_step([*args, *plans.get(alive, [])], alive, exclude, env, seen)
-        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt, cfg)
+        if back is not None:
+            back.stop()
+        attempt, grew = attempt + 1, None
+        if code == GROW_EXIT:
+            grew, alive, full_since, exclude = grew_from(alive, tasks), tasks, attempt, []
+            sys.stderr.write(f"elastic: growing back to {tasks} tasks as a new srun step, from the checkpoint saved\n")
+            continue
+        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt - 1, cfg, full_since)
         if ended is not None:
+            withdraw(workdir)
             return ended
-        attempt += 1
         exclude = down_nodes()
         without = f", excluding the nodes SLURM reports down: {','.join(exclude)}" if exclude else ""
         sys.stderr.write(
-            f"elastic: restarting the job on {alive} processes as a new srun step (restart {attempt} of at most "
-            f"fault.max_restarts={fault.max_restarts}{without}), from the newest checkpoint\n"
+            f"elastic: restarting the job on {alive} processes as a new srun step (restart "
+            f"{restarts(failures, full_since)} of at most fault.max_restarts={fault.max_restarts} since it last ran "
+            f"at its full size{without}), from the newest checkpoint\n"
         )
 
 
@@ -154,6 +166,9 @@ def run_step(
     seen.extend(output.causes())
     if preempted:
         return 128 + int(preempted[0])
+    if code == GROW_EXIT and all(c == GROW_EXIT for _, c, _ in seen):  # every task left to grow back
+        seen.clear()
+        return code
     if code == 0 or not seen:
         return code
     return 2 if all(c == 2 for _, c, _ in seen) else 1
@@ -169,7 +184,7 @@ def _wait(step: subprocess.Popen, output: "StepOutput", name: str) -> int:
         try:
             return step.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
-            if output.reported and not killed and output.settled():
+            if output.failed() and not killed and output.settled():
                 output.stopping = True  # the failures srun reports from here on are the stop's consequence
                 killed = _signal_step(_step_id(name), "KILL")
 
@@ -207,11 +222,16 @@ class StepOutput:
             self.reported.extend((task, code, time.time(), self.stopping) for task, code in parse_task_line(line))
             self.stopping = self.stopping or bool(STOPPING.search(line))
 
+    def failed(self) -> bool:
+        """Whether srun reported a task that failed (not one that left to grow back)."""
+        return any(code != GROW_EXIT for _, code, _, _ in self.reported)
+
     def settled(self) -> bool:
         """Whether the step's other tasks may be stopped now: a task was killed by a signal, or
         SETTLE_SECONDS passed since the first failure srun reported."""
-        signalled = any(code < 0 for _, code, _, _ in self.reported)
-        return signalled or time.time() - self.reported[0][2] >= SETTLE_SECONDS
+        reported = [report for report in self.reported if report[1] != GROW_EXIT]
+        signalled = any(code < 0 for _, code, _, _ in reported)
+        return signalled or time.time() - reported[0][2] >= SETTLE_SECONDS
 
     def causes(self) -> list[tuple[int, int, float]]:
         """The tasks that failed before srun stopped the step (the others' ends are its consequence)."""

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from engine.runtime.elastic_grow import GROW_EXIT
+
 ROOT = Path(__file__).resolve().parent.parent
 # this program, for the processes it starts (local processes, a sweep's runs): the checkout's
 # launch.py where there is one, else the installed package
@@ -157,6 +159,8 @@ def _wait(
                 return 128 + int(preempted[0])  # 143, or 130 for Ctrl-C
             return _exit_status(max((code for code in codes if code is not None), key=abs))
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed and all(c == GROW_EXIT for _, c in failed) and _all_grow(children):
+            return GROW_EXIT  # every process saved and left to grow back (engine/runtime/elastic_grow.py)
         if failed:
             seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
@@ -167,6 +171,18 @@ def _wait(
         if all(code == 0 for code in codes):
             return 0
         time.sleep(0.2)
+
+
+def _all_grow(children: list[subprocess.Popen]) -> bool:
+    """Whether every process exits with GROW_EXIT (each leaves once the checkpoint is complete, so the
+    others follow within moments; GRACE_SECONDS at most)."""
+    deadline = time.monotonic() + GRACE_SECONDS
+    for child in children:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            return False
+    return all(child.returncode == GROW_EXIT for child in children)
 
 
 def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]], settle: float) -> list:

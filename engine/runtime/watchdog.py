@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 from engine.errors import exit_now
 
@@ -31,10 +32,9 @@ WHAT = {
 }
 
 
-# how a hang file's headline says whether the process waited on its devices (a peer's hang keeps
-# a collective from finishing) or its own host thread stopped (engine/runtime/elastic.py reads it)
-WAITING = "dispatched result(s) not ready: waiting on the devices or a collective"
-STUCK = "nothing dispatched is pending: this process's host thread stopped"
+# how a hang file's headline names the step the process's loop last began: the process behind its
+# peers (they wait for it in that step's collectives) is the one that hung (engine/runtime/elastic.py)
+REACHED = "its loop last began step"
 
 
 class Watchdog:
@@ -44,6 +44,7 @@ class Watchdog:
         self.phases, self.since = ["compile"], time.monotonic()
         self.in_flight: list = []
         self.ready = 0
+        self.step: Optional[int] = None
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self.thread.start()
@@ -58,9 +59,11 @@ class Watchdog:
             self.since = time.monotonic()  # first: the phase around is never timed from before this one
             self.phases.pop()
 
-    def beat(self) -> None:
-        """Progress in the current phase: its clock starts again."""
+    def beat(self, step: Optional[int] = None) -> None:
+        """Progress in the current phase: its clock starts again (`step`: the training step the loop
+        begins, named in a hang file)."""
         self.since = time.monotonic()
+        self.step = step if step is not None else self.step
 
     def watch(self, in_flight: list) -> None:
         """The arrays the current steps will produce (a log window's metrics, appended to as
@@ -98,10 +101,10 @@ class Watchdog:
             + (f"-process{self.process_index}" if self.process_index else "")
             + ".txt"
         )
-        pending = len(self.in_flight) - self.ready
         headline = (
             f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
-            f"process {self.process_index}, pid {os.getpid()}; " + (f"{pending} {WAITING}" if pending else STUCK)
+            f"process {self.process_index}, pid {os.getpid()}"
+            + (f"; {REACHED} {self.step}" if self.step is not None else "")
         )
         stderr = sys.__stderr__ or sys.stderr
         stderr.write(f"{headline}\nevery thread's Python stack:\n")

@@ -1,0 +1,88 @@
+"""Growing an elastic job back to its full size at its next persistent checkpoint, once the lost processes can run.
+
+A job that fault.elastic shrank (engine/runtime/elastic.py) runs on fewer processes than it was
+started with. With fault.grow_back (the default) the launcher asks it to grow back once the lost
+processes' places are there again: it writes WORKDIR/grow-request.json, and the training loop of
+a smaller job (started with ENGINE_ELASTIC_GROW=<full size>) checks, at each persistent checkpoint
+it saves, whether that file is there (process 0 reads it and tells the others, so every process
+agrees on the step: engine/run/recovery.py `GrowWatch`). If it is, every process waits for that
+checkpoint to be complete and exits with GROW_EXIT; the launcher starts the job again on its full
+size, which restores that step (either tier: the new processes take their shards from the
+persistent tier or a peer's copy, engine/checkpoint/local_reshard.py) and writes one
+`split: "grow"` record (the stop's time and step, the processes before and now, the seconds from
+the stop to the first step; ENGINE_ELASTIC_GREW carries the stop to the new job).
+
+When the places are there again:
+- the local launcher (--local-processes N): at once, since a process that died can be started
+  again on the same machine, so a shrunk job grows back at its first persistent checkpoint;
+- the SLURM driver (`launch.py train --elastic`): when no node of the allocation is reported down,
+  drained or failing (sinfo, polled every POLL_SECONDS while the smaller step runs): a requeued
+  or resumed node, or a task that died on a node that stayed up.
+Growing costs one restart (start-up, joining, the restore, compilation or the persistent cache's
+hit), not a checkpoint: the job stops at a step it saves anyway. fault.max_restarts counts the
+restarts after failures since the job last ran at its full size: a job that keeps reaching
+persistent checkpoints between failures goes on. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+GROW = "ENGINE_ELASTIC_GROW"  # the job's full size, given to a start smaller than it
+GREW = "ENGINE_ELASTIC_GREW"  # JSON {"time", "processes"}: the stop of the smaller job this start grew from
+REQUEST = "grow-request.json"  # in the workdir: the launcher's request to grow back
+GROW_EXIT = 75  # every process's exit code after stopping to grow back (EX_TEMPFAIL)
+POLL_SECONDS = 30.0  # SLURM: how often the driver asks sinfo whether the allocation's nodes are back
+
+
+def start_env(alive: int, full: int, grew: Optional[dict], cfg) -> dict[str, str]:
+    """The environment that tells a start of `alive` processes (of a job of `full`) it may be asked
+    to grow back, and what it grew from."""
+    env = {GROW: str(full)} if cfg.fault.grow_back and alive < full else {}
+    return {**env, **({GREW: json.dumps(grew)} if grew else {})}
+
+
+def request(workdir: Path, processes: int, why: str) -> None:
+    """Asks the running job to grow back to `processes` at its next persistent checkpoint."""
+    path = Path(workdir) / REQUEST
+    temporary = path.with_name(f".{REQUEST}.{os.getpid()}")
+    temporary.write_text(json.dumps({"processes": processes, "why": why, "time": time.time()}) + "\n")
+    os.replace(temporary, path)
+
+
+def withdraw(workdir: Path) -> None:
+    """Removes a request (before each start: a new job is asked afresh)."""
+    (Path(workdir) / REQUEST).unlink(missing_ok=True)
+
+
+def grew_from(alive: int, full: int) -> dict:
+    """What a start grown back from `alive` processes carries to its record (ENGINE_ELASTIC_GREW)."""
+    return {"time": time.time(), "processes": alive, "full": full}
+
+
+class WhenBack:
+    """While a smaller SLURM step runs: a thread that asks it to grow back once `back()` says the
+    lost nodes are back (asked at once, then every `every` seconds)."""
+
+    def __init__(self, workdir: Path, full: int, back: Callable[[], bool], every: float = POLL_SECONDS):
+        self.workdir, self.full, self.back, self.every = Path(workdir), full, back, every
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._poll, name="elastic-grow", daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stopped.is_set():
+            if self.back():
+                request(self.workdir, self.full, "the allocation's nodes are up")
+                return
+            self.stopped.wait(self.every)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
