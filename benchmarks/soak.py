@@ -2,18 +2,17 @@
 what each cost (seconds from the kill to the next step, steps lost, checkpoint tier used), the
 final eval accuracy against an unbroken run of the same job, and goodput.
 
-Design. A kill shrinks a job by one process (fault.elastic restarts it on the survivors), so ten
-kills cannot all land in one 4-process job. Growing back at the next persistent checkpoint is not
-built, so the soak emulates it: the run is cut into segments at persistent checkpoints
-(checkpoint.every_steps); each segment is a fresh `--local-processes 4` job that resumes from the
-newest checkpoint and trains to its segment's end (train.steps raised segment by segment: the
-default job's learning rate is constant, so this is the unbroken run's arithmetic), with
-fault.elastic=true, fault.min_processes=1, fault.max_restarts=3. The kills are seeded steps spread
-over the run, at most 3 in one persistent interval (4 -> 1 processes), at least --gap steps apart;
-the victim of each is a seeded random process among those alive (process 0 included). A kill is
+Design. One `--local-processes 4` job with fault.elastic=true, fault.min_processes=1,
+fault.max_restarts=3 and fault.grow_back (the default): a kill shrinks the job by one process
+(fault.elastic restarts it on the survivors from the newest checkpoint of either tier), and the
+job of 3 grows back to 4 at its next persistent checkpoint (checkpoint.every_steps), as the lost
+process's place is free again on this machine. The kills are seeded steps, one in each of
+`--kills` seeded persistent intervals (never the last, so every kill is followed by its growth
+before the next), at least --gap steps into their interval; the victim of each is a seeded random
+process of the 4 (process 0 included). So the k-th kill (from 0) hits the job's start 2k. A kill is
 the engine's test hook ENGINE_TEST_KILL_AT=process:step:start (the process SIGKILLs itself once it
 has dispatched that step: no clean-up, as a lost host). The figures per failure come from the
-`split: "recovery"` records of metrics.jsonl; the summary lines give goodput per segment, and the
+`split: "recovery"` records of metrics.jsonl, each growth's from the `split: "grow"` records; the
 whole soak's wall time is set against the unbroken run's (one 4-process job, no kills, the same
 checkpoint settings). The global batch is 48 (the default job's 64 has no split over 6 devices).
 
@@ -49,39 +48,14 @@ JOB = [
 ]
 
 
-def has_precompile() -> bool:
-    """Whether this engine's schema has fault.precompile."""
-    sys.path.insert(0, str(ROOT))
-    from engine.config.schema import FaultConfig
-
-    return "precompile" in FaultConfig.__dataclass_fields__
-
-
 def plan_kills(rng: random.Random, steps: int, kills: int, every: int, gap: int) -> list[int]:
-    """`kills` distinct seeded steps in (gap, steps - gap), `gap` apart, at most PROCESSES - 1 in
-    one persistent interval of `every` steps, each at least `gap` after its interval's start."""
-    for _ in range(10_000):
-        chosen = sorted(rng.sample(range(gap, steps - gap), kills))
-        spaced = all(b - a >= gap for a, b in zip(chosen, chosen[1:]))
-        late = all(s % every >= gap for s in chosen)
-        crowded = max(sum(1 for s in chosen if s // every == i) for i in range(steps // every + 1))
-        if spaced and late and crowded < PROCESSES:
-            return chosen
-    raise SystemExit(f"cannot place {kills} kills in {steps} steps {gap} apart; lower --kills or --gap")
-
-
-def segments(kill_steps: list[int], steps: int, every: int) -> list[tuple[int, list[int]]]:
-    """(end step, the kills in it) per job: a job ends at the persistent checkpoint after its kills."""
-    jobs: list[tuple[int, list[int]]] = []
-    for step in kill_steps:
-        end = min((step // every + 1) * every, steps)
-        if jobs and jobs[-1][0] == end:
-            jobs[-1][1].append(step)
-        else:
-            jobs.append((end, [step]))
-    if not jobs or jobs[-1][0] < steps:
-        jobs.append((steps, []))
-    return jobs
+    """`kills` seeded steps, one in each of `kills` distinct seeded persistent intervals of `every`
+    steps (not the last: the growth at its end comes before the next kill), `gap` steps or more into
+    its interval and not on a persistent step."""
+    intervals = steps // every - 1
+    if kills > intervals or gap >= every:
+        raise SystemExit(f"cannot place {kills} kills in {intervals} persistent intervals; lower --kills or --gap")
+    return sorted(i * every + rng.randrange(gap, every) for i in rng.sample(range(intervals), kills))
 
 
 def run(workdir: Path, overrides: list[str], env: dict) -> tuple[subprocess.CompletedProcess, float]:
@@ -102,29 +76,22 @@ def records(workdir: Path, split: str) -> list[dict]:
     return [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("split") == split]
 
 
-def soak(args, base: Path, common: list[str], kill_steps: list[int]) -> tuple[list[dict], list[dict], float]:
-    """The broken run, segment by segment: (its recovery records, its segments' summaries, wall seconds)."""
+def soak(args, base: Path, common: list[str], kill_steps: list[int]) -> tuple[list[dict], list[dict], dict, float]:
+    """The broken run, one job: (its recovery records, its growth records, its summary, wall seconds)."""
     rng = random.Random(args.seed + 1)
-    workdir, summaries, wall, recoveries = base / "soak", [], 0.0, []
-    for end, kills in segments(kill_steps, args.steps, args.persistent_every):
-        hooks = []
-        for attempt, step in enumerate(kills):  # the k-th kill of a job hits its k-th start (4 - k alive)
-            hooks.append(f"{rng.randrange(PROCESSES - attempt)}:{step}:{attempt}")
-        env = {"ENGINE_TEST_KILL_AT": ",".join(hooks)} if hooks else {}
-        before = len(records(workdir, "recovery")) if (workdir / "metrics.jsonl").exists() else 0
-        done, seconds = run(workdir, [*common, f"train.steps={end}"], env)
-        (base / f"segment-{end}.log").write_text(done.stdout + done.stderr)
-        wall += seconds
-        for record in records(workdir, "recovery")[before:]:  # this job's failures: planned (a kill) or not
-            planned = record["attempt"] < len(kills)
-            record["planned"] = kills[record["attempt"]] if planned else None
-            recoveries.append(record)
-        summaries.append({"end": end, "kills": hooks, "wall": seconds, **records(workdir, "summary")[-1]})
-        print(f"  segment to step {end}: kills {hooks or 'none'}, {seconds:.1f}s", flush=True)
-    return recoveries, summaries, wall
+    workdir = base / "soak"
+    hooks = [f"{rng.randrange(PROCESSES)}:{step}:{2 * k}" for k, step in enumerate(kill_steps)]
+    done, seconds = run(workdir, [*common, f"train.steps={args.steps}"], {"ENGINE_TEST_KILL_AT": ",".join(hooks)})
+    (base / "soak.log").write_text(done.stdout + done.stderr)
+    recoveries = records(workdir, "recovery")
+    for record in recoveries:  # (a failure of a start that no planned kill names was not planned)
+        planned = record["attempt"] % 2 == 0 and record["attempt"] // 2 < len(kill_steps)
+        record["planned"] = kill_steps[record["attempt"] // 2] if planned else None
+    print(f"  kills (process:step:start) {','.join(hooks)}; {seconds:.1f}s", flush=True)
+    return recoveries, records(workdir, "grow"), records(workdir, "summary")[-1], seconds
 
 
-def report(recoveries: list[dict], summaries: list[dict]) -> None:
+def report(recoveries: list[dict], grown: list[dict], summary: dict) -> None:
     """One line per failure (a kill of the soak's, or one it did not plan: `-` in kill@step)."""
     print("\nfailure  kill@step  reached  restored  lost steps  tier        s kill->next step  processes")
     for i, r in enumerate(recoveries, 1):
@@ -147,12 +114,15 @@ def report(recoveries: list[dict], summaries: list[dict]) -> None:
                 f"{t} {sum(r['tier'] == t for r in recoveries)}" for t in sorted({str(r["tier"]) for r in recoveries})
             )
         )
-    for s in summaries:
+    for g in grown:
         print(
-            f"  segment to {s['end']:>5}: wall {s['wall']:.1f}s, summary goodput {s['goodput']:.1%}, "
-            f"badput recovery {s['badput_recovery']:.1%}, compile {s['badput_compile']:.1%}, "
-            f"other {s['badput_other']:.1%}"
+            f"  grew back {g['processes_before']}->{g['processes_now']} at step {g['step_restored']} "
+            f"({g['tier']}): {g['seconds_lost']:.1f}s from the stop to the next step"
         )
+    print(
+        f"  the soak's summary: goodput {summary['goodput']:.1%}, badput recovery {summary['badput_recovery']:.1%}, "
+        f"compile {summary['badput_compile']:.1%}, other {summary['badput_other']:.1%} (the last start's own clock)"
+    )
 
 
 def main() -> None:
@@ -160,18 +130,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precompile", action="store_true", help="fault.precompile=true (when the engine has it)")
-    parser.add_argument("--quick", action="store_true", help="300 steps, 3 kills: a short try (a few minutes)")
+    parser.add_argument("--precompile", action="store_true", help="fault.precompile=true")
+    parser.add_argument("--quick", action="store_true", help="400 steps, 3 kills: a short try (a few minutes)")
     parser.add_argument("--local-every", type=int, default=20, help="checkpoint.local_every_steps")
     parser.add_argument("--persistent-every", type=int, default=0, help="checkpoint.every_steps (default steps/kills)")
-    parser.add_argument("--gap", type=int, default=40, help="the fewest steps between two kills")
+    parser.add_argument("--gap", type=int, default=10, help="the fewest steps from a persistent checkpoint to a kill")
     parser.add_argument("--keep", action="store_true", help="keep the workdirs (printed)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.kills = 300, 3
-    args.persistent_every = args.persistent_every or max(args.steps // max(args.kills, 1) // 10 * 10, 10)
-    if args.precompile and not has_precompile():
-        raise SystemExit("--precompile: this engine has no fault.precompile yet (engine/config/schema.py)")
+        args.steps, args.kills = 400, 3
+    args.persistent_every = args.persistent_every or max(args.steps // (2 * max(args.kills, 1)) // 10 * 10, 10)
     base = Path(tempfile.mkdtemp(prefix="soak-"))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else base
     local = Path(tempfile.mkdtemp(prefix="soak-local-", dir=shm))
@@ -191,12 +159,12 @@ def main() -> None:
         flush=True,
     )
     try:
-        recoveries, summaries, wall = soak(args, base, common, kill_steps)
+        recoveries, grown, summary, wall = soak(args, base, common, kill_steps)
         local_unbroken = Path(tempfile.mkdtemp(prefix="soak-local-", dir=shm))
         made.append(local_unbroken)
         plain = [f"checkpoint.local_dir={local_unbroken}", *common[1:], f"train.steps={args.steps}"]
         _, unbroken_wall = run(base / "unbroken", [c for c in plain if not c.startswith("fault.")], {})
-        report(recoveries, summaries)
+        report(recoveries, grown, summary)
         compare(base, wall, unbroken_wall)
     finally:
         if args.keep:
@@ -223,7 +191,7 @@ def compare(base: Path, wall: float, unbroken_wall: float) -> None:
         f"largest relative difference {worst:.1e}"
     )
     print(
-        f"wall: soak {wall:.1f}s (all segments and restarts), unbroken {unbroken_wall:.1f}s; unbroken run's summary "
+        f"wall: soak {wall:.1f}s (all restarts and growths), unbroken {unbroken_wall:.1f}s; unbroken run's summary "
         f"goodput {summary['goodput']:.1%}; soak goodput (the unbroken run's productive {productive:.1f}s over the "
         f"soak's wall) {productive / wall:.1%}"
     )

@@ -153,6 +153,9 @@ def test_only_a_lost_process_restarts_the_job():
     killed = [(1, -9, 5.0)]
     assert lost(killed, 3, hung=[]) == (killed, "")
     assert lost([(0, 1, 5.0), (2, -11, 5.1)], 3, hung=[]) == ([(2, -11, 5.1)], "")  # the signal's, not the first
+    # process 0 killed: its coordination service went with it and its peers abort at once
+    assert lost([(0, -9, 5.0), (1, -6, 5.0), (2, -6, 5.1)], 3, hung=[]) == ([(0, -9, 5.0)], "")
+    assert lost([(1, -6, 5.0), (2, -6, 5.1)], 3, hung=[]) == ([(1, -6, 5.0)], "")  # (aborts alone: the first)
     assert lost([(2, 1, 5.0)], 3, hung=[]) == ([(2, 1, 5.0)], "")  # alone: the others waited until stopped
     assert lost([(1, 1, 5.0), (0, 1, 5.2)], 3, hung=[]) == ([(1, 1, 5.0)], "")  # a strict subset
     assert lost([(1, 1, 5.0), (0, 1, 5.0)], 2, hung=[1]) == ([(1, 1, 5.0)], "")  # its watchdog's exit

@@ -167,7 +167,8 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
     likeliest culprit first). A hung process is the one lost, ahead of a signal that comes with its
     exit (a peer's SIGABRT once the coordination service misses it may arrive first). Else a lost
     process is one killed by a signal (not SIGTERM, a stop's) at the first failure's moment
-    (AT_ONCE: a signal later is a consequence), else the first failure when only a strict subset
+    (AT_ONCE: a signal later is a consequence; a SIGABRT beside another signal is a peer's abort when
+    process 0, the coordination service's host, is lost), else the first failure when only a strict subset
     failed on its own while the others went on (as a lost host's peers wait in a collective until
     stopped), or when the others died of its consequences. When every process exited with an
     error code on its own, the failure is the job's (a NaN stop, a bug, a bad input): a restart
@@ -179,8 +180,9 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
         return mine or [(hung[0], 1, seen[0][2])], ""  # (stopped by the launcher before its watchdog's exit)
     signalled = [failure for failure in seen if failure[1] < 0 and -failure[1] != signal.SIGTERM]
     killed = [failure for failure in signalled if failure[2] <= seen[0][2] + AT_ONCE]
-    if killed:
-        return killed, ""
+    primary = [failure for failure in killed if -failure[1] != signal.SIGABRT]
+    if killed:  # (SIGABRTs beside another signal: the peers of a lost process 0, whose coordination service died)
+        return primary or killed[:1], ""
     if signalled or len({index for index, _, _ in seen}) < processes:
         return seen[:1], ""
     codes = ", ".join(sorted({describe(code) for _, code, _ in seen}))
