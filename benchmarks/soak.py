@@ -93,11 +93,12 @@ def soak(args, base: Path, common: list[str], kill_steps: list[int]) -> tuple[li
 
 def report(recoveries: list[dict], grown: list[dict], summary: dict) -> None:
     """One line per failure (a kill of the soak's, or one it did not plan: `-` in kill@step)."""
-    print("\nfailure  kill@step  reached  restored  lost steps  tier        s kill->next step  processes")
+    print("\nfailure  kill@step   logged  restored  lost steps  tier        s kill->next step  processes")
     for i, r in enumerate(recoveries, 1):
         planned = r["planned"] if r["planned"] is not None else "-"
         stop = f" (survivors stopped in {r['seconds_to_stop']:.1f}s)" if r.get("seconds_to_stop") is not None else ""
-        lost = r["step_reached"] - r["step_restored"] if r.get("step_restored") is not None else None
+        reached = r["planned"] if r["planned"] is not None else r["step_reached"]  # (the kill's step, not the log's)
+        lost = reached - r["step_restored"] if r.get("step_restored") is not None else None
         seconds = f"{r['seconds_lost']:.1f}" if r.get("seconds_lost") is not None else "-"
         print(
             f"{i:>7}  {planned:>9}  {r['step_reached']:>7}  {r['step_restored']!s:>8}  {lost!s:>10}  "
@@ -105,7 +106,11 @@ def report(recoveries: list[dict], grown: list[dict], summary: dict) -> None:
             f"(process {r['lost_process']} {r['how'].removeprefix('was ')})"
         )
     lost_s = [r["seconds_lost"] for r in recoveries if r.get("seconds_lost") is not None]
-    steps = [r["step_reached"] - r["step_restored"] for r in recoveries if r.get("step_restored") is not None]
+    steps = [
+        (r["planned"] if r["planned"] is not None else r["step_reached"]) - r["step_restored"]
+        for r in recoveries
+        if r.get("step_restored") is not None
+    ]
     if lost_s:
         print(
             f"seconds kill->next step: median {statistics.median(lost_s):.1f}, max {max(lost_s):.1f}; "
