@@ -10,6 +10,7 @@ import sys
 from engine.cli.common import Command, Parser, overrides_argument
 
 LOCAL_FLAGS = ("--local-processes", "--devices-per-process")
+POD_FLAGS = ("--rendezvous", "--processes", "--member", "--member-address")  # a pod's supervisor's own
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +40,13 @@ def parser() -> argparse.ArgumentParser:
         help="trace steps 5..15 of this run with jax.profiler into WORKDIR/profile "
         "(= log.profile_steps=[5,15]; view with TensorBoard's profile plugin or XProf)",
     )
-    group = p.add_argument_group("multi-process (see docs/multihost.md)")
+    _multi_process_flags(p.add_argument_group("multi-process (see docs/multihost.md)"))
+    overrides_argument(p)
+    return p
+
+
+def _multi_process_flags(group) -> None:
+    """The flags of jobs of several processes: local, SLURM's elastic driver, a pod's supervisor."""
     group.add_argument(
         "--local-processes",
         type=int,
@@ -52,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         metavar="M",
         help="simulated CPU devices per local process (default 1); with --elastic: each SLURM task's devices "
-        "(default: SLURM_GPUS_PER_TASK, else XLA_FLAGS' forced CPU device count, else 1)",
+        "(default: SLURM_GPUS_PER_TASK, else XLA_FLAGS' forced CPU device count, else 1); with --rendezvous: each "
+        "pod's (default: XLA_FLAGS' forced CPU device count, else 1)",
     )
     group.add_argument(
         "--elastic",
@@ -60,23 +68,38 @@ def parser() -> argparse.ArgumentParser:
         help="inside a SLURM allocation (sbatch script or salloc; not under srun): drive the job as srun steps of "
         "the allocation's tasks, restarted on the tasks left when one dies (needs fault.elastic=true)",
     )
+    group.add_argument(
+        "--rendezvous",
+        metavar="DIR",
+        help="Kubernetes: supervise this pod's process of an elastic job, meeting the other pods in DIR, a directory "
+        "every pod mounts (a ReadWriteMany volume); needs fault.elastic=true and --processes",
+    )
+    group.add_argument("--processes", type=int, metavar="N", help="with --rendezvous: the job's full size (pods)")
+    group.add_argument(
+        "--member", metavar="ID", help="with --rendezvous: this pod's id (default: $POD_NAME, else the host name)"
+    )
+    group.add_argument(
+        "--member-address",
+        metavar="HOST",
+        help="with --rendezvous: where the other pods reach this one (default: this host name's address)",
+    )
     group.add_argument("--coordinator-address", help="= distributed.coordinator_address (host:port)")
     group.add_argument("--num-processes", type=int, help="= distributed.num_processes")
     group.add_argument("--process-id", type=int, help="= distributed.process_id")
-    overrides_argument(p)
-    return p
 
 
 def trains(argv: list[str]) -> bool:
     """The launcher of local processes trains nothing itself: its children note signals."""
-    return not any(arg.split("=")[0] in ("--local-processes", "--elastic") for arg in argv)
+    return not any(arg.split("=")[0] in ("--local-processes", "--elastic", "--rendezvous") for arg in argv)
 
 
 def runs_jax(args) -> bool:
-    return not args.local_processes and not args.elastic
+    return not args.local_processes and not args.elastic and not args.rendezvous
 
 
 def run(args, argv: list[str]) -> int:
+    if args.rendezvous:
+        return _pod_job(args, argv)
     if args.elastic:
         return _slurm_job(args, argv)
     if args.local_processes:
@@ -153,6 +176,31 @@ def _slurm_job(args, argv: list[str]) -> int:
     return run_slurm_job(step_args, cfg, tasks, task_devices(given))
 
 
+def _pod_job(args, argv: list[str]) -> int:
+    """`--rendezvous DIR`: this process supervises one pod of an elastic job (engine/runtime/elastic_pods.py)."""
+    import socket
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.errors import UsageError
+    from engine.runtime.elastic_pods import check_pod, run_pod_job
+    from engine.runtime.elastic_slurm import task_devices
+
+    if args.local_processes or args.elastic:
+        raise UsageError(
+            "--rendezvous supervises one pod of a Kubernetes job; with --local-processes N fault.elastic=true alone "
+            "restarts the job, and --elastic drives a SLURM one: drop --rendezvous or the other flag"
+        )
+    cfg = load_config(args.config, args.overrides, args.workdir)
+    member = args.member or os.environ.get("POD_NAME") or socket.gethostname()
+    check_pod(cfg, args.processes, member)
+    address = args.member_address or socket.gethostbyname(socket.gethostname())
+    given = args.devices_per_process if any(a.split("=")[0] == "--devices-per-process" for a in argv) else None
+    devices = task_devices(given, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
+    child = without_flags(without_local_flags(argv), POD_FLAGS)
+    return run_pod_job(child, cfg, Path(args.rendezvous), args.processes, devices, member, address)
+
+
 def _elastic_config(args):
     """The job's config when it sets fault.elastic (the launcher restarts the job itself), else None.
     Read quietly: a config that does not load is the processes' to report, as without fault.elastic."""
@@ -181,13 +229,18 @@ def _distributed_overrides(args) -> list[str]:
 
 def without_local_flags(argv: list[str]) -> list[str]:
     """argv less --local-processes/--devices-per-process (and their values)."""
+    return without_flags(argv, LOCAL_FLAGS)
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv less the options `flags` (and their values)."""
     out, skip = [], False
     for item in argv:
         if skip:
             skip = False
             continue
         name = item.split("=", 1)[0]
-        if name in LOCAL_FLAGS:
+        if name in flags:
             skip = "=" not in item
             continue
         out.append(item)

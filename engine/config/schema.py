@@ -390,7 +390,8 @@ class FaultConfig:
     elastic: bool = option(
         False,
         "restart the job on the processes left when one dies or hangs (--local-processes, or SLURM with "
-        "`launch.py train --elastic` in the allocation; Kubernetes not yet); the outermost data axis "
+        "`launch.py train --elastic` in the allocation, or Kubernetes with `launch.py train --rendezvous DIR` in "
+        "each pod); the outermost data axis "
         "(mesh.dcn_data, then mesh.data) shrinks",
     )
     min_processes: int = option(1, "fault.elastic: the fewest processes the job goes on with", at_least=1)

@@ -113,7 +113,8 @@ class Recovery:
         if cfg.fault.elastic and ATTEMPT not in os.environ and jax.process_count() > 1 and chief:
             print(
                 "note: fault.elastic restarts jobs started with --local-processes, or driven by `launch.py train "
-                "--elastic` in a SLURM allocation (Kubernetes: not yet); here a lost process ends the job",
+                "--elastic` in a SLURM allocation, or supervised by `launch.py train --rendezvous DIR` in each "
+                "Kubernetes pod; here a lost process ends the job",
                 file=sys.stderr,
             )
         failures = json.loads(os.environ.get(FAILURES, "") or "[]")

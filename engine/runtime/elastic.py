@@ -196,18 +196,23 @@ def hung_processes(files: list[Path]) -> list[tuple[int, Path]]:
     """(process, hang file) of the watchdogs' hang files `files` (not an evaluator's), the likeliest
     culprit first: the process whose loop is behind (its peers went on into the next step and wait
     for it in that step's collectives), then the earliest written."""
-    found = []
-    for path in files:
-        try:
-            headline = path.read_text(errors="replace").split("\n", 1)[0]
-        except OSError:
-            continue
-        process = re.search(r"; process (\d+), pid \d+", headline)
-        step = re.search(rf"; {REACHED} (\d+)", headline)
-        if process and not path.name.startswith("hang-evaluator"):
-            reached = int(step.group(1)) if step else math.inf  # (hung before its first step)
-            found.append((reached, path.stat().st_mtime, int(process.group(1)), path))
-    return [(index, path) for _, _, index, path in sorted(found)]
+    found = [(key, path) for path in files if (key := hang_key(path)) is not None]
+    return [(key[2], path) for key, path in sorted(found)]
+
+
+def hang_key(path: Path) -> Optional[tuple[float, float, int]]:
+    """(the step the hung process's loop last began (inf: none), when the file was written, the
+    process) of a watchdog's hang file; None for an evaluator's or an unreadable one."""
+    try:
+        headline = path.read_text(errors="replace").split("\n", 1)[0]
+        written = path.stat().st_mtime
+    except OSError:
+        return None
+    process = re.search(r"; process (\d+), pid \d+", headline)
+    step = re.search(rf"; {REACHED} (\d+)", headline)
+    if process is None or path.name.startswith("hang-evaluator"):
+        return None
+    return (int(step.group(1)) if step else math.inf), written, int(process.group(1))
 
 
 def recorded(workdir: Path) -> set[tuple[int, int]]:

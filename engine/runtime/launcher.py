@@ -40,10 +40,11 @@ def _relay(index: int, stream, sink) -> None:
         sink.flush()
 
 
-def _stop_with(launcher: int, niceness: int = 0):
-    """A preexec_fn: the child gets SIGTERM when the launcher dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG), so it saves and stops instead of training on unattended; `niceness` lowers
-    its CPU priority (a background job's)."""
+def stop_with(launcher: int, niceness: int = 0, sig: int = signal.SIGTERM):
+    """A preexec_fn: the child gets `sig` when the launcher dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG): SIGTERM, so it saves and stops instead of training on unattended (a pod's
+    supervisor: SIGKILL, as the pod's death would); `niceness` lowers its CPU priority (a
+    background job's)."""
 
     def arrange() -> None:
         if niceness:
@@ -51,9 +52,9 @@ def _stop_with(launcher: int, niceness: int = 0):
         if sys.platform.startswith("linux"):
             import ctypes
 
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
             if os.getppid() != launcher:  # it died before the request took effect
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), sig)
 
     return arrange
 
@@ -131,7 +132,7 @@ def _start(args: list[str], processes: int, devices_per_process: int, extra: dic
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
-            preexec_fn=_stop_with(os.getpid(), 19 if log else 0),
+            preexec_fn=stop_with(os.getpid(), 19 if log else 0),
         )
         children.append(child)
         if log:

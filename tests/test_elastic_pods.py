@@ -1,0 +1,210 @@
+"""fault.elastic on Kubernetes (`launch.py train --rendezvous DIR`): three supervisors stand in for
+three pods on this machine; one pod's death (its supervisor and process SIGKILLed) leaves a job of
+two with the unbroken run's losses, and the pod's return grows it back to three. The rendezvous
+forms rounds of the live ready members, led by the lowest; the leader's accounting records the
+lost processes, refuses to go on past the limits, and ends a job whose every process failed on its own."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from test_elastic import JOB, STEPS, records
+
+from conftest import run_cli, start_cli
+from engine.config import load_config
+from engine.runtime.elastic_pods import STOPPED, Supervisor
+from engine.runtime.rendezvous import Heartbeat, Rendezvous
+
+PODS = 3
+DEVICES = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def pod(tmp_path, k: int, env: dict) -> subprocess.Popen:
+    """Pod k's supervisor (its own process group, as a pod's processes are), its output to pod-k.log."""
+    flags = ["--rendezvous", str(tmp_path / "rendezvous"), "--processes", str(PODS), "--member", f"pod-{k}"]
+    flags += ["--member-address", "127.0.0.1", "--devices-per-process", "2"]
+    args = ["train", *flags, "--config", JOB[0], "--workdir", str(tmp_path / "elastic"), *JOB[1:]]
+    log = open(tmp_path / f"pod-{k}.log", "a")
+    return start_cli(
+        *args, "checkpoint.every_steps=4", env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def wait_for(ready, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not ready():
+        assert time.time() < deadline, "not ready in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_pod_s_job_goes_on_with_the_others_then_grows_back_when_it_returns(tmp_path):
+    env = {**DEVICES, "ENGINE_TEST_HANG_AT": "1:5:0"}  # pod-1's process stops at step 5 of round 0; then its pod dies
+    pods = [pod(tmp_path, k, env) for k in range(PODS)]
+    workdir, rounds = tmp_path / "elastic", tmp_path / "rendezvous" / "rounds"
+    try:
+        wait_for(lambda: any(r["step"] >= 5 for r in records(workdir, "train")))
+        os.killpg(pods[1].pid, signal.SIGKILL)  # the pod's death: its supervisor, and its process with it
+        wait_for(lambda: (rounds / "1.json").exists())
+        pods.append(pod(tmp_path, 1, env))  # the pod comes back (as a Job's restartPolicy brings it)
+        codes = [p.wait(timeout=240) for p in pods]
+    finally:
+        for p in pods:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = {k: (tmp_path / f"pod-{k}.log").read_text() for k in range(PODS)}
+    assert codes == [0, -9, 0, 0], logs
+    assert json.loads((rounds / "1.json").read_text())["members"] == ["pod-0", "pod-2"]
+    assert json.loads((rounds / "2.json").read_text())["members"] == ["pod-0", "pod-1", "pod-2"]
+    assert f"pod-1 (process 1) {STOPPED}; stopping this pod's process" in logs[0]
+    assert "pod-1 ready; asked the job to grow back" in logs[0]
+    (recovery,) = records(workdir, "recovery")
+    assert (recovery["lost_process"], recovery["how"], recovery["recovered"]) == (1, STOPPED, True), recovery
+    assert (recovery["processes_before"], recovery["processes_now"], recovery["attempt"]) == (3, 2, 0), recovery
+    assert recovery["step_restored"] <= recovery["step_reached"] and recovery["seconds_lost"] > 0
+    (grown,) = records(workdir, "grow")
+    assert (grown["processes_before"], grown["processes_now"], grown["tier"]) == (2, 3, "persistent"), grown
+    # the job of two stopped at a persistent checkpoint it saved once pod-1 was back: its first, or
+    # its second when pod-1's new supervisor started slowly (whether the job of three committed step
+    # 4 before its process hung at step 5 or not)
+    assert grown["step_restored"] in (recovery["step_restored"] + 4, recovery["step_restored"] + 8), (recovery, grown)
+    losses = {r["step"]: r["loss"] for r in records(workdir, "train")}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    one = run_cli(
+        "--config",
+        JOB[0],
+        "--workdir",
+        str(tmp_path / "unbroken"),
+        *JOB[1:],
+        env={**DEVICES, "XLA_FLAGS": DEVICES["XLA_FLAGS"][:-1] + "6"},
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in records(tmp_path / "unbroken", "train")}
+    assert sorted(expected) == sorted(losses)
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], rtol=1e-5)
+
+
+@pytest.mark.nocompile
+def test_the_rendezvous_forms_rounds_of_the_live_ready_members_led_by_the_lowest(tmp_path):
+    now = [100.0]
+    members = ("pod-1", "pod-2", "pod-10")  # (pod-10 sorts after pod-2)
+    beats = {m: Heartbeat(tmp_path, m, "10.0.0.1") for m in members}
+    view = {m: Rendezvous(tmp_path, m, "10.0.0.1", 3, fewest=2, clock=lambda: now[0], first=10) for m in members}
+    a, b, c = (view[m] for m in members)
+
+    def beat(*alive, seconds=0.0):
+        now[0] += seconds
+        for member in alive:
+            beats[member].beat()
+
+    def form(n, chosen, previous):
+        return {"members": chosen, "failures": [], "coordinator": "10.0.0.1:1"}
+
+    beat(*members)
+    assert a.live() == list(members) and c.live() == list(members)
+    a.ready(0), b.ready(0)
+    assert a.propose(0, None) is None  # (a leader's first look: the set has not been stable yet)
+    beat(*members, seconds=4)
+    assert a.propose(0, None) is None  # stable, but round 0 waits for the full size a while
+    c.ready(0)
+    assert b.propose(0, None) is None and c.propose(0, None) is None  # only the leader forms it
+    assert a.step(0, form) == (0, None) and b.step(0, form)[1]["members"] == list(members)  # full: at once
+    zero = a.round(0)
+    # pod-10 stops beating: it is left out; the others' round 1 forms once their set was stable for a while
+    beat("pod-1", "pod-2", seconds=6)
+    assert a.live() == ["pod-1", "pod-2"] and c.live() == ["pod-1", "pod-2"]  # (every reader's own clock)
+    a.ready(1), c.ready(1)
+    assert a.propose(1, zero) is None
+    beat("pod-1", "pod-2", seconds=4)
+    assert a.propose(1, zero) is None  # pod-2, alive and in round 0, is not ready yet
+    b.ready(1)
+    assert a.propose(1, zero) is None
+    beat("pod-1", "pod-2", seconds=3)
+    assert a.propose(1, zero) == ["pod-1", "pod-2"]
+    a.step(1, form)
+    # pod-10 comes back late: it waits for round 2, which its leader forms only once round 1 has ended
+    beat(*members)
+    assert b.live() == list(members)
+    assert c.step(1, form) == (2, None) and c.ready_members(2) == ["pod-10"]
+    a.ready(2)
+    assert a.propose(2, a.round(1)) is None  # pod-2 still runs round 1
+    # the leader's pod dies: pod-2 leads; a process of round 1 finished the job: the waiting pod is told
+    beat("pod-2", "pod-10", seconds=6)
+    assert b.live() == ["pod-2", "pod-10"]
+    b.end(1, {"code": 0, "killed": False, "time": 5.0})
+    n, end = c.step(2, form)
+    assert end is not None and end["code"] == 0 and "the job finished" in end["end"]
+    # a round that ends the job (it gave up) ends a supervisor started again after it, too
+    a.publish(3, {"members": ["pod-2"], "end": "error: the job cannot go on\n", "code": 1})
+    assert c.step(4, form) == (4, a.round(3))
+
+
+@pytest.mark.nocompile
+def test_the_leader_s_accounting_of_a_lost_pod_a_failure_of_the_job_s_own_and_the_limits(tmp_path):
+    cfg = load_config(JOB[0], [*JOB[1:], "fault.max_restarts=1"], str(tmp_path / "run"))
+    pods = Rendezvous(tmp_path / "rendezvous", "pod-0", "10.0.0.1", 3)
+    leader = Supervisor([], cfg, pods, {})
+    three = {"round": 0, "members": ["pod-0", "pod-1", "pod-2"], "failures": [], "full_since": 0}
+
+    def ended(n, member, code, killed=False, when=10.0, hung=False, hung_step=None):
+        report = {"code": code, "killed": killed, "time": when, "hung": hung}
+        report.update({"hung_step": hung_step} if hung_step is not None else {})
+        Rendezvous(tmp_path / "rendezvous", member, "", 3).end(n, report)
+
+    ended(0, "pod-0", -9, killed=True), ended(0, "pod-2", -9, killed=True, when=9.5)
+    one = leader.form(1, ["pod-0", "pod-2"], three)
+    (failure,) = one["failures"]
+    assert failure == dict(attempt=0, process=1, how=STOPPED, step=None, time=9.5, processes=3)
+    assert one["coordinator"].startswith("10.0.0.1:") and "end" not in one and one["full_since"] == 0
+    # a second loss with one restart allowed: the job ends, the message naming both failures
+    ended(1, "pod-0", -9, killed=True)
+    two = leader.form(2, ["pod-0"], {**one, "round": 1})
+    assert two["code"] == 1 and "fault.max_restarts=1 restart(s) used" in two["end"]
+    assert f"process 1 of 3 {STOPPED} at step 0" in two["end"]
+    assert f"process 1 of 2 {STOPPED} at step 0" in two["end"]
+    # every process failed on its own (a NaN stop): not restarted
+    for member in three["members"]:
+        ended(3, member, 1)
+    again = leader.form(4, three["members"], {**three, "round": 3})
+    assert again["code"] == 1 and "every one of its 3 processes exited with code 1 on its own" in again["end"]
+    # one failed on its own while the others waited (stopped by their supervisors): that one is lost
+    ended(5, "pod-0", -9, killed=True), ended(5, "pod-1", 1), ended(5, "pod-2", -9, killed=True)
+    (alone,) = leader.form(6, three["members"], {**three, "round": 5})["failures"]
+    assert (alone["process"], alone["how"]) == (1, "exited with code 1")
+    ended(9, "pod-0", 1), ended(9, "pod-1", 1, hung=True), ended(9, "pod-2", -9, killed=True)  # its watchdog's exit
+    (hung,) = leader.form(10, three["members"], {**three, "round": 9})["failures"]
+    assert (hung["process"], hung["how"]) == (1, "hung (exited with code 1 by its watchdog)")
+    # both watchdogs fired: the process whose loop is behind (step 5) hung; its peer waited for it at step 6
+    ended(11, "pod-0", 1, hung=True, hung_step=6), ended(11, "pod-1", 1, hung=True, hung_step=5)
+    ended(11, "pod-2", -9, killed=True)
+    (behind,) = leader.form(12, three["members"], {**three, "round": 11})["failures"]
+    assert (behind["process"], behind["how"]) == (1, "hung (exited with code 1 by its watchdog)")
+    # a job of two that left to grow back: the round of three says what it grew from
+    for member in ("pod-0", "pod-2"):
+        ended(7, member, 75, when=20.0)
+    grown = leader.form(8, three["members"], {**one, "round": 7})
+    assert grown["grew"] == {"time": 20.0, "processes": 2, "full": 3} and grown["full_since"] == 8
+    assert grown["failures"] == one["failures"]
+
+
+@pytest.mark.nocompile
+def test_a_pod_s_supervisor_is_refused_without_what_it_needs(tmp_path):
+    flags = ["train", "--rendezvous", str(tmp_path / "rendezvous"), "--member", "pod-0", "--workdir", str(tmp_path)]
+    plain = run_cli(*flags, "--processes", "3", "--config", *JOB[:-1])
+    assert plain.returncode == 2 and "needs fault.elastic=true; add fault.elastic=true" in plain.stderr
+    alone = run_cli(*flags, "--config", *JOB)
+    assert alone.returncode == 2 and "--rendezvous needs --processes N" in alone.stderr
+    local = run_cli(*flags, "--processes", "3", "--local-processes", "3", "--config", *JOB)
+    assert local.returncode == 2 and "drop --rendezvous or the other flag" in local.stderr
+    odd = run_cli(*flags[:3], "--member", "pod/0", "--workdir", str(tmp_path), "--processes", "3", "--config", *JOB)
+    assert odd.returncode == 2 and "--member 'pod/0': a member id is letters" in odd.stderr
+    shrink = run_cli(
+        *flags, "--processes", "4", "--devices-per-process", "2", "--config", *JOB, "train.global_batch_size=64"
+    )
+    assert shrink.returncode == 2 and "cannot go on with 3 processes (6 devices)" in shrink.stderr
+    assert not (tmp_path / "rendezvous" / "members").exists()  # (refused before joining)
