@@ -44,7 +44,7 @@ from models.family import (
     LayerStack,
     NextToken,
 )
-from models.layers import LMHead, config_loss_chunk, fused_cross_entropy, kv_cache, param_init, traced_loss_chunk
+from models.layers import LMHead, chunked_loss, config_loss_chunk, kv_cache, param_init, traced_loss_chunk
 from models.moe import MoE
 from models.pipeline import run_pipeline
 from models.projection import Projection
@@ -291,7 +291,7 @@ class Llama(nn.Module):
         if targets is None:
             return head(x)
         chunk = traced_loss_chunk(cfg.loss_chunk, cfg.logits_budget_mib, targets, self.vocab_size, self.layout)
-        return head.loss(x, targets, chunk)
+        return head.loss(x, targets, chunk, self.layout)
 
     def _pipelined(self, x, positions, segment_ids):
         """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""
@@ -326,9 +326,8 @@ class _TiedHead:
     def __call__(self, x):
         return self.embed.attend(x.astype(self.dtype))
 
-    def loss(self, x, targets, chunk: int = 0):
-        chunk = 0 if chunk >= targets.shape[1] else chunk
-        return fused_cross_entropy(x, self.embed.embedding.T, targets, jnp.dtype(self.dtype), chunk)
+    def loss(self, x, targets, chunk: int = 0, layout: Optional[Constrainer] = None):
+        return chunked_loss(x, self.embed.embedding.T, targets, jnp.dtype(self.dtype), chunk, layout)
 
 
 def build(

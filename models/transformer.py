@@ -171,7 +171,7 @@ class Transformer(nn.Module):
         if targets is None:
             return head(x)
         chunk = traced_loss_chunk(self.loss_chunk, self.logits_budget_mib, targets, self.vocab_size, self.layout)
-        return head.loss(x, targets, chunk)
+        return head.loss(x, targets, chunk, self.layout)
 
 
 def build(

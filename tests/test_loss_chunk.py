@@ -206,3 +206,24 @@ def test_mfu_counts_the_whole_loss_when_the_budget_splits_it(make_config, accum)
     # (one program lowered against one compiled where nothing is accumulated: within 1%; the
     # chunked loop counted once would be a fifth of it)
     assert runs[1].cost.flops_per_device_step == pytest.approx(runs[0].cost.flops_per_device_step, rel=0.01)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(make_config, tied):
+    """8 CPU devices, fsdp=8: the train step of a loss in 8 pieces moves about what the whole
+    logits' step moves (the output projection gathered once around the pieces' loop, its gradient
+    reduced once); gathered in the loop it moved the head 8 times forward and 8 times backward."""
+    from engine.plan import hlo
+    from engine.run.setup import build_run
+
+    tiny = ["data.name=synthetic_text", "data.num_examples=64", "data.vocab_size=4096", "data.seq_len=128"]
+    tiny += ["model.num_layers=1", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2"]
+    tiny += ["model.mlp_dim=64", "model.attention=xla", "train.global_batch_size=8", "mesh.fsdp=8", "mesh.data=1"]
+    tiny += [f"model.tie_embeddings={str(tied).lower()}"]
+    moved = {}
+    for chunk in (0, 16):
+        run = build_run(make_config("llama_tiny.yaml", *tiny, f"model.loss_chunk={chunk}", "model.logits_budget_mib=0"))
+        collectives = hlo.program_collectives(run.compiled.program.as_text(), run.mesh.size)
+        moved[chunk] = sum(c.ring_bytes * c.count for c in collectives)
+    head = 64 * 4096 * 4  # the output projection in float32: 1 MiB
+    assert moved[16] < moved[0] + head, {k: v / MIB for k, v in moved.items()}
