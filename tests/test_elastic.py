@@ -217,6 +217,39 @@ def test_the_launcher_lets_processes_that_fail_together_end_on_their_own():
     assert children[1].returncode == -9
 
 
+@pytest.mark.nocompile
+def test_the_launcher_tells_a_stop_to_grow_back_from_a_failure_and_a_preemption():
+    from engine.runtime.elastic_grow import GROW_EXIT
+    from engine.runtime.launcher import _wait
+
+    def job(*scripts):
+        return [subprocess.Popen([sys.executable, "-c", script], start_new_session=True) for script in scripts]
+
+    leave = "import sys, time; time.sleep({}); sys.exit(%d)" % GROW_EXIT
+    seen: list = []
+    assert _wait(job(leave.format(0), leave.format(0.5)), [], seen, grace=0, settle=3) == GROW_EXIT and not seen
+    # a SIGTERM to the launcher while its processes stop to grow back: it was told to stop, so it does
+    assert _wait(job(leave.format(0), leave.format(0.3)), [15], seen, grace=0, settle=3) == 143
+    # one process fails as the others leave: that one failed (the leaving ones are not counted as failures)
+    fail = "import sys, time; time.sleep(0.3); sys.exit(1)"
+    assert _wait(job(leave.format(0), fail), [], seen, grace=0, settle=3) == 1
+    assert [(index, code) for index, code, _ in seen] == [(1, 1)]
+
+
+@pytest.mark.nocompile
+def test_max_restarts_counts_the_restarts_since_the_job_last_ran_at_its_full_size():
+    from types import SimpleNamespace
+
+    from engine.runtime.elastic import restart_limit, restarts
+
+    fault = SimpleNamespace(max_restarts=2, min_processes=1)
+    failures = [{"attempt": a} for a in (0, 1, 3, 5)]  # failed starts 0 and 1; start 2 grew back; 3 failed; ...
+    assert restarts(failures, 0) == 4 and restarts(failures, 2) == 2 and restarts(failures, 4) == 1
+    assert restart_limit(fault, restarts(failures, 0) - 1, 3) == "fault.max_restarts=2 restart(s) used"
+    assert restart_limit(fault, restarts(failures, 4) - 1, 3) == ""  # since the growth at start 4: one restart
+    assert "fewer than fault.min_processes=1" in restart_limit(fault, 0, 0)
+
+
 @pytest.mark.multiprocess
 def test_a_failure_every_process_meets_is_not_restarted(tmp_path):
     nan = ["optimizer.learning_rate=1e30", "train.nan_policy=stop", "train.steps=4", "train.global_batch_size=16"]

@@ -184,6 +184,19 @@ def test_the_leader_s_accounting_of_a_lost_pod_a_failure_of_the_job_s_own_and_th
     ended(11, "pod-2", -9, killed=True)
     (behind,) = leader.form(12, three["members"], {**three, "round": 11})["failures"]
     assert (behind["process"], behind["how"]) == (1, "hung (exited with code 1 by its watchdog)")
+    # a pod whose process fails again and again while the pod stays up rejoins every round at full
+    # size: the restarts still count (from the last growth back), and the second ends the job
+    ended(13, "pod-0", -9, killed=True), ended(13, "pod-1", -9), ended(13, "pod-2", -9, killed=True)
+    first = leader.form(14, three["members"], {**three, "round": 13})
+    assert "end" not in first and len(first["failures"]) == 1 and first["full_since"] == 0
+    ended(14, "pod-0", -9, killed=True), ended(14, "pod-1", -9), ended(14, "pod-2", -9, killed=True)
+    second = leader.form(15, three["members"], {**first, "round": 14})
+    assert second["code"] == 1 and "fault.max_restarts=1 restart(s) used" in second["end"]
+    # another pod was preempted (every process saved and exited 143), and came back: no failure
+    for member in three["members"]:
+        ended(16, member, 143)
+    after = leader.form(17, three["members"], {**three, "round": 16})
+    assert "end" not in after and after["failures"] == []
     # a job of two that left to grow back: the round of three says what it grew from
     for member in ("pod-0", "pod-2"):
         ended(7, member, 75, when=20.0)
@@ -208,3 +221,20 @@ def test_a_pod_s_supervisor_is_refused_without_what_it_needs(tmp_path):
     )
     assert shrink.returncode == 2 and "cannot go on with 3 processes (6 devices)" in shrink.stderr
     assert not (tmp_path / "rendezvous" / "members").exists()  # (refused before joining)
+
+
+@pytest.mark.nocompile
+def test_a_pod_restarted_under_its_name_breaks_its_round(tmp_path):
+    directory = tmp_path / "rendezvous"
+    cfg = load_config(JOB[0], JOB[1:], str(tmp_path / "run"))
+    beats = {m: Heartbeat(directory, m, "127.0.0.1") for m in ("pod-0", "pod-1")}
+    for beat in beats.values():
+        beat.beat()
+    me = Rendezvous(directory, "pod-0", "127.0.0.1", 2)
+    supervisor = Supervisor([], cfg, me, {})
+    members = ["pod-0", "pod-1"]
+    started = {m: me.incarnation(m) for m in members}
+    assert supervisor.broken(0, members, {}, started) == ""
+    again = Heartbeat(directory, "pod-1", "127.0.0.1")  # its container restarted: a new supervisor, beating at once
+    again.beat()
+    assert supervisor.broken(0, members, {}, started) == f"pod-1 (process 1) {STOPPED}"

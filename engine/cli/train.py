@@ -196,6 +196,11 @@ def _pod_job(args, argv: list[str]) -> int:
     check_pod(cfg, args.processes, member)
     address = args.member_address or socket.gethostbyname(socket.gethostname())
     given = args.devices_per_process if any(a.split("=")[0] == "--devices-per-process" for a in argv) else None
+    if given is None and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        raise UsageError(
+            "--rendezvous: pass --devices-per-process M, each pod's accelerators (the shrink plan of the smaller "
+            "jobs needs it; a wrong count refuses a smaller round's mesh)"
+        )
     devices = task_devices(given, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
     child = without_flags(without_local_flags(argv), POD_FLAGS)
     return run_pod_job(child, cfg, Path(args.rendezvous), args.processes, devices, member, address)

@@ -404,7 +404,8 @@ class FaultConfig:
     grow_back: bool = option(
         True,
         "fault.elastic: a job that shrank grows back to its full size at its next persistent checkpoint once "
-        "the lost processes can run again (local launcher: at once; SLURM: when no node of the allocation is down)",
+        "the lost processes can run again (local launcher: at once; SLURM: when no node of the allocation is down; "
+        "Kubernetes: when a pod returns)",
     )
     precompile: bool = option(
         False,

@@ -208,6 +208,9 @@ class GroupJob:
     def stopped(self) -> bool:
         return not self._live()
 
+    def leaving(self) -> None:
+        return None  # (a group is not an elastic job: it never stops to grow back)
+
 
 def _restore(group: Group, trials: list[Trial]):
     """(stacked states, start step, the log window carried, each trial's checkpoint meta): every

@@ -80,6 +80,11 @@ class Job(Protocol):
         """Nothing left to train (a group whose every run stopped alone)."""
         ...
 
+    def leaving(self) -> None:
+        """The process leaves mid-run (an elastic job stopping to grow back): records still owed
+        (a restarted job's recovery records, written at its first log) are written now."""
+        ...
+
 
 @dataclasses.dataclass
 class Started:
@@ -164,8 +169,9 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
             job.wait()
             raise Preempted(done, preemption.signum)
         persistent = _due(cfg.checkpoint.every_steps, done, total) and done < total
-        if grow is not None and persistent and grow.asked():  # (a smaller elastic job, asked to grow back)
+        if grow is not None and persistent and _round_ends(cfg, done) and grow.asked():  # (asked to grow back)
             job.wait()
+            job.leaving()
             raise GrowBack(done, grow.processes)
         if verdict.stop or job.stopped():
             break
@@ -236,6 +242,13 @@ def _log(job: Job, window: Window, done: int, goodput: Goodput) -> None:
     goodput.device_wait_seconds += time.perf_counter() - waited
     goodput.loop_seconds += window.seconds()
     job.log(host, window, done)
+
+
+def _round_ends(cfg, done: int) -> bool:
+    """Whether a DiLoCo round ends at `done` (always true of other runs): a job resized mid-round
+    trains the round again from its start (engine/parallel/diloco_shrink.py), so it grows back only
+    at a round's end, where nothing is dropped."""
+    return cfg.train.sync != "diloco" or done % cfg.diloco.inner_steps == 0
 
 
 def _due(every: int, done: int, total: int) -> bool:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -92,9 +93,7 @@ class RunJob:
         return self.sync.fetch(arrays)
 
     def log(self, host, window: Window, done: int) -> None:
-        if self.recovery is not None:  # (the first log comes after the first step)
-            self.recovery.write(self.outputs.writer, self.goodput.first_step_at if self.goodput else None)
-            self.recovery = None
+        self.leaving()  # (the first log comes after the first step)
         losses, record = self.outputs.train_record(host, window, self.rates)
         if record.get("moe_dropped_tokens") and not self.warned_drops:  # said once a run: metrics.jsonl has each
             self.warned_drops = True
@@ -130,6 +129,12 @@ class RunJob:
 
     def stopped(self) -> bool:
         return False
+
+    def leaving(self) -> None:
+        if self.recovery is not None:
+            first_step_at = self.goodput.first_step_at if self.goodput else None
+            self.recovery.write(self.outputs.writer, first_step_at or time.time())
+            self.recovery = None
 
 
 def _open(

@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
-from engine.runtime.elastic_grow import GROW_EXIT, grew_from, request, start_env, withdraw
+from engine.runtime.elastic_grow import GROW_EXIT, grew_from, note_growth, request, start_env, withdraw
 from engine.runtime.rundir import METRICS, append_line, read_records
 from engine.runtime.watchdog import REACHED
 
@@ -253,6 +253,7 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
 
     plans = shrink_plan(cfg, processes, devices)
     check_precompile(cfg)
+    note_growth(cfg)
     precompiles = Precompiles(args, plans, devices, cfg)
     workdir, fault = Path(cfg.workdir), cfg.fault
     failures: list[dict] = []

@@ -27,7 +27,9 @@ persistent checkpoints between failures goes on. Imports no jax.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,26 @@ GREW = "ENGINE_ELASTIC_GREW"  # JSON {"time", "processes"}: the stop of the smal
 REQUEST = "grow-request.json"  # in the workdir: the launcher's request to grow back
 GROW_EXIT = 75  # every process's exit code after stopping to grow back (EX_TEMPFAIL)
 POLL_SECONDS = 30.0  # SLURM: how often the driver asks sinfo whether the allocation's nodes are back
+
+
+def note_growth(cfg) -> None:
+    """Says at start when a job that shrinks could not grow back as fault.grow_back means (no
+    persistent checkpoint before the end; DiLoCo's only at the checkpoints that end a round)."""
+    every, inner = cfg.checkpoint.every_steps, cfg.diloco.inner_steps
+    if not cfg.fault.grow_back:
+        return
+    if not every:
+        sys.stderr.write(
+            "note: fault.grow_back: checkpoint.every_steps=0 saves no persistent checkpoint before the end, so a job "
+            "that shrinks does not grow back; set checkpoint.every_steps\n"
+        )
+    elif cfg.train.sync == "diloco" and every % inner:
+        sys.stderr.write(
+            f"note: fault.grow_back: a DiLoCo job grows back only at a persistent checkpoint that ends a round (every "
+            f"{math.lcm(every, inner)} steps here); make checkpoint.every_steps a multiple of diloco.inner_steps "
+            f"({inner})"
+            "\n"
+        )
 
 
 def start_env(alive: int, full: int, grew: Optional[dict], cfg) -> dict[str, str]:
@@ -78,11 +100,11 @@ class WhenBack:
 
     def _poll(self) -> None:
         while not self.stopped.is_set():
-            if self.back():
+            if self.back() and not self.stopped.is_set():  # (sinfo may take a while: not after the step ended)
                 request(self.workdir, self.full, "the allocation's nodes are up")
                 return
             self.stopped.wait(self.every)
 
     def stop(self) -> None:
         self.stopped.set()
-        self.thread.join(timeout=5)
+        self.thread.join()  # (a request it writes later would reach the next start)

@@ -53,7 +53,7 @@ from engine.runtime.elastic import (
     shrink_plan,
     step_reached,
 )
-from engine.runtime.elastic_grow import GROW_EXIT, request, start_env, withdraw
+from engine.runtime.elastic_grow import GROW_EXIT, note_growth, request, start_env, withdraw
 from engine.runtime.launcher import SELF, free_port, stop_with
 from engine.runtime.rendezvous import MEMBER, POLL_SECONDS, Heartbeat, Rendezvous
 
@@ -89,6 +89,7 @@ def run_pod_job(args: list[str], cfg, directory: Path, processes: int, devices: 
     """This pod's part of the elastic job: its exit code (1 with one message naming every failure
     when the job cannot go on)."""
     plans = shrink_plan(cfg, processes, devices)
+    note_growth(cfg)
     if cfg.fault.precompile:
         sys.stderr.write("note: fault.precompile is not built under --rendezvous: a restart compiles its job\n")
     rendezvous = Rendezvous(directory, member, address, processes, fewest=cfg.fault.min_processes)
@@ -134,9 +135,9 @@ class Supervisor:
             code = self.train(found)
             if self.preempted:
                 return code if code in (0, 130, 143) else 128 + self.preempted[0]
-            if code in (0, 2, 130, 143):
+            if code in (0, 2):
                 return code
-            n += 1
+            n += 1  # (130/143 without a signal here: another pod was preempted, all saved; go on without it)
             how = "to grow back" if code == GROW_EXIT else f"after its process {describe(code)}"
             sys.stderr.write(f"elastic: pod {self.me}: joining round {n} {how}\n")
 
@@ -166,7 +167,7 @@ class Supervisor:
             start_new_session=True,
             preexec_fn=stop_with(os.getpid(), sig=signal.SIGKILL),
         )
-        killed = self.watch(n, members, rank)
+        killed = self.watch(n, members, rank, {m: self.rendezvous.incarnation(m) for m in members})
         code = self.child.wait()
         keys = [hang_key(path) for path in sorted(set(self.workdir.glob("hang-*.txt")) - hangs)]
         mine = sorted(key[:2] for key in keys if key is not None and key[2] == rank)
@@ -176,14 +177,15 @@ class Supervisor:
         self.rendezvous.end(n, report)
         return code
 
-    def watch(self, n: int, members: list[str], rank: int) -> bool:
+    def watch(self, n: int, members: list[str], rank: int, started: dict[str, Optional[str]]) -> bool:
         """Until the process ends: SIGKILLs it when the round is broken; asks the job to grow back
-        when a pod returned (rank 0). Whether it was killed."""
+        when a pod returned (rank 0). Whether it was killed. `started`: each member's supervisor's
+        start (Heartbeat's incarnation) as the round began."""
         assert self.child is not None
         noticed: dict[str, float] = {}
         asked = not (rank == 0 and len(members) < self.full and self.cfg.fault.grow_back)
         while self.child.poll() is None:
-            why = self.broken(n, members, noticed)
+            why = self.broken(n, members, noticed, started)
             if why:
                 sys.stderr.write(f"elastic: pod {self.me}: {why}; stopping this pod's process\n")
                 with contextlib.suppress(ProcessLookupError):
@@ -199,15 +201,17 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
         return False
 
-    def broken(self, n: int, members: list[str], noticed: dict[str, float]) -> str:
+    def broken(self, n: int, members: list[str], noticed: dict[str, float], started: dict) -> str:
         """Why this pod's process must stop now ("" while the round holds): a member's pod stopped
-        heartbeating, or its process ended badly (after SETTLE_SECONDS when on its own)."""
+        heartbeating or restarted (a container restarted in place keeps its name), or its process
+        ended badly (after SETTLE_SECONDS when on its own)."""
         reports, live = self.rendezvous.reports(n), self.rendezvous.live()
         for rank, member in enumerate(members):
             report = reports.get(member)
             if member == self.me or (report and report.get("code") in ORDERLY):
                 continue
-            if report is None and member not in live:
+            restarted = self.rendezvous.incarnation(member) not in (None, started.get(member))
+            if report is None and (member not in live or restarted):
                 return f"{member} (process {rank}) {STOPPED}"
             if report is None:
                 continue
@@ -228,12 +232,14 @@ class Supervisor:
         }
         failures = list(previous["failures"]) if previous else []
         since = previous.get("full_since", 0) if previous else 0
-        content.update(failures=failures, full_since=n if len(members) == self.full else since)
+        content.update(failures=failures, full_since=since)
         if previous is None:
             return content
         new, why, grew = self.accounting(previous, members)
         failures += new
-        content["grew"] = grew
+        # (max_restarts counts from the last growth back: a job only grows at a persistent checkpoint,
+        # so a pod that fails again and again, rejoining each round at full size, still ends the job)
+        content.update(grew=grew, full_since=n if grew else since)
         if why:
             step = step_reached(self.workdir) or 0
             message = (
@@ -263,7 +269,7 @@ class Supervisor:
         seen, hangs = [], []
         for rank, member in enumerate(before):
             report = reports.get(member, {})
-            if not report.get("killed") and report.get("code") not in (None, 0, GROW_EXIT):
+            if not report.get("killed") and report.get("code") not in (None, *ORDERLY):  # (not 143: a pod's preemption)
                 seen.append((rank, report["code"], report["time"]))
             if report.get("hung"):
                 hangs.append((report.get("hung_step", math.inf), rank))

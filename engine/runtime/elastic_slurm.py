@@ -35,7 +35,7 @@ from engine.runtime.elastic import (
     restarts,
     shrink_plan,
 )
-from engine.runtime.elastic_grow import GROW_EXIT, WhenBack, grew_from, start_env, withdraw
+from engine.runtime.elastic_grow import GROW_EXIT, WhenBack, grew_from, note_growth, start_env, withdraw
 from engine.runtime.launcher import SELF
 
 # srun's line for a task that ended badly: "srun: error: node1: task 1: Killed",
@@ -96,17 +96,18 @@ def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
     """The elastic job as srun steps: started again on the tasks left after each failure; its exit
     code (1 with one message naming every failure when it cannot go on)."""
     plans = shrink_plan(cfg, tasks, devices)
+    note_growth(cfg)
     workdir, fault = Path(cfg.workdir), cfg.fault
     if fault.precompile:
         sys.stderr.write("note: fault.precompile is not built under --elastic (SLURM): a restart compiles its job\n")
     failures: list[dict] = []
-    alive, attempt, exclude, full_since, grew = tasks, 0, down_nodes(), 0, None
+    alive, attempt, exclude, full_since, grew = tasks, 0, down_nodes() or [], 0, None
     while True:
         hangs = set(workdir.glob("hang-*.txt"))
         seen: list[tuple[int, int, float]] = []
         env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), **start_env(alive, tasks, grew, cfg)}
         withdraw(workdir)
-        back = WhenBack(workdir, tasks, lambda: not down_nodes()) if alive < tasks and fault.grow_back else None
+        back = WhenBack(workdir, tasks, nodes_up) if alive < tasks and fault.grow_back else None
         code = run_step([*args, *plans.get(alive, [])], alive, exclude, env, seen)
         if back is not None:
             back.stop()
@@ -119,7 +120,7 @@ def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
         if ended is not None:
             withdraw(workdir)
             return ended
-        exclude = down_nodes()
+        exclude = down_nodes() or []  # (none excluded when sinfo cannot say)
         without = f", excluding the nodes SLURM reports down: {','.join(exclude)}" if exclude else ""
         sys.stderr.write(
             f"elastic: restarting the job on {alive} processes as a new srun step (restart "
@@ -163,11 +164,11 @@ def run_step(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     relay.join(timeout=10)  # srun's last lines name the failed tasks
-    seen.extend(output.causes())
+    causes = output.causes()
+    seen.extend(cause for cause in causes if cause[1] != GROW_EXIT)  # (a task that left to grow back did not fail)
     if preempted:
         return 128 + int(preempted[0])
-    if code == GROW_EXIT and all(c == GROW_EXIT for _, c, _ in seen):  # every task left to grow back
-        seen.clear()
+    if code == GROW_EXIT and not seen:  # every task left to grow back
         return code
     if code == 0 or not seen:
         return code
@@ -259,8 +260,14 @@ def parse_task_line(line: str) -> list[tuple[int, int]]:
     return [(task, code) for task in tasks]
 
 
-def down_nodes(env: Optional[Mapping[str, str]] = None) -> list[str]:
-    """The allocation's nodes SLURM reports down, drained or not responding (from sinfo)."""
+def nodes_up() -> bool:
+    """Whether every node of the allocation is up (not when sinfo cannot say): the job may grow back."""
+    return down_nodes() == []
+
+
+def down_nodes(env: Optional[Mapping[str, str]] = None) -> Optional[list[str]]:
+    """The allocation's nodes SLURM reports down, drained or not responding (from sinfo); None when
+    sinfo cannot say."""
     environ = os.environ if env is None else env
     nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodes:
@@ -270,8 +277,8 @@ def down_nodes(env: Optional[Mapping[str, str]] = None) -> list[str]:
             ["sinfo", "-h", "-N", "-n", nodes, "-o", "%N %T"], capture_output=True, text=True, timeout=30
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        sys.stderr.write(f"warning: elastic: sinfo did not say which nodes are down ({e}); excluding none\n")
-        return []
+        sys.stderr.write(f"warning: elastic: sinfo did not say which nodes are down ({e})\n")
+        return None
     down = set()
     for line in listing.stdout.splitlines():
         name, _, state = line.partition(" ")

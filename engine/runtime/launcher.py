@@ -156,12 +156,16 @@ def _wait(
         codes = [child.poll() for child in children]
         if preempted:  # every process is saving its part of the checkpoint: let them finish
             codes = [child.wait() for child in children]
-            if all(code == 143 for code in codes):
+            if all(code in (143, GROW_EXIT) for code in codes):  # (a stop to grow back saved too)
                 return 128 + int(preempted[0])  # 143, or 130 for Ctrl-C
             return _exit_status(max((code for code in codes if code is not None), key=abs))
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed and all(c == GROW_EXIT for _, c in failed) and _all_grow(children):
-            return GROW_EXIT  # every process saved and left to grow back (engine/runtime/elastic_grow.py)
+        if failed and all(c == GROW_EXIT for _, c in failed):
+            grown = _grown(children)  # every process saved and leaves to grow back (engine/runtime/elastic_grow.py)
+            if grown or preempted:
+                return 128 + int(preempted[0]) if preempted else GROW_EXIT
+            codes = [child.poll() for child in children]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, GROW_EXIT)]
         if failed:
             seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
@@ -174,16 +178,21 @@ def _wait(
         time.sleep(0.2)
 
 
-def _all_grow(children: list[subprocess.Popen]) -> bool:
-    """Whether every process exits with GROW_EXIT (each leaves once the checkpoint is complete, so the
-    others follow within moments; GRACE_SECONDS at most)."""
+def _grown(children: list[subprocess.Popen]) -> bool:
+    """Once processes left to grow back: whether the job did (each leaves once the checkpoint is
+    complete, so the others follow within moments). A process still running after GRACE_SECONDS
+    is stopped: the checkpoint it would have waited for is complete (its peers waited for it), so
+    the job grows back all the same. False when a process failed instead."""
     deadline = time.monotonic() + GRACE_SECONDS
     for child in children:
         try:
             child.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            return False
-    return all(child.returncode == GROW_EXIT for child in children)
+            pass
+    if any(child.poll() not in (None, 0, GROW_EXIT) for child in children):
+        return False
+    _stop(children, 0)
+    return True
 
 
 def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]], settle: float) -> list:
@@ -193,7 +202,7 @@ def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]]
     known = {index for index, _, _ in seen}
     while time.monotonic() < deadline and all(code > 0 for _, code, _ in seen):
         codes = [child.poll() for child in children]
-        new = [(i, c) for i, c in enumerate(codes) if c not in (None, 0) and i not in known]
+        new = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, GROW_EXIT) and i not in known]
         seen.extend((index, code, time.time()) for index, code in new)
         known.update(index for index, _ in new)
         more += new

@@ -31,6 +31,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -64,7 +65,7 @@ def create_json(path: Path, data: dict) -> bool:
     """Writes `data` to `path` unless it exists (whole or not at all: a hard link of a complete
     temporary file); whether this call wrote it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # (pods' pids are alike: often 1)
     temporary.write_text(json.dumps(data) + "\n")
     try:
         os.link(temporary, path)
@@ -85,7 +86,8 @@ class Heartbeat:
 
     def __init__(self, directory: Path, member: str, address: str, every: float = BEAT_SECONDS):
         self.path = Path(directory) / "members" / f"{member}.json"
-        self.data: dict[str, Any] = {"member": member, "address": address, "pid": os.getpid(), "beat": 0}
+        incarnation = uuid.uuid4().hex  # this supervisor's start: a restarted pod's differs
+        self.data: dict[str, Any] = {"member": member, "address": address, "incarnation": incarnation, "beat": 0}
         self.every, self.stopped = every, threading.Event()
         self.thread = threading.Thread(target=self._run, name="rendezvous-heartbeat", daemon=True)
 
@@ -151,6 +153,11 @@ class Rendezvous:
             if now - last[1] < self.stale:
                 alive.append(member)
         return sorted(alive, key=natural)
+
+    def incarnation(self, member: str) -> Optional[str]:
+        """Which start of `member`'s supervisor beats now (None: no heartbeat readable)."""
+        data = read_json(self.dir / "members" / f"{member}.json")
+        return data.get("incarnation") if data else None
 
     def ready(self, n: int) -> None:
         """Says this member wants to start in round n."""
