@@ -107,8 +107,8 @@ def _unchunk(a):
     return a.swapaxes(0, 1).reshape(a.shape[1], a.shape[0] * a.shape[2], *a.shape[3:])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fused_cross_entropy(x, kernel, targets, dtype, chunk: int, shards: int = 1):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fused_cross_entropy(x, kernel, targets, dtype, chunk: int, shards: int = 1, gather=None):
     """Next-token cross-entropy of the logits x @ kernel, without keeping float32 logits
     twice: x [batch, seq, embed], kernel [embed, vocab], targets [batch, seq] int →
     (losses float32 [batch, seq], argmax == target [batch, seq]).
@@ -117,21 +117,30 @@ def fused_cross_entropy(x, kernel, targets, dtype, chunk: int, shards: int = 1):
     compute-dtype copy, no second float32 array for the softmax). chunk > 0 (divides seq):
     one piece of `chunk` positions at a time, forward and backward; only the log-normaliser
     is kept and each piece's logits are made again in the backward pass (one more head
-    matmul, for [batch, chunk, vocab] of float32 instead of [batch, seq, vocab])."""
-    return _fused_forward(x, kernel, targets, dtype, chunk, shards)[0]
+    matmul, for [batch, chunk, vocab] of float32 instead of [batch, seq, vocab]). `shards`: the
+    kernel's gradient is summed per part of the batch in the pieces' loop (_piece_backward), the
+    parts added once after it; `gather`: the kernel in the compute dtype → laid out for the loop
+    (whole over the batch axes: gathered once, not in every piece)."""
+    return _fused_forward(x, kernel, targets, dtype, chunk, shards, gather)[0]
 
 
-def _fused_forward(x, kernel, targets, dtype, chunk, shards=1):
+def _for_pieces(kernel, dtype, gather):
+    """The kernel as the pieces' loop reads it: in the compute dtype, laid out by `gather`."""
+    return kernel if gather is None else gather(kernel.astype(dtype))
+
+
+def _fused_forward(x, kernel, targets, dtype, chunk, shards=1, gather=None):
     if not chunk:
         losses, correct, lse, logits = _piece_forward(x, kernel, targets, dtype)
         return (losses, correct), (x, kernel, targets, lse, logits)
+    pieces = _for_pieces(kernel, dtype, gather)
     losses, correct, lse = jax.lax.map(
-        lambda a: _piece_forward(a[0], kernel, a[1], dtype)[:3], (_chunks(x, chunk), _chunks(targets, chunk))
+        lambda a: _piece_forward(a[0], pieces, a[1], dtype)[:3], (_chunks(x, chunk), _chunks(targets, chunk))
     )
     return (_unchunk(losses), _unchunk(correct)), (x, kernel, targets, _unchunk(lse), None)
 
 
-def _fused_backward(dtype, chunk, shards, residuals, cotangents):
+def _fused_backward(dtype, chunk, shards, gather, residuals, cotangents):
     x, kernel, targets, lse, logits = residuals
     g = cotangents[0].astype(jnp.float32)  # the cotangent of `correct` (bool) is float0: nothing
     no_grad = np.zeros(targets.shape, jax.dtypes.float0)
@@ -139,9 +148,11 @@ def _fused_backward(dtype, chunk, shards, residuals, cotangents):
         dx, dk = _piece_backward(x, kernel, targets, dtype, lse, logits, g)
         return dx, dk[0].astype(kernel.dtype), no_grad
 
+    pieces = _for_pieces(kernel, dtype, gather)
+
     def piece(dk, a):
         x_c, t_c, lse_c, g_c = a
-        dx_c, dk_c = _piece_backward(x_c, kernel, t_c, dtype, lse_c, _logits(x_c, kernel, dtype), g_c, shards)
+        dx_c, dk_c = _piece_backward(x_c, pieces, t_c, dtype, lse_c, _logits(x_c, pieces, dtype), g_c, shards)
         return dk + dk_c, dx_c
 
     zeros = jnp.zeros((shards, *kernel.shape), jnp.float32)  # each device's partial sums: reduced after the loop
@@ -248,10 +259,20 @@ def chunked_loss(x, kernel, targets, dtype, chunk: int, layout: Optional[Constra
     collectives a step against 161 ms with the logits whole); its gradient is then summed in the
     loop on each device and reduced once."""
     chunk = 0 if chunk >= targets.shape[1] else chunk
+    if not chunk or layout is None:
+        return fused_cross_entropy(x, kernel, targets, dtype, chunk)
     shards = activation_splits(layout, "batch")
-    if chunk and layout is not None:
-        kernel = layout(kernel, (None, "vocab"))
-    return fused_cross_entropy(x, kernel, targets, dtype, chunk, shards if chunk and x.shape[0] % shards == 0 else 1)
+    return fused_cross_entropy(x, kernel, targets, dtype, chunk, 1 if x.shape[0] % shards else shards, _Whole(layout))
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A kernel [embed, vocab] laid out whole over the batch axes (split over vocab's axis only)."""
+
+    layout: Constrainer
+
+    def __call__(self, kernel):
+        return self.layout(kernel, (None, "vocab"))
 
 
 def kv_cache(module: nn.Module, k, v, segment_ids):
