@@ -34,6 +34,11 @@ LOSS_CHUNK_DESCRIPTION = (
     "model.logits_budget_mib, then the largest divisor of data.seq_len whose piece fits (a multiple "
     "of 128 where one fits); the backward pass makes each piece's logits again"
 )
+GATHER_HEAD_DESCRIPTION = (
+    "a loss in pieces (model.loss_chunk) under a mesh: gather the output projection once for the pieces' "
+    "loop and reduce its gradient once (fewer collectives; one more output-projection-sized float32 gradient "
+    "and a gathered copy per device), instead of in every piece, forward and backward"
+)
 LOGITS_BUDGET_DESCRIPTION = (
     "MiB of float32 logits one device may hold at once before model.loss_chunk=0 splits the loss "
     "(its share of the batch x its share of the sequence x vocabulary x 4 bytes); 0 = no limit, "
@@ -106,6 +111,7 @@ class TransformerConfig:
     )
     loss_chunk: int = option(0, LOSS_CHUNK_DESCRIPTION, at_least=0)
     logits_budget_mib: int = option(2048, LOGITS_BUDGET_DESCRIPTION, at_least=0)
+    gather_head: bool = option(True, GATHER_HEAD_DESCRIPTION)
 
     def validate(self):
         if min(self.num_layers, self.d_model, self.num_heads, self.mlp_dim) <= 0:
@@ -149,6 +155,7 @@ class LlamaConfig:
     )
     loss_chunk: int = option(0, LOSS_CHUNK_DESCRIPTION, at_least=0)
     logits_budget_mib: int = option(2048, LOGITS_BUDGET_DESCRIPTION, at_least=0)
+    gather_head: bool = option(True, GATHER_HEAD_DESCRIPTION)
     num_experts: int = option(
         0, "routed experts per mixture-of-experts layer (0 = a dense SwiGLU MLP in every layer)", at_least=0
     )

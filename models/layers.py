@@ -157,7 +157,8 @@ def _fused_backward(dtype, chunk, shards, gather, residuals, cotangents):
 
     zeros = jnp.zeros((shards, *kernel.shape), jnp.float32)  # each device's partial sums: reduced after the loop
     dk, dx = jax.lax.scan(piece, zeros, tuple(_chunks(a, chunk) for a in (x, targets, lse, g)))
-    return _unchunk(dx), dk.sum(0).astype(kernel.dtype), no_grad
+    dk = dk.sum(0) if gather is None else gather.scattered(dk.sum(0))
+    return _unchunk(dx), dk.astype(kernel.dtype), no_grad
 
 
 fused_cross_entropy.defvjp(_fused_forward, _fused_backward)
@@ -257,7 +258,8 @@ def chunked_loss(x, kernel, targets, dtype, chunk: int, layout: Optional[Constra
     (kept split over vocab's axis): the pieces' loop would otherwise gather it again for every piece,
     forward and backward, and reduce its gradient piece by piece (llama3_8b on a v6e-64: 644 ms of
     collectives a step against 161 ms with the logits whole); its gradient is then summed in the
-    loop on each device and reduced once."""
+    loop on each device and reduced once. `layout` None: in every piece (model.gather_head=false:
+    less memory, more collectives)."""
     chunk = 0 if chunk >= targets.shape[1] else chunk
     if not chunk or layout is None:
         return fused_cross_entropy(x, kernel, targets, dtype, chunk)
@@ -273,6 +275,11 @@ class _Whole:
 
     def __call__(self, kernel):
         return self.layout(kernel, (None, "vocab"))
+
+    def scattered(self, gradient):
+        """The kernel's gradient [embed, vocab], summed over the devices into parts of its embedding
+        axis (a reduce-scatter, as FSDP keeps the kernel), not into a whole copy on each device."""
+        return self.layout(gradient, ("batch", "vocab"))
 
 
 def kv_cache(module: nn.Module, k, v, segment_ids):

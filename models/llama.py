@@ -291,7 +291,7 @@ class Llama(nn.Module):
         if targets is None:
             return head(x)
         chunk = traced_loss_chunk(cfg.loss_chunk, cfg.logits_budget_mib, targets, self.vocab_size, self.layout)
-        return head.loss(x, targets, chunk, self.layout)
+        return head.loss(x, targets, chunk, self.layout if cfg.gather_head else None)
 
     def _pipelined(self, x, positions, segment_ids):
         """The scanned layers (their stacked parameters, as nn.scan made them) as a pipeline."""

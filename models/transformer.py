@@ -116,6 +116,7 @@ class Transformer(nn.Module):
     decode: bool = False
     layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
     logits_budget_mib: int = 2048  # loss_chunk=0: split the loss above this (models/layers.py choose_loss_chunk)
+    gather_head: bool = True  # a chunked loss under a mesh: the head gathered once (models/layers.py chunked_loss)
 
     @nn.compact
     def __call__(
@@ -171,7 +172,7 @@ class Transformer(nn.Module):
         if targets is None:
             return head(x)
         chunk = traced_loss_chunk(self.loss_chunk, self.logits_budget_mib, targets, self.vocab_size, self.layout)
-        return head.loss(x, targets, chunk, self.layout)
+        return head.loss(x, targets, chunk, self.layout if self.gather_head else None)
 
 
 def build(
@@ -203,6 +204,7 @@ def build(
         decode,
         options.layout,
         cfg.logits_budget_mib,
+        cfg.gather_head,
     )
 
 

@@ -221,9 +221,12 @@ def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(mak
     tiny += ["model.mlp_dim=64", "model.attention=xla", "train.global_batch_size=8", "mesh.fsdp=8", "mesh.data=1"]
     tiny += [f"model.tie_embeddings={str(tied).lower()}"]
     moved = {}
-    for chunk in (0, 16):
-        run = build_run(make_config("llama_tiny.yaml", *tiny, f"model.loss_chunk={chunk}", "model.logits_budget_mib=0"))
+    for chunk, gather in ((0, True), (16, True), (16, False)):
+        settings = [f"model.loss_chunk={chunk}", "model.logits_budget_mib=0", f"model.gather_head={gather}".lower()]
+        run = build_run(make_config("llama_tiny.yaml", *tiny, *settings))
         collectives = hlo.program_collectives(run.compiled.program.as_text(), run.mesh.size)
-        moved[chunk] = sum(c.ring_bytes * c.count for c in collectives)
+        moved[chunk, gather] = sum(c.ring_bytes * c.count for c in collectives)
     head = 64 * 4096 * 4  # the output projection in float32: 1 MiB
-    assert moved[16] < moved[0] + head, {k: v / MIB for k, v in moved.items()}
+    assert moved[16, True] < moved[0, True] + head, {k: v / MIB for k, v in moved.items()}
+    if not tied:  # model.gather_head=false: in every piece (less memory); (a tied table is gathered for the input)
+        assert moved[16, False] > moved[0, True] + 4 * head, {k: v / MIB for k, v in moved.items()}
