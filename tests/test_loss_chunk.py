@@ -208,6 +208,7 @@ def test_mfu_counts_the_whole_loss_when_the_budget_splits_it(make_config, accum)
     assert runs[1].cost.flops_per_device_step == pytest.approx(runs[0].cost.flops_per_device_step, rel=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
 def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(make_config, tied):
     """8 CPU devices, fsdp=8: the train step of a loss in 8 pieces moves about what the whole
