@@ -60,7 +60,9 @@ def test_a_lost_pod_s_job_goes_on_with_the_others_then_grows_back_when_it_return
     assert codes == [0, -9, 0, 0], logs
     assert json.loads((rounds / "1.json").read_text())["members"] == ["pod-0", "pod-2"]
     assert json.loads((rounds / "2.json").read_text())["members"] == ["pod-0", "pod-1", "pod-2"]
-    assert f"pod-1 (process 1) {STOPPED}; stopping this pod's process" in logs[0]
+    # (pod-0's supervisor stops its process on seeing pod-1's heartbeat stop, unless the process, its
+    # collective broken by the lost peer, ended first: either way pod-0 goes on in round 1)
+    assert "elastic: pod pod-0: joining round 1" in logs[0], logs[0][-3000:]
     assert "pod-1 ready; asked the job to grow back" in logs[0]
     (recovery,) = records(workdir, "recovery")
     assert (recovery["lost_process"], recovery["how"], recovery["recovered"]) == (1, STOPPED, True), recovery

@@ -209,8 +209,7 @@ def test_mfu_counts_the_whole_loss_when_the_budget_splits_it(make_config, accum)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
-def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(make_config, tied):
+def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(make_config):
     """8 CPU devices, fsdp=8: the train step of a loss in 8 pieces moves about what the whole
     logits' step moves (the output projection gathered once around the pieces' loop, its gradient
     reduced once); gathered in the loop it moved the head 8 times forward and 8 times backward."""
@@ -220,7 +219,7 @@ def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(mak
     tiny = ["data.name=synthetic_text", "data.num_examples=64", "data.vocab_size=4096", "data.seq_len=128"]
     tiny += ["model.num_layers=1", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2"]
     tiny += ["model.mlp_dim=64", "model.attention=xla", "train.global_batch_size=8", "mesh.fsdp=8", "mesh.data=1"]
-    tiny += [f"model.tie_embeddings={str(tied).lower()}"]
+    tiny += ["model.tie_embeddings=false"]  # (a tied table is gathered whole for the input anyway)
     moved = {}
     for chunk, gather in ((0, True), (16, True), (16, False)):
         settings = [f"model.loss_chunk={chunk}", "model.logits_budget_mib=0", f"model.gather_head={gather}".lower()]
@@ -229,5 +228,5 @@ def test_a_chunked_loss_under_fsdp_gathers_the_head_once_not_for_every_piece(mak
         moved[chunk, gather] = sum(c.ring_bytes * c.count for c in collectives)
     head = 64 * 4096 * 4  # the output projection in float32: 1 MiB
     assert moved[16, True] < moved[0, True] + head, {k: v / MIB for k, v in moved.items()}
-    if not tied:  # model.gather_head=false: in every piece (less memory); (a tied table is gathered for the input)
-        assert moved[16, False] > moved[0, True] + 4 * head, {k: v / MIB for k, v in moved.items()}
+    # model.gather_head=false: in every piece (less memory, more collectives)
+    assert moved[16, False] > moved[0, True] + 4 * head, {k: v / MIB for k, v in moved.items()}
