@@ -245,3 +245,38 @@ def test_bad_data_exits_2_with_one_line(tmp_path, model_dir, line, keys, message
     assert "Traceback" not in proc.stderr
     assert re.search(message, proc.stderr), proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+def word_model_dir(directory):
+    """A model directory whose tokenizer splits on whitespace and knows a few words (others: <unk>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "hello", "there", "hi", "the", "cat", "user", "assistant", "\n"]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<s>", "<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.nocompile
+@pytest.mark.parametrize(
+    "tokenizer, chosen, rejected",
+    [
+        ("words", "the  cat ", "the cat"),  # spaces the word tokenizer drops
+        # a message key the template ignores
+        ("bpe", [{"role": "assistant", "content": "on the mat", "name": "a"}], "on the mat"),
+        ("words", "é", "ü"),  # both one unknown token
+    ],
+)
+def test_a_pair_whose_sides_tokenize_the_same_is_refused_naming_its_line(
+    tmp_path, model_dir, tokenizer, chosen, rejected
+):
+    directory = model_dir if tokenizer == "bpe" else word_model_dir(tmp_path)
+    records = [RECORDS[0], {"prompt": "hello there", "chosen": chosen, "rejected": rejected}]
+    same = r'train.jsonl:2: "chosen" and "rejected" render and tokenize to the same \d+ tokens'
+    with pytest.raises(UsageError, match=same):
+        preference_data(tmp_path, directory, records)
+    assert preference_data(tmp_path, directory, records[:1]).info.num_train == 1  # (a pair that differs: kept)

@@ -16,8 +16,11 @@ A pair longer than the window (data.seq_len + 1 tokens) is refused (data.overflo
 (drop) or has the end of its longer responses cut (truncate: the prompt is kept whole; a pair whose
 prompt alone fills the window, or whose sides become the same once cut, is left out); the counts
 are said at the run's start (DataInfo.notes). A pair whose chosen and rejected responses are the
-same teaches nothing and is refused, as are a missing field, an empty response and a role the
-template does not know: each a UsageError naming the file, the line and the field.
+same teaches nothing and is refused, as records and as tokens (the two sides rendered and tokenized:
+records that differ only in spaces the tokenizer drops, a message key the template ignores or
+characters that both become the unknown token are the same pair to the model), as are a missing
+field, an empty response and a role the template does not know: each a UsageError naming the
+file, the line and the field.
 """
 
 from __future__ import annotations
@@ -135,6 +138,8 @@ def _examples(pairs: list[Pair], render: Renderer, tokenizer, cfg) -> tuple[dict
         (np.asarray(encoding.ids, np.int64), token_mask(encoding.offsets, spans))
         for (_, spans), encoding in zip(rendered, encodings)
     ]
+    for k, pair in enumerate(pairs):  # the same tokens both sides: the records may differ in what the tokens lose
+        _check_differ(pair, sides[2 * k][0], sides[2 * k + 1][0])
     counts = Counts(read=len(pairs))
     kept: list[list[Side]] = []
     for k, pair in enumerate(pairs):
@@ -151,6 +156,18 @@ def _examples(pairs: list[Pair], render: Renderer, tokenizer, cfg) -> tuple[dict
     counts.tokens = sum(len(ids) for pair in kept for ids, _ in pair)
     counts.trained = sum(int(mask[1:].sum()) for pair in kept for _, mask in pair)
     return _arrays(kept, window), counts
+
+
+def _check_differ(pair: Pair, chosen: np.ndarray, rejected: np.ndarray) -> None:
+    """UsageError when the pair's two sides are the same tokens (prompt + chosen as prompt +
+    rejected, rendered and tokenized): spaces the tokenizer drops, a message key the template
+    ignores, characters that become one unknown token; the DPO loss of such a pair is log 2, its gradient 0."""
+    if np.array_equal(chosen, rejected):
+        raise UsageError(
+            f'{pair.where}: "chosen" and "rejected" render and tokenize to the same {len(chosen):,} tokens (they '
+            "differ only in what the chat template or the tokenizer drops), a pair that teaches nothing; make the "
+            "responses differ in their text, or leave the pair out"
+        )
 
 
 def _fitted(pair: Pair, sides: list[Side], window: int, overflow: str, counts: Counts) -> Optional[list[Side]]:
