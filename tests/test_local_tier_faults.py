@@ -3,6 +3,8 @@ restored, any unreadable step directory set aside, a step that does not read aft
 on falls back to the persistent tier, and a failed background write is a warning."""
 
 import json
+import os
+import shutil
 import tracemalloc
 
 import jax
@@ -191,3 +193,36 @@ def test_packing_holds_one_copy_of_the_shards_in_host_memory(mesh2x4):
     finally:
         tracemalloc.stop()
     assert buffer.nbytes == 2**20 and peak < 1.5 * buffer.nbytes  # no copy of the whole buffer beside it
+
+
+@pytest.mark.nocompile
+def test_the_folders_of_a_process_removing_its_own_while_listed_are_left_out(tmp_path, monkeypatch):
+    """A fresh elastic start: every process clears its own folder while the others list every
+    process index's folders (issue 53: process_2 of 4 raised FileNotFoundError, then hung)."""
+    tier = _tier(tmp_path)
+    run = tier.root.parent
+    for process in (0, 1):
+        (run / f"process_{process}" / f"owner_{process}" / "6").mkdir(parents=True)
+    real = os.scandir
+
+    class Listed:  # the run folder's entries as listed, then process_1 removed by its own process
+        def __init__(self, path):
+            with real(path) as entries:
+                self.entries = list(entries)
+            shutil.rmtree(run / "process_1")
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+        def __iter__(self):
+            return iter(self.entries)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(os, "scandir", lambda path=".": Listed(path) if str(path) == str(run) else real(path))
+    tier.discard_after(2)  # (its later steps go; it raised FileNotFoundError from the glob before)
+    assert not (run / "process_0" / "owner_0" / "6").exists() and not (run / "process_1").exists()

@@ -11,6 +11,7 @@ a truncated file, a checksum mismatch) makes it damaged: moved into `damaged/` w
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -50,8 +51,26 @@ def from_header(data, buffer) -> Copy:
 
 
 def steps(folder: Path) -> list[int]:
-    """The complete steps in an owner's folder, oldest first."""
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    """The complete steps in an owner's folder, oldest first (none when it is gone)."""
+    return sorted(int(p.name) for p in subfolders(folder, "") if p.name.isdigit())
+
+
+def subfolders(folder: Path, prefix: str) -> list[Path]:
+    """The folders in `folder` whose names begin with `prefix`, sorted; those removed while listed
+    (another process of the job clearing its own storage) are left out, as is `folder` when gone."""
+    try:
+        with os.scandir(folder) as entries:
+            found = [Path(entry.path) for entry in entries if entry.name.startswith(prefix) and _is_dir(entry)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(found)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except FileNotFoundError:  # (removed since the listing)
+        return False
 
 
 def write_copy(folder: Path, step: int, copy: Copy, tier: dict, verify: bool) -> None:

@@ -44,6 +44,7 @@ from engine.checkpoint.local_files import (
     reason,
     set_aside,
     steps,
+    subfolders,
     write_copy,
 )
 from engine.checkpoint.local_reshard import describe, rebuild, to_all
@@ -111,8 +112,8 @@ class LocalTier:
         """Every owner folder on this process's storage, its own process index's first: an elastic
         job's survivors are renumbered, so a survivor's copies lie under its old index's folder (on
         its host; on one host, every process's folders)."""
-        others = [f for f in sorted(self.root.parent.glob("process_*/owner_*")) if f.parent != self.root]
-        return [*sorted(self.root.glob("owner_*")), *others]
+        folders = [f for process in subfolders(self.root.parent, "process_") for f in subfolders(process, "owner_")]
+        return [*subfolders(self.root, "owner_"), *(f for f in folders if f.parent != self.root)]
 
     def _agree(self, persistent_newest: Optional[int]) -> tuple[bool, Optional[int]]:
         """The first collective: every process's host (→ the peers), process 0's run id, whether
@@ -237,7 +238,8 @@ class LocalTier:
                 try:
                     tier = read_tier(folder / str(step), owner, step)
                 except Exception as e:  # any failure to read makes it damaged, whatever the error
-                    self._damaged(folder / str(step), owner, step, f"{folder.name}/{step}/tier.json: {reason(e)}")
+                    if (folder / str(step)).is_dir():  # (not one another process removed meanwhile)
+                        self._damaged(folder / str(step), owner, step, f"{folder.name}/{step}/tier.json: {reason(e)}")
                     continue
                 if tier.get("run") != self.run:
                     others.append(
@@ -270,6 +272,7 @@ class LocalTier:
         if fresh:
             shutil.rmtree(self.root, ignore_errors=True)  # an earlier run's, in a workdir begun afresh
             self.root.mkdir(parents=True, exist_ok=True)
+            _any(False)  # (a barrier: no process lists the others' folders, discard_after, while they are removed)
             self.declined = "the run begins afresh"
             return None
         while True:

@@ -10,8 +10,10 @@ after saving (re-run to resume); 1 a failed run (said plainly).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import time
+import traceback
 
 STARTED = time.time()  # goodput and time to first step count from here
 
@@ -66,4 +68,27 @@ def main(argv: list[str]) -> int:
 
 def entry() -> None:
     """The `jax-engine` console script."""
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except Exception:
+        if not _in_job():
+            raise
+        traceback.print_exc()
+        code = 1
+    if code in (1, 2) and _in_job():
+        # a process of a jax.distributed job that fails: at exit JAX waits for every process at its
+        # shutdown barrier (300 s), while the others wait for this one in a collective; it ends now
+        # instead, so that its launcher sees the failure within moments and stops the others
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _in_job() -> bool:
+    """Whether this process is one of a jax.distributed job's (its coordination client started)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
