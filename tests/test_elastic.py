@@ -169,6 +169,9 @@ def test_only_a_lost_process_restarts_the_job():
     # a peer's SIGABRT seconds after a process failed alone (its coordination service missed it): a consequence
     assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=[]) == ([(0, 1, 5.0)], "")
     assert lost([(0, 1, 5.0), (1, -6, 7.0)], 2, hung=[0]) == ([(0, 1, 5.0)], "")  # the watchdog's, not the abort
+    # process 1 SIGKILLed, its exit seen after process 0's abort (the coordination service missed it): 1 is lost
+    assert lost([(0, -6, 5.0), (1, -9, 5.9)], 2, hung=[]) == ([(1, -9, 5.9)], "")
+    assert lost([(0, -6, 5.0), (2, -6, 5.0), (1, -9, 6.2)], 3, hung=[]) == ([(1, -9, 6.2)], "")
 
 
 @pytest.mark.nocompile
@@ -214,6 +217,21 @@ def test_the_launcher_lets_processes_that_fail_together_end_on_their_own():
     children = job("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", fail.format(1))
     assert _wait(children, [], seen, grace=0, settle=3) == 1 and [(i, c) for i, c, _ in seen] == [(0, -9)]
     assert children[1].returncode == -9
+
+
+@pytest.mark.nocompile
+def test_the_launcher_waits_for_the_killed_process_behind_its_peer_s_abort():
+    """Issue 57: process 1 SIGKILLed, process 0's SIGABRT seen first; the launcher blamed process 0."""
+    from engine.runtime.launcher import _wait
+
+    def job(*scripts):
+        return [subprocess.Popen([sys.executable, "-c", script], start_new_session=True) for script in scripts]
+
+    kill = "import os, signal, time; time.sleep({}); os.kill(os.getpid(), signal.{})"
+    seen: list = []
+    assert _wait(job(kill.format(0, "SIGABRT"), kill.format(0.7, "SIGKILL")), [], seen, grace=0, settle=0) == 1
+    assert [(index, code) for index, code, _ in seen] == [(0, -6), (1, -9)]
+    assert lost(seen, 2, hung=[])[0] == seen[1:]
 
 
 @pytest.mark.nocompile

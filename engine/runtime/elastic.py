@@ -43,6 +43,7 @@ from typing import Any, Optional
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.runtime.elastic_grow import GROW_EXIT, grew_from, note_growth, request, start_env, withdraw
+from engine.runtime.launcher import ABORT_SETTLE_SECONDS
 from engine.runtime.rundir import METRICS, append_line, read_records
 from engine.runtime.watchdog import REACHED
 
@@ -180,9 +181,14 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
         return mine or [(hung[0], 1, seen[0][2])], ""  # (stopped by the launcher before its watchdog's exit)
     signalled = [failure for failure in seen if failure[1] < 0 and -failure[1] != signal.SIGTERM]
     killed = [failure for failure in signalled if failure[2] <= seen[0][2] + AT_ONCE]
-    primary = [failure for failure in killed if -failure[1] != signal.SIGABRT]
-    if killed:  # (SIGABRTs beside another signal: the peers of a lost process 0, whose coordination service died)
-        return primary or killed[:1], ""
+    # another signal than SIGABRT outranks the SIGABRTs before it (its peers' aborts once the coordination
+    # service or a collective lost it: a killed process's own exit may be seen after them), within
+    # the launcher's ABORT_SETTLE_SECONDS of the first failure
+    primary = [f for f in signalled if -f[1] != signal.SIGABRT and f[2] <= seen[0][2] + ABORT_SETTLE_SECONDS + AT_ONCE]
+    if primary:
+        return [failure for failure in primary if failure[2] <= primary[0][2] + AT_ONCE], ""
+    if killed:  # (SIGABRTs alone: the first)
+        return killed[:1], ""
     if signalled or len({index for index, _, _ in seen}) < processes:
         return seen[:1], ""
     codes = ", ".join(sorted({describe(code) for _, code, _ in seen}))

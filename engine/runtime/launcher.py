@@ -26,6 +26,11 @@ SELF = (
     else [sys.executable, "-m", "engine.cli"]
 )
 GRACE_SECONDS = 10  # after SIGTERM, how long a process may take to exit before SIGKILL
+# after a process's SIGABRT (a peer's abort once the coordination service or a collective lost a
+# process), how long the launcher waits for the exit of the process that caused it before stopping
+# the others: a SIGKILLed process's exit may be seen after its peers' aborts (a large process takes
+# a moment to tear down), and the stop would hide it (issue 57: the wrong process was blamed)
+ABORT_SETTLE_SECONDS = 1.5
 
 
 def free_port() -> int:
@@ -197,19 +202,25 @@ def _grown(children: list[subprocess.Popen]) -> bool:
 
 def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]], settle: float) -> list:
     """While no failure seen was a signal's, up to `settle` seconds for the other processes to end on
-    their own; (process, return code) of those that fail meanwhile (also added to `seen`)."""
-    deadline, more = time.monotonic() + settle, []
+    their own; while the only signals seen are SIGABRTs (peers' aborts), up to ABORT_SETTLE_SECONDS
+    for the exit of the process they came from; (process, return code) of those that fail meanwhile
+    (also added to `seen`)."""
+    began, more = time.monotonic(), []
     known = {index for index, _, _ in seen}
-    while time.monotonic() < deadline and all(code > 0 for _, code, _ in seen):
+    while True:
+        waited = time.monotonic() - began
+        own = all(code > 0 for _, code, _ in seen) and waited < settle
+        aborts = all(code > 0 or code == -signal.SIGABRT for _, code, _ in seen) and waited < ABORT_SETTLE_SECONDS
+        if not (own or aborts):
+            return more
         codes = [child.poll() for child in children]
         new = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, GROW_EXIT) and i not in known]
         seen.extend((index, code, time.time()) for index, code in new)
         known.update(index for index, _ in new)
         more += new
         if all(code is not None for code in codes):
-            break
+            return more
         time.sleep(0.05)
-    return more
 
 
 def _exit_status(code: int) -> int:
