@@ -289,3 +289,43 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.nocompile
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["fault.max_restarts=-1"], "fault.max_restarts=-1 must be 0 or more"),
+        (["checkpoint.local_dir=relative/x", "checkpoint.local_every_steps=2"], "must be an absolute path"),
+        (["train.global_batch_size=13"], "train.global_batch_size=13 is not divisible by data*fsdp*expert=2*1*1=2"),
+        (["checkpoint.local_dir=/proc/nope/x", "checkpoint.local_every_steps=2"], "cannot be created"),
+        (["--local-processes", "100000"], "--local-processes 100000: this host holds at most"),
+    ],
+    ids=["fault-value", "relative-local-dir", "batch", "local-dir-uncreatable", "too-many"],
+)
+def test_a_local_job_s_usage_error_is_one_line_and_exit_2_before_any_process_starts(tmp_path, overrides, reason):
+    started = time.monotonic()
+    job = run_cli("--config", MLP[0], "--workdir", str(tmp_path / "run"), "--local-processes", "2", *overrides)
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, (job.returncode, job.stderr[-2000:])
+    assert job.stderr.startswith("error: ") and reason in job.stderr, job.stderr
+    assert "[0]" not in job.stdout and not (tmp_path / "run").exists()  # no process started, nothing written
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.slow
+def test_a_process_that_fails_alone_ends_the_job_within_seconds_with_its_reason(tmp_path):
+    """Issue 53: a process that failed alone waited 300 s in JAX's shutdown barrier before its launcher
+    saw it. Here process 1's part of checkpoint.local_dir cannot be created (a file is in its way)."""
+    from engine.checkpoint.local_tier import run_directory
+
+    workdir, local = tmp_path / "run", tmp_path / "shm"
+    run_directory(str(local), workdir / "checkpoints").mkdir(parents=True)
+    (run_directory(str(local), workdir / "checkpoints") / "process_1").write_text("in the way\n")
+    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "train.steps=4", *MLP[1:], *COMMON]
+    started = time.monotonic()
+    job = run_cli("--config", MLP[0], "--workdir", str(workdir), "--local-processes", "2", *tier, timeout=240)
+    took = time.monotonic() - started
+    assert job.returncode == 2, job.stdout[-3000:] + job.stderr[-3000:]
+    assert job.stderr.startswith("error: checkpoint.local_dir=") and "process_1 cannot be created" in job.stderr
+    assert job.stderr.count("\n") == 1, job.stderr
+    assert took < 90, took  # (JAX's shutdown barrier alone waits 300 s)

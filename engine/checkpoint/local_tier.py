@@ -59,6 +59,7 @@ from engine.checkpoint.peers import (
     stored_run_id,
 )
 from engine.checkpoint.staging import InBackground
+from engine.errors import UsageError
 
 
 class LocalRestored(NamedTuple):
@@ -103,7 +104,13 @@ class LocalTier:
         self._orphans = True  # the folders of process indices beyond the job's may remain (until a save)
         self._writing = InBackground("local-checkpoint")
         self._writing_step = 0
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # (before any collective: the launcher sees this process's exit 2 at once)
+            raise UsageError(
+                f"checkpoint.local_dir={local_dir}: {self.root} cannot be created ({e.strerror or e}); set "
+                "checkpoint.local_dir to a folder on node-local storage this user can write, e.g. /dev/shm/checkpoints"
+            ) from None
 
     def _owner_dir(self, owner: int) -> Path:
         return self.root / f"owner_{owner}"

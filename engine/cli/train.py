@@ -145,13 +145,15 @@ def run(args, argv: list[str]) -> int:
 
 
 def _local_job(args, argv: list[str]) -> int:
-    if args.local_processes < 1 or args.devices_per_process < 1:
-        sys.stderr.write("error: --local-processes and --devices-per-process must be at least 1\n")
-        return 2
+    """`--local-processes N`: the config checked here (engine/runtime/local_check.py), then the job."""
     from engine.runtime.launcher import run_local_job
+    from engine.runtime.local_check import check_count, check_local_job, job_config
 
-    cfg = _elastic_config(args)
-    if cfg is not None:
+    check_count(args.local_processes, args.devices_per_process)
+    profile = ["log.profile_steps=[5,15]"] if args.profile else []
+    cfg = job_config(args.config, profile + args.overrides, args.workdir)
+    check_local_job(cfg, args.local_processes, args.devices_per_process)
+    if cfg.fault.elastic:
         from engine.runtime.elastic import run_elastic_job
 
         return run_elastic_job(without_local_flags(argv), cfg, args.local_processes, args.devices_per_process)
@@ -204,23 +206,6 @@ def _pod_job(args, argv: list[str]) -> int:
     devices = task_devices(given, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
     child = without_flags(without_local_flags(argv), POD_FLAGS)
     return run_pod_job(child, cfg, Path(args.rendezvous), args.processes, devices, member, address)
-
-
-def _elastic_config(args):
-    """The job's config when it sets fault.elastic (the launcher restarts the job itself), else None.
-    Read quietly: a config that does not load is the processes' to report, as without fault.elastic."""
-    import contextlib
-    import io
-
-    from engine.config import load_config
-    from engine.errors import UsageError
-
-    with contextlib.redirect_stderr(io.StringIO()):
-        try:
-            cfg = load_config(args.config, args.overrides, args.workdir)
-        except UsageError:
-            return None
-    return cfg if cfg.fault.elastic else None
 
 
 def _distributed_overrides(args) -> list[str]:

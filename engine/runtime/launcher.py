@@ -39,8 +39,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _relay(index: int, stream, sink) -> None:
+def _relay(index: int, stream, sink, said: Optional[dict[int, str]] = None) -> None:
+    """A process's output lines to `sink`, prefixed by its index, less gloo's connection lines (one per
+    peer and start: ~40 a start of 4 processes); `said` keeps the last line of each that is an error's."""
     for line in stream:
+        if line.startswith("[Gloo] Rank ") and " is connected to " in line:
+            continue
+        if said is not None and line.startswith("error: "):
+            said[index] = line
         sink.write(f"[{index}] {line}")
         sink.flush()
 
@@ -83,8 +89,10 @@ def run_local_job(
     others get SIGTERM and `grace` seconds before SIGKILL (0: SIGKILL at once; engine/runtime/elastic.py
     says why it may); when no process of the first failures was killed by a signal, the others first
     get `settle` seconds to end on their own (elastic.py: a failure every process meets is not a lost one)."""
-    children, relays = _start(args, processes, devices_per_process, env or {})
+    said: dict[int, str] = {}  # each process's last error line
+    children, relays = _start(args, processes, devices_per_process, env or {}, said=said)
     preempted: list[int] = []
+    seen = failed if failed is not None else []
 
     def forward_sigterm(signum, frame):  # preemption of the launcher (or Ctrl-C) preempts every process
         preempted.append(signum)
@@ -94,13 +102,17 @@ def run_local_job(
 
     previous = {sig: signal.signal(sig, forward_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _wait(children, preempted, failed if failed is not None else [], grace, settle)
+        code = _wait(children, preempted, seen, grace, settle)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop(children, grace)
         for relay in relays:  # the children's last lines (an error message, say) are still in the pipes
             relay.join(timeout=5)
+    if code == 2:  # a usage error: its reason once, on stderr (each process's line is in its output)
+        first = seen[0][0] if seen else 0
+        sys.stderr.write(said.get(first) or f"error: process {first} exited with code 2 (its output says why)\n")
+    return code
 
 
 def start_background(args: list[str], processes: int, devices_per_process: int, log) -> list[subprocess.Popen]:
@@ -109,7 +121,7 @@ def start_background(args: list[str], processes: int, devices_per_process: int, 
     return _start(args, processes, devices_per_process, {}, log)[0]
 
 
-def _start(args: list[str], processes: int, devices_per_process: int, extra: dict[str, str], log=None):
+def _start(args: list[str], processes: int, devices_per_process: int, extra: dict[str, str], log=None, said=None):
     """The processes, each with a thread relaying its output lines prefixed by its index (or, in
     the background, writing them to the open file `log` at nice 19)."""
     port = free_port()
@@ -142,7 +154,7 @@ def _start(args: list[str], processes: int, devices_per_process: int, extra: dic
         children.append(child)
         if log:
             continue
-        relay = threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout), daemon=True)
+        relay = threading.Thread(target=_relay, args=(index, child.stdout, sys.stdout, said), daemon=True)
         relay.start()
         relays.append(relay)
     return children, relays
@@ -174,9 +186,12 @@ def _wait(
         if failed:
             seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
-            sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
+            if code != 2:  # (a usage error's reason is said once the processes' output is read)
+                sys.stderr.write(f"error: process {index} {_describe(code)}; stopping the other processes\n")
             failed += _settle(children, seen, settle)
             _stop(children, grace)
+            if all(c == 2 for _, c in failed):  # a usage error (every process meets it, or one alone did)
+                return 2
             return code if code == 143 and all(c == 143 for _, c in failed) else 1
         if all(code == 0 for code in codes):
             return 0
@@ -210,15 +225,17 @@ def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]]
     while True:
         waited = time.monotonic() - began
         own = all(code > 0 for _, code, _ in seen) and waited < settle
-        aborts = all(code > 0 or code == -signal.SIGABRT for _, code, _ in seen) and waited < ABORT_SETTLE_SECONDS
+        codes = [code for _, code, _ in seen]
+        aborted = -signal.SIGABRT in codes and all(code > 0 or code == -signal.SIGABRT for code in codes)
+        aborts = aborted and waited < ABORT_SETTLE_SECONDS
         if not (own or aborts):
             return more
-        codes = [child.poll() for child in children]
-        new = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, GROW_EXIT) and i not in known]
+        polled = [child.poll() for child in children]
+        new = [(i, c) for i, c in enumerate(polled) if c not in (None, 0, GROW_EXIT) and i not in known]
         seen.extend((index, code, time.time()) for index, code in new)
         known.update(index for index, _ in new)
         more += new
-        if all(code is not None for code in codes):
+        if all(code is not None for code in polled):
             return more
         time.sleep(0.05)
 
