@@ -275,3 +275,12 @@ def test_a_failure_every_process_meets_is_not_restarted(tmp_path):
     assert job.stdout.count("error: training stopped: loss is nan at step") == 2
     assert "every one of its 2 processes exited with code 1 on its own" in job.stderr
     assert "restarting" not in job.stderr and not records(tmp_path / "run", "recovery")
+
+
+@pytest.mark.nocompile
+def test_a_grow_request_that_is_a_directory_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "run" / "grow-request.json").mkdir(parents=True)
+    job = local_job(tmp_path / "run", processes=2, devices=1)
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.stderr[-2000:]
+    assert job.stderr.startswith("error: ") and "grow-request.json is not a regular file" in job.stderr
+    assert "[0]" not in job.stdout  # no process was started

@@ -92,7 +92,7 @@ class GrowWatch:
 
     def asked(self) -> bool:
         """Whether to stop here and grow back (the same answer on every process)."""
-        asked = jax.process_index() == 0 and self.request.exists()
+        asked = jax.process_index() == 0 and self.request.is_file()
         if jax.process_count() == 1:
             return asked
         from jax.experimental import multihost_utils

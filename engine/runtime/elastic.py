@@ -259,6 +259,7 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
 
     plans = shrink_plan(cfg, processes, devices)
     check_precompile(cfg)
+    withdraw(Path(cfg.workdir))  # (a request of an earlier job; UsageError when it is not a file)
     note_growth(cfg)
     precompiles = Precompiles(args, plans, devices, cfg)
     workdir, fault = Path(cfg.workdir), cfg.fault

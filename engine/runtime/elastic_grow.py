@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from engine.errors import UsageError
+
 GROW = "ENGINE_ELASTIC_GROW"  # the job's full size, given to a start smaller than it
 GREW = "ENGINE_ELASTIC_GREW"  # JSON {"time", "processes"}: the stop of the smaller job this start grew from
 REQUEST = "grow-request.json"  # in the workdir: the launcher's request to grow back
@@ -71,16 +73,28 @@ def start_env(alive: int, full: int, grew: Optional[dict], cfg) -> dict[str, str
 
 
 def request(workdir: Path, processes: int, why: str) -> None:
-    """Asks the running job to grow back to `processes` at its next persistent checkpoint."""
+    """Asks the running job to grow back to `processes` at its next persistent checkpoint (a
+    request that cannot be written is a warning: the job goes on at its size)."""
     path = Path(workdir) / REQUEST
     temporary = path.with_name(f".{REQUEST}.{os.getpid()}")
-    temporary.write_text(json.dumps({"processes": processes, "why": why, "time": time.time()}) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps({"processes": processes, "why": why, "time": time.time()}) + "\n")
+        os.replace(temporary, path)
+    except OSError as e:
+        temporary.unlink(missing_ok=True)
+        sys.stderr.write(f"warning: elastic: could not ask the job to grow back ({path}: {e.strerror or e})\n")
 
 
 def withdraw(workdir: Path) -> None:
-    """Removes a request (before each start: a new job is asked afresh)."""
-    (Path(workdir) / REQUEST).unlink(missing_ok=True)
+    """Removes a request (before each start: a new job is asked afresh); UsageError when something
+    else than a request file is in its place (the job could not be asked to grow back)."""
+    path = Path(workdir) / REQUEST
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UsageError(
+            f"{path} is not a regular file (a directory or a link), so a shrunk job cannot be asked to grow back; "
+            "remove it (the launcher writes that file itself)"
+        )
+    path.unlink(missing_ok=True)
 
 
 def grew_from(alive: int, full: int) -> dict:
