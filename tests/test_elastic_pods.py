@@ -15,6 +15,7 @@ from test_elastic import JOB, assert_unbroken_losses, records
 
 from conftest import run_cli, start_cli
 from engine.config import load_config
+from engine.errors import UsageError
 from engine.runtime.elastic_pods import STOPPED, Supervisor
 from engine.runtime.rendezvous import Heartbeat, Rendezvous
 
@@ -226,3 +227,62 @@ def test_a_pod_restarted_under_its_name_breaks_its_round(tmp_path):
     again = Heartbeat(directory, "pod-1", "127.0.0.1")  # its container restarted: a new supervisor, beating at once
     again.beat()
     assert supervisor.broken(0, members, {}, started) == f"pod-1 (process 1) {STOPPED}"
+
+
+@pytest.mark.nocompile
+def test_the_rendezvous_refuses_another_job_s_rounds_and_any_file_it_did_not_write(tmp_path):
+    """Issue 57: a finished job's rounds ended a new job in 0.7 s (exit 0, nothing trained); a round
+    without members, code or failures, a huge round number or DIR a file was a traceback."""
+    mine, theirs = {"workdir": "/runs/new", "config": "b" * 16}, {"workdir": "/runs/old", "config": "a" * 16}
+    old = Rendezvous(tmp_path / "dir", "pod-0", "10.0.0.1", 2, job=theirs)
+    old.publish(0, {"members": ["pod-0", "pod-1"], "failures": [], "coordinator": "10.0.0.1:1"})
+    old.end(0, {"code": 0, "killed": False, "time": 5.0})
+
+    def form(n, chosen, previous):
+        return {"members": chosen, "failures": [], "coordinator": "10.0.0.1:1"}
+
+    with pytest.raises(UsageError, match=r"rounds/0.json is another job's \(workdir /runs/old, config a+; this job"):
+        Rendezvous(tmp_path / "dir", "pod-0", "10.0.0.1", 2, job=mine).step(1, form)
+    same = Rendezvous(tmp_path / "dir", "pod-1", "10.0.0.1", 2, job=theirs)  # (the job itself, run again: ended)
+    assert "the job finished" in same.step(1, form)[1]["end"]
+
+    def refused(name: str, content, match: str):
+        directory = tmp_path / name
+        path = directory / "rounds" / "0.json"
+        path.parent.mkdir(parents=True)
+        if isinstance(content, dict):
+            path.write_text(json.dumps(content))
+        else:
+            content(path)
+        with pytest.raises(UsageError, match=match):
+            view = Rendezvous(directory, "pod-0", "10.0.0.1", 2)
+            view.step(view.latest() + 1, form)
+
+    whole = {"round": 0, "members": ["pod-0"], "failures": [], "coordinator": "10.0.0.1:1"}
+    refused("members", {k: v for k, v in whole.items() if k != "members"}, r"rounds/0.json has no 'members'")
+    refused("failures", {k: v for k, v in whole.items() if k != "failures"}, r"has no 'failures'")
+    refused("failure", {**whole, "failures": [{"process": 1}]}, r"has a failure .* without")
+    refused("members-kind", {**whole, "members": "pod-0"}, r"has 'members' = 'pod-0', not a list")
+    refused("code", {"round": 0, "end": "error: it ended\n"}, r"rounds/0.json has no 'code'")
+    refused("text", lambda path: path.write_text("{"), r"rounds/0.json does not read as JSON")
+    refused("folder", lambda path: path.mkdir(), r"rounds/0.json does not read as JSON")
+    refused("huge", lambda path: path.with_name("9" * 200 + ".json").write_text("{}"), r"beyond 1000000000")
+    report = tmp_path / "report"
+    Rendezvous(report, "pod-0", "10.0.0.1", 2).publish(0, {k: v for k, v in whole.items() if k != "round"})
+    (report / "ended" / "0").mkdir(parents=True)
+    (report / "ended" / "0" / "pod-0.json").write_text(json.dumps({"killed": False}))
+    with pytest.raises(UsageError, match=r"ended/0/pod-0.json has no 'code'"):
+        Rendezvous(report, "pod-0", "10.0.0.1", 2).step(1, form)
+    (tmp_path / "file").write_text("not a directory\n")
+    with pytest.raises(UsageError, match=r"--rendezvous .*file: not a directory this pod can use"):
+        Rendezvous(tmp_path / "file", "pod-0", "10.0.0.1", 2)
+
+
+@pytest.mark.nocompile
+def test_a_rendezvous_directory_a_pod_cannot_use_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "rendezvous").write_text("a file\n")
+    flags = ["--rendezvous", str(tmp_path / "rendezvous"), "--processes", "2", "--member", "pod-0"]
+    args = ["train", *flags, "--member-address", "127.0.0.1", "--devices-per-process", "2", "--config", *JOB]
+    job = run_cli(*args, "--workdir", str(tmp_path / "run"), "checkpoint.every_steps=4")
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.stderr[-2000:]
+    assert job.stderr.startswith("error: --rendezvous ") and "not a directory this pod can use" in job.stderr

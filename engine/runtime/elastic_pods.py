@@ -27,6 +27,7 @@ job to stop at its next persistent checkpoint; everyone then forms a larger roun
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -92,7 +93,8 @@ def run_pod_job(args: list[str], cfg, directory: Path, processes: int, devices: 
     note_growth(cfg)
     if cfg.fault.precompile:
         sys.stderr.write("note: fault.precompile is not built under --rendezvous: a restart compiles its job\n")
-    rendezvous = Rendezvous(directory, member, address, processes, fewest=cfg.fault.min_processes)
+    job = job_identity(cfg)
+    rendezvous = Rendezvous(directory, member, address, processes, fewest=cfg.fault.min_processes, job=job)
     heartbeat = Heartbeat(directory, member, address)
     heartbeat.start()
     supervisor = Supervisor(args, cfg, rendezvous, plans)
@@ -106,6 +108,15 @@ def run_pod_job(args: list[str], cfg, directory: Path, processes: int, devices: 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         heartbeat.stop()
+
+
+def job_identity(cfg) -> dict:
+    """What ties the rendezvous directory's rounds to this job: its workdir and a digest of its
+    config (a finished job's rounds in the directory would end a new job at once: issue 57)."""
+    from engine.config.load import to_yaml
+
+    digest = hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
+    return {"workdir": str(Path(cfg.workdir).absolute()), "config": digest}
 
 
 class Supervisor:

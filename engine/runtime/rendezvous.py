@@ -21,6 +21,10 @@ rendezvous, with no service of its own:
 - `ended/<n>/<id>.json`: how a member's process of round n ended (its exit code, whether its
   supervisor killed it, when), read by the members of that round and by round n+1's leader.
 
+Rounds and reports name their job (its workdir and a digest of its config: elastic_pods.job_identity):
+another job's, a finished one's left in the directory, is refused (exit 2) instead of ending this
+one; so is any file there that is not whole and of the form above.
+
 Imports no jax.
 """
 
@@ -36,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from engine.errors import UsageError
 from engine.runtime.rundir import write_atomic
 
 BEAT_SECONDS = 1.0  # how often a supervisor rewrites its heartbeat
@@ -45,6 +50,32 @@ FIRST_ROUND_SECONDS = 60.0  # round 0 waits this long for the full size (pods st
 POLL_SECONDS = 0.25  # how often a waiting supervisor looks at the directory
 FINAL = (0, 2)  # exit codes that end the whole job (done; a usage error every process meets)
 MEMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_ROUND = 10**9  # a round number beyond it is no round a job wrote
+# what a round file holds: a round to start in, or one that ends the job
+ROUND_KEYS: dict[str, type | tuple[type, ...]] = {"round": int, "members": list, "coordinator": str, "failures": list}
+END_KEYS: dict[str, type | tuple[type, ...]] = {"end": str, "code": int}
+FAILURE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "attempt": int,
+    "process": int,
+    "how": str,
+    "time": (int, float),
+    "processes": int,
+}
+REPORT_KEYS: dict[str, type | tuple[type, ...]] = {"code": int, "time": (int, float)}
+
+
+def _problem(data: dict, keys: dict) -> str:
+    """What `data` lacks of `keys` (name → type), "" when nothing."""
+    for key, kind in keys.items():
+        value = data.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"has no {key!r}" if value is None else f"has {key!r} = {str(value)[:60]!r}, not {_kind(kind)}"
+    return ""
+
+
+def _kind(kind) -> str:
+    names = {"int": "a whole number", "float": "a number", "str": "text", "list": "a list"}
+    return " or ".join(names.get(k.__name__, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
 
 
 def natural(member: str) -> list[tuple[int, str]]:
@@ -130,8 +161,19 @@ class Rendezvous:
         stale: float = STALE_SECONDS,
         settle: float = SETTLE_SECONDS,
         first: float = FIRST_ROUND_SECONDS,
+        job: Optional[dict] = None,
     ):
+        """`job`: what names this job (its workdir and config digest, elastic_pods.job_identity): a
+        round or report of another job in the directory is refused (None: not checked)."""
         self.dir, self.member, self.address = Path(directory), member, address
+        self.job = job
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # (a regular file there, a path that cannot be created)
+            raise UsageError(
+                f"--rendezvous {directory}: not a directory this pod can use ({e.strerror or e}); pass a directory "
+                "every pod mounts (a ReadWriteMany volume)"
+            ) from None
         self.processes, self.fewest = processes, fewest
         self.clock, self.stale, self.settle, self.first = clock, stale, settle, first
         self.seen: dict[str, tuple[object, float]] = {}  # member → (its last counter, when it changed)
@@ -170,24 +212,86 @@ class Rendezvous:
         return sorted((p.name[: -len(".json")] for p in (self.dir / "ready" / str(n)).glob("*.json")), key=natural)
 
     def round(self, n: int) -> Optional[dict]:
-        """Round n, once its leader wrote it."""
-        return read_json(self.dir / "rounds" / f"{n}.json") if n >= 0 else None
+        """Round n, once its leader wrote it; UsageError for a file that is no round of this job."""
+        path = self.dir / "rounds" / f"{n}.json"
+        data = self._read(path) if n >= 0 else None
+        if data is None:
+            return None
+        problem = _problem(data, END_KEYS if "end" in data else ROUND_KEYS)
+        if not problem and "end" not in data:
+            members, failures = data["members"], data["failures"]
+            if not members or not all(isinstance(m, str) and MEMBER.match(m) for m in members):
+                problem = f"has 'members' = {str(members)[:60]!r}, not a list of member ids"
+            bad = [f for f in failures if not isinstance(f, dict) or _problem(f, FAILURE_KEYS)]
+            problem = problem or (f"has a failure {str(bad[0])[:80]!r} without {list(FAILURE_KEYS)}" if bad else "")
+        if not problem and data.get("round", n) != n:
+            problem = f"says it is round {str(data['round'])[:20]}"
+        if problem:
+            raise self._malformed(path, problem)
+        self._same_job(path, data)
+        return data
 
     def latest(self) -> int:
         """The newest round written (-1: none yet)."""
-        numbers = [int(p.stem) for p in (self.dir / "rounds").glob("*.json") if p.stem.isdigit()]
-        return max(numbers, default=-1)
+        stems = [p.stem for p in (self.dir / "rounds").glob("*.json") if p.stem.isdigit()]
+        huge = [stem for stem in stems if len(stem) > len(str(MAX_ROUND))]
+        if huge:
+            name = self.dir / "rounds" / f"{huge[0][:20]}....json"
+            raise self._malformed(name, f"numbers a round beyond {MAX_ROUND}")
+        return max(map(int, stems), default=-1)
 
     def end(self, n: int, report: dict) -> None:
         """How this member's process of round n ended (`report`: code, killed, time, ...)."""
         path = self.dir / "ended" / str(n) / f"{self.member}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"member": self.member, **report}) + "\n")
+        job = {"job": self.job} if self.job is not None else {}
+        write_atomic(path, json.dumps({"member": self.member, **report, **job}) + "\n")
 
     def reports(self, n: int) -> dict[str, dict]:
-        """member → how its process of round n ended, for those that said so."""
-        found = {p.name[: -len(".json")]: read_json(p) for p in (self.dir / "ended" / str(n)).glob("*.json")}
-        return {member: report for member, report in found.items() if report is not None}
+        """member → how its process of round n ended, for those that said so; UsageError for a file
+        that is no report of this job."""
+        found = {}
+        for path in (self.dir / "ended" / str(n)).glob("*.json"):
+            report = self._read(path)
+            if report is None:
+                continue
+            problem = _problem(report, REPORT_KEYS)
+            if problem:
+                raise self._malformed(path, problem)
+            self._same_job(path, report)
+            found[path.name[: -len(".json")]] = report
+        return found
+
+    def _read(self, path: Path) -> Optional[dict]:
+        """A round's or report's object (each is written whole: a hard link or a rename); None when
+        absent; UsageError when something else is there."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, RecursionError) as e:
+            raise self._malformed(path, f"does not read as JSON ({str(e)[:80]})") from None
+        if not isinstance(data, dict):
+            raise self._malformed(path, "is not a JSON object")
+        return data
+
+    def _malformed(self, path: Path, problem: str) -> UsageError:
+        return UsageError(
+            f"--rendezvous {self.dir}: {path.relative_to(self.dir)} {problem}: not a file this engine's supervisors "
+            "wrote; give each job its own empty directory, or remove the file"
+        )
+
+    def _same_job(self, path: Path, data: dict) -> None:
+        """UsageError when `data` (a round or a report) is another job's than this one."""
+        if self.job is None or data.get("job") == self.job:
+            return
+        theirs = data.get("job")
+        said = f"workdir {theirs.get('workdir')}, config {theirs.get('config')}" if isinstance(theirs, dict) else "?"
+        raise UsageError(
+            f"--rendezvous {self.dir}: {path.relative_to(self.dir)} is another job's ({said}; this job: workdir "
+            f"{self.job.get('workdir')}, config {self.job.get('config')}): give each job its own empty "
+            "directory (a finished job's rounds would end this one), or empty this one"
+        )
 
     def finished(self, n: int) -> Optional[int]:
         """The job's exit code when a process of round n ended it (FINAL), else None."""
@@ -216,7 +320,8 @@ class Rendezvous:
 
     def publish(self, n: int, content: dict) -> None:
         """Writes round n (unless another leader wrote it first)."""
-        create_json(self.dir / "rounds" / f"{n}.json", {**content, "round": n})
+        job = {"job": self.job} if self.job is not None else {}
+        create_json(self.dir / "rounds" / f"{n}.json", {**content, "round": n, **job})
 
     def step(self, n: int, form: Callable[[int, list[str], Optional[dict]], dict]) -> tuple[int, Optional[dict]]:
         """One look at the directory while waiting for round n: (the round waited for now, the round
