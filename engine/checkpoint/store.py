@@ -336,12 +336,21 @@ def restore_newest(workdir: str | Path, abstract_state, cfg, purpose: str, step:
 
 
 def load_base(base: BaseWeights, abstract_frozen):
-    """A fine-tuning run's frozen base: the parameters of finetune.base's newest checkpoint,
-    quantised as finetune.base_dtype says, in the shardings of `abstract_frozen`."""
+    """A fine-tuning run's frozen base: the parameters of finetune.base's newest checkpoint (of a
+    LoRA run: its own base with its adapters merged), quantised as finetune.base_dtype says, in the
+    shardings of `abstract_frozen`."""
     assert base.identity["sha256"]  # (a base without checkpoints: this raises the error naming finetune.base)
     source = open_checkpoints(base.checkpoints, base.cfg, frozen_base=False)
+    plain = base.plain(abstract_frozen)
     try:
-        params, _ = source.restore_params(base.plain(abstract_frozen))
+        if base.chain is None:
+            params, _ = source.restore_params(plain)
+        else:  # a LoRA run: its own base, checked as its checkpoint records it, with its adapters merged in
+            step = base.identity["step"]
+            meta = source.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            base.chain.check(meta.get("base"), f"{base.checkpoints}/{step}")
+            adapters, _ = source.restore_params(base.adapter_shapes(source.saved_state(step)["params"], plain))
+            params = base.merge(load_base(base.chain, base.chain.frozen_like(plain)), adapters, plain)
     except UsageError as e:
         raise UsageError(f"finetune.base={base.cfg.finetune.base}: {e}") from None
     finally:

@@ -13,6 +13,7 @@ a base that changed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from pathlib import Path
@@ -25,10 +26,11 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
 from contract.adapters import NO_ADAPTATION, Adaptation, targeted
+from engine.config import read_yaml_mapping
 from engine.errors import UsageError
 from engine.run.step import FROZEN
 from engine.runtime.rundir import SUMS
-from models.projection import PackedNF4, quantize_kernel
+from models.projection import PackedNF4, dequantized, quantize_kernel
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 QUANTISED = (qwix.QArray, PackedNF4)
@@ -61,6 +63,28 @@ def split(params) -> tuple[dict, dict]:
     flat = flatten_dict(params)
     adapters = {k: v for k, v in flat.items() if k[-1] in ADAPTER_LEAVES}
     return unflatten_dict(adapters), unflatten_dict({k: v for k, v in flat.items() if k not in adapters})
+
+
+def merged(params, projections: Mapping[str, tuple[int, int]], scale: float) -> dict:
+    """A plain parameter tree: each adapted kernel W + scale·A·B (a quantised base dequantised
+    first), the adapters dropped; in each kernel's dtype."""
+    flat = flatten_dict(params)
+    out = {}
+    for path, value in flat.items():
+        if path[-1] in ADAPTER_LEAVES:
+            continue
+        value = dequantized(value)
+        a, b = flat.get((*path[:-1], "lora_a")), flat.get((*path[:-1], "lora_b"))
+        if path[-1] == "kernel" and a is not None:
+            inputs, outputs = projections[path[-2]]
+            lead = value.shape[: value.ndim - inputs - outputs]
+            rank = a.shape[-1]
+            low = jnp.reshape(a, (*lead, -1, rank)).astype(jnp.float32)
+            high = jnp.reshape(b, (*lead, rank, -1)).astype(jnp.float32)
+            delta = jnp.reshape(scale * (low @ high), value.shape)
+            value = (value.astype(jnp.float32) + delta).astype(value.dtype)
+        out[path] = value
+    return unflatten_dict(out)
 
 
 def quantize_base(base, projections: Mapping[str, tuple[int, int]], base_dtype: str):
@@ -123,11 +147,14 @@ class BaseWeights:
         self.checkpoints = self.directory / "checkpoints"
         self.cfg, self.projections = cfg, projections
         self._identity: Optional[dict] = None
+        self._chain: Any = None  # (False: read, and not a LoRA run)
 
     @property
     def identity(self) -> dict:
         """{path, step, sha256}: the base checkpoint and the SHA-256 of its checksum file (of
-        its files, when it has none)."""
+        its files, when it has none). Of a LoRA run (`chain`), sha256 covers its adapters'
+        checksum file and its own base's identity (recorded under "base"), so a change anywhere
+        in the chain changes it."""
         if self._identity is None:
             steps = sorted(int(p.name) for p in self.checkpoints.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
             if not steps:
@@ -136,8 +163,49 @@ class BaseWeights:
                     f"workdir of `launch.py import-hf` (or of a finished run)"
                 )
             step_dir = self.checkpoints / str(steps[-1])
-            self._identity = {"path": str(self.directory), "step": steps[-1], "sha256": _digest(step_dir)}
+            identity = {"path": str(self.directory), "step": steps[-1], "sha256": _digest(step_dir)}
+            if self.chain is not None:
+                inner = self.chain.identity
+                chained = hashlib.sha256(f"{identity['sha256']} on {inner['sha256']}".encode()).hexdigest()
+                identity = {**identity, "sha256": chained, "adapters_sha256": identity["sha256"], "base": inner}
+            self._identity = identity
         return self._identity
+
+    @property
+    def chain(self) -> Optional["BaseWeights"]:
+        """When finetune.base is a LoRA run's workdir: the base that run trained its adapters on (its
+        own finetune.base); this base is that one with the run's adapters merged in. Else None."""
+        if self._chain is None:
+            self._chain = _chained(self) or False
+        return self._chain or None
+
+    @property
+    def scale(self) -> float:
+        """A LoRA base run's adapter scale (its alpha / rank)."""
+        lora = self.chain.cfg.finetune.lora if self.chain is not None else self.cfg.finetune.lora
+        return lora.alpha / lora.rank
+
+    def frozen_like(self, plain):
+        """This base's parameters as its run holds them (quantised as its finetune.base_dtype says):
+        their shapes, dtypes and shardings, from those of the plain parameters `plain`."""
+        frozen = jax.eval_shape(lambda b: quantize_base(b, self.projections, self.cfg.finetune.base_dtype), plain)
+        shardings = frozen_shardings(frozen, jax.tree.map(lambda x: x.sharding, plain))
+        return jax.tree.map(lambda f, s: jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=s), frozen, shardings)
+
+    def adapter_shapes(self, saved, plain):
+        """The shapes of a LoRA base run's adapters as its checkpoint's metadata (`saved`) gives
+        them, replicated over the mesh of `plain`'s shardings."""
+        mesh = jax.tree.leaves(plain)[0].sharding.mesh
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=replicated), saved)
+
+    def merge(self, frozen, adapters, plain):
+        """A LoRA base run's base (`frozen`, as its run held it) with its adapters folded in, in
+        the plain parameters' dtypes and shardings (`plain`)."""
+        flat = {**flatten_dict(frozen), **flatten_dict(adapters)}
+        shardings = jax.tree.map(lambda x: x.sharding, plain)
+        fold = lambda tree: merged(tree, self.projections, self.scale)  # noqa: E731
+        return jax.jit(fold, out_shardings=shardings)(unflatten_dict(flat))
 
     def plain(self, abstract_frozen):
         """The base's parameters as its checkpoint holds them (train.param_dtype, unquantised),
@@ -167,6 +235,39 @@ class BaseWeights:
             f"finetune.base={self.cfg.finetune.base}: the base changed since {where} was saved (it was {then}; "
             f"it is {now} now); fine-tune the base it started from, or give a new workdir"
         )
+
+
+def _chained(base: BaseWeights) -> Optional[BaseWeights]:
+    """The base of the LoRA run whose workdir `base` names (BaseWeights of the run's own
+    finetune.base), or None where that workdir's run trained no adapters (an import, a full run)."""
+    written = base.directory / "config.yaml"
+    if not written.is_file():
+        return None
+    saved = read_yaml_mapping(written, "finetune.base's config")
+    finetune, lora = saved.get("finetune") or {}, (saved.get("finetune") or {}).get("lora") or {}
+    if not lora.get("rank"):
+        return None
+    given = base.cfg.finetune.base
+    if not finetune.get("base"):
+        raise UsageError(
+            f"finetune.base={given} is a LoRA run whose base is its model's seeded initialisation (its own "
+            f"finetune.base is empty); export it merged (launch.py export --format hf --merge), import that "
+            f"(launch.py import-hf) and give the import's workdir"
+        )
+    model = dataclasses.asdict(base.cfg.model)
+    differ = sorted(k for k in set(model) | set(saved.get("model") or {}) if model.get(k) != saved["model"].get(k))
+    if differ:
+        raise UsageError(
+            f"finetune.base={given} is a LoRA run of another model (model.{', model.'.join(differ[:5])} differ); "
+            f"give this run the same model section"
+        )
+    inner = dataclasses.replace(
+        base.cfg.finetune, base=str(finetune["base"]), base_dtype=finetune.get("base_dtype", "none")
+    )
+    inner = dataclasses.replace(
+        inner, lora=dataclasses.replace(inner.lora, rank=lora["rank"], alpha=lora.get("alpha", 16.0))
+    )
+    return BaseWeights(dataclasses.replace(base.cfg, finetune=inner), base.projections)
 
 
 def _first_sharding(leaf) -> Any:

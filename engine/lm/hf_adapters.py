@@ -1,5 +1,5 @@
 """A fine-tuned run's adapters for Hugging Face: folded into the base (`export --format hf
---merge`: a plain checkpoint transformers loads), or as a PEFT adapter directory
+--merge`: a plain checkpoint transformers loads, finetune.merged), or as a PEFT adapter directory
 (adapter_config.json + adapter_model.safetensors) that `peft` loads onto the base model.
 
 PEFT's LoRA computes x·Aᵀ·Bᵀ·(alpha / r) with lora_A.weight [r, in] and lora_B.weight
@@ -12,44 +12,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax.traverse_util import flatten_dict, unflatten_dict
+from flax.traverse_util import flatten_dict
 
 from contract.adapters import HF_NAMES
 from engine.checkpoint.store import open_checkpoints
 from engine.errors import UsageError
-from engine.lm.finetune import ADAPTER_LEAVES, base_weights
+from engine.lm.finetune import base_weights
+from engine.lm.finetune import merged as merged  # (export --merge's, hf.py)
 from engine.runtime.rundir import write_atomic
-from models.projection import dequantized
 
 HF_OF = {ours: hf for hf, ours in HF_NAMES.items()}  # query → q_proj, …
-
-
-def merged(params, projections: Mapping[str, tuple[int, int]], scale: float) -> dict:
-    """A plain parameter tree: each adapted kernel W + scale·A·B (a quantised base dequantised
-    first), the adapters dropped; in each kernel's dtype."""
-    flat = flatten_dict(params)
-    out = {}
-    for path, value in flat.items():
-        if path[-1] in ADAPTER_LEAVES:
-            continue
-        value = dequantized(value)
-        a, b = flat.get((*path[:-1], "lora_a")), flat.get((*path[:-1], "lora_b"))
-        if path[-1] == "kernel" and a is not None:
-            inputs, outputs = projections[path[-2]]
-            lead = value.shape[: value.ndim - inputs - outputs]
-            rank = a.shape[-1]
-            low = jnp.reshape(a, (*lead, -1, rank)).astype(jnp.float32)
-            high = jnp.reshape(b, (*lead, rank, -1)).astype(jnp.float32)
-            delta = jnp.reshape(scale * (low @ high), value.shape)
-            value = (value.astype(jnp.float32) + delta).astype(value.dtype)
-        out[path] = value
-    return unflatten_dict(out)
 
 
 def adapter_tensors(params, layout_tensors) -> tuple[dict[str, np.ndarray], list[str]]:
