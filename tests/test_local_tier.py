@@ -201,3 +201,16 @@ def test_two_processes_restore_from_a_peers_copy_then_the_persistent_tier(tmp_pa
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert "resuming from step 4 (checkpoint " in third.stdout and "the persistent tier" in third.stdout
     assert losses(workdir) == reference
+
+
+@pytest.mark.nocompile
+def test_a_killed_save_s_leftover_is_removed_at_the_next_save(tmp_path):
+    """Issue 57: a persistent save killed mid-write left `N.orbax-checkpoint-tmp-*` behind for good."""
+    cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", [], str(tmp_path / "run"))
+    checkpointer = open_checkpoints(tmp_path / "run" / "checkpoints", cfg, write=True)
+    leftover = tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-1764288000"
+    (leftover / "state").mkdir(parents=True)
+    checkpointer.save(5, {"w": jax.device_put(np.ones(4, np.float32))}, {"step": 5})
+    checkpointer.close()
+    assert checkpointer.steps() == [5] and not leftover.exists()
+    assert not list(leftover.parent.glob("*.orbax-checkpoint-tmp*"))

@@ -16,6 +16,7 @@ persistent tier's newest, and says which tier it used.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -135,6 +136,10 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=True, metrics=metrics)  # metrics: checkpoint.keep_best's
         self._sums.after_save(step)
+        if jax.process_index() == 0:  # (the earlier saves have ended: orbax waits for them in save)
+            for leftover in self.directory.glob("*.orbax-checkpoint-tmp*"):  # a killed save's (issue 57)
+                if leftover.name.split(".", 1)[0] != str(step):
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     def wait(self) -> None:
         self._saving.join()
