@@ -9,6 +9,7 @@ guard (a test marked nocompile fails if JAX compiled anything while it ran)."""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +21,11 @@ os.environ["XLA_FLAGS"] = (
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"  # (engine/runtime/settings.py: CPU_SCHEDULER_FLAG)
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
+# The engine's caches (tokenized corpora, tables' features, XLA programs: engine/caches.py) in a
+# folder of this test process's own, for it and every process it launches: a test passes or fails
+# alike on a machine that never ran the engine and on one whose ~/.cache/jax-engine is full.
+_CACHE = tempfile.TemporaryDirectory(prefix="jax-engine-cache-")
+os.environ["JAX_ENGINE_CACHE"] = _CACHE.name
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -45,13 +45,18 @@ def _greedy(hf, prompt_ids, max_tokens, vocab):
     return sampling.greedy_without_cache(module, params, prompt_ids, max_tokens)
 
 
-def test_import_keeps_the_tokenizer_and_sample_decodes_with_it(imported):
+def test_import_keeps_the_tokenizer_and_sample_decodes_with_it(imported, tmp_path):
     hf, work, tokenizer, _ = imported
     assert (work / "tokenizer.json").is_file() and (work / "tokenizer_config.json").is_file()
     assert (work / "config.yaml").read_text().count(str(work / "tokenizer.json")) == 1  # data reads the model's
     prompt = "alpha beta gamma"
-    proc = run_cli("sample", "--workdir", str(work), "--prompt", prompt, "--temperature", "0", "--max-tokens", "6")
+    cache = tmp_path / "cache"  # empty: sampling reads no training data, tokenizes and caches nothing
+    proc = run_cli(
+        "sample", "--workdir", str(work), "--prompt", prompt, "--temperature", "0", "--max-tokens", "6",
+        env={"JAX_ENGINE_CACHE": str(cache)},
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert not (cache / "tokens").exists(), list(cache.rglob("*"))
     ids = _greedy(hf, tokenizer.encode(prompt, add_special_tokens=False).ids, 6, tokenizer.get_vocab_size())
     eos = tokenizer.token_to_id("<|endoftext|>")
     if eos in ids:  # the sample ends at the end-of-text token, which is not printed

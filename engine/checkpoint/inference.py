@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 
 from engine.checkpoint.store import restore_newest
 from engine.config import Config, load_config
-from engine.data.recorded import PREPROCESSING, recorded_preprocessing
+from engine.data.recorded import PREPROCESSING, recorded_preprocessing, recorded_shape
 from engine.errors import UsageError
 from engine.lm.tokenizer import copy_tokenizer
 from engine.parallel.axes import CONFIG_AXES
@@ -76,7 +76,7 @@ def export_run(workdir: str, out: str, step: Optional[str] = None) -> Path:
     workdir_path, out_path = Path(workdir), new_output_dir(out)
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = run_config(workdir_path)
-    run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
+    run = build_run(cfg, compile_train=False, dataset=recorded_shape(cfg))  # (no data read: data.json)
     preprocessing = recorded_preprocessing(workdir_path, run.dataset.info)
     restored = restore_newest(workdir_path, run.abstract_state, cfg, "export", step)
     variables = model_variables(restored.state.params, restored.state.model_state)

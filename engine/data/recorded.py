@@ -1,15 +1,24 @@
-"""A table run's preprocessing as the run recorded it (its workdir's preprocessing.json):
-what every later reader of the run (resume, export, the evaluator) checks the data against."""
+"""What a run recorded of its data for its later readers: a table's preprocessing (its workdir's
+preprocessing.json, which resume, export and the evaluator check the data against) and the
+data's shape (data.json: DataInfo and each split's fields, which sample and export build the
+model from without reading, tokenizing or caching any data)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
+import numpy as np
+
+from engine.data.base import DataInfo, Dataset
 from engine.data.features import first_difference
 from engine.errors import UsageError
+from engine.runtime.rundir import write_atomic
 
 PREPROCESSING = "preprocessing.json"  # a table's vocabularies, boundaries and statistics (engine/data/table.py)
+DATA_SHAPE = "data.json"  # the run's DataInfo and its splits' fields (record_shape)
 
 
 def check_preprocessing(
@@ -43,3 +52,39 @@ def recorded_preprocessing(workdir: Path, info, purpose: str = "export") -> byte
         )
     check_preprocessing(recorded, info, f"restore the data the run trained on to {purpose} it")
     return recorded.read_bytes()
+
+
+def shape_record(info: DataInfo, train: dict, eval_: dict) -> str:
+    """data.json's text: `info` and the fields of the train and eval splits (name → one example's
+    shape and dtype; `train` and `eval_` as engine/data/pipeline.py example_spec gives them)."""
+
+    def fields(spec: dict) -> dict:
+        return {name: [list(array.shape[1:]), str(array.dtype)] for name, array in spec.items()}
+
+    return json.dumps({"info": dataclasses.asdict(info), "train": fields(train), "eval": fields(eval_)}, indent=1)
+
+
+def record_shape(workdir: Path, info: DataInfo, train: dict, eval_: dict) -> None:
+    """workdir/data.json (shape_record), written whole."""
+    write_atomic(workdir / DATA_SHAPE, shape_record(info, train, eval_) + "\n")
+
+
+def recorded_shape(cfg) -> Optional[Dataset]:
+    """A Dataset of zeros of the fields cfg.workdir's data.json records (a batch of rows in each
+    split) and its DataInfo: what a reader of the run (sample, export) builds its model and state
+    from; None where the run recorded none (a run from before data.json) or the record does not read."""
+    workdir, rows = Path(cfg.workdir), max(cfg.train.global_batch_size, cfg.eval.batch_size, 1)
+    try:
+        record = json.loads((workdir / DATA_SHAPE).read_text(encoding="utf-8"))
+        values = record["info"]
+        for field in dataclasses.fields(DataInfo):  # (JSON gives lists where DataInfo keeps tuples)
+            if isinstance(values.get(field.name), list):
+                values[field.name] = tuple(values[field.name])
+        info = DataInfo(**values)
+        splits = [
+            {name: np.zeros((rows, *shape), np.dtype(dtype)) for name, (shape, dtype) in record[split].items()}
+            for split in ("train", "eval")
+        ]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None  # (the readers then build the data, as before data.json)
+    return Dataset(splits[0], splits[1], info)

@@ -31,13 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from engine.caches import DEFAULT_ROOT, cache_path
 from engine.data import features as feature_columns
 from engine.data import preprocess
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
 from engine.runtime.rundir import write_atomic
 
-CACHE = Path("~/.cache/jax-engine/tables")
+CACHE = f"{DEFAULT_ROOT}/tables"
 
 
 def table(cfg) -> Dataset:
@@ -255,5 +256,5 @@ def _cache_file(first: Path, key: str) -> Path:
     directory = first.resolve().parent
     installed = any(directory.is_relative_to(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix})
     if installed or not os.access(directory, os.W_OK):
-        return CACHE.expanduser() / f"{first.stem}.features-{key[:16]}.json"
+        return cache_path(CACHE) / f"{first.stem}.features-{key[:16]}.json"
     return directory / f".{first.name}.features-{key[:16]}.json"

@@ -3,11 +3,13 @@ made by `launch.py tokenize` (or a weighted mixture of them), and synthetic toke
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from engine.caches import cache_path
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
 from engine.runtime.rundir import sha256_file
@@ -111,7 +113,7 @@ def stdlib_corpus_dir(cfg, files: list[Path]) -> Path:
         repr([FORMAT, tokenizer, cfg.eval_fraction, [(str(f), f.stat().st_size) for f in files]]).encode()
     ).hexdigest()[:16]
     kind = cfg.tokenizer.replace(":", "") if bpe else "tokenizer"
-    return Path(cfg.cache_dir).expanduser() / f"python-stdlib-{kind}-{key}"
+    return cache_path(cfg.cache_dir) / f"python-stdlib-{kind}-{key}"
 
 
 def _stdlib_corpus(cfg, files: list[Path]) -> Path:
@@ -130,6 +132,7 @@ def _stdlib_corpus(cfg, files: list[Path]) -> Path:
                 print(
                     f"data: tokenizing {len(files)} Python modules with a {cfg.tokenizer} tokenizer into {out} "
                     "(once; later runs reuse it)",
+                    file=sys.stderr,
                     flush=True,
                 )
                 tokenize(

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from engine.checkpoint.inference import run_config
 from engine.checkpoint.store import restore_newest
+from engine.data.recorded import recorded_shape
 from engine.errors import UsageError
 from engine.lm import finetune
 from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
@@ -53,7 +54,7 @@ def sample(
     work = Path(workdir)
     _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings)
     cfg = run_config(work)
-    run = build_run(cfg, compile_train=False)
+    run = build_run(cfg, compile_train=False, dataset=recorded_shape(cfg))  # (no data read: data.json)
     generate, info = _generator(cfg, run), run.dataset.info
     check_data_tokenizer(work / TOKENIZER, info, f"the run's data (data.name={cfg.data.name})")
     tokenizer, vocab, source, encode, decode = _codec(work, info)

@@ -30,6 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from engine.checkpoint.inference import new_output_dir, run_config, staged
 from engine.checkpoint.store import open_checkpoints, restore_newest
 from engine.config import data_config, load_config, save_config, with_keys
+from engine.data import example_spec
+from engine.data.recorded import DATA_SHAPE, recorded_shape, shape_record
 from engine.errors import UsageError
 from engine.lm.chat import JINJA_FILE, check_imported_template
 from engine.lm.finetune import lora_on
@@ -231,8 +233,19 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     if tokenizer is not None and not config and hasattr(cfg.data, "tokenizer"):  # (python_source, unless switched)
         # the written config reads the workdir's copy, which moves with the run
         cfg = dataclasses.replace(cfg, data=with_keys(cfg.data, tokenizer=str((work / TOKENIZER).absolute())))
+    if not config:  # the data's shape, for sample and export before any training run tokenized it
+        kept[DATA_SHAPE] = _import_shape(run.dataset, work if tokenizer is not None else None)
     _write_import(work, {**kept, HF_CONFIG: json.dumps(hf_config, indent=2) + "\n"}, cfg, state, hf_path)
     return work
+
+
+def _import_shape(stand_in, work: Optional[Path]) -> str:
+    """data.json of an import's python_source data: the fields of `stand_in` (the synthetic text
+    the import built its model from), with the text read by the workdir's tokenizer.json (`work`)
+    or as UTF-8 bytes (None)."""
+    codec = {"text_codec": "tokenizer", "tokenizer": str((work / TOKENIZER).absolute())} if work else {}
+    info = dataclasses.replace(stand_in.info, **(codec or {"text_codec": "bytes", "tokenizer": ""}))
+    return shape_record(info, example_spec(stand_in.train), example_spec(stand_in.eval)) + "\n"
 
 
 def _reading_no_data(cfg, vocab: Optional[int]):
@@ -349,7 +362,7 @@ def export_hf(workdir: str, out: str, merge: bool = False, base_model: Optional[
     layout = hf_layout(family)
     if layout is None:
         raise UsageError(f"model.name={cfg.model.name} has no Hugging Face layout; use the default export format")
-    run = build_run(cfg, compile_train=False)
+    run = build_run(cfg, compile_train=False, dataset=recorded_shape(cfg))  # (no data read: data.json)
     try:  # first: a model without a Hugging Face layout (a mixture of experts) writes nothing
         hf_config = layout.config_to_hf(cfg.model, run.dataset.info, cfg.train.param_dtype)
     except ValueError as e:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.caches import cache_path
 from engine.data import example_spec
 from engine.run.columns import MetricColumns
 from engine.run.step import FROZEN, TrainState, make_loss_fn, make_train_step, split_variables
@@ -46,7 +46,7 @@ def enable_compilation_cache(directory: str) -> None:
     program, or a sweep run that differs only in hyperparameters, skips XLA compilation."""
     if not directory:
         return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_compilation_cache_dir", str(cache_path(directory)))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # cache even quick compiles
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -116,7 +116,7 @@ def _open(
     check_fits(group)
     goodput.compile_seconds = group.compiled.compile_seconds
     for cfg, output in zip(cfgs, outputs):
-        output.open(group.plan.dataset.info, staging="host_sync")  # (the slice saved is a copy already: Saves)
+        output.open(group.plan.dataset, staging="host_sync")  # (the slice saved is a copy already: Saves)
         trials.append(Trial(cfg, output, on_stop=on_stop))
     watchdog.enter("restore")
     starting("restoring")

@@ -17,9 +17,9 @@ import numpy as np
 
 from engine.checkpoint.store import Checkpointer, open_checkpoints
 from engine.config import Config, save_config, to_yaml
-from engine.data import eval_batches
+from engine.data import eval_batches, example_spec
 from engine.data.chat_data import MODEL_TEXT_SOURCES
-from engine.data.recorded import PREPROCESSING, check_preprocessing
+from engine.data.recorded import PREPROCESSING, check_preprocessing, record_shape
 from engine.lm.finetune import base_workdir
 from engine.lm.tokenizer import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
 from engine.observe.metrics import MetricWriter
@@ -67,15 +67,16 @@ class RunOutputs:
         if chief and not sidecar:  # one job per workdir: claimed before compiling and before anything is written
             claim(self.workdir, closing)
 
-    def open(self, info=None, **options) -> Checkpointer:
-        """The run's files written (the chief; `info`: its data's) and its checkpoints opened for
+    def open(self, dataset=None, **options) -> Checkpointer:
+        """The run's files written (the chief; `dataset`: its data) and its checkpoints opened for
         saving (`options`: open_checkpoints's), or for reading (the sidecar)."""
         directory = self.workdir / "checkpoints"
         if self.sidecar:
             self.checkpointer = self._enter(open_checkpoints(directory, self.cfg))
             return self.checkpointer
+        info = dataset.info
         if self.chief:
-            write_run_files(self.cfg, info, self.workdir)
+            write_run_files(self.cfg, dataset, self.workdir)
         self.columns = MetricColumns(info.sources, dpo=self.cfg.train.objective == "dpo")
         self.config_text = to_yaml(self.cfg)
         self.checkpointer = self._enter(open_checkpoints(directory, self.cfg, write=True, **options))
@@ -281,11 +282,11 @@ def _data_model_dir(data) -> Optional[Path]:
     return given if given.is_dir() else given.parent
 
 
-def write_run_files(cfg: Config, info, workdir: Path) -> None:
-    """config.yaml, the model files of the run it starts from (finetune.base, restore_from), and the
-    tokenizer the run's text is read back with (sample, export); a UsageError first when the
-    model reads another tokenizer's ids (an imported model)."""
-    base = base_workdir(cfg)
+def write_run_files(cfg: Config, dataset, workdir: Path) -> None:
+    """config.yaml, the model files of the run it starts from (finetune.base, restore_from), the
+    tokenizer the run's text is read back with and the data's shape (data.json), for sample and
+    export; a UsageError first when the model reads another tokenizer's ids (an imported model)."""
+    info, base = dataset.info, base_workdir(cfg)
     check_data_tokenizer(model_tokenizer_file(workdir, base), info, f"data (data.name={cfg.data.name})")
     check_preprocessing(workdir / PREPROCESSING, info)
     save_config(cfg, workdir / "config.yaml")
@@ -294,5 +295,6 @@ def write_run_files(cfg: Config, info, workdir: Path) -> None:
     carry_model_files(base or _data_model_dir(cfg.data), workdir)
     if info.preprocessing_data:
         write_atomic(workdir / PREPROCESSING, info.preprocessing_data)
+    record_shape(workdir, info, example_spec(dataset.train), example_spec(dataset.eval))
     if info.tokenizer and Path(info.tokenizer).resolve() != (workdir / TOKENIZER).resolve():  # (chat: maybe its own)
         shutil.copyfile(info.tokenizer, workdir / TOKENIZER)

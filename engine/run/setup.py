@@ -168,13 +168,17 @@ class Plan:
         return self.blueprint.stages
 
 
-def plan_run(cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequence] = None) -> Plan:
+def plan_run(
+    cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequence] = None, dataset: Optional[Dataset] = None
+) -> Plan:
     """Mesh, data, model, blueprint, train-state plan and the pure steps of a run; nothing compiled.
     `mesh`: another mesh than the config's (a vectorised group's, with a trial axis);
-    `devices`: the config's mesh over these (a TPU topology's, for `launch.py plan`)."""
+    `devices`: the config's mesh over these (a TPU topology's, for `launch.py plan`);
+    `dataset`: in place of the config's data (a reader's stand-in: engine/data/recorded.py)."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
     mesh = mesh or make_mesh(cfg.mesh, devices, replicas_from(cfg))
-    dataset = load_dataset(with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))  # (chat: its template)
+    if dataset is None:
+        dataset = load_dataset(with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))  # (chat: its template)
     dataset = reference_logps.with_slots(cfg, dataset)  # (dpo.precompute_reference: filled before training)
     packed = "segments" in example_spec(dataset.train)
     bp = blueprint(cfg, dict(mesh.shape), dataset.info, packed, REGISTRY[cfg.model.name], jax.default_backend())
@@ -309,13 +313,16 @@ def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> S
     )
 
 
-def build_run(cfg: Config, compile_train: bool = True, check_memory: bool = True) -> Run:
+def build_run(
+    cfg: Config, compile_train: bool = True, check_memory: bool = True, dataset: Optional[Dataset] = None
+) -> Run:
     """Builds and compiles a run from shapes alone; no state is allocated until init_state().
 
     compile_train=False (the evaluator, export) skips compiling the train step: train_step is None.
-    check_memory=False (--dry-run, which reports sizes) builds a state too large for a device."""
+    check_memory=False (--dry-run, which reports sizes) builds a state too large for a device.
+    dataset: in place of the config's data (sample and export: the run's recorded data.json)."""
     cache_before = dict(compile_cache_events)
-    plan = plan_run(cfg)
+    plan = plan_run(cfg, dataset=dataset)
     cfg, mesh, shapes = plan.cfg, plan.mesh, plan.shapes  # (the steps per call fitted: Blueprint.cfg)
     if check_memory:  # (a plan for a pod reports what does not fit itself)
         check_fits(plan.state.abstract, device_memory_bytes(mesh))
