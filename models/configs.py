@@ -14,10 +14,11 @@ compiled program.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from contract.fields import option
+from contract.fields import choices_of, option
 from models.remat import DESCRIPTION as REMAT_DESCRIPTION
 from models.remat import REMAT_NAMES
 
@@ -28,6 +29,26 @@ class ModelError(ValueError):
 
 ATTENTION_NAMES = ("auto", "xla", "cudnn")  # jax.nn.dot_product_attention's implementations (auto: by device)
 LLAMA_ATTENTION_NAMES = (*ATTENTION_NAMES, "splash")  # splash: the Pallas TPU flash kernel (models/splash.py)
+
+
+def check_attention(model_cfg, platform: str) -> None:
+    """ModelError for model.attention=cudnn on devices other than GPUs (`platform`: the run's or
+    plan's target's): cuDNN's flash attention is a GPU kernel, which JAX fails to trace elsewhere
+    ("cuDNN is not detected"). The message names the settings that run there."""
+    if getattr(model_cfg, "attention", None) != "cudnn" or platform == "gpu":
+        return
+    field = {f.name: f for f in dataclasses.fields(model_cfg)}["attention"]
+    choices = choices_of(field) or ATTENTION_NAMES
+    tpu = platform == "tpu" and "splash" in choices
+    others = ["auto", *(["splash"] if tpu else []), "xla"]
+    auto = "splash where the sequence tiles, else XLA" if tpu else "XLA here"
+    there = "a TPU target" if platform == "tpu" else f"{platform} devices"
+    raise ModelError(
+        f"model.attention=cudnn is cuDNN's flash attention, a GPU kernel, and this run is on {there}; "
+        f"set model.attention={' or '.join(others)} (auto: {auto})"
+    )
+
+
 LOSS_CHUNK_DESCRIPTION = (
     ">0: the loss makes float32 logits for this many positions at a time (divides data.seq_len); "
     "0: auto, the whole sequence at once unless one device's float32 logits exceed "

@@ -44,6 +44,7 @@ from engine.run.step import DPO_BETA, TrainState, make_block_step, make_eval_ste
 from engine.runtime.memory import device_memory_bytes
 from engine.runtime.settings import compile_cache_events
 from models import REGISTRY, ModelFamily
+from models.configs import ModelError, check_attention
 from models.family import BuildOptions, projections, stacked_layers
 from models.layers import LossChunk
 
@@ -177,6 +178,10 @@ def plan_run(
     `dataset`: in place of the config's data (a reader's stand-in: engine/data/recorded.py)."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)
     mesh = mesh or make_mesh(cfg.mesh, devices, replicas_from(cfg))
+    try:  # (cuDNN's attention on a CPU run or a TPU target: one line before the data, not JAX's failure)
+        check_attention(cfg.model, mesh.devices.flat[0].platform)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
     if dataset is None:
         dataset = load_dataset(with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))  # (chat: its template)
     dataset = reference_logps.with_slots(cfg, dataset)  # (dpo.precompute_reference: filled before training)
