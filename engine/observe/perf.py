@@ -231,10 +231,12 @@ class Goodput:
     redone_steps: int = 0  # steps run again after a restart (logged before, lost since the checkpoint)
     dispatch_seconds: float = 0.0  # in the loop: handing calls to the runtime (host time)
     device_wait_seconds: float = 0.0  # in the loop: waiting for the device's results (log lines, syncs)
-    recovery_seconds: float = 0.0  # fault.elastic: from the failure recovered from to this process's start
+    recovery_seconds: float = 0.0  # fault.elastic: from each failure (or stop to grow back) to the next start
+    earlier_seconds: float = 0.0  # fault.elastic: the job's earlier starts, from the job's start (not recovery)
 
     def summary(self, ended: float) -> dict[str, float]:
-        wall = ended - self.started + self.recovery_seconds  # (a restarted job's clock starts at the failure)
+        # (an elastic job's last start covers the whole job: its earlier starts, and each gap between them)
+        wall = ended - self.started + self.recovery_seconds + self.earlier_seconds
         mean_step = self.loop_seconds / self.steps_run if self.steps_run else 0.0
         redone = min(self.redone_steps * mean_step, self.loop_seconds - self.data_wait_seconds)
         badput = {
@@ -244,6 +246,7 @@ class Goodput:
             "eval": self.eval_seconds,
             "redone_steps": redone,
             "recovery": self.recovery_seconds,  # stopping the job and starting it again; its start-up is `other`
+            "earlier_starts": self.earlier_seconds,  # (their steps up to the checkpoint restored are not told apart)
         }
         productive = max(self.loop_seconds - self.data_wait_seconds - redone, 0.0)
         other = max(wall - productive - sum(badput.values()), 0.0)

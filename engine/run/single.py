@@ -28,6 +28,7 @@ from engine.run.reference_logps import fill_run
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.step import FROZEN, REFERENCE
 from engine.runtime.distributed import barrier
+from engine.runtime.elastic import job_so_far
 from engine.runtime.preemption import Preempted, starting
 from engine.runtime.watchdog import Watchdog
 
@@ -155,7 +156,7 @@ def _open(
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
     check_names(cfg, eval_metric_names(cfg, run.model.family.task, run.dataset.info))
-    outputs.open(run.dataset)
+    outputs.open(run.dataset.info)
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, outputs.checkpointer)
@@ -179,6 +180,7 @@ def _open(
     recovery = Recovery.begin(cfg, start, meta)
     if recovery is not None:
         goodput.recovery_seconds = recovery.seconds_before(goodput.started)
+    goodput.recovery_seconds, goodput.earlier_seconds = job_so_far(goodput.started, goodput.recovery_seconds)
     return Started(RunJob(run, outputs, result, start, goodput, recovery), state, start, window, outputs.end)
 
 

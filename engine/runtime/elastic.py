@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -48,6 +49,7 @@ from engine.runtime.rundir import METRICS, append_line, read_records
 from engine.runtime.watchdog import REACHED
 
 ATTEMPT = "ENGINE_ELASTIC_ATTEMPT"  # 0 for the first start, k for the k-th restart
+JOB = "ENGINE_ELASTIC_JOB"  # JSON {"started", "recovery"}: the job's start, the seconds between its earlier starts
 FAILURES = "ENGINE_ELASTIC_FAILURES"  # the failures so far: a JSON list of `failure` dicts
 RECOVERY = "recovery"  # the metrics.jsonl split of failure and recovery records
 # after a process fails without a signal, how long the others may take to end on their own before
@@ -221,6 +223,17 @@ def hang_key(path: Path) -> Optional[tuple[float, float, int]]:
     return (int(step.group(1)) if step else math.inf), written, int(process.group(1))
 
 
+def job_so_far(started: float, gap: float) -> tuple[float, float]:
+    """(the recovery seconds, the earlier starts' seconds) of the elastic job this start of its
+    processes belongs to, up to this process's start `started` (`gap`: this start's own recovery,
+    from the failure or the stop to grow back); (gap, 0) outside a local elastic job."""
+    job = json.loads(os.environ.get(JOB, "") or "null")
+    if not isinstance(job, dict):
+        return gap, 0.0
+    recovery = job["recovery"] + gap
+    return recovery, max(started - job["started"] - recovery, 0.0)
+
+
 def recorded(workdir: Path) -> set[tuple[int, int]]:
     """(attempt, process) of the failures metrics.jsonl already holds a record of."""
     return {
@@ -265,10 +278,13 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
     workdir, fault = Path(cfg.workdir), cfg.fault
     failures: list[dict] = []
     alive, attempt, full_since, grew = processes, 0, 0, None
+    job, stopped = {"started": time.time(), "recovery": 0.0}, None  # (the summary covers the whole job)
     while True:
         hangs = set(workdir.glob("hang-*.txt"))
         seen: list[tuple[int, int, float]] = []
-        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), **start_env(alive, processes, grew, cfg)}
+        gap = time.time() - stopped if stopped else 0.0  # (this start's own: its process 0 measures it too)
+        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), JOB: json.dumps(job)}
+        env.update(start_env(alive, processes, grew, cfg))
         withdraw(workdir)
         if alive < processes and fault.grow_back:  # a local process that died can run again at once
             request(workdir, processes, "the lost processes can run again on this machine")
@@ -276,6 +292,8 @@ def run_elastic_job(args: list[str], cfg, processes: int, devices: int) -> int:
         code = run_local_job([*args, *plans.get(alive, [])], alive, devices, env, seen, grace=0, settle=SETTLE_SECONDS)
         precompiles.stop()
         attempt, grew = attempt + 1, None
+        job["recovery"] += gap
+        stopped = min((when for _, _, when in seen), default=time.time())
         if code == GROW_EXIT:
             grew, alive, full_since = grew_from(alive, processes), processes, attempt
             sys.stderr.write(f"elastic: growing back to {processes} processes, from the checkpoint just saved\n")
