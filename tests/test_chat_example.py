@@ -123,6 +123,7 @@ def test_the_shipped_sft_config_trains_on_the_example_and_samples_with_its_templ
     assert cfg.data.tokenizer == "runs/chat_example" and cfg.data.path.startswith("runs/chat_example/")
     work = tmp_path / "sft"
     args = ["--config", str(ROOT / "configs" / "chat_sft.yaml"), *data, *tiny, "eval.every_steps=2", *QUIET]
+    args += ["eval.generate.num_prompts=0"]  # (tests/test_generation_eval.py runs it)
     proc = run_cli(*args, "--workdir", str(work))
     assert proc.returncode == 0, proc.stderr
     assert "data: chat train: 60 conversations" in proc.stdout
@@ -130,4 +131,5 @@ def test_the_shipped_sft_config_trains_on_the_example_and_samples_with_its_templ
     proc = run_cli("sample", "--workdir", str(work), "--chat", "--prompt", "sort: 3 1 2", "--max-tokens", "4")
     assert proc.returncode == 0, proc.stderr
     dpo = load_config(ROOT / "configs" / "dpo.yaml", [f"finetune.base={work}"])
-    assert (dpo.data.name, dpo.train.objective, dpo.dpo.beta, dpo.finetune.lora.rank) == ("preferences", "dpo", 0.1, 8)
+    assert (dpo.data.name, dpo.train.objective, dpo.dpo.beta, dpo.finetune.lora.rank) == ("preferences", "dpo", 2.0, 8)
+    assert (cfg.eval.generate.answer_field, dpo.eval.generate.answer_field) == ("completion", "chosen")

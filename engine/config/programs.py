@@ -59,6 +59,11 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: vectorize trains runs side by side over the devices; train.sync={cfg.train.sync} "
             f"keeps replicas over them already: remove vectorize, or set train.sync=every_step"
         )
+    if cfg.eval.generate.num_prompts:
+        raise UsageError(
+            f"{where}: eval.generate (completions at each eval) is not vectorised; set eval.generate.num_prompts=0, "
+            "or run the sweep without vectorize (each trial trains in its own process)"
+        )
     if cfg.checkpoint.restore_from:
         raise UsageError(
             f"{where}: vectorized runs start from scratch or their own checkpoints, not "

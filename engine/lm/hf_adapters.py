@@ -1,5 +1,5 @@
 """A fine-tuned run's adapters for Hugging Face: folded into the base (`export --format hf
---merge`: a plain checkpoint transformers loads, finetune.merged), or as a PEFT adapter directory
+--merge`: a plain checkpoint transformers loads), or as a PEFT adapter directory
 (adapter_config.json + adapter_model.safetensors) that `peft` loads onto the base model.
 
 PEFT's LoRA computes x·Aᵀ·Bᵀ·(alpha / r) with lora_A.weight [r, in] and lora_B.weight

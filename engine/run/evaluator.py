@@ -12,6 +12,7 @@ from pathlib import Path
 from engine.config import Config, read_yaml_mapping
 from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
+from engine.lm.generation_eval import generated_metrics
 from engine.run.best import stopped_at
 from engine.run.outputs import SIDECAR, Evaluation, RunOutputs, eval_metrics
 from engine.run.reference_logps import fill, precomputed
@@ -21,8 +22,9 @@ from engine.runtime.watchdog import Watchdog
 
 
 def evaluate(run: Run, state) -> dict[str, float]:
-    """Loss, accuracy and the task's metrics of a run's state over the eval split (padding masked out)."""
-    return eval_metrics(Evaluation.of_run(run), state)[0]
+    """Loss, accuracy and the task's metrics of a run's state over the eval split (padding masked out),
+    and eval.generate's scores of its completions (engine/lm/generation_eval.py)."""
+    return {**eval_metrics(Evaluation.of_run(run), state)[0], **generated_metrics(run, state)}
 
 
 def evaluated_steps(metrics_path: Path) -> set[int]:

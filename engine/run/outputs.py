@@ -20,6 +20,7 @@ from engine.config import Config, save_config, to_yaml
 from engine.data import eval_batches, example_spec
 from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.data.recorded import PREPROCESSING, check_preprocessing, record_shape
+from engine.lm import generation_eval
 from engine.lm.finetune import base_workdir
 from engine.lm.tokenizer import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
 from engine.observe.metrics import MetricWriter
@@ -200,9 +201,10 @@ class Evaluation:
 def eval_metric_names(cfg: Config, task, info) -> set[str]:
     """The names in a run's eval records (eval_metrics'): a DPO run's TRL names (dpo_record's),
     else loss, accuracy and the task's."""
+    generated = generation_eval.metric_names(cfg)  # (eval.generate's: its reward functions are loaded here)
     if cfg.train.objective == "dpo":
-        return set(dpo_record({name: 0.0 for name in (*EVAL_SUMS, *DPO_SUMS)}))
-    return {"loss", "accuracy", *task.eval_metrics(1.0, info)}
+        return set(dpo_record({name: 0.0 for name in (*EVAL_SUMS, *DPO_SUMS)})) | generated
+    return {"loss", "accuracy", *task.eval_metrics(1.0, info)} | generated
 
 
 def eval_metrics(evaluation: Evaluation, state, trials: int = 0) -> list[dict[str, float]]:
