@@ -220,7 +220,8 @@ def _settle(children: list[subprocess.Popen], seen: list[tuple[int, int, float]]
     their own; while the only signals seen are SIGABRTs (peers' aborts), up to ABORT_SETTLE_SECONDS
     for the exit of the process they came from; (process, return code) of those that fail meanwhile
     (also added to `seen`)."""
-    began, more = time.monotonic(), []
+    began = time.monotonic()
+    more: list[tuple[int, int]] = []
     known = {index for index, _, _ in seen}
     while True:
         waited = time.monotonic() - began
