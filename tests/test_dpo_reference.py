@@ -15,10 +15,11 @@ from test_dpo import hand_batch, nbytes, setup
 
 from conftest import QUIET, ROOT, run_cli
 from engine.config import shape_differences
+from engine.errors import UsageError
 from engine.observe.perf import analytic_per_example
 from engine.parallel.mesh import make_mesh
 from engine.run.dpo import REF_LOGPS, make_dpo_loss_fn
-from engine.run.reference_logps import DIRECTORY, compute
+from engine.run.reference_logps import DIRECTORY, _read, _write, check_trained, compute, values_digest
 from engine.run.setup import run_hparams
 from engine.run.step import DPO_BETA, REFERENCE, make_eval_step, make_train_step, weights_of
 from models import REGISTRY
@@ -56,6 +57,37 @@ def test_precomputed_state_holds_no_reference_and_batches_stand_for_it(make_conf
         np.testing.assert_allclose(float(given[name]), float(on_the_fly[name]), rtol=1e-5)
     off = sums(moved, lean.model_state, dict(batch, **{REF_LOGPS: ref + 1.0}))  # they are what is used
     assert abs(float(off["rewards_chosen"]) - float(on_the_fly["rewards_chosen"])) > 0.1
+
+
+@pytest.mark.nocompile
+def test_the_reference_cache_is_read_only_with_the_checksum_it_was_written_with(tmp_path):
+    """KEY.json beside KEY.npy: a column shifted by 3.0, one flipped bit, or no KEY.json is not
+    read (computed again, with a note); a resumed run's values must be the ones it trained with."""
+    rng = np.random.default_rng(0)
+    values = -rng.uniform(1, 30, (12, 2)).astype(np.float32)
+    path = tmp_path / "0123.npy"
+    _write(path, values, {"pairs": "abc"})
+    read, problem = _read(path, 12)
+    np.testing.assert_array_equal(read, values)
+    assert problem == "" and json.loads(path.with_suffix(".json").read_text())["inputs"] == {"pairs": "abc"}
+    shifted = values.copy()
+    shifted[:, 1] += 3.0
+    flipped = values.copy()
+    flipped.view(np.uint32)[5, 0] ^= 1 << 23  # an exponent bit: a finite value of another size
+    for damaged in (shifted, flipped):
+        np.save(path, damaged)
+        assert _read(path, 12) == (
+            None,
+            f"not the values written (their sha256 is not the one {path.with_suffix('.json')} records)",
+        )
+    _write(path, values, {})
+    path.with_suffix(".json").unlink()
+    read, problem = _read(path, 12)
+    assert read is None and problem.startswith("without a readable checksum")
+    check_trained(values, values_digest(values), path)  # (the values trained with: nothing to say)
+    check_trained(values, "", path)  # (a run from before the record)
+    with pytest.raises(UsageError, match=f"{path} does not hold the reference log-probabilities this run trained"):
+        check_trained(shifted, values_digest(values), path)
 
 
 def per_pair(fn, state, batch, i, side):
@@ -156,13 +188,20 @@ def test_precomputed_run_trains_as_the_reference_in_the_step(tmp_path):
     (cache,) = (pre / DIRECTORY).glob("*.npy")
     values = np.load(cache)
     assert values.shape == (20, 2) and np.all(values < 0)
+    shifted = values.copy()
+    shifted[:, 0] += 3.0  # one column changed and its KEY.json written to match (issue 57): not the run's values
+    _write(cache, shifted, json.loads(cache.with_suffix(".json").read_text())["inputs"])
     proc = run_cli(*cli_args(tmp_path, pre, "train.steps=3", "dpo.precompute_reference=true"))  # resumed at 2
-    assert proc.returncode == 0 and "log-probabilities read from" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "were not the values this run trained with (its checkpoint records another sha256)" in proc.stdout
     np.testing.assert_array_equal(np.load(cache), values)
     cache.write_bytes(b"not an array")
     proc = run_cli(*cli_args(tmp_path, pre, "train.steps=4", "dpo.precompute_reference=true"))  # resumed at 3
     assert proc.returncode == 0 and "were unreadable" in proc.stdout, proc.stdout + proc.stderr
-    np.testing.assert_allclose(np.load(cache), values, rtol=1e-6)
+    np.testing.assert_array_equal(np.load(cache), values)
+    meta_file = pre / "checkpoints" / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta["reference_logps"] == {"sha256": values_digest(values)}  # what the run trained with
     got, want = {r[:2]: r[2:] for r in losses(pre)}, losses(plain)  # (pre: an eval at the end of steps=3 too)
     assert len(want) == 6 and all(r[:2] in got for r in want)
     np.testing.assert_allclose([got[r[:2]] for r in want], [r[2:] for r in want], rtol=1e-5, atol=1e-7)

@@ -277,3 +277,19 @@ def test_the_slurm_backend_without_sbatch_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "sbatch, which is not on PATH" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "sweep.sbatch").exists()
+
+
+@pytest.mark.nocompile
+def test_a_failed_runs_reason_is_said_and_a_report_of_no_metrics_says_so(tmp_path):
+    from engine.observe.ranking import report
+    from engine.sweep.local import _ended_line
+
+    failed = {"status": "failed", "error": "error: run 'a': finetune.base is not vectorised"}
+    assert _ended_line("a", failed) == "     failed a: error: run 'a': finetune.base is not vectorised"
+    assert _ended_line("b", {"status": "finished"}) == "   finished b"
+    (tmp_path / "sweep.json").write_text(json.dumps({"metric": "eval/loss", "mode": "min", "runs": ["a"]}))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "status.json").write_text(json.dumps(failed))
+    with pytest.raises(UsageError, match=r"no run has logged a metric yet .*sweep.jsonl"):
+        report([tmp_path])
+

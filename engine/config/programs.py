@@ -64,6 +64,16 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: eval.generate (completions at each eval) is not vectorised; set eval.generate.num_prompts=0, "
             "or run the sweep without vectorize (each trial trains in its own process)"
         )
+    if cfg.finetune.base:  # (each trial would hold a copy of the base; not built)
+        raise UsageError(
+            f"{where}: finetune.base is not vectorised; run the sweep without vectorize "
+            f"(each trial trains in its own process)"
+        )
+    if cfg.train.objective == "dpo" and cfg.dpo.precompute_reference:  # (one dataset, each trial's reference)
+        raise UsageError(
+            f"{where}: dpo.precompute_reference is not vectorised yet; set "
+            "dpo.precompute_reference=false, or run the sweep without vectorize"
+        )
     if cfg.checkpoint.restore_from:
         raise UsageError(
             f"{where}: vectorized runs start from scratch or their own checkpoints, not "

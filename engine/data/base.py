@@ -31,6 +31,9 @@ class DataInfo:
     preprocessing_data: str = ""
     serving_files: tuple[str, ...] = ()  # files an export carries to apply that preprocessing (preprocess.py)
     notes: tuple[str, ...] = ()  # lines the source says of the data at a run's start (chat: what was cut or left out)
+    # chat, preferences: the local time (%Y-%m-%dT%H:%M:%S) a chat template's strftime_now() gave
+    # (the run's first start, WORKDIR/template_time.json: engine/run/data_record.py)
+    template_time: str = ""
 
 
 @dataclass(frozen=True)

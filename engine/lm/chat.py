@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
 from engine.errors import UsageError
+from engine.lm.template_clock import strftime_now
 
 # Bounds on one render (one conversation). Real chat templates stay far below each of them: a
 # conversation is a few messages, a loop over them, a few kilobytes of text.
@@ -148,7 +149,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def __init__(self) -> None:
         # optimized=False: no constant folding, so nothing of the template runs while compiling
         super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False)
-        self.globals.update(raise_exception=_refuse, strftime_now=lambda f: time.strftime(f))
+        self.globals.update(raise_exception=_refuse, strftime_now=strftime_now)
         del self.globals["lipsum"]  # Jinja's placeholder text generator: no template needs it, lipsum(10 ** 9) hangs
         self.budget = _Budget()
 

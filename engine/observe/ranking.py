@@ -84,6 +84,11 @@ def report(
     rows = []
     runs = _runs(folders)
     available = sorted({key for _, workdir, _ in runs for key in final_metrics(workdir)})
+    if runs and not available:  # (every run failed, or stopped, before it logged anything)
+        raise UsageError(
+            f"--metric {metric}: no run has logged a metric yet (metrics.jsonl); see each run's status and error"
+            " in sweep.jsonl or its run.log"
+        )
     if runs and metric not in available:
         raise UsageError(f"--metric {metric} is in no run's metrics.jsonl; available: {', '.join(available)}")
     for name, workdir, status in runs:

@@ -64,6 +64,7 @@ class RunOutputs:
         self.columns = MetricColumns()
         self.monitor = Monitor.resumed(cfg, {})  # checkpoint.keep_best's and train.early_stop's metrics
         self.config_text = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
+        self.recorded: dict = {}  # more of each checkpoint's meta: what a resume checks its inputs against
         self.summary: Any = None  # the sidecar's own TensorBoard events
         if chief and not sidecar:  # one job per workdir: claimed before compiling and before anything is written
             claim(self.workdir, closing)
@@ -157,7 +158,8 @@ class RunOutputs:
     def save(self, step: int, state, window: Optional[dict], local: bool = False) -> None:
         """Starts a checkpoint of `state` at `step` with its meta (the log window in progress,
         `Window.carried`, and the watched metrics); `local`: to the local tier (checkpoint.local_dir)."""
-        meta = checkpoint_meta(self.cfg, step, self.config_text, window=window, **self.monitor.record())
+        more = {**self.monitor.record(), **self.recorded}
+        meta = checkpoint_meta(self.cfg, step, self.config_text, window=window, **more)
         if local:
             self.checkpointer.save_local(step, state, meta)
         else:

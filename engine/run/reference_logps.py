@@ -15,9 +15,13 @@ workdir (reference_logps/KEY.npy, the train split's rows then the eval split's),
 the pair files' bytes, the tokenizer file's, the reference parameters', the rendered pairs',
 data.seq_len, data.overflow and the model's settings: a run that starts again (a resume, a
 SIGKILL's restart) reads the same values; a cache that does not match is not used, and a damaged
-one is computed again (said on the console). The reference parameters' checksum is recorded
+one is computed again (said on the console). Beside each cache, KEY.json holds the sha256 of its
+values and what KEY was made of; a cache whose values no longer have that checksum (a changed
+value, a flipped bit, no KEY.json) is damaged. The reference parameters' checksum is recorded
 (reference_logps/reference.json) for a resumed full fine-tuning run, whose state no longer holds
-them.
+them. Each checkpoint's meta records the sha256 of the values the run trains with (`record`): a
+resumed run whose cache does not give them computes them again, and refuses (UsageError naming the
+cache) to go on with values other than the ones it trained with.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from engine.run.step import FROZEN
 
 DIRECTORY = "reference_logps"  # in the workdir
 RECORD = "reference.json"  # {"params": the reference parameters' checksum}
+META = "reference_logps"  # the checkpoint meta's {"sha256": of the values trained with, "file": the cache}
 
 
 def precomputed(cfg) -> bool:
@@ -91,6 +96,15 @@ def _file_digest(path: str) -> str:
 
 def cache_key(cfg, dataset: Dataset, params_digest: str) -> str:
     """The cache's name: a hash of what the reference's log-probabilities depend on."""
+    return _key(_key_parts(cfg, dataset, params_digest))
+
+
+def _key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _key_parts(cfg, dataset: Dataset, params_digest: str) -> dict:
+    """What the cache's name is a hash of (KEY.json keeps it)."""
     data = cfg.data
     arrays = hashlib.sha256()
     for split in (dataset.train, dataset.eval):
@@ -109,7 +123,12 @@ def cache_key(cfg, dataset: Dataset, params_digest: str) -> str:
         "compute_dtype": cfg.train.compute_dtype,
         "average": False,  # sums over each response's targets (IPO's per-target means were cached before)
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+    return parts
+
+
+def values_digest(values: np.ndarray) -> str:
+    """sha256 of the values (float32 [pairs, 2], C order): KEY.json's and the checkpoint meta's."""
+    return hashlib.sha256(np.ascontiguousarray(values, np.float32).tobytes()).hexdigest()
 
 
 def compute(run, params, model_state) -> np.ndarray:
@@ -140,18 +159,32 @@ def _read(path: Path, rows: int) -> tuple[Optional[np.ndarray], str]:
         return None, f"unreadable ({type(e).__name__}: {e})"
     if values.shape != (rows, 2) or values.dtype != np.float32 or not np.isfinite(values).all():
         return None, f"damaged (shape {values.shape}, {values.dtype}; expected ({rows}, 2) float32, finite)"
+    sidecar = path.with_suffix(".json")
+    try:
+        written = json.loads(sidecar.read_text(encoding="utf-8"))
+        checksum, key = str(written["sha256"]), str(written["key"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        return None, f"without a readable checksum ({sidecar}: {type(e).__name__})"
+    if key != path.stem or checksum != values_digest(values):
+        return None, f"not the values written (their sha256 is not the one {sidecar} records)"
     return values, ""
 
 
-def _write(path: Path, values: np.ndarray) -> None:
+def _write(path: Path, values: np.ndarray, parts: dict) -> None:
+    """KEY.npy, then KEY.json: the values' sha256 and what KEY was made of (a cache without it is not read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, values, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    written = {"sha256": values_digest(values), "key": path.stem, "shape": list(values.shape), "inputs": parts}
+    for target, write in (
+        (path, lambda f: np.save(f, values, allow_pickle=False)),
+        (path.with_suffix(".json"), lambda f: f.write(json.dumps(written, indent=1, sort_keys=True).encode() + b"\n")),
+    ):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _recorded_digest(directory: Path) -> str:
@@ -161,12 +194,16 @@ def _recorded_digest(directory: Path) -> str:
         return ""
 
 
-def fill(run, reference: Optional[tuple[Any, Any]], starting: Optional[Callable] = None) -> list[str]:
+def fill(
+    run, reference: Optional[tuple[Any, Any]], starting: Optional[Callable] = None, trained: str = ""
+) -> list[str]:
     """Writes the reference's log-probabilities into the run's dataset (REF_LOGPS, in place):
     from the cache, or computed from `reference` ((params, model_state) of the reference: a
     fresh state's, or a LoRA state's) and cached. `reference` None (a resumed full fine-tuning
     run): the checksum recorded at the run's start names the cache; where that cache is gone,
-    `starting()` (params, model_state) makes the starting parameters again. The lines to say."""
+    `starting()` (params, model_state) makes the starting parameters again. `trained`: the sha256
+    of the values a resumed run trained with (its checkpoint's meta), which the values must have.
+    The lines to say."""
     cfg, dataset = run.cfg, run.dataset
     directory = Path(cfg.workdir).expanduser() / DIRECTORY
     digest = reference_digest(*reference) if reference is not None else _recorded_digest(directory)
@@ -179,8 +216,11 @@ def fill(run, reference: Optional[tuple[Any, Any]], starting: Optional[Callable]
         reference = starting()
         digest = reference_digest(*reference)
     rows = len(dataset.train[REF_LOGPS]) + len(dataset.eval[REF_LOGPS])
-    path = directory / f"{cache_key(cfg, dataset, digest)}.npy"
+    parts = _key_parts(cfg, dataset, digest)
+    path = directory / f"{_key(parts)}.npy"
     values, problem = _read(path, rows)
+    if values is not None and trained and values_digest(values) != trained:
+        values, problem = None, "not the values this run trained with (its checkpoint records another sha256)"
     lines = [f"dpo: the reference's log-probabilities read from {path}"] if values is not None else []
     if values is None:
         if reference is None:
@@ -195,9 +235,10 @@ def fill(run, reference: Optional[tuple[Any, Any]], starting: Optional[Callable]
         values = compute(run, *reference)
         if problem:
             lines.append(f"note: the cached reference log-probabilities {path} were {problem}; computed again")
+        check_trained(values, trained, path)
         lines.append(f"dpo: the reference's log-probabilities of {rows:,} pairs computed once, cached in {path}")
         if jax.process_index() == 0:
-            _write(path, values)
+            _write(path, values, parts)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / RECORD).write_text(json.dumps({"params": digest}) + "\n")
@@ -207,9 +248,34 @@ def fill(run, reference: Optional[tuple[Any, Any]], starting: Optional[Callable]
     return lines
 
 
-def fill_run(run, state, resumed: bool) -> list[str]:
+def check_trained(values: np.ndarray, trained: str, path: Path) -> None:
+    """UsageError when a resumed run's values (computed again) are not the ones it trained with."""
+    if trained and values_digest(values) != trained:
+        raise UsageError(
+            f"dpo.precompute_reference: {path} does not hold the reference log-probabilities this run trained with "
+            "(their sha256, recorded in its checkpoint, differs), and computing them again gives other values; "
+            f"restore {path.parent} from a copy of the workdir, or train the run from its start in a new workdir"
+        )
+
+
+def record(run) -> dict:
+    """What a checkpoint's meta keeps of the values the run trains with ({} without precomputed ones)."""
+    if not precomputed(run.cfg):
+        return {}
+    values = np.concatenate([run.dataset.train[REF_LOGPS], run.dataset.eval[REF_LOGPS]])
+    return {META: {"sha256": values_digest(values)}}
+
+
+def trained_digest(meta: dict) -> str:
+    """The sha256 of the values a resumed run's checkpoint recorded ("" for none: a run from before it)."""
+    recorded = meta.get(META)
+    return str(recorded.get("sha256", "")) if isinstance(recorded, dict) else ""
+
+
+def fill_run(run, state, resumed: bool, trained: str = "") -> list[str]:
     """`fill` for a run starting from `state` (`resumed`: its own checkpoint's, whose parameters
-    have trained: the reference is then the LoRA state's base, or the recorded checksum's cache)."""
+    have trained: the reference is then the LoRA state's base, or the recorded checksum's cache;
+    `trained`: trained_digest of its meta)."""
     if not precomputed(run.cfg):
         return []
     own = FROZEN in state.model_state or not resumed
@@ -219,4 +285,4 @@ def fill_run(run, state, resumed: bool) -> list[str]:
         fresh = run.init_state()
         return fresh.params, fresh.model_state
 
-    return fill(run, reference, None if run.cfg.checkpoint.restore_from else starting)
+    return fill(run, reference, None if run.cfg.checkpoint.restore_from else starting, trained)

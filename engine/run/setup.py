@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from contract.activations import ONE_STAGE, Constrainer, StagePlan
 from engine.config import Config
-from engine.data import Dataset, TrainBatches, example_spec, load_dataset
+from engine.data import Dataset, TrainBatches, example_spec
 from engine.data.chat_data import with_model
 from engine.data.placement import resident_bytes
 from engine.errors import UsageError
@@ -37,6 +37,7 @@ from engine.parallel.sync import compile_sync
 from engine.run import reference_logps
 from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
+from engine.run.data_record import load_rendered
 from engine.run.dpo import objective_loss_fn
 from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
@@ -183,7 +184,8 @@ def plan_run(
     except ModelError as e:
         raise UsageError(str(e)) from None
     if dataset is None:
-        dataset = load_dataset(with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))  # (chat: its template)
+        # (chat: its template, with the time of the run's start)
+        dataset = load_rendered(cfg, with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))
     dataset = reference_logps.with_slots(cfg, dataset)  # (dpo.precompute_reference: filled before training)
     packed = "segments" in example_spec(dataset.train)
     bp = blueprint(cfg, dict(mesh.shape), dataset.info, packed, REGISTRY[cfg.model.name], jax.default_backend())

@@ -14,17 +14,19 @@ import numpy as np
 
 from engine.checkpoint.store import Checkpointer, load_base, open_checkpoints
 from engine.config import Config
+from engine.data.chat_data import with_model
 from engine.errors import UsageError
-from engine.lm.finetune import with_frozen
+from engine.lm.finetune import base_workdir, with_frozen
 from engine.observe.perf import Goodput, Throughput, Window, summary_text
 from engine.parallel.sync import Syncing
 from engine.plan.dryrun import startup_lines
 from engine.run.best import Verdict, check_names
+from engine.run.data_record import checked_record, own_meta
 from engine.run.evaluator import evaluate
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
 from engine.run.recovery import Recovery, kill_if_due, kill_step
-from engine.run.reference_logps import fill_run
+from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.step import FROZEN, REFERENCE
 from engine.runtime.distributed import barrier
@@ -160,8 +162,13 @@ def _open(
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, outputs.checkpointer)
-    for line in fill_run(run, state, resumed=bool(meta)):  # (dpo.precompute_reference)
+    own = own_meta(cfg, meta, bool(outputs.checkpointer.steps()))  # (None: a fresh run, or restore_from's state)
+    data = with_model(cfg.data, base_workdir(cfg) or cfg.workdir)
+    outputs.recorded.update(checked_record(cfg, data, run.dataset, own or {}, own is not None, outputs.chief))
+    trained = trained_digest(own or {})  # (dpo.precompute_reference: the values the run trained with)
+    for line in fill_run(run, state, resumed=bool(meta), trained=trained):
         _say(line)
+    outputs.recorded.update(record(run))  # (the values filled: their checksum, in each checkpoint's meta)
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
     if run.sync_each_step:  # XLA:CPU collectives: the init program must end before a step starts
         jax.block_until_ready(state)

@@ -129,17 +129,7 @@ def _check_group(cfgs: list[Config]) -> None:
     if jax.process_count() > 1:
         raise UsageError("vectorize trains a group in one process; run the sweep without --local-processes")
     for cfg in cfgs:
-        check_vectorizable(cfg, f"run {cfg.workdir}")
-        if cfg.finetune.base:  # (each trial would hold a copy of the base; not built)
-            raise UsageError(
-                f"run {cfg.workdir}: finetune.base is not vectorised; run the sweep without vectorize "
-                f"(each trial trains in its own process)"
-            )
-        if cfg.train.objective == "dpo" and cfg.dpo.precompute_reference:  # (one dataset, each trial's reference)
-            raise UsageError(
-                f"run {cfg.workdir}: dpo.precompute_reference is not vectorised yet; set "
-                "dpo.precompute_reference=false, or run the sweep without vectorize"
-            )
+        check_vectorizable(cfg, f"run {cfg.workdir}")  # (finetune.base, precompute_reference included)
         differs = shape_differences(cfgs[0], cfg)
         if differs:
             raise UsageError(

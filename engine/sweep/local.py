@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from engine.config import check_vectorizable, program_settings, shape_differences
+from engine.errors import UsageError
 from engine.observe.ranking import preload
 from engine.runtime.launcher import SELF
 from engine.runtime.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
@@ -210,17 +211,26 @@ def units(sweep: Sweep, todo: list[RunSpec]) -> list[list[RunSpec]]:
     if not sweep.vectorize:
         return [[run] for run in todo]
     groups: dict[tuple, list[RunSpec]] = {}
-    configs = {}
+    configs, alone = {}, []
     for run in todo:
         configs[run.name] = cfg = sweep.config(run)
-        check_vectorizable(cfg, f"run '{run.name}'")
+        try:  # (the check a group's process would refuse the run with)
+            check_vectorizable(cfg, f"run '{run.name}'")
+        except UsageError as e:
+            if not sweep.vectorize_auto:  # a number of runs per program was asked for: refused
+                raise
+            print(f"vectorize: {run.name} trains alone: {e}", flush=True)
+            alone.append([run])
+            continue
         key = (json.dumps(program_settings(cfg), sort_keys=True, default=str), _resume_step(sweep.workdir(run)))
         groups.setdefault(key, []).append(run)
     chunks = [runs[i : i + sweep.vectorize] for runs in groups.values() for i in range(0, len(runs), sweep.vectorize)]
-    print(
-        f"vectorize: {len(todo)} runs as {len(chunks)} program(s) of " + ", ".join(str(len(c)) for c in chunks),
-        flush=True,
-    )
+    if chunks:
+        print(
+            f"vectorize: {sum(map(len, chunks))} runs as {len(chunks)} program(s) of "
+            + ", ".join(str(len(c)) for c in chunks),
+            flush=True,
+        )
     listed = list(groups.items())
     for i, (key, runs) in enumerate(listed[1:], 1):
         same = [(k, r) for k, r in listed[:i] if k[0] == key[0]]  # one program, another resume step
@@ -232,7 +242,13 @@ def units(sweep: Sweep, todo: list[RunSpec]) -> list[list[RunSpec]]:
             else f"they resume from step {key[1]}, it from step {other_key[1]}"
         )
         print(f"  {runs[0].name} (+{len(runs) - 1}) apart from {others[0].name}: {why}", flush=True)
-    return chunks
+    return chunks + alone
+
+
+def _ended_line(name: str, status: dict) -> str:
+    """A run's line once its process ended: its status, and a failed run's reason (its last error line)."""
+    line = f"{status.get('status', '?'):>11} {name}"
+    return f"{line}: {status['error']}" if status.get("status") == "failed" and status.get("error") else line
 
 
 def _resume_step(workdir: Path) -> int:
@@ -279,7 +295,7 @@ def run_pending(sweep: Sweep, parallel: int, retry_failed: bool) -> int:
                 if not thread.is_alive():
                     del slots[slot]
                     for run in unit:
-                        print(f"{read_status(sweep.workdir(run)).get('status', '?'):>11} {run.name}", flush=True)
+                        print(_ended_line(run.name, read_status(sweep.workdir(run))), flush=True)
                     write_index(sweep)
             time.sleep(0.1)
     finally:

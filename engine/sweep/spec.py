@@ -83,6 +83,7 @@ class Sweep:
     search: dict | None = None  # an Optuna study (search.py): runs are its trials, made as it goes
     pruner: dict | None = None
     vectorize: int = 0  # runs per vectorised program (0: each run its own process)
+    vectorize_auto: bool = False  # vectorize: auto (a run that cannot be vectorised trains alone)
     _configs: dict = field(default_factory=dict, repr=False)  # run name → its loaded Config
 
     def workdir(self, run: RunSpec) -> Path:
@@ -363,7 +364,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
             f"sweep file {path}: a search makes its trials one at a time and cannot vectorise them; "
             "remove vectorize, or use grid/zip/random"
         )
-    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner, vectorize)
+    auto = spec.get("vectorize") == "auto"
+    return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner, vectorize, auto)
 
 
 def _search_probes(search: dict) -> list[RunSpec]:

@@ -1,0 +1,124 @@
+"""A resumed chat or preferences run proves its data is what it trained on (issue 57, item 2):
+the checkpoint's meta keeps the sha256 of the arrays as rendered and tokenized and of their files,
+a resume compares them (exit 2 naming the file or the template), and a chat template's
+strftime_now() renders the run's recorded start, whatever the clock says at the resume."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+from test_chat_data import LLAMA, RECORDS, TEMPLATE, write_jsonl, write_model_dir
+
+from conftest import QUIET, ROOT, run_cli
+from engine.config.data_sections import data_config
+from engine.errors import UsageError
+from engine.run.data_record import TEMPLATE_TIME, check, load_rendered, record
+
+DATED = "{{ bos_token }}<|im_start|>system\nToday Date: {{ strftime_now('%d %b %Y') }}<|im_end|>\n" + TEMPLATE[15:]
+CONVERSATIONS = [RECORDS[0], RECORDS[1], RECORDS[2]] * 4
+
+
+def dated_model_dir(directory):
+    """A model directory whose chat template writes the date (as Llama 3's do)."""
+    write_model_dir(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": DATED}))
+    return directory
+
+
+class Cfg:
+    """What load_rendered and record read of a run's config: its workdir."""
+
+    def __init__(self, workdir):
+        self.workdir = str(workdir)
+
+
+def loaded(tmp_path, model, records, name="chat", **keys):
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    data = data_config(name=name, path=str(path), tokenizer=str(model), **keys)
+    dataset = load_rendered(Cfg(tmp_path), data)
+    return data, dataset, record(data, dataset)
+
+
+@pytest.mark.nocompile
+def test_a_resume_refuses_data_that_is_not_what_it_trained_on_naming_the_file(tmp_path):
+    (tmp_path / "model").mkdir()
+    model = write_model_dir(tmp_path / "model")
+    keys = dict(eval_fraction=0.25, seq_len=64)
+    _, _, trained = loaded(tmp_path, model, CONVERSATIONS, **keys)
+    check({**trained, "step": 2}, loaded(tmp_path, model, CONVERSATIONS, **keys)[2], 2)  # the same data: nothing
+    edited = [*CONVERSATIONS[:-1], {"prompt": "hello there", "completion": "hi!"}]
+    reordered = CONVERSATIONS[1:] + CONVERSATIONS[:1]
+    for records in (edited, reordered):
+        with pytest.raises(UsageError, match=rf"data.path={tmp_path / 'train.jsonl'} is not the one it trained on"):
+            check(trained, loaded(tmp_path, model, records, **keys)[2], 2)
+    config = model / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("<|im_start|>", "<|im_start|> "))
+    with pytest.raises(UsageError, match=rf"the chat template \({config}\) is not the one it trained on"):
+        check(trained, loaded(tmp_path, model, CONVERSATIONS, **keys)[2], 2)
+    pairs = [{"prompt": f"hello {i}", "chosen": "hi", "rejected": "the mat"} for i in range(6)]
+    held = write_jsonl(tmp_path / "held.jsonl", pairs[:2])
+    _, _, trained = loaded(tmp_path, model, pairs, name="preferences", eval_path=str(held), seq_len=64)
+    write_jsonl(held, pairs[1:3])
+    with pytest.raises(UsageError, match=rf"the eval data as .* data.eval_path={held} is not the one it trained on"):
+        check(trained, loaded(tmp_path, model, pairs, name="preferences", eval_path=str(held), seq_len=64)[2], 2)
+
+
+@pytest.mark.nocompile
+def test_a_template_renders_the_runs_recorded_date_and_a_resume_says_when_it_reads_the_clock(tmp_path):
+    (tmp_path / "model").mkdir()
+    model = dated_model_dir(tmp_path / "model")
+    (tmp_path / TEMPLATE_TIME).write_text(json.dumps({"time": "2020-03-04T05:06:07"}))
+    _, dataset, recorded = loaded(tmp_path, model, CONVERSATIONS, eval_fraction=0.25, seq_len=64)
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(model / "tokenizer.json")).decode(dataset.train["tokens"][0].tolist())
+    assert "Today Date: 04 Mar 2020" in text and dataset.info.template_time == "2020-03-04T05:06:07"
+    (tmp_path / TEMPLATE_TIME).unlink()  # (a resume without the record: today's date)
+    before = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _, dataset, now = loaded(tmp_path, model, CONVERSATIONS, eval_fraction=0.25, seq_len=64)
+    assert before <= dataset.info.template_time <= time.strftime("%Y-%m-%dT%H:%M:%S")
+    with pytest.raises(UsageError, match=r"reads the date or time \(strftime_now\): it rendered 2020-03-04T05:06:07"):
+        check(recorded, now, 2)
+
+
+def cli_args(tmp_path, model, workdir, *extra):
+    path = tmp_path / "train.jsonl"
+    if not path.exists():
+        write_jsonl(path, CONVERSATIONS)
+    return [
+        "--config", str(ROOT / "configs" / "mnist_mlp.yaml"), "model.name=llama",
+        *(f"model.{key}={value}" for key, value in LLAMA.items()), "data.name=chat", f"data.path={path}",
+        "data.eval_fraction=0.25", "data.seq_len=64", f"data.tokenizer={model}", "train.global_batch_size=4",
+        "log.every_steps=1", "eval.every_steps=2", "checkpoint.every_steps=2", *QUIET, "--workdir", str(workdir),
+        *extra,
+    ]  # fmt: skip
+
+
+def losses(workdir):
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["split"], r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def test_a_run_resumed_on_another_day_trains_as_the_unbroken_run_and_edited_data_is_refused(tmp_path):
+    """The template writes the date; the resume's clock is 26 hours on (another time zone's day):
+    the resumed run's losses are the unbroken run's; then data.path's lines reordered: exit 2."""
+    (tmp_path / "model").mkdir()
+    model = dated_model_dir(tmp_path / "model")
+    east, west = {"TZ": "AAA-14"}, {"TZ": "BBB+12"}  # UTC+14 and UTC-12: never the same date
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    proc = run_cli(*cli_args(tmp_path, model, unbroken, "train.steps=4"), env=east)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(*cli_args(tmp_path, model, broken, "train.steps=2"), env=east)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(*cli_args(tmp_path, model, broken, "train.steps=4"), env=west)  # resumed at 2, the next day
+    assert proc.returncode == 0, proc.stderr
+    assert losses(broken) == losses(unbroken) and len(losses(unbroken)) == 6
+    path = tmp_path / "train.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[1:] + lines[:1]))
+    proc = run_cli(*cli_args(tmp_path, model, broken, "train.steps=6"), env=east)  # resumed at 4
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"data.path={path} is not the one it trained on" in proc.stderr, proc.stderr
+    assert np.isfinite([loss for *_, loss in losses(broken)]).all()
