@@ -293,3 +293,11 @@ def test_a_failed_runs_reason_is_said_and_a_report_of_no_metrics_says_so(tmp_pat
     with pytest.raises(UsageError, match=r"no run has logged a metric yet .*sweep.jsonl"):
         report([tmp_path])
 
+
+@pytest.mark.nocompile
+def test_a_metric_whose_name_holds_a_slash_is_taken_as_report_takes_it(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path / "m.yaml", metric="eval/rewards/accuracies", mode="max"))
+    assert sweep.metric == "eval/rewards/accuracies"
+    for bad in ("accuracy", "eval/", "/accuracy"):
+        with pytest.raises(UsageError, match="must be split/name"):
+            load_sweep(write_sweep(tmp_path / "bad.yaml", metric=bad))

@@ -233,7 +233,7 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     workdir = sweep.workdir(run)
     workdir.mkdir(parents=True, exist_ok=True)
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
-    split, name = sweep.metric.split("/")
+    split, name = sweep.metric.split("/", 1)
     seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
     judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/sweep/judge.py)
     with open(workdir / "run.log", "a") as log:

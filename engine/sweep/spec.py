@@ -339,7 +339,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     if mode not in ("min", "max"):
         raise UsageError(f"sweep file {path}: mode={mode!r} must be min or max")
     metric = spec.get("metric", "eval/loss")
-    if not isinstance(metric, str) or metric.count("/") != 1:
+    if not isinstance(metric, str) or not all(metric.partition("/")[::2]):  # (a name may hold "/": eval/rewards/...)
         raise UsageError(f"sweep file {path}: metric={metric!r} must be split/name, e.g. eval/accuracy")
     if not isinstance(spec.get("directory") or "", str) or "\x00" in (spec.get("directory") or ""):
         raise UsageError(f"sweep file {path}: directory={spec['directory']!r} must be a path")
