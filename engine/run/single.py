@@ -158,7 +158,7 @@ def _open(
         run = run or build_run(cfg)
         goodput.compile_seconds = run.compiled.compile_seconds
     check_names(cfg, eval_metric_names(cfg, run.model.family.task, run.dataset.info))
-    outputs.open(run.dataset.info)
+    outputs.open(run.dataset)
     watchdog.enter("restore")
     starting("restoring")
     state, start, meta = initial_state(run, outputs.checkpointer)
