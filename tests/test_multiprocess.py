@@ -329,3 +329,19 @@ def test_a_process_that_fails_alone_ends_the_job_within_seconds_with_its_reason(
     assert job.stderr.startswith("error: checkpoint.local_dir=") and "process_1 cannot be created" in job.stderr
     assert job.stderr.count("\n") == 1, job.stderr
     assert took < 90, took  # (JAX's shutdown barrier alone waits 300 s)
+
+
+@pytest.mark.nocompile
+def test_the_launcher_relays_each_line_prefixed_less_gloo_s_connection_lines():
+    import io
+
+    from engine.runtime.launcher import _relay
+
+    lines = ["[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"] * 3
+    lines += ["process 1 of 4: joined the job\n", "error: train.steps=-1 must be positive\n", "[Gloo] a warning\n"]
+    sink, said = io.StringIO(), {}
+    _relay(1, iter(lines), sink, said)
+    assert sink.getvalue() == (
+        "[1] process 1 of 4: joined the job\n[1] error: train.steps=-1 must be positive\n[1] [Gloo] a warning\n"
+    )
+    assert said == {1: "error: train.steps=-1 must be positive\n"}  # (said once by the launcher on a usage error)
