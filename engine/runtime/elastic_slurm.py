@@ -30,6 +30,7 @@ from engine.errors import UsageError
 from engine.runtime.elastic import (
     ATTEMPT,
     FAILURES,
+    JOB,
     SETTLE_SECONDS,
     after_failure,
     restarts,
@@ -102,16 +103,21 @@ def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
         sys.stderr.write("note: fault.precompile is not built under --elastic (SLURM): a restart compiles its job\n")
     failures: list[dict] = []
     alive, attempt, exclude, full_since, grew = tasks, 0, down_nodes() or [], 0, None
+    job, stopped = {"started": time.time(), "recovery": 0.0}, None  # (the summary covers the whole job)
     while True:
         hangs = set(workdir.glob("hang-*.txt"))
         seen: list[tuple[int, int, float]] = []
-        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), **start_env(alive, tasks, grew, cfg)}
+        gap = time.time() - stopped if stopped else 0.0
+        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), JOB: json.dumps(job)}
+        env.update(start_env(alive, tasks, grew, cfg))
         withdraw(workdir)
         back = WhenBack(workdir, tasks, nodes_up) if alive < tasks and fault.grow_back else None
         code = run_step([*args, *plans.get(alive, [])], alive, exclude, env, seen)
         if back is not None:
             back.stop()
         attempt, grew = attempt + 1, None
+        job["recovery"] += gap
+        stopped = min((when for _, _, when in seen), default=time.time())
         if code == GROW_EXIT:
             grew, alive, full_since, exclude = grew_from(alive, tasks), tasks, attempt, []
             sys.stderr.write(f"elastic: growing back to {tasks} tasks as a new srun step, from the checkpoint saved\n")
