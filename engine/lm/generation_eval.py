@@ -77,6 +77,12 @@ def check(cfg) -> None:
         )
     if section.top_p > 1:
         raise UsageError(f"{KEY}.top_p={section.top_p} must be in (0, 1]")
+    if jax.process_count() > 1:  # (the sampler reads each step's tokens on the host: one process's devices)
+        raise UsageError(
+            f"{KEY}.num_prompts={section.num_prompts}: generation-based eval runs in a job of one process, this "
+            f"one has {jax.process_count()}; set {KEY}.num_prompts=0 and score a checkpoint with `launch.py eval "
+            f"--workdir DIR {KEY}.num_prompts=N` in one process"
+        )
 
 
 def read_prompts(cfg) -> list[Prompt]:
