@@ -1,7 +1,8 @@
 """`launch.py ... --local-processes N`: a multi-process job on this host, for trying and
 testing multi-host code on CPU. Each process gets M simulated CPU devices; they meet at a
 coordinator bound to 127.0.0.1 only. Output lines are prefixed with the process id. If one
-process fails, the others are stopped and the launcher exits non-zero naming it."""
+process fails, the others are stopped and the launcher exits non-zero naming it (a usage error,
+exit 2: with its reason once on stderr)."""
 
 from __future__ import annotations
 
@@ -192,6 +193,8 @@ def _wait(
             _stop(children, grace)
             if all(c == 2 for _, c in failed):  # a usage error (every process meets it, or one alone did)
                 return 2
+            if code == 2:
+                sys.stderr.write(f"error: process {index} {_describe(code)}; the other processes were stopped\n")
             return code if code == 143 and all(c == 143 for _, c in failed) else 1
         if all(code == 0 for code in codes):
             return 0
