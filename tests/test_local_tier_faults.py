@@ -226,3 +226,11 @@ def test_the_folders_of_a_process_removing_its_own_while_listed_are_left_out(tmp
     monkeypatch.setattr(os, "scandir", lambda path=".": Listed(path) if str(path) == str(run) else real(path))
     tier.discard_after(2)  # (its later steps go; it raised FileNotFoundError from the glob before)
     assert not (run / "process_0" / "owner_0" / "6").exists() and not (run / "process_1").exists()
+
+
+@pytest.mark.nocompile
+def test_a_local_dir_that_cannot_be_created_is_a_usage_error(tmp_path):
+    (tmp_path / "file").write_text("not a folder\n")
+    for local_dir in ("/proc/nope", str(tmp_path / "file")):  # (issue 57: a FileNotFoundError traceback)
+        with pytest.raises(UsageError, match=rf"checkpoint.local_dir={local_dir}: .* cannot be created"):
+            LocalTier(local_dir, tmp_path / "run" / "checkpoints", 3, 1, False, True)
