@@ -124,6 +124,18 @@ def _model_tokenizer() -> Any:
     )
 
 
+def _format() -> Any:
+    return option(
+        "auto",
+        "chat, preferences: how string records are read: standard (TRL's standard format: prompt and completion "
+        "concatenated as plain text, the tokenizer's end-of-text token after the completion, its BOS as it adds it; "
+        "no chat template, message lists refused), conversational (each string one user's or assistant's message, "
+        "rendered with the chat template, as message lists are), auto (standard where the model has no chat "
+        "template, else conversational)",
+        choices=("auto", "standard", "conversational"),
+    )
+
+
 def _verify() -> Any:
     return option(True, "tokens: check every shard's SHA-256 against the manifest at start")
 
@@ -256,6 +268,7 @@ class ChatData(DataConfig):
     )
     overflow: str = _overflow()
     tokenizer: str = _model_tokenizer()
+    format: str = _format()
 
 
 @dataclass(frozen=True)
@@ -269,6 +282,7 @@ class PreferencesData(DataConfig):
     seq_len: int = _seq_len()
     overflow: str = _overflow()
     tokenizer: str = _model_tokenizer()
+    format: str = _format()
 
 
 _SECTIONS = (

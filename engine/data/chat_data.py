@@ -22,10 +22,11 @@ import numpy as np
 
 from engine.data import tokens as tk
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
-from engine.data.conversations import Conversation, loss_spans, read_conversations
+from engine.data.conversations import Conversation, PlainText, loss_spans, read_conversations, text
 from engine.errors import UsageError
-from engine.lm.chat import CONFIG_FILE, JINJA_FILE, Renderer, read_chat_template
-from engine.lm.tokenizer import TOKENIZER
+from engine.lm.chat import Renderer
+from engine.lm.chat_files import CONFIG_FILE, JINJA_FILE, read_chat_template, special_tokens, tokenizer_config
+from engine.lm.tokenizer import END_OF_TEXT, MAX_TOKENIZER_BYTES, TOKENIZER, check_size, load_tokenizer_file
 
 MODEL_TEXT_SOURCES = ("chat", "preferences")  # the sources whose data.tokenizer is a model's (or "": the run's)
 
@@ -62,19 +63,28 @@ def chat(cfg) -> Dataset:
     """Conversations of JSON Lines (data.path, data.eval_path or data.eval_fraction of data.path
     held out), rendered, tokenized and packed (see the module's docstring)."""
     tokenizer_file, tokenizer, render = model_text(cfg)
-    train = read_conversations(Path(cfg.path).expanduser(), "data.path")
+    standard = isinstance(render, PlainText)
+    train = read_conversations(Path(cfg.path).expanduser(), "data.path", standard)
     if cfg.eval_path:
-        held = read_conversations(Path(cfg.eval_path).expanduser(), "data.eval_path")
+        held = read_conversations(Path(cfg.eval_path).expanduser(), "data.eval_path", standard)
     else:
         train, held = held_out(train, cfg.eval_fraction, cfg.path)
     build = lambda part: _packed(part, render, tokenizer, cfg)  # noqa: E731
-    return tokenized_dataset((train, held), build, tokenizer_file, tokenizer, cfg)
+    return tokenized_dataset((train, held), build, tokenizer_file, tokenizer, cfg, render)
 
 
-def tokenized_dataset(parts: tuple[list, list], build: Callable, tokenizer_file: Path, tokenizer, cfg) -> Dataset:
+def tokenized_dataset(
+    parts: tuple[list, list], build: Callable, tokenizer_file: Path, tokenizer, cfg, render: Any = None
+) -> Dataset:
     """The Dataset of the (train, eval) records `parts`, each made into arrays and their counts by
-    `build` (the counts' line said at the run's start), tokenized by `tokenizer` (of `tokenizer_file`)."""
+    `build` (the counts' line said at the run's start), tokenized by `tokenizer` (of `tokenizer_file`);
+    the format said where `render` is the standard format's PlainText."""
     splits, notes = [], []
+    if isinstance(render, PlainText):
+        notes.append(
+            f"data: {cfg.name}: TRL's standard format (data.format={cfg.format}): each prompt and completion as plain "
+            f"text, no chat template, {render.eos!r} after each completion, the tokenizer's special tokens added"
+        )
     for what, records in zip(("train", "eval"), parts):
         arrays, counts = build(records)
         notes.append(counts.line(what, cfg.seq_len + 1, len(arrays["tokens"])))
@@ -92,10 +102,11 @@ def tokenized_dataset(parts: tuple[list, list], build: Callable, tokenizer_file:
     return Dataset(splits[0], splits[1], info)
 
 
-def model_text(cfg) -> tuple[Path, Any, Renderer]:
+def model_text(cfg) -> tuple[Path, Any, Union[Renderer, PlainText]]:
     """data.tokenizer's tokenizer file (itself where it names a file, a Hugging Face tokenizers
     JSON of any name; else its directory's tokenizer.json), that tokenizer (tokenizers.Tokenizer)
-    and the chat template (compiled) of that directory (a file's own)."""
+    and what turns records into text: the chat template (compiled) of that directory (a file's
+    own), or in TRL's standard format (data.format=standard, or auto and no template) PlainText."""
     if not cfg.tokenizer:
         raise UsageError(
             f"data.name={cfg.name} reads the model's tokenizer and chat template: set data.tokenizer=DIR (a workdir "
@@ -116,22 +127,44 @@ def model_text(cfg) -> tuple[Path, Any, Renderer]:
             f"data.tokenizer={given} is neither a file nor a directory; give the model's directory (an import-hf "
             f"workdir, or a Hugging Face directory) or its {TOKENIZER}"
         )
+    check_size(tokenizer_file, MAX_TOKENIZER_BYTES, "tokenizer.json")  # every file's size before any is read
     template = read_chat_template(directory)
-    if template is None:
+    if template is None and cfg.format == "conversational":
         raise UsageError(
             f"data.tokenizer={given}: {directory} has no chat template (no {JINJA_FILE}, nor chat_template in "
-            f"{CONFIG_FILE}) to render the conversations with; {fix}"
+            f"{CONFIG_FILE}) to render the conversations with (data.format=conversational); {fix}, or set "
+            "data.format=auto to read string records as plain text"
         )
-    from tokenizers import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
-        raise UsageError(
-            f"data.tokenizer: {tokenizer_file} is not a readable Hugging Face tokenizers file ({e}); set "
-            "data.tokenizer to the model's tokenizer.json, or to the directory that holds it (and its chat template)"
-        ) from None
+    tokenizer = load_tokenizer_file(
+        tokenizer_file,
+        "set data.tokenizer to the model's tokenizer.json, or to the directory that holds it (and its chat template)",
+        "data.tokenizer: ",
+    )
+    if template is None or cfg.format == "standard":
+        return tokenizer_file, tokenizer, _plain_text(directory, tokenizer)
     return tokenizer_file, tokenizer, Renderer(template, "correct the conversation, or the template")
+
+
+def _plain_text(directory: Path, tokenizer) -> PlainText:
+    """The standard format's PlainText, ending each completion with the end-of-text token: the one
+    tokenizer_config.json names (eos_token), else the first of END_OF_TEXT the tokenizer has; UsageError
+    where there is none, or it is not one token of the tokenizer's."""
+    config = directory / CONFIG_FILE
+    named = text(special_tokens(tokenizer_config(config))["eos_token"], str(config), "eos_token")
+    found = [token for token in END_OF_TEXT if tokenizer.token_to_id(token) is not None]
+    eos = named or (found[0] if found else "")
+    where = f"data.tokenizer: the standard format (string records as plain text) ends each completion with {directory}"
+    if not eos:
+        raise UsageError(
+            f"{where}'s end-of-text token, and it has none (no eos_token in {CONFIG_FILE}, nor any of "
+            f"{list(END_OF_TEXT)} in {TOKENIZER}); name the model's in {CONFIG_FILE} (eos_token)"
+        )
+    if tokenizer.encode(eos, add_special_tokens=False).ids != [tokenizer.token_to_id(eos)]:
+        raise UsageError(
+            f"{where}'s end-of-text token {eos!r} ({CONFIG_FILE}'s eos_token), which {TOKENIZER} does not read as "
+            f"one token; name one of its special tokens in {CONFIG_FILE} (eos_token)"
+        )
+    return PlainText(eos)
 
 
 def held_out(records: list, fraction: float, path: str, what: str = "conversation") -> tuple[list, list]:
@@ -147,11 +180,13 @@ def held_out(records: list, fraction: float, path: str, what: str = "conversatio
     return [c for k, c in enumerate(records) if k not in out], [c for k, c in enumerate(records) if k in out]
 
 
-def _packed(conversations: list[Conversation], render: Renderer, tokenizer, cfg) -> tuple[dict, Counts]:
+def _packed(
+    conversations: list[Conversation], render: Union[Renderer, PlainText], tokenizer, cfg
+) -> tuple[dict, Counts]:
     """The conversations as packed windows: tokens, segments, positions and loss_mask [windows, seq_len + 1]."""
     window = cfg.seq_len + 1
     rendered = [loss_spans(render, c, cfg.loss_on) for c in conversations]
-    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
+    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=render.special_tokens)
     counts = Counts(read=len(conversations))
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []

@@ -7,8 +7,11 @@ turns). Each side, P + C and P + R, is a conversation rendered with the model's 
 tokenized with its tokenizer exactly as data.name=chat with data.loss_on=completion renders and
 tokenizes it (engine/data/conversations.py, engine/data/chat_data.py): its loss mask is 1 on the
 response's tokens (the template's span of the response: its content and end-of-turn, not the role
-header), 0 on the prompt's. The split's arrays are [pairs, 2, seq_len + 1] (index 0 the chosen
-side, 1 the rejected), each row one side right-padded: `tokens`, `segments` (1 on real tokens,
+header), 0 on the prompt's. In TRL's standard format (data.format=standard, or a model without a
+chat template: engine/data/chat_data.py), the fields are strings only and each side is their
+plain text, prompt + response + the tokenizer's end-of-text token, with the tokenizer's special
+tokens (BOS) added. The split's arrays are [pairs, 2, seq_len + 1] (index 0 the chosen side, 1
+the rejected), each row one side right-padded: `tokens`, `segments` (1 on real tokens,
 0 on padding) and `positions` (0, 1, ... on real tokens) int32, `loss_mask` uint8. Nothing is
 packed: the pipeline batches, shuffles and shards the pairs along their first axis as any arrays.
 
@@ -27,13 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from engine.data.base import Dataset
 from engine.data.chat_data import held_out, model_text, token_mask, tokenized_dataset
-from engine.data.conversations import Conversation, as_messages, json_records, loss_spans
+from engine.data.conversations import Conversation, PlainText, as_messages, json_records, loss_spans
 from engine.errors import UsageError
 from engine.lm.chat import Renderer
 
@@ -83,27 +86,28 @@ def preferences(cfg) -> Dataset:
     """Preference pairs of JSON Lines (data.path; data.eval_path, or data.eval_fraction of
     data.path held out), rendered, tokenized and fitted (see the module's docstring)."""
     tokenizer_file, tokenizer, render = model_text(cfg)
-    train = read_pairs(Path(cfg.path).expanduser(), "data.path")
+    standard = isinstance(render, PlainText)  # TRL's standard format: strings as plain text
+    train = read_pairs(Path(cfg.path).expanduser(), "data.path", standard)
     if cfg.eval_path:
-        held = read_pairs(Path(cfg.eval_path).expanduser(), "data.eval_path")
+        held = read_pairs(Path(cfg.eval_path).expanduser(), "data.eval_path", standard)
     else:
         train, held = held_out(train, cfg.eval_fraction, cfg.path, "preference pair")
     build = lambda part: _examples(part, render, tokenizer, cfg)  # noqa: E731
-    return tokenized_dataset((train, held), build, tokenizer_file, tokenizer, cfg)
+    return tokenized_dataset((train, held), build, tokenizer_file, tokenizer, cfg, render)
 
 
-def read_pairs(path: Path, key: str) -> list[Pair]:
+def read_pairs(path: Path, key: str, standard: bool = False) -> list[Pair]:
     """The pairs of a JSON Lines file (blank lines skipped); UsageError naming the file, the line
     and the field for the first bad one, and for a file that holds none."""
     if not path.is_file():
         raise UsageError(f"{key}={path} is not a file; give {FORMAT}")
-    pairs = [_pair(record, where) for where, record in json_records(path, FORMAT)]
+    pairs = [_pair(record, where, standard) for where, record in json_records(path, FORMAT)]
     if not pairs:
         raise UsageError(f"{key}={path} holds no preference pairs; give {FORMAT}")
     return pairs
 
 
-def _pair(record: Any, where: str) -> Pair:
+def _pair(record: Any, where: str, standard: bool) -> Pair:
     if not isinstance(record, dict):
         raise UsageError(f"{where}: a JSON {type(record).__name__}, not an object; {FORMAT}")
     parts: dict[str, list[dict]] = {}
@@ -116,7 +120,7 @@ def _pair(record: Any, where: str) -> Pair:
                 f'{where}: "{field}" is a JSON {type(value).__name__}; give a string or a list of '
                 '{"role": ..., "content": ...} messages'
             )
-        parts[field] = as_messages(value, field, role, where)
+        parts[field] = as_messages(value, field, role, where, standard)
         if field in SIDES and not any(message["content"].strip() for message in parts[field]):
             raise UsageError(f'{where}: "{field}" is empty; give the response\'s text (or leave the pair out)')
     if parts["chosen"] == parts["rejected"]:
@@ -127,13 +131,13 @@ def _pair(record: Any, where: str) -> Pair:
     return Pair(where, parts["prompt"], parts["chosen"], parts["rejected"])
 
 
-def _examples(pairs: list[Pair], render: Renderer, tokenizer, cfg) -> tuple[dict, Counts]:
+def _examples(pairs: list[Pair], render: Union[Renderer, PlainText], tokenizer, cfg) -> tuple[dict, Counts]:
     """The pairs as [pairs, 2, seq_len + 1] arrays, and what happened to them."""
     window = cfg.seq_len + 1
     for pair in pairs:  # a role the template refuses in the prompt: said of the prompt, not of a side
         render(pair.prompt, add_generation_prompt=True, where=f"{pair.where}: prompt: ")
     rendered = [loss_spans(render, side, "completion") for pair in pairs for side in pair.sides()]
-    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
+    encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=render.special_tokens)
     sides = [
         (np.asarray(encoding.ids, np.int64), token_mask(encoding.offsets, spans))
         for (_, spans), encoding in zip(rendered, encodings)

@@ -9,8 +9,6 @@ inside the template) becomes one UsageError naming the template's file."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import re
 import signal
 import threading
@@ -23,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
 from engine.errors import UsageError
+from engine.lm.chat_files import CONFIG_FILE, JINJA_FILE, ChatTemplate, read_chat_template, short
 from engine.lm.template_clock import strftime_now
 
 # Bounds on one render (one conversation). Real chat templates stay far below each of them: a
@@ -33,19 +32,20 @@ MAX_ITERATIONS = 1_000_000  # loop iterations of all the render's {% for %} loop
 RENDER_SECONDS = 5.0  # wall clock, checked at every loop iteration, call and output chunk
 ALARM_SLACK_SECONDS = 1.0  # then SIGALRM stops a render that runs where no check does (main thread only)
 MEMORY_BYTES = 1 << 30  # address space a render may add to the process (RLIMIT_AS, where the OS has it)
+# Bounds on the renders of one record of training data (engine/data/conversations.py renders a
+# record whole and its prefixes, to find the spans the loss covers: two prefixes per assistant
+# message). Each render's loop iterations are bounded by what it renders (a real template loops
+# over the messages a few times, and over a message's parts or lines): 1,000, and 100 a message,
+# and 1 a character of the messages' content; and all of a record's renders together:
+RENDER_BASE_ITERATIONS, RENDER_MESSAGE_ITERATIONS = 1_000, 100
+RECORD_ITERATIONS = 4_000_000  # loop iterations
+RECORD_OUTPUT_CHARS = 1 << 28  # characters written (256 Mi)
+RECORD_SECONDS = 10.0  # wall clock
+# Bounds on the files a template is read from, checked by their size before a byte is read
+# (engine/lm/tokenizer.py: MAX_TEMPLATE_BYTES, 1 MiB, and MAX_CONFIG_BYTES, 16 MiB, for tokenizer_config.json)
 
-JINJA_FILE = "chat_template.jinja"  # transformers 5 keeps the template apart from tokenizer_config.json
-CONFIG_FILE = "tokenizer_config.json"
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # what import-hf renders once to check a template it keeps (sample --chat's shape of conversation)
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello!"}]
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTemplate:
-    text: str  # the Jinja source
-    source: str  # where it was read, for messages: a file, or a key of a file
-    special: dict[str, str]  # bos_token, eos_token, ...: the text tokenizer_config.json gives
 
 
 class _Exceeded(Exception):
@@ -69,19 +69,60 @@ def _refuse(message: str) -> None:
     raise _Refused(message)
 
 
-class _Budget:
-    """What one render may still spend: loop iterations and time."""
+_RECORD = "for one record (all the renders that find its trained spans together)"
+CLOCK_EVERY = 64  # output chunks between two looks at the clock (loops and calls look at every step)
+
+
+class _RecordBudget:
+    """What all the renders of one record may still spend together: loop iterations, output and time."""
 
     def __init__(self) -> None:
-        self.iterations = MAX_ITERATIONS
+        self.iterations = RECORD_ITERATIONS
+        self.chars = RECORD_OUTPUT_CHARS
+        self.deadline = time.monotonic() + RECORD_SECONDS
+
+
+class _Budget:
+    """What one render may still spend: loop iterations and time, and its record's share (if any)."""
+
+    def __init__(self, record: Optional[_RecordBudget] = None, messages: Any = ()) -> None:
+        self.allowed, self.what = MAX_ITERATIONS, "(all loops together)"
+        if record is not None:  # a render of a record's: bounded by what it renders too
+            sizes = [
+                len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 0 for m in messages
+            ]
+            allowed = RENDER_BASE_ITERATIONS + RENDER_MESSAGE_ITERATIONS * len(sizes) + sum(sizes)
+            if allowed < MAX_ITERATIONS:
+                self.allowed = allowed
+                self.what = (
+                    f"to render {len(sizes):,} message(s) of {sum(sizes):,} characters (a render of training data may "
+                    f"run {RENDER_BASE_ITERATIONS:,}, {RENDER_MESSAGE_ITERATIONS} a message and 1 a character)"
+                )
+        self.iterations = self.allowed
         self.deadline = time.monotonic() + RENDER_SECONDS
+        self.record = record
 
     def spend(self, iterations: int = 0) -> None:
         self.iterations -= iterations
         if self.iterations < 0:
-            raise _Exceeded(f"runs more than {MAX_ITERATIONS:,} loop iterations (all loops together)")
-        if time.monotonic() > self.deadline:
+            raise _Exceeded(f"runs more than {self.allowed:,} loop iterations {self.what}")
+        now = time.monotonic()
+        if now > self.deadline:
             raise _Alarm(f"takes longer than {RENDER_SECONDS:g} s to render")
+        record = self.record
+        if record is not None:
+            record.iterations -= iterations
+            if record.iterations < 0:
+                raise _Exceeded(f"runs more than {RECORD_ITERATIONS:,} loop iterations {_RECORD}")
+            if now > record.deadline:
+                raise _Exceeded(f"takes longer than {RECORD_SECONDS:g} s {_RECORD}")
+
+    def wrote(self, chars: int) -> None:
+        """A render's output counted against its record's."""
+        if self.record is not None:
+            self.record.chars -= chars
+            if self.record.chars < 0:
+                raise _Exceeded(f"writes more than {RECORD_OUTPUT_CHARS:,} characters {_RECORD}")
 
 
 def _check_size(size: int, what: str) -> None:
@@ -152,6 +193,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.globals.update(raise_exception=_refuse, strftime_now=strftime_now)
         del self.globals["lipsum"]  # Jinja's placeholder text generator: no template needs it, lipsum(10 ** 9) hangs
         self.budget = _Budget()
+        self.record: Optional[_RecordBudget] = None  # the record whose renders share RECORD_* bounds, if any
 
     def _parse(self, source: str, name: Optional[str], filename: Optional[str]) -> nodes.Template:
         tree = _BoundedLoops().visit(super()._parse(source, name, filename))
@@ -181,6 +223,8 @@ class Renderer:
     """A chat template compiled once, rendering one conversation per call within the bounds; each
     fault is a UsageError naming `where` (if given), the template's file, the fault and `fix`."""
 
+    special_tokens = False  # the tokenizer adds no special tokens to the text: the template writes them
+
     def __init__(self, template: ChatTemplate, fix: str) -> None:
         self.template, self.fix = template, fix
         self.env = BoundedEnvironment()
@@ -192,7 +236,7 @@ class Renderer:
     ) -> Optional[str]:
         """`messages` rendered (as transformers' apply_chat_template(..., add_generation_prompt)
         renders them); with `allow_refusal`, None where the template's own raise_exception() refuses them."""
-        with self._faults(where, allow_refusal), _bounded(self.env):
+        with self._faults(where, allow_refusal), _bounded(self.env, messages):
             chunks = self.compiled.generate(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self.template.special
             )
@@ -200,9 +244,22 @@ class Renderer:
         return None  # the template refused them, which `allow_refusal` allows
 
     @contextlib.contextmanager
+    def record(self, where: str) -> Iterator[None]:
+        """The renders inside share one record's bounds (RECORD_ITERATIONS, RECORD_OUTPUT_CHARS,
+        RECORD_SECONDS) besides each render's own, and one set of backstops (alarm, address space)."""
+        self.env.record = _RecordBudget()
+        try:
+            with self._faults(where), _backstops(RECORD_SECONDS, f"takes longer than {RECORD_SECONDS:g} s {_RECORD}"):
+                yield
+        finally:
+            self.env.record = None
+
+    @contextlib.contextmanager
     def _faults(self, where: str, allow_refusal: bool = False) -> Iterator[None]:
         try:
             yield
+        except UsageError:  # (said already, by a render inside a record, or by the code between renders)
+            raise
         except (Exception, _Alarm) as e:  # a template is code: whatever it raises is its fault, said in one line
             if allow_refusal and isinstance(e, _Refused):
                 return
@@ -228,13 +285,16 @@ def render_chats(
 
 def _joined(chunks: Iterator[str], budget: _Budget) -> str:
     """The rendered text, refused once it passes MAX_OUTPUT_CHARS."""
-    out, size = [], 0
+    out: list[str] = []
+    size = 0
     for chunk in chunks:
         size += len(chunk)
         if size > MAX_OUTPUT_CHARS:
             raise _Exceeded(f"writes more than {MAX_OUTPUT_CHARS:,} characters")
-        budget.spend()
         out.append(chunk)
+        if len(out) % CLOCK_EVERY == 0:
+            budget.spend()
+    budget.wrote(size)
     return "".join(out)
 
 
@@ -245,44 +305,50 @@ def _fault(error: BaseException) -> str:
     if isinstance(error, _Forbidden):
         return f"{error.message}; a chat template must be one self-contained file"
     if isinstance(error, _Refused):
-        return f"refused the messages: {_short(error.message)}"
+        return f"refused the messages: {short(error.message)}"
     if isinstance(error, TemplateSyntaxError):
-        return f"is not valid Jinja (line {error.lineno}: {_short(error.message)})"
+        return f"is not valid Jinja (line {error.lineno}: {short(error.message)})"
     if isinstance(error, RecursionError):
         return "recurses without end (a macro or a recursive loop that keeps calling itself)"
     if isinstance(error, MemoryError):
         return f"needs more than {MEMORY_BYTES / 2**30:g} GiB of memory"
-    return f"fails with {type(error).__name__}: {_short(error)}"
-
-
-def _short(text: Any) -> str:
-    """`text` on one line, cut at 200 characters."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= 200 else line[:200] + "..."
+    return f"fails with {type(error).__name__}: {short(error)}"
 
 
 @contextlib.contextmanager
-def _bounded(env: BoundedEnvironment) -> Iterator[None]:
-    """A fresh budget for one render, with two backstops for what its checks cannot see: an alarm
-    (in the main thread, where no other timer runs) and a limit on the process's address space."""
-    env.budget = _Budget()
-    with contextlib.ExitStack() as undo:
-        undo.enter_context(_address_space(MEMORY_BYTES))  # first: restored after the alarm is off, never by it
-        main = threading.current_thread() is threading.main_thread()
-        if main and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
-            undo.enter_context(_alarm(RENDER_SECONDS + ALARM_SLACK_SECONDS))
+def _bounded(env: BoundedEnvironment, messages: Any = ()) -> Iterator[None]:
+    """A fresh budget for one render (of `messages`), with its backstops (those of its record,
+    where it is one of a record's renders: Renderer.record)."""
+    env.budget = _Budget(env.record, messages)
+    if env.record is not None:
+        yield
+        return
+    with _backstops(RENDER_SECONDS, f"takes longer than {RENDER_SECONDS:g} s to render"):
         yield
 
 
 @contextlib.contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
-    """_Alarm raised in the main thread after `seconds`: a render spending its time where no
-    budget check runs (one long operation inside a loop's step) is still stopped."""
+def _backstops(seconds: float, message: str) -> Iterator[None]:
+    """Two backstops for what a budget's checks cannot see: an alarm ringing `seconds` (and
+    ALARM_SLACK_SECONDS) from now with `message`, in the main thread where no other timer runs,
+    and a limit on the process's address space."""
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(_address_space(MEMORY_BYTES))  # first: restored after the alarm is off, never by it
+        main = threading.current_thread() is threading.main_thread()
+        if main and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+            undo.enter_context(_alarm(seconds + ALARM_SLACK_SECONDS, message))
+        yield
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float, message: str) -> Iterator[None]:
+    """_Alarm(`message`) raised in the main thread after `seconds`: a render spending its time where
+    no budget check runs (one long operation inside a loop's step) is still stopped."""
     ringing = [True]
 
     def ring(signum: int, frame: Any) -> None:
         if ringing[0]:
-            raise _Alarm(f"takes longer than {RENDER_SECONDS:g} s to render")
+            raise _Alarm(message)
 
     previous = signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -319,70 +385,6 @@ def _address_space(extra: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-def read_chat_template(directory: Path) -> Optional[ChatTemplate]:
-    """The chat template kept in `directory` (a workdir, or a Hugging Face directory):
-    chat_template.jinja where it has one (transformers 5), else tokenizer_config.json's
-    chat_template; None where there is none; UsageError for a file that cannot be read."""
-    config = _tokenizer_config(directory / CONFIG_FILE)
-    special = {key: _token_text(config.get(key)) for key in SPECIAL_TOKENS}
-    jinja = directory / JINJA_FILE
-    if jinja.is_file():
-        try:
-            text = jinja.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(
-                f"{jinja} cannot be read as UTF-8 text ({_short(e)}); save the chat template as UTF-8"
-            ) from None
-        if text:
-            return ChatTemplate(text, str(jinja), special)
-    configured = _configured(config.get("chat_template"), directory / CONFIG_FILE)
-    return ChatTemplate(configured, f"{directory / CONFIG_FILE} (chat_template)", special) if configured else None
-
-
-def _tokenizer_config(path: Path) -> dict:
-    """tokenizer_config.json's settings ({} where there is no file); UsageError unless it is a JSON object."""
-    if not path.is_file():
-        return {}
-    fix = "write it as transformers does (a JSON object of the tokenizer's settings), or remove it"
-    try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise UsageError(f"{path} is not valid JSON ({_short(e)}); {fix}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path} holds a JSON {_json_kind(config)}, not an object; {fix}")
-    return config
-
-
-def _configured(template: Any, path: Path) -> Optional[str]:
-    """tokenizer_config.json's chat_template: a string, or a list of named templates of which
-    the one named "default" is used (as transformers does)."""
-    if template is None or isinstance(template, str):
-        return template
-    form = 'a string, or a list of {"name": ..., "template": ...} entries of strings'
-    if not isinstance(template, list):
-        raise UsageError(f"{path}: chat_template is a JSON {_json_kind(template)}; it must be {form}")
-    for entry in template:
-        if not (isinstance(entry, dict) and all(isinstance(entry.get(key), str) for key in ("name", "template"))):
-            raise UsageError(f"{path}: chat_template holds {_short(json.dumps(entry))[:80]}; it must be {form}")
-    named = {entry["name"]: entry["template"] for entry in template}
-    if "default" not in named:
-        names = _short(", ".join(map(repr, named)) or "none")
-        raise UsageError(f'{path}: chat_template names no "default" template (it names {names}); rename the one to use')
-    return named["default"]
-
-
-def _json_kind(value: Any) -> str:
-    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return kinds.get(type(value), "number")
-
-
-def _token_text(token: Any) -> str:
-    """A special token as tokenizer_config.json gives it: a string, or {"content": ...}."""
-    if isinstance(token, dict):
-        return str(token.get("content", ""))
-    return token if isinstance(token, str) else ""
 
 
 def chat_prompts(work: Path, texts: list[str], system: str = "") -> list[str]:

@@ -30,6 +30,54 @@ END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>"
 # special tokens, chat template, generation settings, context length and eos ids); a run that
 # starts from that workdir's weights gets a copy (carry_model_files), so its readers find them
 MODEL_FILES = (TOKENIZER, *TOKENIZER_COMPANIONS, HF_CONFIG)
+# the most a tokenizer.json may hold, checked by its size before it is read (the largest published
+# ones are tens of MiB: Gemma 3's, of 262,144 tokens, is 33 MiB); a larger one is refused, not parsed
+MAX_TOKENIZER_BYTES = 128 << 20
+MAX_CONFIG_BYTES = 16 << 20  # tokenizer_config.json (with its added tokens), config.json, generation_config.json
+MAX_TEMPLATE_BYTES = 1 << 20  # chat_template.jinja, and tokenizer_config.json's chat_template (1 MiB)
+
+
+def check_size(path: Path, limit: int, what: str) -> None:
+    """UsageError when the file at `path` holds more than `limit` bytes (its size, from a stat:
+    nothing of it is read). `what`: the file's kind, said in the message."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size > limit:
+        raise UsageError(
+            f"{path} holds {size:,} bytes, more than the {limit:,} ({limit / 2**20:g} MiB) a {what} may hold; "
+            "give the model's own file (this one is damaged, or not what its name says)"
+        )
+
+
+def check_model_files(directory: Path) -> None:
+    """check_size for each of the model files (MODEL_FILES) in `directory`: each refused by its size
+    before any of them is read."""
+    bounds = {TOKENIZER: MAX_TOKENIZER_BYTES, "chat_template.jinja": MAX_TEMPLATE_BYTES}
+    for name in MODEL_FILES:
+        check_size(directory / name, bounds.get(name, MAX_CONFIG_BYTES), name)
+
+
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of the file at `path`, refused (check_size) when it holds more than `limit`; at
+    most `limit` + 1 bytes are read, whatever the file does between the stat and the read."""
+    check_size(path, limit, what)
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        check_size(path, limit, what)  # (it grew: said as of now)
+        raise UsageError(f"{path} holds more than the {limit:,} bytes a {what} may hold; give the model's own file")
+    return data
+
+
+def load_tokenizer_file(path: Path, fix: str, where: str = ""):
+    """The tokenizers.Tokenizer of `path`, its size checked first (MAX_TOKENIZER_BYTES); UsageError
+    naming `where` (a key), the file and `fix` for a file tokenizers cannot read."""
+    from tokenizers import Tokenizer
+
+    check_size(path, MAX_TOKENIZER_BYTES, "tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise UsageError(f"{where}{path} is not a readable Hugging Face tokenizers file ({e}); {fix}") from None
 
 
 def run_tokenizer(work: Path, info) -> Optional[Path]:
@@ -74,14 +122,7 @@ def model_tokenizer_file(workdir: Path, base: Optional[Path]) -> Path:
 
 def canonical(path: Path) -> str:
     """The tokenizer in `path` as `tokenizers` writes it; UsageError for a file it cannot read."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path)).to_str()
-    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
-        raise UsageError(
-            f"{path} is not a readable tokenizers file ({e}); put the model's tokenizer.json there"
-        ) from None
+    return load_tokenizer_file(path, "put the model's tokenizer.json there").to_str()
 
 
 def check_data_tokenizer(model_tokenizer: Path, info, where: str = "data") -> None:
@@ -112,8 +153,6 @@ def check_config_data(model_tokenizer: Path, data) -> None:
     tokenized: import-hf leaves that to the first training run, which checks a corpus's own
     tokenizer): byte-level text, or the standard library (python_source) tokenized by another
     tokenizer, or by one without an end-of-text token to end each module with."""
-    from tokenizers import Tokenizer
-
     where = f"data (data.name={data.name})"
     if data.name == "text" or (data.name == "python_source" and data.tokenizer == "bytes"):
         _check_ids(model_tokenizer, "bytes", "", where)
@@ -126,7 +165,8 @@ def check_config_data(model_tokenizer: Path, data) -> None:
         )
     path = str(Path(data.tokenizer).expanduser())
     _check_ids(model_tokenizer, "tokenizer", path, where)
-    if not any(Tokenizer.from_file(path).token_to_id(token) is not None for token in END_OF_TEXT):
+    tokenizer = load_tokenizer_file(Path(path), f"set data.tokenizer to the model's ({model_tokenizer})")
+    if not any(tokenizer.token_to_id(token) is not None for token in END_OF_TEXT):
         raise UsageError(
             f"{data.tokenizer} has none of the end-of-text tokens {list(END_OF_TEXT)} that {where} ends each "
             f"module with; tokenize your text with the end token of your choice (python launch.py tokenize --input "
@@ -143,7 +183,7 @@ def eos_ids(work: Path, tokenizer) -> list[int]:
         path = work / name
         if path.is_file():
             try:
-                settings = json.loads(path.read_text(encoding="utf-8"))
+                settings = json.loads(read_bounded(path, MAX_CONFIG_BYTES, name).decode("utf-8"))
             except (UnicodeDecodeError, ValueError) as e:
                 raise UsageError(
                     f"{path} is not valid JSON ({e}); import the model again, or remove the file"
