@@ -142,3 +142,12 @@ def test_an_oversized_template_or_tokenizer_file_is_refused_by_its_size_before_i
     with pytest.raises(UsageError, match=rf"{name} holds {bound + 1:,} bytes, more than the {bound:,} \("):
         chat_data(tmp_path, huge, RECORDS[1:3])
     assert not [path for path in opened if path.startswith(str(huge))]
+
+
+def test_tokenize_refuses_an_oversized_tokenizer_json_by_its_size(tmp_path):
+    from engine.data.pretokenize import load_tokenizer
+
+    with open(tmp_path / "tokenizer.json", "wb") as f:
+        f.truncate(MAX_TOKENIZER_BYTES + 1)  # (sparse: nothing is written, nor read)
+    with pytest.raises(UsageError, match=rf"tokenizer.json holds {MAX_TOKENIZER_BYTES + 1:,} bytes, more than the"):
+        load_tokenizer(str(tmp_path))

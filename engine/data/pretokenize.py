@@ -36,7 +36,7 @@ from engine.data.input_checks import check_inputs
 from engine.data.shards import ShardWriter
 from engine.data.tokens import FORMAT, manifest_digest
 from engine.errors import UsageError
-from engine.lm.tokenizer import END_OF_TEXT
+from engine.lm.tokenizer import END_OF_TEXT, MAX_TOKENIZER_BYTES, check_size
 from engine.runtime.rundir import LOCK, WorkdirLock, write_json
 from engine.runtime.watchdog import Heartbeat
 
@@ -88,6 +88,7 @@ def load_tokenizer(spec: str):
             f"--tokenizer {spec}: no such tokenizer.json; give a Hugging Face tokenizer.json (what "
             "transformers models ship) or bpe:N to train a byte-level BPE of N tokens on the input"
         )
+    check_size(path, MAX_TOKENIZER_BYTES, "tokenizer.json")  # before it is read
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception type for a malformed file

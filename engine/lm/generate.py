@@ -18,7 +18,7 @@ from engine.checkpoint.store import restore_newest
 from engine.data.recorded import recorded_shape
 from engine.errors import UsageError
 from engine.lm import finetune
-from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, run_tokenizer
+from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, load_tokenizer_file, run_tokenizer
 from engine.plan.hlo import human_bytes
 from engine.run.setup import build_run, device_memory_bytes
 from engine.run.step import model_variables
@@ -215,15 +215,13 @@ def _codec(work: Path, info):
     if info.text_codec != "tokenizer":
         encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
         return None, 256, "UTF-8 bytes", encode, lambda ids: bytes(ids).decode("utf-8", errors="replace")
-    from tokenizers import Tokenizer
-
     path = run_tokenizer(work, info)
     if path is None:
         raise UsageError(
             f"{work} has no tokenizer.json and its corpus's ({info.tokenizer}) is gone; copy the "
             f"corpus's tokenizer.json into {work}"
         )
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = load_tokenizer_file(path, f"copy the model's tokenizer.json into {work}")  # (its size checked first)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     return tokenizer, tokenizer.get_vocab_size(), str(path), encode, decode
