@@ -192,6 +192,8 @@ def test_only_a_lost_process_restarts_the_job():
     # process 1 SIGKILLed, its exit seen after process 0's abort (the coordination service missed it): 1 is lost
     assert lost([(0, -6, 5.0), (1, -9, 5.9)], 2, hung=[]) == ([(1, -9, 5.9)], "")
     assert lost([(0, -6, 5.0), (2, -6, 5.0), (1, -9, 6.2)], 3, hung=[]) == ([(1, -9, 6.2)], "")
+    # process 2 failed on its own (a traceback; it exits at once now), process 0 aborted a moment later
+    assert lost([(2, 1, 5.0), (0, -6, 5.2)], 4, hung=[]) == ([(2, 1, 5.0)], "")
 
 
 @pytest.mark.nocompile

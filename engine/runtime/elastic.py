@@ -169,11 +169,13 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
     signal n) among `processes`, and the processes whose watchdog's hang file appeared (`hung`, the
     likeliest culprit first). A hung process is the one lost, ahead of a signal that comes with its
     exit (a peer's SIGABRT once the coordination service misses it may arrive first). Else a lost
-    process is one killed by a signal (not SIGTERM, a stop's) at the first failure's moment
-    (AT_ONCE: a signal later is a consequence; a SIGABRT beside another signal is a peer's abort when
-    process 0, the coordination service's host, is lost), else the first failure when only a strict subset
-    failed on its own while the others went on (as a lost host's peers wait in a collective until
-    stopped), or when the others died of its consequences. When every process exited with an
+    process is one killed by another signal than SIGABRT and SIGTERM (a stop's) within
+    ABORT_SETTLE_SECONDS of the first failure (the SIGABRTs seen before it are its peers' aborts, once
+    the coordination service or a collective lost it), with those of its moment (AT_ONCE); else the
+    first SIGABRT when one came first (at the first failure's moment); else the first failure when
+    only a strict subset failed on its own while the others went on (as a lost host's peers wait in a
+    collective until stopped), or when the others died of its consequences (a SIGABRT after an exit
+    code is the exit's consequence). When every process exited with an
     error code on its own, the failure is the job's (a NaN stop, a bug, a bad input): a restart
     would meet it again."""
     if not seen:
@@ -189,7 +191,7 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
     primary = [f for f in signalled if -f[1] != signal.SIGABRT and f[2] <= seen[0][2] + ABORT_SETTLE_SECONDS + AT_ONCE]
     if primary:
         return [failure for failure in primary if failure[2] <= primary[0][2] + AT_ONCE], ""
-    if killed:  # (SIGABRTs alone: the first)
+    if killed and seen[0][1] < 0:  # (SIGABRTs alone: the first; after an exit code, they are its consequence)
         return killed[:1], ""
     if signalled or len({index for index, _, _ in seen}) < processes:
         return seen[:1], ""
