@@ -43,6 +43,16 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_resumes(make_config, t
     assert [step for step, _ in jsonl_scalars(workdir, "eval", "loss")] == [10, 20, 30]
 
 
+def test_a_rerun_that_finds_no_checkpoint_says_it_starts_again_from_step_0(make_config, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    args = ["mesh.num_devices=1", "train.steps=2", "eval.every_steps=0", "log.every_steps=1"]
+    fit(make_config("mnist_mlp.yaml", *args, workdir=workdir))
+    assert "starting again" not in capsys.readouterr().out  # a first run: nothing to say
+    shutil.rmtree(workdir / "checkpoints")  # as if killed before its first save
+    fit(make_config("mnist_mlp.yaml", *args, workdir=workdir))
+    assert f"no checkpoint in {workdir / 'checkpoints'}: starting again from step 0" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(make_config, tmp_path):
     """Before: without repeating training's train.steps=20 the watcher waited silently for the

@@ -14,6 +14,7 @@ from test_llama import TINY, ours_from_hf_dir, write_hf_checkpoint
 from test_tokens import tokenized_corpus
 
 from conftest import run_cli
+from engine.config import load_config
 from engine.data import DataInfo
 from models import REGISTRY, sampling
 from models.llama import LlamaConfig
@@ -49,6 +50,8 @@ def test_import_keeps_the_tokenizer_and_sample_decodes_with_it(imported, tmp_pat
     hf, work, tokenizer, _ = imported
     assert (work / "tokenizer.json").is_file() and (work / "tokenizer_config.json").is_file()
     assert (work / "config.yaml").read_text().count(str(work / "tokenizer.json")) == 1  # data reads the model's
+    saved = load_config(work / "config.yaml").checkpoint.every_steps  # a kill of its training loses a tenth at most
+    assert saved == load_config(work / "config.yaml").train.steps // 10 == 100
     prompt = "alpha beta gamma"
     cache = tmp_path / "cache"  # empty: sampling reads no training data, tokenizes and caches nothing
     proc = run_cli(

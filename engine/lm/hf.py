@@ -214,6 +214,8 @@ def _import_hf(hf_path: Path, work: Path, config: str | None, overrides: Sequenc
     # tokenized with the model's own tokenizer where the directory has one (by the first training run)
     data = [] if config else ["data.name=python_source", *([f"data.tokenizer={tokenizer}"] if tokenizer else [])]
     cfg = load_config(config or CONFIG_DIR / "base.yaml", [*data, *model_overrides, *overrides], str(work))
+    if not config and not any(o.startswith("checkpoint.every_steps=") for o in overrides):
+        cfg = _saving_periodically(cfg)
     if tokenizer is not None:  # data of another tokenizer (or bytes) would train the model on ids it reads otherwise
         check_config_data(tokenizer, cfg.data)
     run = build_run(_reading_no_data(cfg, model.get("vocab_size")), compile_train=False)
@@ -246,6 +248,15 @@ def _import_shape(stand_in, work: Optional[Path]) -> str:
     codec = {"text_codec": "tokenizer", "tokenizer": str((work / TOKENIZER).absolute())} if work else {}
     info = dataclasses.replace(stand_in.info, **(codec or {"text_codec": "bytes", "tokenizer": ""}))
     return shape_record(info, example_spec(stand_in.train), example_spec(stand_in.eval)) + "\n"
+
+
+def _saving_periodically(cfg):
+    """cfg saving a checkpoint every tenth of train.steps (at a multiple of log.every_steps where
+    that fits): a kill of the first fine-tuning run loses at most a tenth of it."""
+    tenth = max(cfg.train.steps // 10, 1)
+    unit = cfg.log.every_steps if tenth >= cfg.log.every_steps else 1
+    every = max(tenth // unit * unit, 1)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=every))
 
 
 def _reading_no_data(cfg, vocab: Optional[int]):

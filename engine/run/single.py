@@ -32,6 +32,7 @@ from engine.run.step import FROZEN, REFERENCE
 from engine.runtime.distributed import barrier
 from engine.runtime.elastic import job_so_far
 from engine.runtime.preemption import Preempted, starting
+from engine.runtime.rundir import METRICS
 from engine.runtime.watchdog import Watchdog
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
@@ -232,6 +233,8 @@ def initial_state(run: Run, checkpointer: Checkpointer):
         _say(f"starting from {cfg.checkpoint.restore_from} at step {restored.step}")
     elif restored is not None:
         _say(f"resuming from step {restored.step} ({restored.meta['restored_from']})")
+    elif (Path(cfg.workdir) / METRICS).is_file():  # an earlier attempt here saved no checkpoint (killed before one)
+        _say(f"no checkpoint in {Path(cfg.workdir) / 'checkpoints'}: starting again from step 0")
     state, start, meta = (restored.state, restored.step, restored.meta) if restored else (run.init_state(), 0, {})
     if restored is None and checkpointer.base is not None:  # a fresh fine-tuning run: its frozen base
         state = with_frozen(state, load_base(checkpointer.base, run.abstract_state.model_state[FROZEN]))
