@@ -479,6 +479,28 @@ def test_a_small_corpus_holds_out_one_document_and_symlinked_files_count_once(tm
 
 
 @pytest.mark.nocompile
+def test_a_corpus_of_one_text_file_holds_out_the_end_of_its_text(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    one = tmp_path / "book.txt"
+    one.write_text(_text(np.random.default_rng(3), 3000))
+    out = tmp_path / "tokens"
+    manifest = tokenize([str(one)], str(out), "bpe:300", eval_fraction=0.1, progress=False)
+    said = capsys.readouterr().out
+    splits = manifest["splits"]
+    ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(one.read_text(), add_special_tokens=False).ids
+    held = -(-len(ids) // 10)  # a tenth of its tokens, rounded up
+    assert (splits["train"]["tokens"], splits["eval"]["tokens"]) == (len(ids) - held + 1, held + 1)  # (+ eod each)
+    assert splits["train"]["bytes"] + splits["eval"]["bytes"] == one.stat().st_size
+    assert f"holds out its last {held:,} of {len(ids):,} tokens" in said, said
+    read = {split: np.fromfile(out / f"{split}-00000.tokens", manifest["dtype"]) for split in ("train", "eval")}
+    eod = manifest["eod_id"]
+    assert [*read["train"][:-1], *read["eval"][:-1]] == ids and read["train"][-1] == read["eval"][-1] == eod
+    cfg = DataConfig(name="tokens", path=str(out), seq_len=16)
+    assert len(load_dataset(cfg).eval) > 0  # a run has held-out windows to evaluate
+
+
+@pytest.mark.nocompile
 def test_a_changed_manifest_or_shard_is_refused_by_name(tmp_path):
     corpus = tokenized_corpus(tmp_path, seed=2, documents=12)
     manifest = corpus / "manifest.json"

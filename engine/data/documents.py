@@ -5,6 +5,7 @@ JSON Lines records, Parquet rows and the rows of a Hugging Face `datasets` direc
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -320,3 +321,28 @@ def first_bytes(texts: Iterator[str], limit: int) -> Iterator[str]:
         size += len(text)
         if limit and size >= limit:
             return
+
+
+def split_one_document(text: str, tokenizer, eod: int, fraction: float, writers: dict, text_bytes: dict) -> int:
+    """A corpus of one document (one text file, one line): held-out documents would be none or all
+    of it, so its last `fraction` of tokens (one at least) is held out instead, each part ending
+    with `eod`, and `text_bytes` counts each part's own bytes; says so. → the tokens written."""
+    encoding = tokenizer.encode(text, add_special_tokens=False)  # (with offsets: where the parts meet)
+    ids = list(encoding.ids)
+    held = min(max(math.ceil(len(ids) * fraction), 1), len(ids) - 1)
+    if held < 1:  # (one token cannot be split: it trains, and nothing is held out)
+        writers["train"].add([*ids, eod])
+        text_bytes["train"] += len(text.encode("utf-8"))
+        return len(ids) + 1
+    cut = len(ids) - held
+    char = encoding.offsets[cut][0]  # where the held-out tokens start in the text
+    writers["train"].add([*ids[:cut], eod])
+    writers["eval"].add([*ids[cut:], eod])
+    text_bytes["train"] += len(text[:char].encode("utf-8"))
+    text_bytes["eval"] += len(text[char:].encode("utf-8"))
+    print(
+        f"tokenize: the corpus is one document, so --eval-fraction {fraction} holds out its last {held:,} of "
+        f"{len(ids):,} tokens (the end of its text, not a whole document) for evaluation",
+        flush=True,
+    )
+    return len(ids) + 2

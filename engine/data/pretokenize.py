@@ -31,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from engine.data.documents import batches, documents, first_bytes, input_files, with_last
+from engine.data.documents import batches, documents, first_bytes, input_files, split_one_document, with_last
 from engine.data.input_checks import check_inputs
 from engine.data.shards import ShardWriter
 from engine.data.tokens import FORMAT, manifest_digest
@@ -407,7 +407,10 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
                     "less than one; the last document is held out for evaluation",
                     flush=True,
                 )
-            for text, encoding, to_eval in zip(batch, encoded, is_eval):
+            one = last and index == 0 and len(batch) == 1 and settings.eval_fraction > 0  # the corpus's only document
+            if one:
+                new_tokens += split_one_document(batch[0], tokenizer, eod, settings.eval_fraction, writers, text_bytes)
+            for text, encoding, to_eval in [] if one else zip(batch, encoded, is_eval):
                 ids = encoding.ids
                 ids.append(eod)
                 split = "eval" if to_eval else "train"
