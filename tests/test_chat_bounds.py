@@ -151,3 +151,16 @@ def test_tokenize_refuses_an_oversized_tokenizer_json_by_its_size(tmp_path):
         f.truncate(MAX_TOKENIZER_BYTES + 1)  # (sparse: nothing is written, nor read)
     with pytest.raises(UsageError, match=rf"tokenizer.json holds {MAX_TOKENIZER_BYTES + 1:,} bytes, more than the"):
         load_tokenizer(str(tmp_path))
+
+
+def test_import_hf_refuses_an_oversized_template_before_it_reads_the_directory(tmp_path, model_dir):
+    """Before: import-hf read a 1.5 GB chat_template.jinja whole (4.85 GB of memory)."""
+    from engine.lm.hf import _tokenizer_files
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    with open(hf / "chat_template.jinja", "wb") as f:
+        f.truncate(MAX_TEMPLATE_BYTES + 1)
+    with pytest.raises(UsageError, match=rf"chat_template.jinja holds {MAX_TEMPLATE_BYTES + 1:,} bytes, more than"):
+        _tokenizer_files(hf)

@@ -36,7 +36,15 @@ from engine.errors import UsageError
 from engine.lm.chat import JINJA_FILE, check_imported_template
 from engine.lm.finetune import lora_on
 from engine.lm.hf_adapters import adapter_tensors, merged, peft_base, write_peft
-from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, TOKENIZER_COMPANIONS, canonical, check_config_data, copy_tokenizer
+from engine.lm.tokenizer import (
+    HF_CONFIG,
+    TOKENIZER,
+    TOKENIZER_COMPANIONS,
+    canonical,
+    check_config_data,
+    check_model_files,
+    copy_tokenizer,
+)
 from engine.parallel import sharding
 from engine.run.setup import build_run
 from engine.run.step import model_variables
@@ -273,7 +281,8 @@ def _reading_no_data(cfg, vocab: Optional[int]):
 
 def _tokenizer_files(hf_path: Path) -> dict[str, str]:
     """The tokenizer files import-hf keeps (tokenizer, special tokens, chat template): name → text,
-    each read from inside hf_path and checked (JSON, or a UTF-8 template)."""
+    each read from inside hf_path and checked (JSON, or a UTF-8 template), every size checked first."""
+    check_model_files(hf_path)  # (a 1.5 GB chat_template.jinja is refused by its size, not read)
     kept = {}
     for name in (TOKENIZER, *TOKENIZER_COMPANIONS):
         if (hf_path / name).is_file():
