@@ -228,14 +228,14 @@ def test_a_sweep_plans_its_runs_without_jax(tmp_path):
     # `launch.py sweep FILE` up to where its runs would start, in place of starting them
     script = (
         "import sys\n"
-        "import launch, engine.sweep\n"
+        "import launch, engine.cli, engine.sweep\n"
         "from engine.sweep.local import units\n"
         "def planned(sweep, parallel, retry_failed):\n"
         "    print(len(units(sweep, sweep.runs)), 'units')\n"
         "    print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules))\n"
         "    return 0\n"
         "engine.sweep.run_pending, engine.sweep.report = planned, lambda *args, **kwargs: None\n"
-        f"sys.exit(launch.main(['sweep', {str(sweep)!r}]))\n"
+        f"sys.exit(engine.cli.main(['sweep', {str(sweep)!r}]))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
