@@ -260,3 +260,18 @@ def test_the_loaded_config_is_frozen(make_config):
         cfg.data.shuffle = False  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.hidden_sizes = [3]  # type: ignore[misc]
+
+
+@pytest.mark.nocompile
+def test_lora_in_a_workdir_of_full_weights_is_refused_before_the_data_is_read(tmp_path):
+    """An import's (or a full fine-tuning run's) workdir: its checkpoints hold full weights, so LoRA
+    there is refused at load, not after the data's 30 s of loading (issue 53.12)."""
+    work = tmp_path / "imported"
+    (work / "checkpoints" / "0").mkdir(parents=True)
+    (work / "config.yaml").write_text("finetune:\n  lora:\n    rank: 0\n")
+    lora = ["data.name=tokens", "data.path=/nonexistent", "finetune.lora.rank=8"]
+    with pytest.raises(UsageError, match=f"fine-tune in a new workdir with finetune.base={work}"):
+        load_config(ROOT / "configs" / "llama_tiny.yaml", lora, str(work))
+    load_config(ROOT / "configs" / "llama_tiny.yaml", lora, str(tmp_path / "new"))  # a new workdir: fine
+    (work / "config.yaml").write_text("finetune:\n  lora:\n    rank: 8\n")  # a LoRA run resumed: fine
+    load_config(ROOT / "configs" / "llama_tiny.yaml", lora, str(work))

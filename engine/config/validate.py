@@ -55,6 +55,7 @@ def validate(cfg):
     _check_diloco(cfg)
     _check_local_tier(cfg.checkpoint)
     _check_finetune(cfg.finetune)
+    _check_lora_on_full_weights(cfg)
     check_objective(cfg)
     _check_watched(cfg)
     _check_data(cfg.data)
@@ -199,6 +200,29 @@ def _check_finetune(finetune) -> None:
         raise UsageError(f"finetune.lora.dropout={lora.dropout} must be in [0, 1), e.g. 0.05")
     if not lora.targets:
         raise UsageError("finetune.lora.targets is empty; name the projections to adapt, e.g. [attention]")
+
+
+def _check_lora_on_full_weights(cfg) -> None:
+    """LoRA in a workdir whose checkpoints hold a model's full weights (an import's, a full
+    fine-tuning run's, as its config.yaml says): refused here, before any data is read, with the
+    words of the restore's own refusal (engine/checkpoint/diagnosis.py)."""
+    import yaml
+
+    workdir = Path(cfg.workdir)
+    if not cfg.finetune.lora.rank or cfg.finetune.base or not (workdir / "config.yaml").is_file():
+        return
+    if not any(step.name.isdigit() for step in (workdir / "checkpoints").glob("*")):
+        return
+    try:
+        saved = yaml.safe_load((workdir / "config.yaml").read_text(encoding="utf-8"))
+        rank = ((saved.get("finetune") or {}).get("lora") or {}).get("rank", 0)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return  # (an unreadable config.yaml: the restore's own check names what the checkpoint holds)
+    if not rank:
+        raise UsageError(
+            f"{workdir} holds a model's full weights (its config.yaml trains no adapters), and finetune.lora "
+            f"trains adapters on a frozen base: fine-tune in a new workdir with finetune.base={workdir}"
+        )
 
 
 def _check_local_tier(checkpoint) -> None:
