@@ -66,6 +66,30 @@ def test_advantages_sum_to_zero_within_each_group_and_follow_trl(scale_rewards):
     np.testing.assert_allclose(advantages, _numpy_advantages(rewards, scale_rewards), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("scale_rewards", grpo_math.SCALE_REWARDS)
+def test_a_reward_function_that_does_not_apply_is_left_out(scale_rewards):
+    """TRL's None (here NaN): a function's None is left out of the weighted sum and of its own
+    mean; a completion no function scores is left out of its group's mean and std and gets
+    advantage 0."""
+    rewards_per_function = np.array(
+        [[1, np.nan], [0, 2], [np.nan, np.nan], [1, 1], [np.nan, 3], [0, 0], [2, np.nan], [1, 0]], np.float32
+    )
+    weights = np.array([1.0, 0.5], np.float32)
+    advantages, metrics = grpo_math.reward_metrics(rewards_per_function, ("a", "b"), 4, weights, scale_rewards)
+    rewards = np.nansum(rewards_per_function * weights, axis=1)
+    rewards[2] = np.nan
+    groups = rewards.reshape(2, 4)
+    mean = np.repeat(np.nanmean(groups, axis=1), 4)
+    std = np.repeat(np.nanstd(groups, axis=1, ddof=1), 4)
+    if scale_rewards == "batch":
+        std = np.full(8, np.nanstd(rewards, ddof=1))
+    expected = rewards - mean if scale_rewards == "none" else (rewards - mean) / (std + 1e-4)
+    np.testing.assert_allclose(advantages, np.nan_to_num(expected), rtol=1e-6, atol=1e-6)
+    assert float(metrics["reward"]) == pytest.approx(np.nanmean(rewards))
+    assert float(metrics["reward_std"]) == pytest.approx(np.nanstd(rewards, ddof=1))
+    assert float(metrics["rewards/b/mean"]) == pytest.approx(np.nanmean(rewards_per_function[:, 1]))
+
+
 def test_groups_must_hold_num_generations():
     with pytest.raises(ValueError, match="num_generations=5"):
         grpo_math.group_advantages(np.zeros(ROWS), 5)

@@ -38,22 +38,28 @@ ZERO_STD = 1e-8  # a std at most this is zero: torch.isclose(std, 0)'s tolerance
 
 def weighted_rewards(rewards_per_function, weights: Optional[Sequence[float]] = None):
     """Each completion's reward [completions]: the reward functions' [completions, functions]
-    summed with `weights` (TRL's reward_weights; None: 1 each)."""
+    summed with `weights` (TRL's reward_weights; None: 1 each). NaN marks a function that does not
+    apply to a completion (TRL's None): left out of the sum; NaN where none applies."""
     rewards_per_function = jnp.asarray(rewards_per_function, jnp.float32)
-    if weights is None:
-        return jnp.sum(rewards_per_function, axis=-1)
-    return rewards_per_function @ jnp.asarray(weights, jnp.float32)
+    scale = jnp.ones(rewards_per_function.shape[-1]) if weights is None else jnp.asarray(weights, jnp.float32)
+    total = jnp.nansum(rewards_per_function * scale, axis=-1)
+    return jnp.where(jnp.all(jnp.isnan(rewards_per_function), axis=-1), jnp.nan, total)
 
 
-def _std(x, axis=None, keepdims: bool = False):
-    """The standard deviation with Bessel's correction (torch's and TRL's nanstd's)."""
-    return jnp.std(x, axis=axis, ddof=1, keepdims=keepdims)
+def _std(x, axis=None):
+    """The standard deviation of the values that are not NaN, with Bessel's correction; NaN for
+    fewer than two (TRL's nanstd)."""
+    count = jnp.sum(~jnp.isnan(x), axis=axis)
+    variance = jnp.nanmean(jnp.square(x - jnp.nanmean(x, axis=axis, keepdims=True)), axis=axis)
+    return jnp.where(count > 1, jnp.sqrt(variance * count / jnp.maximum(count - 1, 1)), jnp.nan)
 
 
 def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"):
     """(each completion's advantage [completions], whether its std counts as zero [completions])
     from its reward: less its group's mean, divided by the std + STD_EPSILON of the group (group)
-    or of the batch (batch), or not divided (none: the std is the group's, for the zero test)."""
+    or of the batch (batch), or not divided (none: the std is the group's, for the zero test).
+    A NaN reward (no reward function applies) is left out of the mean and the std, and its
+    completion's advantage is 0."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
     rewards = jnp.asarray(rewards, jnp.float32)
@@ -62,7 +68,7 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
             f"{rewards.shape[0]} rewards do not make groups of num_generations={num_generations} (at least 2)"
         )
     groups = rewards.reshape(-1, num_generations)  # [prompts, generations]
-    baseline = jnp.repeat(jnp.mean(groups, axis=1), num_generations)
+    baseline = jnp.repeat(jnp.nanmean(groups, axis=1), num_generations)
     if scale_rewards == "batch":
         std = jnp.broadcast_to(_std(rewards), rewards.shape)
     else:
@@ -70,7 +76,7 @@ def group_advantages(rewards, num_generations: int, scale_rewards: str = "group"
     advantages = rewards - baseline
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPSILON)
-    return advantages, jnp.abs(std) <= ZERO_STD
+    return jnp.nan_to_num(advantages, nan=0.0), jnp.abs(std) <= ZERO_STD
 
 
 def k3_kl(logps, ref_logps):
@@ -212,13 +218,13 @@ def reward_metrics(
 ) -> tuple:
     """(each completion's advantage, TRL's reward metrics: reward, reward_std,
     rewards/<name>/mean and /std per reward function, frac_reward_zero_std) of a generation
-    batch's rewards [completions, functions]."""
+    batch's rewards [completions, functions] (NaN where a function does not apply: left out)."""
     rewards_per_function = jnp.asarray(rewards_per_function, jnp.float32)
     rewards = weighted_rewards(rewards_per_function, weights)
     advantages, zero_std = group_advantages(rewards, num_generations, scale_rewards)
-    metrics = {"reward": jnp.mean(rewards), "reward_std": _std(rewards)}
+    metrics = {"reward": jnp.nanmean(rewards), "reward_std": _std(rewards)}
     for index, name in enumerate(names):
-        metrics[f"rewards/{name}/mean"] = jnp.mean(rewards_per_function[:, index])
+        metrics[f"rewards/{name}/mean"] = jnp.nanmean(rewards_per_function[:, index])
         metrics[f"rewards/{name}/std"] = _std(rewards_per_function[:, index])
     metrics["frac_reward_zero_std"] = jnp.mean(zero_std.astype(jnp.float32))
     return advantages, metrics
