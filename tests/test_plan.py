@@ -359,3 +359,28 @@ def test_splash_attention_compiles_for_tpu_and_keeps_no_score_matrix(make_config
     assert "tpu_custom_call" in compiled.program.as_text()  # the kernel, for the chip
     assert compiled.memory.temp_size_in_bytes < xla.programs[0].temporaries / 2
     assert (xla.attention, model_choices(program)[0]) == ("xla", "splash")  # what the plan's text names
+
+
+def test_the_suggested_accumulation_fits_and_remat_s_step_time_counts_the_recomputation(make_config):
+    """A program 2.25x too big (its temporaries the excess): the suggested grad_accum_steps is the
+    fewest that fit by the estimate (4, not 2); remat=full's step time includes the recomputed
+    forward; the plan says the batch and sequence it planned (issue 53.11)."""
+    from engine.plan.compiled import BOUND_AT, Planned, Program
+    from engine.plan.verdict import _time_lines, render
+
+    target = parse_target("v5e-8")
+    hbm = target.program_hbm_bytes
+    cfg = tiny(make_config, "train.global_batch_size=64", "model.remat=none")
+    mesh = {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1, "context": 1, "pipeline": 1}
+    state, temporaries = hbm // 4, 2 * hbm  # 2.25x the HBM: a half needs 1.25x, a quarter 0.75x
+    program = Program("train", state, 0, 0, 0, temporaries, state + temporaries, 0.0)
+    dcn = {axis: 1 for axis in mesh}
+    planned = Planned(cfg, target, mesh, dcn, hbm, programs=[program], flops_per_chip=1e12, tokens_per_step=4096)
+    said = verdict(planned)
+    assert "train.grad_accum_steps=4 (a micro-batch of 16: an estimated" in said, said
+    full, at = planned.step_seconds(BOUND_AT) * 8 / 6 * 1e3, f"{BOUND_AT:.0%} MFU"
+    assert f"model.remat=full (recompute activations: {full:,.1f} ms a step at {at}" in said, said
+    planned.remat = "full"
+    assert any(f"a step at {at} takes {full:,.1f} ms" in line for line in _time_lines(planned))
+    planned.programs, planned.refused = [], "out of memory"
+    assert f"\nbatch: 64 examples a step of {cfg.data.seq_len:,} tokens" in render(planned)

@@ -17,6 +17,9 @@ from models import REGISTRY
 from models.family import stacked_layers
 
 LOW_HEADROOM = 0.05  # a plan that fits with less is warned about
+# remat=full recomputes each layer's forward in the backward pass: 8 FLOPs per parameter and token
+# on the chips where the model's count (6: 2 forward, 4 backward) has 6
+RECOMPUTED = {"full": 8 / 6}
 
 
 def render(planned: Planned) -> str:
@@ -28,6 +31,7 @@ def render(planned: Planned) -> str:
         + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
     )
     lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
+    lines.append(_batch_line(planned))
     stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
     if stages.stages > 1:
         lines.append(describe_pipeline(stages, stacked_layers(REGISTRY[planned.cfg.model.name], planned.cfg.model)))
@@ -50,6 +54,15 @@ def _links(planned: Planned, axis: str, size: int) -> str:
     """How an axis's devices talk: over ICI inside a slice, or its outer factor over DCN."""
     across = planned.dcn[axis]
     return f"DCN x{across}, ICI x{size // across}" if across > 1 else "ICI"
+
+
+def _batch_line(planned: Planned) -> str:
+    """The batch the programs were planned for: global batch, sequence length, micro-batches."""
+    cfg = planned.cfg
+    batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    seq = getattr(cfg.data, "seq_len", 0)
+    text = f"batch: {batch:,} examples a step" + (f" of {seq:,} tokens ({batch * seq:,} tokens)" if seq else "")
+    return text + (f", in {accum} micro-batches of {batch // accum:,} (train.grad_accum_steps)" if accum > 1 else "")
 
 
 def _model_lines(planned: Planned) -> list[str]:
@@ -112,6 +125,12 @@ def _time_lines(planned: Planned) -> list[str]:
         lines.append(
             f"FLOPs per token: {planned.flops_per_token():.4g} ({planned.flops_formula}; 6 per parameter and "
             "token: 2 forward, 4 backward; remat's recomputation not counted)"
+        )
+    recomputed = RECOMPUTED.get(planned.remat, 1.0)
+    if recomputed > 1:
+        lines.append(
+            f"with remat={planned.remat} the chips also recompute each layer's forward: {recomputed:.2f}x those "
+            f"FLOPs, a step at {BOUND_AT:.0%} MFU takes {milliseconds(planned.step_seconds(BOUND_AT) * recomputed)}"
         )
     compute, comm = planned.step_seconds(BOUND_AT), planned.collective_seconds()
     bound = "communication-bound" if planned.communication_bound() else "compute-bound"
@@ -193,13 +212,39 @@ def _fixes(planned: Planned, worst: Optional[Program]) -> str:
     family = REGISTRY[cfg.model.name]
     remat = family.remat(cfg.model)
     if remat not in (None, "full", "offload"):
-        fixes.append("model.remat=full (recompute activations)")
+        slower = ""
+        if planned.flops_per_chip:  # (the recomputation counted: the step is slower, say by how much)
+            full = planned.step_seconds(BOUND_AT) * RECOMPUTED["full"] / RECOMPUTED.get(remat, 1.0)
+            slower = f": {milliseconds(full)} a step at {BOUND_AT:.0%} MFU with the recomputation"
+        fixes.append(f"model.remat=full (recompute activations{slower})")
     elif remat == "full":
         fixes.append("model.remat=offload (each layer's saved input in host memory)")
-    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
-    if micro // batch_shards_of(planned) >= 2:
-        fixes.append(f"train.grad_accum_steps={cfg.train.grad_accum_steps * 2} (a micro-batch of {micro // 2})")
+    accum = _accumulation(planned, worst)
+    if accum:
+        fixes.append(accum)
     return "try " + ", or ".join(fixes) if fixes else "use a larger target or a smaller model"
+
+
+def _accumulation(planned: Planned, worst: Optional[Program]) -> str:
+    """The fewest gradient-accumulation steps (doubling) whose micro-batch still splits over the
+    batch axes and whose program would fit by the estimate that its temporaries (the activations)
+    shrink with the micro-batch; "" where none would. Without a program's figures: twice as many."""
+    cfg = planned.cfg
+    accum, shards = cfg.train.grad_accum_steps, batch_shards_of(planned)
+    micro = cfg.train.global_batch_size // accum
+    room = planned.hbm * (1 - LOW_HEADROOM)
+    for factor in (2, 4, 8, 16, 32, 64):
+        if micro % factor or (micro // factor) % shards:
+            break
+        if worst is None:
+            return f"train.grad_accum_steps={accum * factor} (a micro-batch of {micro // factor})"
+        estimate = worst.total - worst.temporaries + worst.temporaries / factor
+        if estimate <= room:
+            return (
+                f"train.grad_accum_steps={accum * factor} (a micro-batch of {micro // factor}: an estimated "
+                f"{human_bytes(int(estimate))} per device, the temporaries 1/{factor})"
+            )
+    return ""
 
 
 def batch_shards_of(planned: Planned) -> int:
