@@ -229,8 +229,8 @@ def _spans(render: Renderer, conversation: Conversation, loss_on: str) -> tuple[
         return text, [] if first is None else [(_start(render, conversation, first, text), len(text))]
     spans = []
     for k, message in enumerate(messages):
-        if message["role"] == "assistant":
-            end = len(_prefix(render, conversation, k + 1, False, text))
+        if message["role"] == "assistant":  # (the last message ends where the text does: no render)
+            end = len(text) if k + 1 == len(messages) else len(_prefix(render, conversation, k + 1, False, text))
             spans.append((_start(render, conversation, k, text), end))
     return text, spans
 
