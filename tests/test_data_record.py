@@ -122,3 +122,29 @@ def test_a_run_resumed_on_another_day_trains_as_the_unbroken_run_and_edited_data
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"data.path={path} is not the one it trained on" in proc.stderr, proc.stderr
     assert np.isfinite([loss for *_, loss in losses(broken)]).all()
+
+
+def test_a_vectorised_groups_resume_checks_its_data_and_records_the_template_time(make_config, tmp_path):
+    """A sweep's group (vectorize) resumes through its own path: its trials' checkpoints keep the
+    data's record and the template's time as a single run's do, and an edited data.path is refused."""
+    from engine.run.group import fit_group
+
+    (tmp_path / "model").mkdir()
+    model = dated_model_dir(tmp_path / "model")
+    path = write_jsonl(tmp_path / "train.jsonl", CONVERSATIONS)
+    keys = [
+        "model.name=llama", *(f"model.{key}={value}" for key, value in LLAMA.items()), "data.name=chat",
+        f"data.path={path}", "data.eval_fraction=0.25", "data.seq_len=64", f"data.tokenizer={model}",
+        "train.global_batch_size=4", "eval.every_steps=2", "checkpoint.every_steps=2",
+    ]  # fmt: skip
+    cfgs = lambda steps: [  # noqa: E731
+        make_config("mnist_mlp.yaml", *keys, f"train.steps={steps}", f"seed={i}", workdir=tmp_path / f"t{i}")
+        for i in range(2)
+    ]
+    fit_group(cfgs(2))
+    for i in range(2):
+        assert (tmp_path / f"t{i}" / TEMPLATE_TIME).is_file()  # (a resume on another day renders this time)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[1:] + lines[:1]))
+    with pytest.raises(UsageError, match=rf"data.path={path} is not the one it trained on"):
+        fit_group(cfgs(4))

@@ -17,11 +17,13 @@ import numpy as np
 from engine.checkpoint.store import InBackground
 from engine.config import Config
 from engine.data import eval_batches
+from engine.data.chat_data import with_model
 from engine.errors import UsageError
 from engine.observe.perf import Goodput, Throughput, Window, fetch_rows, summary_text
 from engine.parallel import sharding
 from engine.run.best import Verdict
 from engine.run.columns import MetricColumns
+from engine.run.data_record import checked_record, own_meta
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import Evaluation, NonFiniteLoss, RunOutputs, eval_metrics
 from engine.run.setup import with_config_hparams
@@ -121,6 +123,10 @@ def _open(
     watchdog.enter("restore")
     starting("restoring")
     states, start, window, metas = _restore(group, trials)
+    for cfg, output, meta in zip(cfgs, outputs, metas):  # (chat and preference data: checked as a run's, single.py)
+        own = own_meta(cfg, meta, bool(output.checkpointer.steps()))
+        data = with_model(cfg.data, cfg.workdir)
+        output.recorded.update(checked_record(cfg, data, group.plan.dataset, own or {}, own is not None, output.chief))
     goodput.redone_steps = max(output.resume(meta, start) for output, meta in zip(outputs, metas))
     for output in outputs:
         output.open_writer(start, member=True)
