@@ -267,6 +267,14 @@ def test_the_rendezvous_refuses_another_job_s_rounds_and_any_file_it_did_not_wri
     refused("text", lambda path: path.write_text("{"), r"rounds/0.json does not read as JSON")
     refused("folder", lambda path: path.mkdir(), r"rounds/0.json does not read as JSON")
     refused("huge", lambda path: path.with_name("9" * 200 + ".json").write_text("{}"), r"beyond 1000000000")
+    # a digit Python's str.isdigit() takes and int() does not (a traceback, ValueError): not a round, nor a member
+    (tmp_path / "digits" / "rounds").mkdir(parents=True)
+    (tmp_path / "digits" / "rounds" / "\u00b2.json").write_text("{}")
+    for name in ("members", "ready/0"):
+        (tmp_path / "digits" / name).mkdir(parents=True)
+        (tmp_path / "digits" / name / "\u00b2.json").write_text(json.dumps({"beat": 1, "time": 1.0}))
+    digits = Rendezvous(tmp_path / "digits", "pod-0", "10.0.0.1", 2)
+    assert (digits.latest(), digits.live(), digits.ready_members(0)) == (-1, ["\u00b2"], ["\u00b2"])
     report = tmp_path / "report"
     Rendezvous(report, "pod-0", "10.0.0.1", 2).publish(0, {k: v for k, v in whole.items() if k != "round"})
     (report / "ended" / "0").mkdir(parents=True)

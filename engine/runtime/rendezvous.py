@@ -80,7 +80,7 @@ def _kind(kind) -> str:
 
 def natural(member: str) -> list[tuple[int, str]]:
     """A member id's sort key: its runs of digits as numbers (pod-2 before pod-10)."""
-    return [(int(part) if part.isdigit() else -1, part) for part in re.split(r"(\d+)", member)]
+    return [(int(part) if part.isascii() and part.isdigit() else -1, part) for part in re.split(r"(\d+)", member)]
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -233,7 +233,7 @@ class Rendezvous:
 
     def latest(self) -> int:
         """The newest round written (-1: none yet)."""
-        stems = [p.stem for p in (self.dir / "rounds").glob("*.json") if p.stem.isdigit()]
+        stems = [p.stem for p in (self.dir / "rounds").glob("*.json") if p.stem.isascii() and p.stem.isdigit()]
         huge = [stem for stem in stems if len(stem) > len(str(MAX_ROUND))]
         if huge:
             name = self.dir / "rounds" / f"{huge[0][:20]}....json"
