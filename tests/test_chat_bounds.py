@@ -164,3 +164,48 @@ def test_import_hf_refuses_an_oversized_template_before_it_reads_the_directory(t
         f.truncate(MAX_TEMPLATE_BYTES + 1)
     with pytest.raises(UsageError, match=rf"chat_template.jinja holds {MAX_TEMPLATE_BYTES + 1:,} bytes, more than"):
         _tokenizer_files(hf)
+
+
+GENERATION = (  # the test's ChatML template, the assistant's turns marked as transformers' assistant masks read them
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_generation_blocks_gives_a_records_spans_from_one_render(tmp_path, model_dir, monkeypatch):
+    """Two prefixes per assistant message made 4,000 messages take 42.6 s; {% generation %} blocks
+    say where each assistant's turn is in one render. A block the template writes into a macro's
+    buffer after other text is not where it is said to be: the prefixes are rendered instead."""
+    from test_chat_data import END, masked_runs
+
+    marked = tmp_path / "marked"
+    marked.mkdir()
+    (marked / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (marked / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": GENERATION}))
+    renders = []
+    counted = Renderer.__call__
+    monkeypatch.setattr(Renderer, "__call__", lambda self, *a, **k: renders.append(1) or counted(self, *a, **k))
+    conversation = RECORDS[0]["messages"]  # (two assistant messages)
+    data = chat_data(tmp_path, marked, [RECORDS[0]])
+    assert len(renders) == 2  # one a record (train, held out)
+    assert masked_runs(marked, data.train) == [
+        m["content"] + END.strip() for m in conversation if m["role"] == "assistant"
+    ]
+    template = read_chat_template(marked)
+    assert template is not None
+    long = Conversation("x.jsonl:1", _conversation(MAX_MESSAGES), None)
+    began = time.monotonic()
+    text, spans = loss_spans(Renderer(template, "fix"), long, "assistant")
+    assert len(spans) == MAX_MESSAGES // 2 and all(text[a:b] == "the cat sat<|im_end|>" for a, b in spans)
+    assert time.monotonic() - began < 1
+
+    turn = "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    macro = "{% macro turn(m) %}{{ m['content'] }}{% generation %}<|im_end|>{% endgeneration %}{% endmacro %}"
+    buffered = macro + GENERATION.replace(turn, "{{ turn(m) }}")  # (the same text; the block's place unknown)
+    (marked / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": buffered}))
+    renders.clear()
+    data = chat_data(tmp_path, marked, [RECORDS[0]])
+    assert len(renders) > 2  # the prefixes
+    assert masked_runs(marked, data.train) == [m["content"] + END for m in conversation if m["role"] == "assistant"]

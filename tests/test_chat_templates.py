@@ -44,6 +44,9 @@ def test_a_template_renders_as_transformers_does():
         "1024 ababab [1, 1] xy 007"
     )
     assert _render("{% for i in range(500) %}{% for j in range(500) %}{% endfor %}{% endfor %}{{ 1 }}") == "1"
+    # a macro's output (joined by Jinja's environment.concat), as transformers renders it: before, "['a1b']"
+    macro = "{% macro f(x) %}a{{ x }}b{% endmacro %}[{{ f(1) }}]{% set s %}c{{ 2 }}{% endset %}{{ s }}"
+    assert _render(macro) == "[a1b]c2"
 
 
 @pytest.mark.nocompile

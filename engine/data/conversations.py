@@ -11,6 +11,11 @@ inside the message (an end-of-turn token such as `<|im_end|>` or `</s>`, a newli
 assistant must learn to end its turn; not the role header the template writes before it.
 The completion of a prompt/completion record is the same span taken over all of its messages.
 
+A template that marks an assistant's turn with transformers' {% generation %} blocks (what its
+return_assistant_tokens_mask reads) gives the `assistant` spans from one render: each message's
+span is its block, where the blocks are one per assistant message and their recorded places hold
+their text (else the prefixes below are rendered).
+
 Finding those spans renders the conversation's prefixes (two per assistant message), so a record
 holds at most MAX_MESSAGES messages, and all the renders of one record share the bounds of
 engine/lm/chat.py's RECORD_* (loop iterations, characters written, time) besides each render's own.
@@ -221,7 +226,11 @@ def loss_spans(
 def _spans(render: Renderer, conversation: Conversation, loss_on: str) -> tuple[str, list[tuple[int, int]]]:
     where = f"{conversation.where}: "
     messages = conversation.messages
-    text = _rendered(render, messages, False, where)
+    generated: list[tuple[int, int, str]] = []  # the template's {% generation %} blocks, if it writes them
+    text = _rendered(render, messages, False, where, generated if loss_on == "assistant" else None)
+    assistants = sum(message["role"] == "assistant" for message in messages)
+    if generated and len(generated) == assistants and all(text[a:b] == block for a, b, block in generated):
+        return text, [(a, b) for a, b, _ in generated]  # one render, whatever the messages (not a prefix each)
     if loss_on == "all":
         return text, [(0, len(text))]
     if loss_on == "completion":
@@ -260,7 +269,9 @@ def _prefix(render: Renderer, conversation: Conversation, count: int, prompt: bo
     return before
 
 
-def _rendered(render: Renderer, messages: list[dict], prompt: bool, where: str) -> str:
-    text = render(messages, add_generation_prompt=prompt, where=where)
+def _rendered(
+    render: Renderer, messages: list[dict], prompt: bool, where: str, generated: Optional[list] = None
+) -> str:
+    text = render(messages, add_generation_prompt=prompt, where=where, generated=generated)
     assert text is not None  # (refusals are errors here)
     return text

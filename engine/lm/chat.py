@@ -14,9 +14,10 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -101,6 +102,7 @@ class _Budget:
         self.iterations = self.allowed
         self.deadline = time.monotonic() + RENDER_SECONDS
         self.record = record
+        self.written = 0  # characters the render has written so far (_joined)
 
     def spend(self, iterations: int = 0) -> None:
         self.iterations -= iterations
@@ -172,13 +174,34 @@ class _BoundedLoops(NodeTransformer):
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Call:
         self.generic_visit(node)
-        return nodes.Call(nodes.EnvironmentAttribute("concat"), node.nodes, [], None, None)
+        return nodes.Call(nodes.EnvironmentAttribute("joined"), node.nodes, [], None, None)
 
     def generic_visit(self, node: nodes.Node, *args: Any, **kwargs: Any) -> Any:
         if isinstance(node, (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)):
             tag = type(node).__name__.lower().replace("fromimport", "from ... import")
             raise _Forbidden(f"uses {{% {tag} %}} (line {node.lineno}), which reads another template", node.lineno)
         return super().generic_visit(node, *args, **kwargs)
+
+
+class _Generation(Extension):
+    """transformers' {% generation %}...{% endgeneration %}: the text of an assistant's turn, written
+    as it is, its [start, end) place in the output recorded where a render asks (Renderer's
+    `generated`): the spans of a record's assistant messages from one render."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_generated", []), [], [], body).set_lineno(lineno)
+
+    def _generated(self, caller: Any) -> str:
+        text = caller()
+        env = self.environment
+        assert isinstance(env, BoundedEnvironment)
+        if env.generated is not None:  # (where the block's text goes once written: checked by the caller)
+            env.generated.append((env.budget.written, env.budget.written + len(text), str(text)))
+        return text
 
 
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
@@ -189,11 +212,12 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def __init__(self) -> None:
         # optimized=False: no constant folding, so nothing of the template runs while compiling
-        super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False)
+        super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False, extensions=[_Generation])
         self.globals.update(raise_exception=_refuse, strftime_now=strftime_now)
         del self.globals["lipsum"]  # Jinja's placeholder text generator: no template needs it, lipsum(10 ** 9) hangs
         self.budget = _Budget()
         self.record: Optional[_RecordBudget] = None  # the record whose renders share RECORD_* bounds, if any
+        self.generated: Optional[list[tuple[int, int, str]]] = None  # {% generation %} blocks written, if asked
 
     def _parse(self, source: str, name: Optional[str], filename: Optional[str]) -> nodes.Template:
         tree = _BoundedLoops().visit(super()._parse(source, name, filename))
@@ -213,8 +237,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             self.budget.spend(1)
             yield item
 
-    def concat(self, *parts: Any) -> str:
-        texts = [str(part) for part in parts]
+    def joined(self, *parts: Any) -> str:
+        """`a ~ b ~ ...`, its size checked before it is built."""
+        return self.concat(str(part) for part in parts)
+
+    def concat(self, parts: Iterable[str]) -> str:
+        """Jinja's own join of a buffer (a macro's or a block's output, compiled as environment.concat),
+        its size checked before it is built."""
+        texts = list(parts)
         _check_size(sum(map(len, texts)), "a string")
         return "".join(texts)
 
@@ -232,15 +262,25 @@ class Renderer:
             self.compiled = self.env.from_string(template.text)
 
     def __call__(
-        self, messages: list[dict], add_generation_prompt: bool = True, where: str = "", allow_refusal: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        where: str = "",
+        allow_refusal: bool = False,
+        generated: Optional[list[tuple[int, int, str]]] = None,
     ) -> Optional[str]:
         """`messages` rendered (as transformers' apply_chat_template(..., add_generation_prompt)
-        renders them); with `allow_refusal`, None where the template's own raise_exception() refuses them."""
-        with self._faults(where, allow_refusal), _bounded(self.env, messages):
-            chunks = self.compiled.generate(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.template.special
-            )
-            return _joined(chunks, self.env.budget)
+        renders them); with `allow_refusal`, None where the template's own raise_exception() refuses
+        them. `generated` receives (start, end, text) of each {% generation %} block written."""
+        self.env.generated = generated
+        try:
+            with self._faults(where, allow_refusal), _bounded(self.env, messages):
+                chunks = self.compiled.generate(
+                    messages=messages, add_generation_prompt=add_generation_prompt, **self.template.special
+                )
+                return _joined(chunks, self.env.budget)
+        finally:
+            self.env.generated = None
         return None  # the template refused them, which `allow_refusal` allows
 
     @contextlib.contextmanager
@@ -292,6 +332,7 @@ def _joined(chunks: Iterator[str], budget: _Budget) -> str:
         if size > MAX_OUTPUT_CHARS:
             raise _Exceeded(f"writes more than {MAX_OUTPUT_CHARS:,} characters")
         out.append(chunk)
+        budget.written = size
         if len(out) % CLOCK_EVERY == 0:
             budget.spend()
     budget.wrote(size)
