@@ -455,11 +455,11 @@ def test_python_source_with_a_bpe_is_tokenized_once_into_the_cache(tmp_path, cap
         eval_fraction=0.1,
     )
     first = load_dataset(cfg)
-    assert "tokenizing" in capsys.readouterr().out
+    assert "tokenizing" in capsys.readouterr().err  # (a progress line: stderr, never in a command's output)
     (corpus,) = (tmp_path / "cache").glob("python-stdlib-bpe400-*")
     made = (corpus / "manifest.json").stat().st_mtime_ns
     again = load_dataset(cfg)
-    assert "tokenizing" not in capsys.readouterr().out and (corpus / "manifest.json").stat().st_mtime_ns == made
+    assert "tokenizing" not in capsys.readouterr().err and (corpus / "manifest.json").stat().st_mtime_ns == made
     assert first.info.vocab_size == again.info.vocab_size == 400 and first.info.text_codec == "tokenizer"
     assert "segments" in first.train.spec and len(first.train) == len(again.train) > 0
     np.testing.assert_array_equal(first.train.sources[0][3]["tokens"], again.train.sources[0][3]["tokens"])
@@ -475,7 +475,7 @@ def test_a_small_corpus_holds_out_one_document_and_symlinked_files_count_once(tm
     splits = manifest["splits"]
     assert splits["train"]["documents"] + splits["eval"]["documents"] == 34
     assert splits["eval"]["documents"] == 1  # the default 1% of 34 documents, at least one
-    assert "the last document is held out" in capsys.readouterr().out
+    assert "the last document is held out" in capsys.readouterr().err  # (notes on stderr, as progress)
 
 
 @pytest.mark.nocompile
@@ -486,7 +486,7 @@ def test_a_corpus_of_one_text_file_holds_out_the_end_of_its_text(tmp_path, capsy
     one.write_text(_text(np.random.default_rng(3), 3000))
     out = tmp_path / "tokens"
     manifest = tokenize([str(one)], str(out), "bpe:300", eval_fraction=0.1, progress=False)
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     splits = manifest["splits"]
     ids = Tokenizer.from_file(str(out / "tokenizer.json")).encode(one.read_text(), add_special_tokens=False).ids
     held = -(-len(ids) // 10)  # a tenth of its tokens, rounded up

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -343,6 +344,7 @@ def split_one_document(text: str, tokenizer, eod: int, fraction: float, writers:
     print(
         f"tokenize: the corpus is one document, so --eval-fraction {fraction} holds out its last {held:,} of "
         f"{len(ids):,} tokens (the end of its text, not a whole document) for evaluation",
+        file=sys.stderr,
         flush=True,
     )
     return len(ids) + 2

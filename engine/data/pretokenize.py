@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -351,6 +352,7 @@ def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_s
         megabytes = min(sum(settings.input_sizes), settings.bpe_train_bytes) / 1e6
         print(
             f"tokenize: training a byte-level BPE of {bpe_size:,} tokens on {megabytes:,.1f} MB of the input",
+            file=sys.stderr,
             flush=True,
         )
         beat.phase(f"training the BPE on {megabytes:,.1f} MB")
@@ -405,6 +407,7 @@ def _write_documents(run: _Run, tokenizer, eod: int, writers: dict) -> None:
                 print(
                     f"tokenize: --eval-fraction {settings.eval_fraction} of {index + len(batch)} documents is "
                     "less than one; the last document is held out for evaluation",
+                    file=sys.stderr,
                     flush=True,
                 )
             one = last and index == 0 and len(batch) == 1 and settings.eval_fraction > 0  # the corpus's only document
