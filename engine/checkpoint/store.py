@@ -16,7 +16,6 @@ persistent tier's newest, and says which tier it used.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -90,6 +89,7 @@ class Checkpointer:
             create=not self.read_only,
             read_only=self.read_only,
             save_interval_steps=0 if self.read_only else 1,
+            cleanup_tmp_directories=not self.read_only,  # a killed save's N.orbax-checkpoint-tmp-* (issue 57)
             enable_async_checkpointing=async_save,
             # how long processes wait for each other to commit a save
             async_options=ocp.AsyncOptions(timeout_secs=self.timeout_seconds),
@@ -136,10 +136,6 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=True, metrics=metrics)  # metrics: checkpoint.keep_best's
         self._sums.after_save(step)
-        if jax.process_index() == 0:  # (the earlier saves have ended: orbax waits for them in save)
-            for leftover in self.directory.glob("*.orbax-checkpoint-tmp*"):  # a killed save's (issue 57)
-                if leftover.name.split(".", 1)[0] != str(step):
-                    shutil.rmtree(leftover, ignore_errors=True)
 
     def wait(self) -> None:
         self._saving.join()
