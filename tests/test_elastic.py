@@ -306,3 +306,26 @@ def test_a_grow_request_that_is_a_directory_is_one_line_and_exit_2(tmp_path):
     assert job.returncode == 2 and job.stderr.count("\n") == 1, job.stderr[-2000:]
     assert job.stderr.startswith("error: ") and "grow-request.json is not a regular file" in job.stderr
     assert "[0]" not in job.stdout  # no process was started
+
+
+@pytest.mark.nocompile
+def test_after_a_peer_s_abort_the_launcher_waits_for_the_exit_of_the_process_that_caused_it():
+    """Issue 57.16: process 0 aborted (SIGABRT: the coordination service lost process 1), and process
+    1's own SIGKILL is seen 0.3 s later; the launcher waits for it (ABORT_SETTLE_SECONDS) before it
+    stops the others, so that lost() blames process 1. An exit code alone is not waited for."""
+    from engine.runtime.launcher import _settle
+
+    class Child:
+        def __init__(self, code, after):
+            self.code, self.at = code, time.monotonic() + after
+
+        def poll(self):
+            return self.code if time.monotonic() >= self.at else None
+
+    seen = [(0, -6, time.time())]
+    more = _settle([Child(-6, 0), Child(-9, 0.3), Child(None, 0)], seen, settle=0)
+    assert more == [(1, -9)] and [index for index, *_ in seen] == [0, 1]
+    assert lost(seen, 3, hung=[])[0] == [seen[1]]
+    started = time.monotonic()  # (a process's exit code, no abort: the others are stopped at once)
+    assert _settle([Child(1, 0), Child(-9, 0.3), Child(None, 0)], [(0, 1, time.time())], settle=0) == []
+    assert time.monotonic() - started < 0.2
