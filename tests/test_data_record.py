@@ -148,3 +148,25 @@ def test_a_vectorised_groups_resume_checks_its_data_and_records_the_template_tim
     path.write_text("".join(lines[1:] + lines[:1]))
     with pytest.raises(UsageError, match=rf"data.path={path} is not the one it trained on"):
         fit_group(cfgs(4))
+
+
+@pytest.mark.nocompile
+def test_every_process_of_a_job_renders_process_0_s_time(tmp_path, monkeypatch):
+    """A fresh multi-process start has no template_time.json yet: each process read its own clock, so
+    two processes either side of midnight (or of a minute, for a template that writes one) trained on
+    other tokens. Every process now renders process 0's time (broadcast from it)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    (tmp_path / "model").mkdir()
+    model = dated_model_dir(tmp_path / "model")
+    process_0 = np.frombuffer(b"2031-12-31T23:59:59".ljust(32), np.uint8)
+    broadcast = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: broadcast.append(x) or process_0)
+    _, dataset, _ = loaded(tmp_path, model, CONVERSATIONS, eval_fraction=0.25, seq_len=64)
+    assert dataset.info.template_time == "2031-12-31T23:59:59" and len(broadcast) == 1
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(model / "tokenizer.json")).decode(dataset.train["tokens"][0].tolist())
+    assert "Today Date: 31 Dec 2031" in text
