@@ -352,7 +352,6 @@ def _make_tokenizer(files, out_dir: Path, settings: Settings, state: dict, bpe_s
         megabytes = min(sum(settings.input_sizes), settings.bpe_train_bytes) / 1e6
         print(
             f"tokenize: training a byte-level BPE of {bpe_size:,} tokens on {megabytes:,.1f} MB of the input",
-            file=sys.stderr,
             flush=True,
         )
         beat.phase(f"training the BPE on {megabytes:,.1f} MB")
