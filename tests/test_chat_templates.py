@@ -50,6 +50,28 @@ def test_a_template_renders_as_transformers_does():
 
 
 @pytest.mark.nocompile
+def test_tojson_loop_controls_and_absent_tools_are_transformers_own():
+    """transformers' environment: its tojson (json.dumps, ensure_ascii=False, keys in their order;
+    Jinja's own escapes <, >, & and ' and sorts the keys), jinja2.ext.loopcontrols, and tools=None,
+    documents=None when none are given (Undefined is "not none")."""
+    conversation = [{"role": "user", "content": "don't <b>é</b>", "call": {"b": 1, "a": [2]}}]
+
+    def render(text: str) -> str:
+        return render_chats(ChatTemplate(text, "/models/m/chat_template.jinja", {}), [conversation], "fix it")[0]
+
+    assert render("{{ messages[0]['content'] | tojson }}") == '"don\'t <b>é</b>"'
+    assert render("{{ messages[0]['call'] | tojson }}|{{ messages[0]['call'] | tojson(indent=1) }}") == (
+        '{"b": 1, "a": [2]}|{\n "b": 1,\n "a": [\n  2\n ]\n}'
+    )
+    assert render("{{ messages[0]['call'] | tojson(ensure_ascii=True, sort_keys=True, separators=(',', ':')) }}") == (
+        '{"a":[2],"b":1}'
+    )
+    loops = "{% for i in range(9) %}{% if i == 1 %}{% continue %}{% endif %}{% if i > 2 %}{% break %}{% endif %}{{ i }}"
+    assert render(loops + "{% endfor %}") == "02"
+    assert render("{% if tools is not none %}<tools>{% endif %}{{ documents is none }}") == "True"
+
+
+@pytest.mark.nocompile
 def test_a_huge_power_is_refused_not_computed():
     _refused("{{ (messages|length + 9) ** 100000000 }}", r"power of more than 65,536 bits \(11 \*\* 100000000\)")
     _refused("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}", "product")

@@ -9,6 +9,7 @@ inside the template) becomes one UsageError naming the template's file."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from jinja2 import TemplateError, TemplateSyntaxError, nodes
-from jinja2.ext import Extension
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -204,6 +205,17 @@ class _Generation(Extension):
         return text
 
 
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """transformers' tojson: json.dumps as it is (Jinja's own escapes <, >, & and ' and sorts the keys)."""
+    if isinstance(indent, (int, str)):
+        _check_size(indent if isinstance(indent, int) else len(indent), "a JSON indent")
+    text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    _check_size(len(text), "a JSON text")
+    return text
+
+
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox, with every loop, call, `~`, and `*`, `**`, `%`, `+` checked
     against the current render's budget."""
@@ -212,7 +224,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def __init__(self) -> None:
         # optimized=False: no constant folding, so nothing of the template runs while compiling
-        super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False, extensions=[_Generation])
+        # transformers' environment otherwise: its extensions, its tojson, its globals
+        super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False, extensions=[_Generation, loopcontrols])
+        self.filters["tojson"] = _tojson
         self.globals.update(raise_exception=_refuse, strftime_now=strftime_now)
         del self.globals["lipsum"]  # Jinja's placeholder text generator: no template needs it, lipsum(10 ** 9) hangs
         self.budget = _Budget()
@@ -275,8 +289,12 @@ class Renderer:
         self.env.generated = generated
         try:
             with self._faults(where, allow_refusal), _bounded(self.env, messages):
-                chunks = self.compiled.generate(
-                    messages=messages, add_generation_prompt=add_generation_prompt, **self.template.special
+                chunks = self.compiled.generate(  # (tools and documents: None, as transformers gives them)
+                    messages=messages,
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **self.template.special,
                 )
                 return _joined(chunks, self.env.budget)
         finally:
