@@ -78,6 +78,14 @@ def test_a_template_that_loops_far_more_than_its_messages_is_refused_at_the_firs
         chat_data(tmp_path, slow, [RECORDS[1]] * 20)
     assert time.monotonic() - began < 5
     assert chat.render_chats(read_chat_template(slow), [RECORDS[0]["messages"]], "fix")  # (sample --chat's: 1,000,000)
+    # preference pairs: each prompt is rendered alone first (to name a role the template refuses in it): a
+    # record's bounds too (it ran 891,000 iterations a pair, the per-render 1,000,000 allowing it)
+    began = time.monotonic()
+    with pytest.raises(
+        UsageError, match=r"train.jsonl:1: prompt: .*runs more than 1,\d{3} loop iterations to render 1 mes"
+    ):
+        preference_data(tmp_path, slow, [PAIRS[0]] * 20)
+    assert time.monotonic() - began < 5
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ file, the line and the field.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -135,7 +136,9 @@ def _examples(pairs: list[Pair], render: Union[Renderer, PlainText], tokenizer, 
     """The pairs as [pairs, 2, seq_len + 1] arrays, and what happened to them."""
     window = cfg.seq_len + 1
     for pair in pairs:  # a role the template refuses in the prompt: said of the prompt, not of a side
-        render(pair.prompt, add_generation_prompt=True, where=f"{pair.where}: prompt: ")
+        where = f"{pair.where}: prompt: "
+        with render.record(where) if isinstance(render, Renderer) else contextlib.nullcontext():
+            render(pair.prompt, add_generation_prompt=True, where=where)  # (within a record's bounds, as the sides)
     rendered = [loss_spans(render, side, "completion") for pair in pairs for side in pair.sides()]
     encodings = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=render.special_tokens)
     sides = [
