@@ -28,7 +28,7 @@ from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.errors import UsageError
 from engine.lm.template_clock import fixed_template_time
 from engine.run.dpo import REF_LOGPS
-from engine.runtime.rundir import write_atomic
+from engine.runtime.rundir import sha256_file, write_atomic
 
 META = "data_record"  # the checkpoint meta's record of the data (`record`)
 TEMPLATE_TIME = "template_time.json"  # in the workdir: {"time": the local time strftime_now() gives}
@@ -68,14 +68,6 @@ def recorded_time(workdir: Path) -> str:
     return str(when)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _arrays_digest(split: dict) -> str:
     """sha256 of a split's arrays (names, shapes, dtypes and bytes; not the reference's values)."""
     h = hashlib.sha256()
@@ -97,8 +89,8 @@ def record(data, dataset: Dataset) -> dict:
     if data.eval_path:
         paths["data.eval_path"] = str(Path(data.eval_path).expanduser())
     templates = [tokenizer.parent / name for name in TEMPLATE_FILES if (tokenizer.parent / name).is_file()]
-    digests = {key: _sha256(Path(path)) for key, path in paths.items()}
-    digests[CHAT_TEMPLATE] = hashlib.sha256(b"".join(_sha256(path).encode() for path in templates)).hexdigest()
+    digests = {key: sha256_file(Path(path)) for key, path in paths.items()}
+    digests[CHAT_TEMPLATE] = hashlib.sha256(b"".join(sha256_file(path).encode() for path in templates)).hexdigest()
     reads_time = any(b"strftime_now" in path.read_bytes() for path in templates)
     return {
         META: {
