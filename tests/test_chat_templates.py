@@ -6,6 +6,7 @@ fault of a template or of the files it is read from is one UsageError naming the
 import json
 import mmap
 import signal
+import threading
 
 import pytest
 from test_llama import TINY, write_hf_checkpoint
@@ -122,6 +123,20 @@ def test_memory_is_capped():
 def test_the_clock_is_checked_in_loops(monkeypatch):
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
     _refused("{% for i in range(900) %}{% for j in range(900) %}{% endfor %}{% endfor %}", r"longer than 0.05 s")
+
+
+@pytest.mark.nocompile
+def test_the_clock_is_checked_at_each_filter_call_also_where_no_alarm_rings(monkeypatch):
+    """A filter chain (map calls its filter once an item, no loop, no call the sandbox sees) ran
+    where only the main thread's alarm stopped it: in another thread, 100,000 strings of 2 MB (a
+    minute) ran whole."""
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.2)
+    chain = "{{ range(100000)|map('center', 2000000)|map('length')|sum }}"
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(pytest.raises(UsageError, _render, chain)), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert outcome and "takes longer than 0.2 s to render" in str(outcome[0].value)
 
 
 @pytest.mark.nocompile

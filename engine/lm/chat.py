@@ -9,6 +9,7 @@ inside the template) becomes one UsageError naming the template's file."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import signal
@@ -227,6 +228,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         # transformers' environment otherwise: its extensions, its tojson, its globals
         super().__init__(trim_blocks=True, lstrip_blocks=True, optimized=False, extensions=[_Generation, loopcontrols])
         self.filters["tojson"] = _tojson
+        # each filter and test call looks at the clock: map() and select() call theirs once an item, unseen by `call`
+        self.filters = {name: self._clocked(function) for name, function in self.filters.items()}
+        self.tests = {name: self._clocked(function) for name, function in self.tests.items()}
         self.globals.update(raise_exception=_refuse, strftime_now=strftime_now)
         del self.globals["lipsum"]  # Jinja's placeholder text generator: no template needs it, lipsum(10 ** 9) hangs
         self.budget = _Budget()
@@ -245,6 +249,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's names)
         __self.budget.spend()
         return super().call(__context, __obj, *args, **kwargs)
+
+    def _clocked(self, function: Any) -> Any:
+        @functools.wraps(function)  # (with Jinja's pass_context and its kind)
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            self.budget.spend()
+            return function(*args, **kwargs)
+
+        return clocked
 
     def budgeted(self, iterable: Any) -> Iterator[Any]:
         for item in iterable:
