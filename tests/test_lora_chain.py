@@ -56,3 +56,21 @@ def test_a_lora_run_on_a_lora_run_starts_at_its_adapted_logits_trains_and_refuse
         load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN])
     with pytest.raises(UsageError, match=f"finetune.base={sft_dir}: the base changed since"):
         restore_newest(tmp_path / "dpo", run.abstract_state, cfg, "read")
+
+
+@pytest.mark.nocompile
+def test_a_base_whose_config_does_not_read_as_a_run_s_is_a_usage_error(tmp_path):
+    """finetune.base's config.yaml hand-edited (a section that is not a mapping) was an
+    AttributeError or TypeError traceback."""
+    from conftest import ROOT
+    from engine.lm.finetune import BaseWeights
+
+    (tmp_path / "lora" / "checkpoints").mkdir(parents=True)
+    overrides = [f"finetune.base={tmp_path / 'lora'}", "finetune.lora.rank=2"]
+    cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, str(tmp_path / "run"))
+    for text in ("finetune: {base: /x, lora: {rank: 4}}\nmodel: 3\n", "finetune: nope\n", "finetune: {lora: [1]}\n"):
+        (tmp_path / "lora" / "config.yaml").write_text(text)
+        with pytest.raises(UsageError, match=r"config.yaml does not read as a run's config"):
+            assert BaseWeights(cfg, {}).chain is None
+    (tmp_path / "lora" / "config.yaml").write_text("finetune: {base: ''}\nmodel: {name: mlp}\n")  # (not a LoRA run)
+    assert BaseWeights(cfg, {}).chain is None

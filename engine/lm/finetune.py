@@ -244,10 +244,17 @@ def _chained(base: BaseWeights) -> Optional[BaseWeights]:
     if not written.is_file():
         return None
     saved = read_yaml_mapping(written, "finetune.base's config")
-    finetune, lora = saved.get("finetune") or {}, (saved.get("finetune") or {}).get("lora") or {}
+    given = base.cfg.finetune.base
+    finetune, theirs = saved.get("finetune") or {}, saved.get("model") or {}
+    lora = (finetune.get("lora") or {}) if isinstance(finetune, dict) else None
+    if not all(isinstance(section, dict) for section in (finetune, lora, theirs)):  # (a hand-edited file)
+        raise UsageError(
+            f"finetune.base={given}: {written} does not read as a run's config (its finetune, finetune.lora and "
+            "model sections are not mappings); give the workdir of `launch.py import-hf` or of a run"
+        )
+    assert isinstance(lora, dict) and isinstance(theirs, dict)  # (for mypy: checked above)
     if not lora.get("rank"):
         return None
-    given = base.cfg.finetune.base
     if not finetune.get("base"):
         raise UsageError(
             f"finetune.base={given} is a LoRA run whose base is its model's seeded initialisation (its own "
@@ -255,7 +262,7 @@ def _chained(base: BaseWeights) -> Optional[BaseWeights]:
             f"(launch.py import-hf) and give the import's workdir"
         )
     model = dataclasses.asdict(base.cfg.model)
-    differ = sorted(k for k in set(model) | set(saved.get("model") or {}) if model.get(k) != saved["model"].get(k))
+    differ = sorted(k for k in set(model) | set(theirs) if model.get(k) != theirs.get(k))
     if differ:
         raise UsageError(
             f"finetune.base={given} is a LoRA run of another model (model.{', model.'.join(differ[:5])} differ); "
