@@ -13,7 +13,7 @@ from test_llama import TINY, write_hf_checkpoint
 
 from conftest import run_cli
 from engine.errors import UsageError
-from engine.lm import chat
+from engine.lm import chat, render_backstops
 from engine.lm.chat import ChatTemplate, chat_prompts, check_imported_template, read_chat_template, render_chats
 from models.llama import LlamaConfig
 
@@ -111,9 +111,9 @@ def test_memory_is_capped():
     import resource
 
     before = resource.getrlimit(resource.RLIMIT_AS)
-    with chat._address_space(chat.MEMORY_BYTES):
+    with render_backstops.address_space(render_backstops.MEMORY_BYTES):
         with pytest.raises((MemoryError, OSError)):  # an untouched mapping: without the limit it would succeed
-            mmap.mmap(-1, 2 * chat.MEMORY_BYTES)
+            mmap.mmap(-1, 2 * render_backstops.MEMORY_BYTES)
     assert resource.getrlimit(resource.RLIMIT_AS) == before
     _refused("{{ 'x'.ljust(10000000000) }}", "needs more than 1 GiB of memory")  # (10 GB, were there no limit)
     assert resource.getrlimit(resource.RLIMIT_AS) == before
@@ -144,7 +144,7 @@ def test_the_alarm_stops_a_render_that_no_check_sees(monkeypatch):
     """With the loop budget and clock checks off, only the SIGALRM backstop can stop the loops."""
     monkeypatch.setattr(chat._Budget, "spend", lambda self, iterations=0: None)
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.05)
-    monkeypatch.setattr(chat, "ALARM_SLACK_SECONDS", 0.0)
+    monkeypatch.setattr(render_backstops, "ALARM_SLACK_SECONDS", 0.0)
     handler = signal.getsignal(signal.SIGALRM)
     _refused("{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}{% endfor %}", "longer than 0.05 s")
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

@@ -12,8 +12,6 @@ import contextlib
 import functools
 import json
 import re
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
@@ -25,6 +23,7 @@ from jinja2.visitor import NodeTransformer
 
 from engine.errors import UsageError
 from engine.lm.chat_files import CONFIG_FILE, JINJA_FILE, ChatTemplate, read_chat_template, short
+from engine.lm.render_backstops import MEMORY_BYTES, Alarm, backstops
 from engine.lm.template_clock import strftime_now
 
 # Bounds on one render (one conversation). Real chat templates stay far below each of them: a
@@ -33,8 +32,6 @@ MAX_OUTPUT_CHARS = 1 << 20  # the rendered prompt, and any one string, list or j
 MAX_INT_BITS = 1 << 16  # an integer that `*` or `**` makes: 65,536 bits (about 19,700 digits)
 MAX_ITERATIONS = 1_000_000  # loop iterations of all the render's {% for %} loops together (nested ones share it)
 RENDER_SECONDS = 5.0  # wall clock, checked at every loop iteration, call and output chunk
-ALARM_SLACK_SECONDS = 1.0  # then SIGALRM stops a render that runs where no check does (main thread only)
-MEMORY_BYTES = 1 << 30  # address space a render may add to the process (RLIMIT_AS, where the OS has it)
 # Bounds on the renders of one record of training data (engine/data/conversations.py renders a
 # record whole and its prefixes, to find the spans the loss covers: two prefixes per assistant
 # message). Each render's loop iterations are bounded by what it renders (a real template loops
@@ -53,11 +50,6 @@ SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello!"}]
 
 class _Exceeded(Exception):
     """A render reached one of its bounds (the message says which)."""
-
-
-class _Alarm(BaseException):
-    """The wall-clock backstop rang: a BaseException, so that no `except Exception` in the
-    template's runtime can swallow it (render_chats turns it into the UsageError)."""
 
 
 class _Forbidden(TemplateSyntaxError):
@@ -112,7 +104,7 @@ class _Budget:
             raise _Exceeded(f"runs more than {self.allowed:,} loop iterations {self.what}")
         now = time.monotonic()
         if now > self.deadline:
-            raise _Alarm(f"takes longer than {RENDER_SECONDS:g} s to render")
+            raise Alarm(f"takes longer than {RENDER_SECONDS:g} s to render")
         record = self.record
         if record is not None:
             record.iterations -= iterations
@@ -319,7 +311,7 @@ class Renderer:
         RECORD_SECONDS) besides each render's own, and one set of backstops (alarm, address space)."""
         self.env.record = _RecordBudget()
         try:
-            with self._faults(where), _backstops(RECORD_SECONDS, f"takes longer than {RECORD_SECONDS:g} s {_RECORD}"):
+            with self._faults(where), backstops(RECORD_SECONDS, f"takes longer than {RECORD_SECONDS:g} s {_RECORD}"):
                 yield
         finally:
             self.env.record = None
@@ -330,7 +322,7 @@ class Renderer:
             yield
         except UsageError:  # (said already, by a render inside a record, or by the code between renders)
             raise
-        except (Exception, _Alarm) as e:  # a template is code: whatever it raises is its fault, said in one line
+        except (Exception, Alarm) as e:  # a template is code: whatever it raises is its fault, said in one line
             if allow_refusal and isinstance(e, _Refused):
                 return
             raise UsageError(f"{where}{self.template.source}: the chat template {_fault(e)}; {self.fix}") from None
@@ -371,7 +363,7 @@ def _joined(chunks: Iterator[str], budget: _Budget) -> str:
 
 def _fault(error: BaseException) -> str:
     """What went wrong, in a few words on one line."""
-    if isinstance(error, (_Exceeded, _Alarm)):
+    if isinstance(error, (_Exceeded, Alarm)):
         return str(error)
     if isinstance(error, _Forbidden):
         return f"{error.message}; a chat template must be one self-contained file"
@@ -394,68 +386,8 @@ def _bounded(env: BoundedEnvironment, messages: Any = ()) -> Iterator[None]:
     if env.record is not None:
         yield
         return
-    with _backstops(RENDER_SECONDS, f"takes longer than {RENDER_SECONDS:g} s to render"):
+    with backstops(RENDER_SECONDS, f"takes longer than {RENDER_SECONDS:g} s to render"):
         yield
-
-
-@contextlib.contextmanager
-def _backstops(seconds: float, message: str) -> Iterator[None]:
-    """Two backstops for what a budget's checks cannot see: an alarm ringing `seconds` (and
-    ALARM_SLACK_SECONDS) from now with `message`, in the main thread where no other timer runs,
-    and a limit on the process's address space."""
-    with contextlib.ExitStack() as undo:
-        undo.enter_context(_address_space(MEMORY_BYTES))  # first: restored after the alarm is off, never by it
-        main = threading.current_thread() is threading.main_thread()
-        if main and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
-            undo.enter_context(_alarm(seconds + ALARM_SLACK_SECONDS, message))
-        yield
-
-
-@contextlib.contextmanager
-def _alarm(seconds: float, message: str) -> Iterator[None]:
-    """_Alarm(`message`) raised in the main thread after `seconds`: a render spending its time where
-    no budget check runs (one long operation inside a loop's step) is still stopped."""
-    ringing = [True]
-
-    def ring(signum: int, frame: Any) -> None:
-        if ringing[0]:
-            raise _Alarm(message)
-
-    previous = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        ringing[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _address_space(extra: int) -> Iterator[None]:
-    """RLIMIT_AS at the process's present size + `extra`, restored afterwards (the limit is the
-    whole process's: commands render before they start JAX's threads): one huge allocation
-    by a template ('x'.ljust(10 ** 10)) fails with MemoryError instead of taking the machine's
-    memory. Nothing where the OS has no such limit or no /proc."""
-    try:
-        import resource
-
-        size = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
-    except (ImportError, OSError, ValueError):  # no such limit here, or no /proc to measure the process by
-        size = -1
-    if size < 0:
-        yield
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
-    if soft != resource.RLIM_INFINITY and soft <= limit:  # already as tight
-        yield
-        return
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def chat_prompts(work: Path, texts: list[str], system: str = "") -> list[str]:
