@@ -21,7 +21,7 @@ os.environ["XLA_FLAGS"] = (
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"  # (engine/runtime/settings.py: CPU_SCHEDULER_FLAG)
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
-# The engine's caches (tokenized corpora, tables' features, XLA programs: engine/caches.py) in a
+# The engine's caches (tokenized corpora, tables' features, XLA programs: engine/runtime/caches.py) in a
 # folder of this test process's own, for it and every process it launches: a test passes or fails
 # alike on a machine that never ran the engine and on one whose ~/.cache/jax-engine is full.
 _CACHE = tempfile.TemporaryDirectory(prefix="jax-engine-cache-")

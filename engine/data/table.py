@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from engine.caches import DEFAULT_ROOT, cache_path
 from engine.data import features as feature_columns
 from engine.data import preprocess
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
+from engine.runtime.caches import DEFAULT_ROOT, cache_path
 from engine.runtime.rundir import write_atomic
 
 CACHE = f"{DEFAULT_ROOT}/tables"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.caches import cache_path
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset
 from engine.errors import UsageError
+from engine.runtime.caches import cache_path
 from engine.runtime.rundir import sha256_file
 
 

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.caches import cache_path
 from engine.data import example_spec
 from engine.run.columns import MetricColumns
 from engine.run.step import FROZEN, TrainState, make_loss_fn, make_train_step, split_variables
+from engine.runtime.caches import cache_path
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,
