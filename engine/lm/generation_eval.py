@@ -28,6 +28,7 @@ from engine.errors import UsageError
 from engine.lm import finetune
 from engine.lm.generate import context_length
 from engine.lm.rewards import RESERVED, RewardFunction, call_reward, load_rewards
+from engine.lm.template_clock import rendering_at
 from engine.lm.tokenizer import eos_ids
 from engine.run.step import model_variables
 from models.family import BuildOptions, projections
@@ -137,9 +138,10 @@ class GenerationEval:
         _, self.tokenizer, render = model_text(cfg.data)
         special = bool(getattr(render, "special_tokens", False))
         self.ids = []
-        for prompt in self.prompts:
-            text = render(as_messages(prompt.prompt, "prompt", "user", prompt.where), True, prompt.where)
-            self.ids.append(self.tokenizer.encode(text or "", add_special_tokens=special).ids)
+        with rendering_at(run.dataset.info.template_time):  # the run's recorded date, as its data's (data_record)
+            for prompt in self.prompts:
+                text = render(as_messages(prompt.prompt, "prompt", "user", prompt.where), True, prompt.where)
+                self.ids.append(self.tokenizer.encode(text or "", add_special_tokens=special).ids)
         longest, context = max(map(len, self.ids)), context_length(Path(cfg.workdir), run.dataset.info)
         if longest + section.max_tokens > context:
             raise UsageError(

@@ -8,6 +8,7 @@ import contextlib
 import time
 from typing import Iterator
 
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"  # how a run records its templates' time (template_time.json, DataInfo)
 _fixed: list[time.struct_time] = []  # the times fixed_template_time holds, innermost last
 
 
@@ -19,6 +20,11 @@ def fixed_template_time(when: time.struct_time) -> Iterator[None]:
         yield
     finally:
         _fixed.pop()
+
+
+def rendering_at(when: str) -> contextlib.AbstractContextManager[None]:
+    """fixed_template_time at `when` (TIME_FORMAT, a run's recorded time); the clock's where "" ."""
+    return fixed_template_time(time.strptime(when, TIME_FORMAT)) if when else contextlib.nullcontext()
 
 
 def strftime_now(format: str) -> str:

@@ -26,13 +26,12 @@ from jax.experimental import multihost_utils
 from engine.data import Dataset, load_dataset
 from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.errors import UsageError
-from engine.lm.template_clock import fixed_template_time
+from engine.lm.template_clock import TIME_FORMAT, fixed_template_time
 from engine.run.dpo import REF_LOGPS
 from engine.runtime.rundir import sha256_file, write_atomic
 
 META = "data_record"  # the checkpoint meta's record of the data (`record`)
 TEMPLATE_TIME = "template_time.json"  # in the workdir: {"time": the local time strftime_now() gives}
-TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
 CHAT_TEMPLATE = "chat template"  # the record's key of the template files' sha256
 TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")  # where a model directory keeps its template
 
