@@ -76,7 +76,10 @@ def export_run(workdir: str, out: str, step: Optional[str] = None) -> Path:
     workdir_path, out_path = Path(workdir), new_output_dir(out)
     # Gathered onto one device: the exported program is independent of the training mesh.
     cfg = run_config(workdir_path)
-    run = build_run(cfg, compile_train=False, dataset=recorded_shape(cfg))  # (no data read: data.json)
+    recorded = recorded_shape(cfg)  # (no data read: data.json)
+    if recorded is not None and recorded.info.preprocessing_data:  # a table's data is read: an export
+        recorded = None  # refuses data whose preprocessing changed since (docs/data.md)
+    run = build_run(cfg, compile_train=False, dataset=recorded)
     preprocessing = recorded_preprocessing(workdir_path, run.dataset.info)
     restored = restore_newest(workdir_path, run.abstract_state, cfg, "export", step)
     variables = model_variables(restored.state.params, restored.state.model_state)
