@@ -16,6 +16,7 @@ import time
 import traceback
 
 STARTED = time.time()  # goodput and time to first step count from here
+COORDINATOR_GRACE_SECONDS = 2.0  # how long a failing process 0 of a job waits before it exits (`entry`)
 
 # command → module; `train` is also what a command line without one runs
 COMMANDS = {
@@ -81,8 +82,19 @@ def entry() -> None:
         # instead, so that its launcher sees the failure within moments and stops the others
         sys.stdout.flush()
         sys.stderr.flush()
+        if _process_index() == 0:
+            # process 0 hosts the job's coordination service: leaving first would abort peers that
+            # are failing the same way (a NaN, a usage error) with SIGABRT, and the launcher would
+            # blame process 0 for a loss; it gives them a moment to leave on their own first
+            time.sleep(COORDINATOR_GRACE_SECONDS)
         os._exit(code)
     sys.exit(code)
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 def _in_job() -> bool:
