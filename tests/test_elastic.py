@@ -242,6 +242,24 @@ def test_the_launcher_lets_processes_that_fail_together_end_on_their_own():
 
 
 @pytest.mark.nocompile
+def test_of_failures_seen_at_once_the_launcher_names_the_killed_process(capsys):
+    """Process 1 SIGKILLed and process 0 exiting 1 at once (its collective broke and it leaves at
+    once, cli.entry): both seen in one poll; the headline named process 0's exit (CI, round 6)."""
+    from engine.runtime.launcher import _wait
+
+    children = [
+        subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+        for script in ("import sys; sys.exit(1)", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    ]
+    for child in children:
+        child.wait()
+    seen: list = []
+    assert _wait(children, [], seen, grace=0, settle=0) == 1
+    assert "error: process 1 was killed by signal 9 (SIGKILL); stopping" in capsys.readouterr().err
+    assert [(index, code) for index, code, _ in seen] == [(1, -9), (0, 1)]
+
+
+@pytest.mark.nocompile
 def test_the_launcher_waits_for_the_killed_process_behind_its_peer_s_abort():
     """Issue 57: process 1 SIGKILLed, process 0's SIGABRT seen first; the launcher blamed process 0."""
     from engine.runtime.launcher import _wait

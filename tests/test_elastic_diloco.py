@@ -30,7 +30,7 @@ def test_a_killed_replica_s_job_goes_on_with_three_and_converges(tmp_path):
     kill = {"ENGINE_TEST_KILL_AT": "2:207:0"}  # the local save at 205 mid-round (rounds of 8); persistent at 200
     job = local_job(workdir, *JOB, *tier, processes=4, devices=1, env=kill)
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-3000:]
-    assert "process 2 was killed by signal 9 (SIGKILL)" in job.stderr
+    assert "process 2 was killed by signal 9 (SIGKILL)" in job.stderr, job.stderr
     assert "elastic: restarting the job on 3 processes" in job.stderr
     assert "DiLoCo: 4 replicas" in job.stdout and "DiLoCo: 3 replicas" in job.stdout
     (recovery,) = records(workdir, "recovery")

@@ -122,7 +122,7 @@ def test_a_run_from_another_runs_weights_carries_that_models_files(base, tmp_pat
     for name, overrides in (("lora", [f"finetune.base={base_dir}", *LORA]), ("params", params)):
         cfg = load_config(base_dir / "config.yaml", [*DATA, *overrides], str(tmp_path / name))
         (tmp_path / name).mkdir()
-        write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / name)
+        write_run_files(cfg, load_dataset(cfg.data), tmp_path / name)
         assert (tmp_path / name / "hf_config.json").read_bytes() == recorded, name
     (base_dir / "hf_config.json").write_text("{}")  # the base's files change after the run started
     write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / "params")  # (as a resume starts)

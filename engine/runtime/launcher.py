@@ -71,6 +71,11 @@ def stop_with(launcher: int, niceness: int = 0, sig: int = signal.SIGTERM):
     return arrange
 
 
+def _killed(code: int) -> bool:
+    """Whether a return code is a kill's: a signal other than SIGABRT (a peer's abort) and SIGTERM (a stop)."""
+    return code < 0 and -code not in (signal.SIGABRT, signal.SIGTERM)
+
+
 def _describe(code: int) -> str:
     return f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
 
@@ -185,6 +190,9 @@ def _wait(
             codes = [child.poll() for child in children]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, GROW_EXIT)]
         if failed:
+            # of the failures of one poll, a process killed by a signal (not a peer's SIGABRT or a stop's
+            # SIGTERM) first: its peers' collectives broke with it, and they exit at once (cli.entry)
+            failed.sort(key=lambda failure: (not _killed(failure[1]), failure[0]))
             seen.extend((index, code, time.time()) for index, code in failed)
             index, code = failed[0]
             if code != 2:  # (a usage error's reason is said once the processes' output is read)
