@@ -125,9 +125,9 @@ def test_a_run_from_another_runs_weights_carries_that_models_files(base, tmp_pat
         write_run_files(cfg, load_dataset(cfg.data), tmp_path / name)
         assert (tmp_path / name / "hf_config.json").read_bytes() == recorded, name
     (base_dir / "hf_config.json").write_text("{}")  # the base's files change after the run started
-    write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / "params")  # (as a resume starts)
+    write_run_files(cfg, load_dataset(cfg.data), tmp_path / "params")  # (as a resume starts)
     cfg = load_config(base_dir / "config.yaml", [*DATA, f"finetune.base={base_dir}", *LORA], str(tmp_path / "lora"))
-    write_run_files(cfg, load_dataset(cfg.data).info, tmp_path / "lora")
+    write_run_files(cfg, load_dataset(cfg.data), tmp_path / "lora")
     assert (tmp_path / "lora" / "hf_config.json").read_bytes() == recorded  # what the run recorded at its start
     assert (tmp_path / "params" / "hf_config.json").read_bytes() == recorded
 
