@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from contract.fields import option
 from engine.config.data_sections import DataConfig
 from engine.config.eval_section import EvalConfig
+from engine.config.grpo_section import GrpoConfig
 from engine.config.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
 from engine.observe.trackers import TRACKERS
 from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
@@ -80,8 +81,9 @@ class TrainConfig:
     objective: str = option(
         "lm",
         "what the run trains for: lm (next-token cross-entropy, or the model's own loss) or dpo (direct "
-        "preference optimisation on data.name=preferences pairs; the `dpo` section)",
-        choices=("lm", "dpo"),
+        "preference optimisation on data.name=preferences pairs; the `dpo` section) or grpo (group-relative "
+        "policy optimisation with reward functions on data.name=prompts; the `grpo` section)",
+        choices=("lm", "dpo", "grpo"),
     )
     eager: bool = option(False, "run the step without jit, op by op (slow; for debugging, like TF eager)")
     compilation_cache_dir: str = option(
@@ -422,6 +424,7 @@ class Config:
     diloco: DilocoConfig = dataclasses.field(default_factory=DilocoConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+    grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
