@@ -77,8 +77,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
-from engine.plan.hlo import OPS, Collective, hlo_collectives, human_bytes  # noqa: E402
+from engine.plan.hlo import OPS, Collective, hlo_collectives  # noqa: E402
 from engine.run.setup import build_run  # noqa: E402
+from engine.runtime.units import human_bytes  # noqa: E402
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 MODELS = {

@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import load_config  # noqa: E402
 from engine.errors import UsageError  # noqa: E402
-from engine.plan.hlo import hlo_collectives, human_bytes  # noqa: E402
+from engine.plan.hlo import hlo_collectives  # noqa: E402
 from engine.run.setup import build_run  # noqa: E402
+from engine.runtime.units import human_bytes  # noqa: E402
 
 MODEL = [
     "model.name=llama",

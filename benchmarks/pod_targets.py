@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.plan.hlo import human_bytes  # noqa: E402
+from engine.runtime.units import human_bytes  # noqa: E402
 
 # (name, config, target, overrides): the shipped settings, as the targets state them
 TARGETS = [

@@ -22,8 +22,8 @@ process.install()
 
 from engine.config import load_config  # noqa: E402
 from engine.plan.compiled import as_record, plan  # noqa: E402
-from engine.plan.hlo import human_bytes  # noqa: E402
 from engine.plan.tpu import parse_target  # noqa: E402
+from engine.runtime.units import human_bytes  # noqa: E402
 
 # (config, target, slices, overrides): the layouts the configs ship, and across two slices data
 # parallel between the slices with the config's layout inside each

@@ -86,7 +86,7 @@ class Layout:
         return 4 * self.param_count
 
     def text(self) -> str:
-        from engine.plan.hlo import human_bytes
+        from engine.runtime.units import human_bytes
 
         return (
             f"DiLoCo: {self.replicas} replicas, each {self.inner_steps} steps alone per round; "

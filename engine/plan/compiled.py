@@ -21,9 +21,10 @@ from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
 from engine.parallel.sharding import batch_shards, per_device_bytes
 from engine.plan import hlo
-from engine.plan.hlo import Collective, human_bytes
+from engine.plan.hlo import Collective
 from engine.plan.tpu import Target
 from engine.run.setup import compile_plan, plan_run, train_loss_chunk
+from engine.runtime.units import human_bytes
 from models.layers import LossChunk
 
 MFUS = (0.4, 0.5, 0.6)  # the model FLOP utilisations the step time is shown at

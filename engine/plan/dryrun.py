@@ -11,9 +11,9 @@ from engine.parallel import diloco
 from engine.parallel.sharding import per_device_bytes
 from engine.parallel.stages import describe as describe_pipeline
 from engine.plan import hlo
-from engine.plan.hlo import human_bytes
 from engine.run.setup import Run, build_run
 from engine.run.step import FROZEN
+from engine.runtime.units import human_bytes
 from models.family import stacked_layers
 
 

@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from engine.runtime.units import human_bytes
+
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
     "pred": 1,
@@ -241,13 +243,3 @@ def summary(collectives: list[Collective]) -> str:
     for c in collectives:
         kinds.setdefault(c.op, []).extend([c.bytes] * c.count)
     return ", ".join(f"{op} x{len(sizes)} ({human_bytes(sum(sizes))})" for op, sizes in sorted(kinds.items())) or "none"
-
-
-def human_bytes(n: float) -> str:
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} TiB"

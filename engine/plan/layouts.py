@@ -26,10 +26,10 @@ from engine.parallel.axes import CONFIG_AXES
 from engine.parallel.sharding import per_device_bytes
 from engine.plan.compiled import Planned, plan
 from engine.plan.footprint import Widths, activation_bytes
-from engine.plan.hlo import human_bytes
 from engine.plan.tpu import Target
 from engine.run.blueprint import replicas_from
 from engine.run.setup import plan_run
+from engine.runtime.units import human_bytes
 from models import REGISTRY
 from models.family import ModelFamily, num_experts, splits_sequence
 from models.remat import RECOMPUTE

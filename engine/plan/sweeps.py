@@ -8,9 +8,9 @@ import json
 
 from engine.config import program_settings
 from engine.plan.compiled import Planned, plan
-from engine.plan.hlo import human_bytes
 from engine.plan.tpu import parse_target
 from engine.plan.verdict import verdict
+from engine.runtime.units import human_bytes
 
 
 def plan_sweep(sweep, target_name: str, slices: int) -> int:

@@ -12,7 +12,8 @@ from engine.parallel.axes import BATCH_AXES
 from engine.parallel.stages import describe as describe_pipeline
 from engine.parallel.stages import stage_plan
 from engine.plan.compiled import BOUND_AT, MFUS, Planned, Program, loss_line
-from engine.plan.hlo import Collective, human_bytes
+from engine.plan.hlo import Collective
+from engine.runtime.units import human_bytes
 from models import REGISTRY
 from models.family import stacked_layers
 

@@ -34,10 +34,10 @@ from engine.observe.perf import StepCost
 from engine.parallel.axes import MESH_AXES
 from engine.parallel.mesh import build_mesh, mesh_shape, num_devices
 from engine.parallel.sharding import per_device_bytes
-from engine.plan.hlo import human_bytes
 from engine.run.backends import Compiled, compile_jit
 from engine.run.setup import Plan, plan_cost, plan_run, run_hparams, train_batches
 from engine.runtime.memory import device_memory_bytes
+from engine.runtime.units import human_bytes
 
 TRIAL = "trial"  # the mesh axis over trials
 MEMORY_FRACTION = 0.9  # of one device's memory that a group's compiled steps may plan to use

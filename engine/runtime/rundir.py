@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from engine.errors import UsageError
-from engine.plan.hlo import human_bytes
+from engine.runtime.units import human_bytes
 
 METRICS = "metrics.jsonl"
 STATUS = "status.json"
