@@ -33,7 +33,7 @@ class DataConfig:
 
     name: str = _name(sources.digits)
     path: Optional[str] = option(
-        None, "the file or directory for npz, idx, cifar10, text, tokens, table, chat and preferences"
+        None, "the file or directory for npz, idx, cifar10, text, tokens, table, chat, preferences and prompts"
     )
     shuffle: bool = option(True, "reshuffle every epoch; the order is a function of (seed, epoch)")
     prefetch: int = option(
@@ -78,8 +78,8 @@ def _eval_fraction() -> Any:
 def _eval_path() -> Any:
     return option(
         None,
-        "table, text, chat, preferences: the held-out split read from these files (as data.path takes them) instead of "
-        "data.eval_fraction of data.path; all of data.path then trains",
+        "table, text, chat, preferences, prompts: the held-out split read from these files (as data.path takes "
+        "them) instead of data.eval_fraction of data.path; all of data.path then trains",
     )
 
 
@@ -117,20 +117,20 @@ def _overflow() -> Any:
 def _model_tokenizer() -> Any:
     return option(
         "",
-        "chat, preferences: the directory (an import-hf workdir, or a Hugging Face directory) whose tokenizer.json "
-        "and chat template render and tokenize the conversations, or a tokenizers JSON file of any name (with its "
-        "directory's chat template); \"\" = the model's: finetune.base's or checkpoint.restore_from's workdir, "
-        "else the run's own",
+        "chat, preferences, prompts: the directory (an import-hf workdir, or a Hugging Face directory) whose "
+        "tokenizer.json and chat template render and tokenize the conversations, or a tokenizers JSON file of any "
+        "name (with its directory's chat template); \"\" = the model's: finetune.base's or "
+        "checkpoint.restore_from's workdir, else the run's own",
     )
 
 
 def _format() -> Any:
     return option(
         "auto",
-        "chat, preferences: how string records are read: standard (TRL's standard format: prompt and completion "
-        "concatenated as plain text, the tokenizer's end-of-text token after the completion, its BOS as it adds it; "
-        "no chat template, message lists refused), conversational (each string one user's or assistant's message, "
-        "rendered with the chat template, as message lists are), auto (standard where the model has no chat "
+        "chat, preferences, prompts: how string records are read: standard (TRL's standard format: prompt and "
+        "completion concatenated as plain text, the tokenizer's end-of-text token after the completion, its BOS as it "
+        "adds it; no chat template, message lists refused), conversational (each string one user's or assistant's "
+        "message, rendered with the chat template, as message lists are), auto (standard where the model has no chat "
         "template, else conversational)",
         choices=("auto", "standard", "conversational"),
     )
@@ -285,6 +285,18 @@ class PreferencesData(DataConfig):
     format: str = _format()
 
 
+@dataclass(frozen=True)
+class PromptsData(DataConfig):
+    """Prompts (JSON Lines of prompt and the fields the reward functions read) for train.objective=grpo."""
+
+    reads: ClassVar[Callable] = sources.prompts
+    name: str = _name(reads)
+    eval_fraction: float = _eval_fraction()
+    eval_path: Optional[str] = _eval_path()
+    tokenizer: str = _model_tokenizer()
+    format: str = _format()
+
+
 _SECTIONS = (
     DigitsData,
     SyntheticData,
@@ -298,6 +310,7 @@ _SECTIONS = (
     TableData,
     ChatData,
     PreferencesData,
+    PromptsData,
 )
 
 

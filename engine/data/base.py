@@ -43,6 +43,9 @@ class Dataset:
     train: Any
     eval: Any
     info: DataInfo
+    # data.name=prompts: the (train, eval) records (engine/data/prompts.py PromptRecord) by the
+    # batches' record_index, for the reward functions; None for other sources
+    records: Any = None
 
 
 def existing_dir(path: str, what: str) -> Path:

@@ -28,7 +28,8 @@ from engine.lm.chat import Renderer
 from engine.lm.chat_files import CONFIG_FILE, JINJA_FILE, read_chat_template, special_tokens, tokenizer_config
 from engine.lm.tokenizer import END_OF_TEXT, MAX_TOKENIZER_BYTES, TOKENIZER, check_size, load_tokenizer_file
 
-MODEL_TEXT_SOURCES = ("chat", "preferences")  # the sources whose data.tokenizer is a model's (or "": the run's)
+# the sources whose data.tokenizer is a model's (or "": the run's)
+MODEL_TEXT_SOURCES = ("chat", "preferences", "prompts")
 
 
 def with_model(data, model_dir: Union[str, Path]):

@@ -17,6 +17,7 @@ import numpy as np
 from engine.data.base import SPLIT_SEED, DataInfo, Dataset, existing_dir
 from engine.data.chat_data import chat
 from engine.data.preferences import preferences
+from engine.data.prompts import prompts
 from engine.data.table import table
 from engine.data.text import python_source, synthetic_text, text, tokens
 from engine.errors import UsageError
@@ -279,13 +280,14 @@ SOURCES = {
     "table": table,
     "chat": chat,
     "preferences": preferences,
+    "prompts": prompts,
 }
 
 # the sources that read data.path
-FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table", "chat", "preferences")
+FILE_SOURCES = ("npz", "idx", "cifar10", "text", "tokens", "table", "chat", "preferences", "prompts")
 MIXTURE_SOURCES = ("tokens",)  # the sources that read a weighted mixture from data.sources
 # the sources that read their held-out split from data.eval_path
-EVAL_PATH_SOURCES = ("table", "text", "chat", "preferences")
+EVAL_PATH_SOURCES = ("table", "text", "chat", "preferences", "prompts")
 
 
 def load_dataset(cfg) -> Dataset:
