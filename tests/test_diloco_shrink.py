@@ -12,7 +12,7 @@ from engine.config import load_config
 from engine.parallel import diloco_shrink
 from engine.run.setup import build_run
 from engine.run.single import fit
-from engine.runtime.elastic import shrink_plan
+from engine.elastic.shrink import shrink_plan
 
 INNER, SAVED = 4, 6  # the checkpoint at step 6 is mid-round: the round began at step 4
 RUN = [

@@ -17,8 +17,9 @@ import pytest
 from conftest import run_cli
 from engine.config import load_config
 from engine.observe.perf import Goodput
-from engine.runtime.elastic import JOB as JOB_VARIABLE
-from engine.runtime.elastic import job_so_far, lost, shrink_plan
+from engine.elastic.accounting import JOB as JOB_VARIABLE
+from engine.elastic.accounting import job_so_far, lost
+from engine.elastic.shrink import shrink_plan
 from engine.runtime.rundir import drop_records_after, read_records
 
 STEPS, LOCAL_EVERY = 12, 4
@@ -198,7 +199,7 @@ def test_only_a_lost_process_restarts_the_job():
 
 @pytest.mark.nocompile
 def test_the_hung_process_is_the_one_behind_its_peers(tmp_path):
-    from engine.runtime.elastic import hung_processes
+    from engine.elastic.accounting import hung_processes
     from engine.runtime.watchdog import REACHED
 
     def hang(name: str, process: int, step, when: float) -> Path:
@@ -276,7 +277,7 @@ def test_the_launcher_waits_for_the_killed_process_behind_its_peer_s_abort():
 
 @pytest.mark.nocompile
 def test_the_launcher_tells_a_stop_to_grow_back_from_a_failure_and_a_preemption():
-    from engine.runtime.elastic_grow import GROW_EXIT
+    from engine.elastic.grow import GROW_EXIT
     from engine.runtime.launcher import _wait
 
     def job(*scripts):
@@ -297,7 +298,7 @@ def test_the_launcher_tells_a_stop_to_grow_back_from_a_failure_and_a_preemption(
 def test_max_restarts_counts_the_restarts_since_the_job_last_ran_at_its_full_size():
     from types import SimpleNamespace
 
-    from engine.runtime.elastic import restart_limit, restarts
+    from engine.elastic.accounting import restart_limit, restarts
 
     fault = SimpleNamespace(max_restarts=2, min_processes=1)
     failures = [{"attempt": a} for a in (0, 1, 3, 5)]  # failed starts 0 and 1; start 2 grew back; 3 failed; ...

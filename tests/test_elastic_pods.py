@@ -16,8 +16,8 @@ from test_elastic import JOB, assert_unbroken_losses, records
 from conftest import run_cli, start_cli
 from engine.config import load_config
 from engine.errors import UsageError
-from engine.runtime.elastic_pods import STOPPED, Supervisor
-from engine.runtime.rendezvous import Heartbeat, Rendezvous
+from engine.elastic.pods import STOPPED, Supervisor
+from engine.elastic.rendezvous import Heartbeat, Rendezvous
 
 PODS = 3
 DEVICES = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}

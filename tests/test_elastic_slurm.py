@@ -11,8 +11,8 @@ import pytest
 import slurm_cluster
 
 from conftest import ROOT, child_env, run_cli
-from engine.runtime.elastic import SETTLE_SECONDS
-from engine.runtime.elastic_slurm import StepOutput, parse_task_line, task_devices
+from engine.elastic.accounting import SETTLE_SECONDS
+from engine.elastic.srun_steps import StepOutput, parse_task_line, task_devices
 from engine.runtime.rundir import read_records
 
 STEPS = 8

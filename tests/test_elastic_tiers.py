@@ -11,7 +11,7 @@ from test_elastic import JOB, local_job, records
 
 from conftest import run_cli
 from engine.config import load_config
-from engine.runtime.restart import Precompiles, drop_local_tier
+from engine.elastic.precompile import Precompiles, drop_local_tier
 
 STEPS = 12  # (test_elastic.JOB's train.steps)
 

@@ -154,17 +154,17 @@ def _local_job(args, argv: list[str]) -> int:
     cfg = job_config(args.config, profile + args.overrides, args.workdir)
     check_local_job(cfg, args.local_processes, args.devices_per_process)
     if cfg.fault.elastic:
-        from engine.runtime.elastic import run_elastic_job
+        from engine.elastic.local_processes import run_elastic_job
 
         return run_elastic_job(without_local_flags(argv), cfg, args.local_processes, args.devices_per_process)
     return run_local_job(without_local_flags(argv), args.local_processes, args.devices_per_process)
 
 
 def _slurm_job(args, argv: list[str]) -> int:
-    """`--elastic`: this process drives the SLURM job (engine/runtime/elastic_slurm.py)."""
+    """`--elastic`: this process drives the SLURM job (engine/elastic/srun_steps.py)."""
     from engine.config import load_config
+    from engine.elastic.srun_steps import check_driver, run_slurm_job, task_devices
     from engine.errors import UsageError
-    from engine.runtime.elastic_slurm import check_driver, run_slurm_job, task_devices
 
     if args.local_processes:
         raise UsageError(
@@ -179,14 +179,14 @@ def _slurm_job(args, argv: list[str]) -> int:
 
 
 def _pod_job(args, argv: list[str]) -> int:
-    """`--rendezvous DIR`: this process supervises one pod of an elastic job (engine/runtime/elastic_pods.py)."""
+    """`--rendezvous DIR`: this process supervises one pod of an elastic job (engine/elastic/pods.py)."""
     import socket
     from pathlib import Path
 
     from engine.config import load_config
+    from engine.elastic.pods import check_pod, run_pod_job
+    from engine.elastic.srun_steps import task_devices
     from engine.errors import UsageError
-    from engine.runtime.elastic_pods import check_pod, run_pod_job
-    from engine.runtime.elastic_slurm import task_devices
 
     if args.local_processes or args.elastic:
         raise UsageError(

@@ -1,6 +1,6 @@
 """DiLoCo on another replica count: a checkpoint of R_old replicas goes on with R_new from its last outer step.
 
-An elastic job (engine/runtime/elastic.py, fault.elastic) under train.sync=diloco that loses a
+An elastic job (engine/elastic/supervisor.py, fault.elastic) under train.sync=diloco that loses a
 process restarts with fewer replicas: the replica axis (diloco.replica_axis) is the one that
 shrinks. The restarted job reads the newest checkpoint of either tier with its replica-stacked
 leaves (the replicas' parameters and model state, their inner optimizer states) in the count they

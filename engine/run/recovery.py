@@ -1,18 +1,18 @@
 """The restarted job's side of fault.elastic: its recovery records, and the tests' fault injection.
 
-The launcher (engine/runtime/elastic.py) starts a restarted job with ENGINE_ELASTIC_ATTEMPT=k and
-the failures so far in ENGINE_ELASTIC_FAILURES. Process 0 of that job writes, after its first step,
+The supervisor (engine/elastic/supervisor.py, pods.py) starts a restarted job with ENGINE_ELASTIC_ATTEMPT=k and
+the failures so far in the workdir's elastic-failures.json. Process 0 of that job writes, after its first step,
 one `split: "recovery"` record per failure that metrics.jsonl does not hold yet (time of the
 failure, the lost process, how it died, the step reached, the step restored, the tier used, the
 seconds lost from the failure to this first step, the processes now), and says it on the console.
 The time from the failure to this process's start is counted as the summary's badput_recovery.
 A smaller job asked to grow back stops at a persistent checkpoint (`GrowWatch`, `GrowBack`:
-engine/runtime/elastic_grow.py); the job grown from it writes one `split: "grow"` record, its
+engine/elastic/grow.py); the job grown from it writes one `split: "grow"` record, its
 time from the stop counted as badput_recovery too.
 
 ENGINE_TEST_KILL_AT=process:step[:start[:local]],... (tests only) makes that process SIGKILL itself once
 it has dispatched that step, in that start of the job (ENGINE_ELASTIC_ATTEMPT; 0 when not given; `local`:
-engine/runtime/restart.py). ENGINE_TEST_HANG_AT (the same form) makes it sleep for ever there instead:
+engine/elastic/precompile.py). ENGINE_TEST_HANG_AT (the same form) makes it sleep for ever there instead:
 a hung process, which its watchdog ends.
 """
 
@@ -29,8 +29,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from engine.runtime.elastic import ATTEMPT, FAILURES, RECOVERY, failure_record, pending
-from engine.runtime.elastic_grow import GREW, GROW, GROW_EXIT, REQUEST
+from engine.elastic.accounting import ATTEMPT, RECOVERY, failure_record, pending, read_failures
+from engine.elastic.grow import GREW, GROW, GROW_EXIT, REQUEST
 from engine.runtime.preemption import Preempted
 
 KILL, HANG = "ENGINE_TEST_KILL_AT", "ENGINE_TEST_HANG_AT"
@@ -65,7 +65,7 @@ def kill_if_due(at: Optional[tuple[int, bool]], done: int) -> None:
 
 class GrowBack(Preempted):
     """Every process stops at a complete persistent checkpoint for the launcher to start the job
-    again at its full size (engine/runtime/elastic_grow.py); exit code GROW_EXIT."""
+    again at its full size (engine/elastic/grow.py); exit code GROW_EXIT."""
 
     def __init__(self, step: int, processes: int):
         Exception.__init__(
@@ -117,7 +117,7 @@ class Recovery:
                 "Kubernetes pod; here a lost process ends the job",
                 file=sys.stderr,
             )
-        failures = json.loads(os.environ.get(FAILURES, "") or "[]")
+        failures = read_failures(Path(cfg.workdir)) if chief and ATTEMPT in os.environ else []
         unrecorded = pending(Path(cfg.workdir), failures) if chief and failures else []
         grew = json.loads(os.environ.get(GREW, "") or "null") if chief else None
         return cls(unrecorded, start, meta, grew) if unrecorded or grew else None

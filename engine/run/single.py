@@ -30,7 +30,7 @@ from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.step import FROZEN, REFERENCE
 from engine.runtime.distributed import barrier
-from engine.runtime.elastic import job_so_far
+from engine.elastic.accounting import job_so_far
 from engine.runtime.preemption import Preempted, starting
 from engine.runtime.rundir import METRICS
 from engine.runtime.watchdog import Watchdog

@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engine.runtime.elastic_grow import GROW_EXIT
-
 ROOT = Path(__file__).resolve().parent.parent
 # this program, for the processes it starts (local processes, a sweep's runs): the checkout's
 # launch.py where there is one, else the installed package
@@ -32,6 +30,7 @@ GRACE_SECONDS = 10  # after SIGTERM, how long a process may take to exit before 
 # the others: a SIGKILLed process's exit may be seen after its peers' aborts (a large process takes
 # a moment to tear down), and the stop would hide it (issue 57: the wrong process was blamed)
 ABORT_SETTLE_SECONDS = 1.5
+GROW_EXIT = 75  # every process's exit code after stopping to grow back (EX_TEMPFAIL; engine/elastic/grow.py)
 
 
 def free_port() -> int:
@@ -92,9 +91,9 @@ def run_local_job(
     """Runs `launch.py args` as `processes` processes (with `env` added to their environment);
     returns the job's exit code. `failed` receives (process, return code, time.time()) of the failures
     seen before the others were stopped (a preemption's exits are not failures). After a failure the
-    others get SIGTERM and `grace` seconds before SIGKILL (0: SIGKILL at once; engine/runtime/elastic.py
+    others get SIGTERM and `grace` seconds before SIGKILL (0: SIGKILL at once; engine/elastic/accounting.py
     says why it may); when no process of the first failures was killed by a signal, the others first
-    get `settle` seconds to end on their own (elastic.py: a failure every process meets is not a lost one)."""
+    get `settle` seconds to end on their own (accounting.py: a failure every process meets is not a lost one)."""
     said: dict[int, str] = {}  # each process's last error line
     children, relays = _start(args, processes, devices_per_process, env or {}, said=said)
     preempted: list[int] = []
@@ -184,7 +183,7 @@ def _wait(
             return _exit_status(max((code for code in codes if code is not None), key=abs))
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed and all(c == GROW_EXIT for _, c in failed):
-            grown = _grown(children)  # every process saved and leaves to grow back (engine/runtime/elastic_grow.py)
+            grown = _grown(children)  # every process saved and leaves to grow back (engine/elastic/grow.py)
             if grown or preempted:
                 return 128 + int(preempted[0]) if preempted else GROW_EXIT
             codes = [child.poll() for child in children]

@@ -33,7 +33,7 @@ WHAT = {
 
 
 # how a hang file's headline names the step the process's loop last began: the process behind its
-# peers (they wait for it in that step's collectives) is the one that hung (engine/runtime/elastic.py)
+# peers (they wait for it in that step's collectives) is the one that hung (engine/elastic/accounting.py)
 REACHED = "its loop last began step"
 
 

@@ -2,24 +2,26 @@
 meeting the other pods on a shared directory.
 
 On Kubernetes no one process sees every worker: each pod runs this supervisor, which trains
-nothing itself. The supervisors meet on a directory every pod mounts (engine/runtime/rendezvous.py:
+nothing itself. The supervisors meet on a directory every pod mounts (engine/elastic/rendezvous.py:
 heartbeats, rounds formed by the lowest live member). For each round a supervisor is in, it starts
 the training as one process (rank = its place among the round's members; the coordinator the
 round names, on the leader's pod; the shrink plan's mesh overrides for the round's size, as the
-local launcher does: engine/runtime/elastic.py), with ENGINE_ELASTIC_ATTEMPT = the round and the
-round's ENGINE_ELASTIC_FAILURES. While it runs, the supervisor watches its round's other members:
+local launcher does: engine/elastic/shrink.py), with ENGINE_ELASTIC_ATTEMPT = the round (rank 0's
+supervisor writes the round's failures to the workdir, accounting.write_failures). While it runs,
+the supervisor watches its round's other members:
 one whose heartbeat stops (its pod died), or whose process was killed by a signal, has its
 process SIGKILLed at once (with a peer gone its SIGTERM save cannot complete); one whose process
-failed on its own gets SETTLE_SECONDS first (elastic.py's `lost`: a failure every process meets is
+failed on its own gets SETTLE_SECONDS first (accounting.py's `lost`: a failure every process meets is
 the job's). Then it joins the next round.
 
-The next round's leader does the accounting: a member of round r missing from round r+1 (its pod
+The next round's leader does the accounting, the local supervisor's (accounting.account, with the
+hang attribution from each member's report): a member of round r missing from round r+1 (its pod
 stopped heartbeating) is a lost process, or the processes that failed on their own (`lost`); the
-failures so far travel in the round file, so every member passes the same ENGINE_ELASTIC_FAILURES.
-When fault.max_restarts or fault.min_processes stops the job (elastic.restart_limit), or every
+failures so far travel in the round. When fault.max_restarts or fault.min_processes stops the job
+(accounting.limit_message), or every
 process failed on its own, the round file says so and every supervisor exits 1 with the same
 message. The child's exit 0 (done) and 2 (a usage error) end the job; 143/130 (a preemption)
-end this pod's supervisor with it. Grow back (engine/runtime/elastic_grow.py): while a round smaller
+end this pod's supervisor with it. Grow back (engine/elastic/grow.py): while a round smaller
 than --processes runs and a live pod not in it is ready for the next, rank 0's supervisor asks the
 job to stop at its next persistent checkpoint; everyone then forms a larger round. Imports no jax.
 """
@@ -28,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
-import json
 import math
 import os
 import signal
@@ -39,24 +39,21 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.errors import UsageError
-from engine.runtime.elastic import (
+from engine.elastic.accounting import (
     ATTEMPT,
-    FAILURES,
     SETTLE_SECONDS,
+    account,
     describe,
-    give_up,
     hang_key,
-    lost,
-    pending,
-    restart_limit,
-    restarts,
-    shrink_plan,
+    limit_message,
     step_reached,
+    write_failures,
 )
-from engine.runtime.elastic_grow import GROW_EXIT, note_growth, request, start_env, withdraw
+from engine.elastic.grow import GROW_EXIT, note_growth, request, start_env, withdraw
+from engine.elastic.rendezvous import MEMBER, POLL_SECONDS, Heartbeat, Rendezvous
+from engine.elastic.shrink import shrink_plan
+from engine.errors import UsageError
 from engine.runtime.launcher import SELF, free_port, stop_with
-from engine.runtime.rendezvous import MEMBER, POLL_SECONDS, Heartbeat, Rendezvous
 
 ORDERLY = (0, 2, 130, 143, GROW_EXIT)  # a peer's process that ended so is not a failure: its round ends alike
 STOPPED = "was lost (its pod stopped heartbeating)"
@@ -159,6 +156,7 @@ class Supervisor:
         hangs = set(self.workdir.glob("hang-*.txt"))
         if rank == 0:
             withdraw(self.workdir)
+            write_failures(self.workdir, found["failures"])  # (its process 0 records them: engine/run/recovery.py)
         command = [
             *SELF,
             *self.args,
@@ -170,7 +168,7 @@ class Supervisor:
         if found["coordinator"].startswith("127.0.0.1:"):  # (a test's pods on one machine)
             command.append(f"distributed.coordinator_bind_address={found['coordinator']}")
         grow = start_env(size, self.full, found.get("grew"), self.cfg)
-        extra = {ATTEMPT: str(n), FAILURES: json.dumps(found["failures"]), "PYTHONUNBUFFERED": "1", **grow}
+        extra = {ATTEMPT: str(n), "PYTHONUNBUFFERED": "1", **grow}
         sys.stderr.write(f"elastic: pod {self.me}: round {n}, process {rank} of {size} (members {members})\n")
         self.child = subprocess.Popen(
             command,
@@ -246,37 +244,25 @@ class Supervisor:
         content.update(failures=failures, full_since=since)
         if previous is None:
             return content
-        new, why, grew = self.accounting(previous, members)
+        new, message, grew = self.accounting(previous, members, since)
         failures += new
         # (max_restarts counts from the last growth back: a job only grows at a persistent checkpoint,
         # so a pod that fails again and again, rejoining each round at full size, still ends the job)
         content.update(grew=grew, full_since=n if grew else since)
-        if why:
-            step = step_reached(self.workdir) or 0
-            message = (
-                f"error: the job failed at step {step}: {why} (fault.elastic restarts a job after a lost process)\n"
-            )
-            more = (
-                _said(give_up, self.workdir, failures, "it failed on its own")
-                if pending(self.workdir, failures)
-                else ""
-            )
-            return {**content, "end": message + more, "code": 1}
-        limit = restart_limit(self.cfg.fault, restarts(failures, since) - 1, len(members)) if new else ""
-        if limit:
-            return {**content, "end": _said(give_up, self.workdir, failures, limit), "code": 1}
-        return content
+        return {**content, "end": message, "code": 1} if message else content
 
-    def accounting(self, previous: dict, members: list[str]) -> tuple[list[dict], str, Optional[dict]]:
-        """(the processes of round `previous` lost, why the job is not restarted ("" when it is),
-        what the new round grew from)."""
+    def accounting(self, previous: dict, members: list[str], since: int) -> tuple[list[dict], str, Optional[dict]]:
+        """(the processes of round `previous` lost, the message that ends the job ("" when it
+        restarts), what the new round grew from): accounting.py's, as the local supervisor's."""
         r, before = previous["round"], previous["members"]
+        failures = list(previous["failures"])
         reports = self.rendezvous.reports(r)
         when = min((report["time"] for report in reports.values()), default=time.time())
-        step = step_reached(self.workdir)
         gone = [(rank, member) for rank, member in enumerate(before) if member not in members]
         if gone:
-            return [_failure(r, rank, _how_gone(reports.get(m)), step, when, len(before)) for rank, m in gone], "", None
+            step = step_reached(self.workdir)
+            new = [_failure(r, rank, _how_gone(reports.get(m)), step, when, len(before)) for rank, m in gone]
+            return new, limit_message(self.workdir, failures + new, self.cfg.fault, since, len(members)), None
         seen, hangs = [], []
         for rank, member in enumerate(before):
             report = reports.get(member, {})
@@ -287,17 +273,14 @@ class Supervisor:
         if not seen:
             grew = all(reports.get(m, {}).get("code") == GROW_EXIT for m in before) and len(members) > len(before)
             return [], "", {"time": when, "processes": len(before), "full": self.full} if grew else None
-        hung = [rank for _, rank in sorted(hangs)]  # (the process behind the others first: elastic.hung_processes)
-        lost_now, why = lost(seen, len(before), hung)
-        failures = []
-        for rank, code, at in lost_now:
-            how = f"hung ({describe(code)} by its watchdog)" if rank in hung else describe(code)
-            failures.append(_failure(r, rank, how, step, at, len(before)))
-        return failures, why, None
+        hung = {rank: "" for _, rank in sorted(hangs)}  # (the process behind the others first: hung_processes)
+        size, fault = len(before), self.cfg.fault
+        _, message, _ = account(self.workdir, failures, seen, size, hung, r, fault, since, left=len(members))
+        return failures[len(previous["failures"]) :], message, None
 
 
 def _failure(attempt: int, process: int, how: str, step, when: float, processes: int) -> dict:
-    """A failure, as elastic.note_failures records one."""
+    """A failure, as accounting.account records one."""
     return dict(attempt=attempt, process=process, how=how, step=step, time=when, processes=processes)
 
 
@@ -306,11 +289,3 @@ def _how_gone(report: Optional[dict]) -> str:
     if report and not report.get("killed") and report.get("code") not in (None, 0):
         return f"{describe(report['code'])}, then {STOPPED}"
     return STOPPED
-
-
-def _said(function, *args) -> str:
-    """What `function(*args)` writes to stderr (every supervisor then says the same)."""
-    buffer = io.StringIO()
-    with contextlib.redirect_stderr(buffer):
-        function(*args)
-    return buffer.getvalue()

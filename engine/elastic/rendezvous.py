@@ -1,7 +1,7 @@
 """The elastic pods' rendezvous on a shared directory: membership by heartbeat files, and
 numbered rounds formed by the lowest live member.
 
-Every pod's supervisor (engine/runtime/elastic_pods.py) meets the others in one directory that
+Every pod's supervisor (engine/elastic/pods.py) meets the others in one directory that
 every pod mounts (a ReadWriteMany volume: NFS, Filestore), in the manner of torchelastic's
 rendezvous, with no service of its own:
 

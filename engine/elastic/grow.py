@@ -1,6 +1,6 @@
 """Growing an elastic job back to its full size at its next persistent checkpoint, once the lost processes can run.
 
-A job that fault.elastic shrank (engine/runtime/elastic.py) runs on fewer processes than it was
+A job that fault.elastic shrank (engine/elastic/supervisor.py) runs on fewer processes than it was
 started with. With fault.grow_back (the default) the launcher asks it to grow back once the lost
 processes' places are there again: it writes WORKDIR/grow-request.json, and the training loop of
 a smaller job (started with ENGINE_ELASTIC_GROW=<full size>) checks, at each persistent checkpoint
@@ -15,9 +15,9 @@ the stop to the first step; ENGINE_ELASTIC_GREW carries the stop to the new job)
 When the places are there again:
 - the local launcher (--local-processes N): at once, since a process that died can be started
   again on the same machine, so a shrunk job grows back at its first persistent checkpoint;
-- the SLURM driver (`launch.py train --elastic`): when no node of the allocation is reported down,
-  drained or failing (sinfo, polled every POLL_SECONDS while the smaller step runs): a requeued
-  or resumed node, or a task that died on a node that stayed up.
+- the SLURM driver (`launch.py train --elastic`, engine/elastic/srun_steps.py): when no node of the
+  allocation is reported down, drained or failing (sinfo, polled every POLL_SECONDS while the
+  smaller step runs): a requeued or resumed node, or a task that died on a node that stayed up.
 Growing costs one restart (start-up, joining, the restore, compilation or the persistent cache's
 hit), not a checkpoint: the job stops at a step it saves anyway. fault.max_restarts counts the
 restarts after failures since the job last ran at its full size: a job that keeps reaching
@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Optional
 
 from engine.errors import UsageError
+from engine.runtime.launcher import GROW_EXIT as GROW_EXIT  # (the launcher sees it too)
 
 GROW = "ENGINE_ELASTIC_GROW"  # the job's full size, given to a start smaller than it
 GREW = "ENGINE_ELASTIC_GREW"  # JSON {"time", "processes"}: the stop of the smaller job this start grew from
 REQUEST = "grow-request.json"  # in the workdir: the launcher's request to grow back
-GROW_EXIT = 75  # every process's exit code after stopping to grow back (EX_TEMPFAIL)
 POLL_SECONDS = 30.0  # SLURM: how often the driver asks sinfo whether the allocation's nodes are back
 
 

@@ -6,15 +6,14 @@ environment, engine/runtime/distributed.py). When a task dies, srun says which t
 ("task 1: Killed"); the driver reads that from srun's stderr (which it relays), stops the others
 (scancel --signal=KILL at once, as the local launcher does; srun's --kill-on-bad-exit would
 give them SIGTERM and SLURM's KillWait, often 30 s), and starts a new step of the tasks left, excluding the allocation's
-nodes SLURM reports down or drained (`sinfo`), with the same accounting as the local launcher
-(engine/runtime/elastic.py: the shrink plan checked at start, ENGINE_ELASTIC_ATTEMPT and
-ENGINE_ELASTIC_FAILURES for each step, `split: "recovery"` records, the give-up message and exit 1
-after fault.max_restarts or below fault.min_processes). Requires fault.elastic=true. Imports no jax.
+nodes SLURM reports down or drained (`sinfo`), in the one supervisor loop
+(engine/elastic/supervisor.py: the shrink plan checked at start, the accounting, `split: "recovery"`
+records, the give-up message and exit 1 after fault.max_restarts or below fault.min_processes,
+growing back once sinfo says the nodes are up). Requires fault.elastic=true. Imports no jax.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -26,17 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
+from engine.elastic.accounting import ATTEMPT, SETTLE_SECONDS
+from engine.elastic.grow import GROW_EXIT, WhenBack
+from engine.elastic.supervisor import supervise
 from engine.errors import UsageError
-from engine.runtime.elastic import (
-    ATTEMPT,
-    FAILURES,
-    JOB,
-    SETTLE_SECONDS,
-    after_failure,
-    restarts,
-    shrink_plan,
-)
-from engine.runtime.elastic_grow import GROW_EXIT, WhenBack, grew_from, note_growth, start_env, withdraw
 from engine.runtime.launcher import SELF
 
 # srun's line for a task that ended badly: "srun: error: node1: task 1: Killed",
@@ -93,46 +85,31 @@ def task_devices(given: Optional[int], env: Optional[Mapping[str, str]] = None) 
     return int(forced.group(1)) if forced else 1
 
 
+class SrunSteps:
+    """The job's tasks as srun steps of the allocation (a Membership)."""
+
+    unit, how, precompiles = "tasks", " as a new srun step", False
+
+    def __init__(self) -> None:
+        self.exclude: list[str] = down_nodes() or []
+
+    def start(self, args: list[str], processes: int, env: dict[str, str], seen: list) -> int:
+        return run_step(args, processes, self.exclude, env, seen)
+
+    def when_back(self, workdir: Path, full: int) -> WhenBack:
+        return WhenBack(workdir, full, nodes_up)
+
+    def after_failure(self) -> str:
+        self.exclude = down_nodes() or []  # (none excluded when sinfo cannot say)
+        return f", excluding the nodes SLURM reports down: {','.join(self.exclude)}" if self.exclude else ""
+
+    def after_growth(self) -> None:
+        self.exclude = []
+
+
 def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:
-    """The elastic job as srun steps: started again on the tasks left after each failure; its exit
-    code (1 with one message naming every failure when it cannot go on)."""
-    plans = shrink_plan(cfg, tasks, devices)
-    note_growth(cfg)
-    workdir, fault = Path(cfg.workdir), cfg.fault
-    if fault.precompile:
-        sys.stderr.write("note: fault.precompile is not built under --elastic (SLURM): a restart compiles its job\n")
-    failures: list[dict] = []
-    alive, attempt, exclude, full_since, grew = tasks, 0, down_nodes() or [], 0, None
-    job, stopped = {"started": time.time(), "recovery": 0.0}, None  # (the summary covers the whole job)
-    while True:
-        hangs = set(workdir.glob("hang-*.txt"))
-        seen: list[tuple[int, int, float]] = []
-        gap = time.time() - stopped if stopped else 0.0
-        env = {ATTEMPT: str(attempt), FAILURES: json.dumps(failures), JOB: json.dumps(job)}
-        env.update(start_env(alive, tasks, grew, cfg))
-        withdraw(workdir)
-        back = WhenBack(workdir, tasks, nodes_up) if alive < tasks and fault.grow_back else None
-        code = run_step([*args, *plans.get(alive, [])], alive, exclude, env, seen)
-        if back is not None:
-            back.stop()
-        attempt, grew = attempt + 1, None
-        job["recovery"] += gap
-        stopped = min((when for _, _, when in seen), default=time.time())
-        if code == GROW_EXIT:
-            grew, alive, full_since, exclude = grew_from(alive, tasks), tasks, attempt, []
-            sys.stderr.write(f"elastic: growing back to {tasks} tasks as a new srun step, from the checkpoint saved\n")
-            continue
-        ended, alive = after_failure(code, seen, hangs, failures, alive, attempt - 1, cfg, full_since)
-        if ended is not None:
-            withdraw(workdir)
-            return ended
-        exclude = down_nodes() or []  # (none excluded when sinfo cannot say)
-        without = f", excluding the nodes SLURM reports down: {','.join(exclude)}" if exclude else ""
-        sys.stderr.write(
-            f"elastic: restarting the job on {alive} processes as a new srun step (restart "
-            f"{restarts(failures, full_since)} of at most fault.max_restarts={fault.max_restarts} since it last ran "
-            f"at its full size{without}), from the newest checkpoint\n"
-        )
+    """The elastic job as srun steps (the supervisor loop, supervisor.py); its exit code."""
+    return supervise(SrunSteps(), args, cfg, tasks, devices)
 
 
 def srun_command(args: list[str], tasks: int, exclude: list[str], name: str) -> list[str]:
@@ -183,9 +160,9 @@ def run_step(
 
 def _wait(step: subprocess.Popen, output: "StepOutput", name: str) -> int:
     """srun's exit code. Once a task has failed, the others are SIGKILLed at once (as on the local
-    launcher, engine/runtime/elastic.py: with a peer gone their SIGTERM save cannot complete):
+    launcher, engine/elastic/accounting.py: with a peer gone their SIGTERM save cannot complete):
     scancel's signal to the step, found by its name. When no task was killed by a signal, the others
-    first get SETTLE_SECONDS to end on their own (elastic.py's `lost`: a failure every task meets)."""
+    first get SETTLE_SECONDS to end on their own (accounting.py's `lost`: a failure every task meets)."""
     killed = False
     while True:
         try:
