@@ -18,8 +18,8 @@ from engine.errors import UsageError
 from engine.plan import hlo
 from engine.run.setup import build_run
 from engine.run.single import fit
-from engine.run.step import _aux_totals
 from engine.runtime.rundir import read_records
+from engine.state.train_state import aux_totals as _aux_totals
 from models.llama import LlamaConfig, flops_per_example
 
 MOE = ["model.num_experts=8", "model.experts_per_token=2"]

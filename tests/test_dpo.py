@@ -22,7 +22,8 @@ from engine.run.dpo import dpo_losses, make_dpo_loss_fn
 from engine.run.optimizer import make_optimizer
 from engine.run.setup import build_model, run_hparams
 from engine.run.state import state_plan
-from engine.run.step import FROZEN, REFERENCE, make_train_step
+from engine.run.step import make_train_step
+from engine.state.train_state import FROZEN, REFERENCE
 from models.family import NextToken
 
 SEQ = 16

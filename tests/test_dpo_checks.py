@@ -13,8 +13,9 @@ from test_early_stop import meta, saved_steps
 
 from conftest import run_cli
 from engine.run.dpo import make_dpo_loss_fn
-from engine.run.step import REFERENCE, make_train_step
+from engine.run.step import make_train_step
 from engine.runtime.rundir import read_records
+from engine.state.train_state import REFERENCE
 
 TYPE = re.compile(r"tensor<((?:\d+x)*)(f32|i32|bf16)>")
 

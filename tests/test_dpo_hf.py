@@ -15,7 +15,7 @@ from engine.config.schema import DpoConfig
 from engine.data import DataInfo
 from engine.data.sources import load_dataset
 from engine.run.dpo import make_dpo_loss_fn
-from engine.run.step import REFERENCE
+from engine.state.train_state import REFERENCE
 from models.family import NextToken
 
 torch = pytest.importorskip("torch")

@@ -21,7 +21,8 @@ from engine.parallel.mesh import make_mesh
 from engine.run.dpo import REF_LOGPS, make_dpo_loss_fn
 from engine.run.reference_logps import DIRECTORY, _read, _write, check_trained, compute, values_digest
 from engine.run.setup import run_hparams
-from engine.run.step import DPO_BETA, REFERENCE, make_eval_step, make_train_step, weights_of
+from engine.run.step import DPO_BETA, make_eval_step, make_train_step, weights_of
+from engine.state.train_state import REFERENCE
 from models import REGISTRY
 
 

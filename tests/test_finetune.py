@@ -22,8 +22,8 @@ from engine.checkpoint.store import load_base, restore_newest
 from engine.config import load_config
 from engine.lm.finetune import base_weights, with_frozen
 from engine.run.setup import build_run
-from engine.run.step import FROZEN, model_variables
 from engine.runtime.rundir import read_records
+from engine.state.train_state import FROZEN, model_variables
 from models.llama import PROJECTIONS, LlamaConfig
 from models.projection import is_quantised
 

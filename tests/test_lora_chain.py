@@ -17,7 +17,7 @@ from engine.config import load_config
 from engine.errors import UsageError
 from engine.lm.finetune import base_weights, with_frozen
 from engine.run.setup import build_run
-from engine.run.step import FROZEN
+from engine.state.train_state import FROZEN
 from models.llama import LlamaConfig
 
 

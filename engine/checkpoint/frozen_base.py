@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from engine.lm.finetune import BaseWeights, with_frozen, without_frozen
-from engine.run.step import FROZEN
+from engine.state.train_state import FROZEN
 
 
 class FrozenBase:

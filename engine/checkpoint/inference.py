@@ -20,8 +20,8 @@ from engine.errors import UsageError
 from engine.lm.tokenizer import copy_tokenizer
 from engine.parallel.axes import CONFIG_AXES
 from engine.run.setup import build_run
-from engine.run.step import model_variables
 from engine.runtime.rundir import write_sums
+from engine.state.train_state import model_variables
 from models.projection import dequantized, is_quantised
 
 SINGLE_DEVICE = [

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from contract.adapters import NO_ADAPTATION, Adaptation, targeted
 from engine.config import read_yaml_mapping
 from engine.errors import UsageError
-from engine.run.step import FROZEN
 from engine.runtime.rundir import SUMS
+from engine.state.train_state import FROZEN
 from models.projection import PackedNF4, dequantized, quantize_kernel
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")

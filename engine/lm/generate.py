@@ -20,8 +20,8 @@ from engine.errors import UsageError
 from engine.lm import finetune
 from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, load_tokenizer_file, run_tokenizer
 from engine.run.setup import build_run, device_memory_bytes
-from engine.run.step import model_variables
 from engine.runtime.units import human_bytes
+from engine.state.train_state import model_variables
 from models.family import BuildOptions, projections
 
 DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)

@@ -30,7 +30,7 @@ from engine.lm.generate import context_length
 from engine.lm.rewards import RESERVED, RewardFunction, call_reward, load_rewards
 from engine.lm.template_clock import rendering_at
 from engine.lm.tokenizer import eos_ids
-from engine.run.step import model_variables
+from engine.state.train_state import model_variables
 from models.family import BuildOptions, projections
 
 KEY = "eval.generate"

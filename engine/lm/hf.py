@@ -47,8 +47,8 @@ from engine.lm.tokenizer import (
 )
 from engine.parallel import sharding
 from engine.run.setup import build_run
-from engine.run.step import model_variables
 from engine.runtime.rundir import LOCK, write_atomic
+from engine.state.train_state import model_variables
 from models import REGISTRY
 from models.family import ModelFamily, projections
 

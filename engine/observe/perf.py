@@ -18,8 +18,9 @@ import numpy as np
 
 from engine.data import example_spec
 from engine.run.columns import MetricColumns
-from engine.run.step import FROZEN, TrainState, make_loss_fn, make_train_step, split_variables
+from engine.run.step import make_loss_fn, make_train_step
 from engine.runtime.caches import cache_path
+from engine.state.train_state import FROZEN, TrainState, split_variables
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
 # is the non-tensor-core rate; TPUs run float32 matmuls at their bf16 rate in multiple passes,

@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.parallel.axes import BATCH_AXES
-from engine.run.step import TrainState
+from engine.state.train_state import TrainState
 
 REPLICA = "replica"  # the mesh axis over replicas (engine/parallel/axes.py)
 INNER_BATCH_AXES = tuple(a for a in BATCH_AXES if a != REPLICA)

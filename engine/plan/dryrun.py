@@ -12,8 +12,8 @@ from engine.parallel.sharding import per_device_bytes
 from engine.parallel.stages import describe as describe_pipeline
 from engine.plan import hlo
 from engine.run.setup import Run, build_run
-from engine.run.step import FROZEN
 from engine.runtime.units import human_bytes
+from engine.state.train_state import FROZEN
 from models.family import stacked_layers
 
 

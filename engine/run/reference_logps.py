@@ -41,7 +41,7 @@ from engine.data import Dataset, eval_batches
 from engine.errors import UsageError
 from engine.parallel import sharding
 from engine.run.dpo import REF_LOGPS, make_reference_fn
-from engine.run.step import FROZEN
+from engine.state.train_state import FROZEN
 
 DIRECTORY = "reference_logps"  # in the workdir
 RECORD = "reference.json"  # {"params": the reference parameters' checksum}

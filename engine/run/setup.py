@@ -41,9 +41,10 @@ from engine.run.data_record import load_rendered
 from engine.run.dpo import objective_loss_fn
 from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
-from engine.run.step import DPO_BETA, TrainState, make_block_step, make_eval_step, make_train_step
+from engine.run.step import DPO_BETA, make_block_step, make_eval_step, make_train_step
 from engine.runtime.memory import device_memory_bytes
 from engine.runtime.settings import compile_cache_events
+from engine.state.train_state import TrainState
 from models import REGISTRY, ModelFamily
 from models.configs import ModelError, check_attention
 from models.family import BuildOptions, projections, stacked_layers

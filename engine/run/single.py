@@ -15,6 +15,7 @@ import numpy as np
 from engine.checkpoint.store import Checkpointer, load_base, open_checkpoints
 from engine.config import Config
 from engine.data.chat_data import with_model
+from engine.elastic.accounting import job_so_far
 from engine.errors import UsageError
 from engine.lm.finetune import base_workdir, with_frozen
 from engine.observe.perf import Goodput, Throughput, Window, summary_text
@@ -28,12 +29,11 @@ from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
 from engine.run.recovery import Recovery, kill_if_due, kill_step
 from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
-from engine.run.step import FROZEN, REFERENCE
 from engine.runtime.distributed import barrier
-from engine.elastic.accounting import job_so_far
 from engine.runtime.preemption import Preempted, starting
 from engine.runtime.rundir import METRICS
 from engine.runtime.watchdog import Watchdog
+from engine.state.train_state import FROZEN, REFERENCE
 
 __all__ = ["fit", "FitResult", "NonFiniteLoss", "Preempted", "initial_state"]
 

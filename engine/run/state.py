@@ -17,8 +17,8 @@ from engine.config import Config
 from engine.errors import UsageError
 from engine.lm import finetune
 from engine.parallel import sharding
-from engine.run.step import FROZEN, REFERENCE, TrainState, split_variables
 from engine.runtime.units import human_bytes
+from engine.state.train_state import FROZEN, REFERENCE, TrainState, split_variables
 from models import ModelFamily
 from models.family import projections
 

@@ -1,0 +1,1 @@
+"""The train state every layer above shares: TrainState and its variable collections."""
