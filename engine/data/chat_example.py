@@ -11,7 +11,9 @@ list reversed or sorted ascending (`5 1 4 1 3`, `1 1 3 4 5`). DIR receives
 - `chat_train.jsonl`, `chat_eval.jsonl`: conversations `{"messages": [...]}` for data.name=chat;
 - `preferences_train.jsonl`, `preferences_eval.jsonl`: pairs `{"prompt", "chosen", "rejected"}`
   for data.name=preferences, the rejected answer a plausible wrong one (the list unchanged, or
-  the right answer with two neighbouring items swapped).
+  the right answer with two neighbouring items swapped);
+- `prompts_train.jsonl`, `prompts_eval.jsonl`: the conversations' prompts with their answers,
+  `{"prompt", "answer"}`, for data.name=prompts (GRPO, rewarded by engine.lm.rewards:exact_match).
 
 Every held-out list (eval) is one that no training record holds, so answering it needs the rule.
 The same --seed writes the same bytes (configs/chat_sft.yaml, configs/dpo.yaml train on them).
@@ -38,7 +40,9 @@ TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-FILES = ("chat_train.jsonl", "chat_eval.jsonl", "preferences_train.jsonl", "preferences_eval.jsonl")
+DRAWN = ("chat_train.jsonl", "chat_eval.jsonl", "preferences_train.jsonl", "preferences_eval.jsonl")
+PROMPTS = {"prompts_train.jsonl": "chat_train.jsonl", "prompts_eval.jsonl": "chat_eval.jsonl"}  # ← the chats'
+FILES = (*DRAWN, *PROMPTS)
 
 
 def answer(operation: str, items: list[str]) -> list[str]:
@@ -78,12 +82,12 @@ def _tasks(rng: random.Random, seen: set[tuple]) -> Iterator[tuple[str, list[str
 
 
 def records(seed: int, train: int, held_out: int) -> dict[str, list[dict]]:
-    """The four files' records: conversations and preference pairs, train and held out, every
-    (operation, list) used once over all of them."""
+    """The files' records: conversations and preference pairs, train and held out, every (operation,
+    list) used once over all of them; and the conversations' prompts with their answers."""
     rng = random.Random(seed)
     tasks = _tasks(rng, set())
     out: dict[str, list[dict]] = {}
-    for name, count in zip(FILES, (train, held_out, train, held_out)):
+    for name, count in zip(DRAWN, (train, held_out, train, held_out)):
         rows: list[dict] = []
         for operation, items in (next(tasks) for _ in range(count)):
             question, right = prompt(operation, items), " ".join(answer(operation, items))
@@ -95,6 +99,11 @@ def records(seed: int, train: int, held_out: int) -> dict[str, list[dict]]:
                 assert wrong is not None  # (_tasks keeps only lists that have one)
                 rows.append({"prompt": question, "chosen": right, "rejected": " ".join(wrong)})
         out[name] = rows
+    for name, chats in PROMPTS.items():
+        out[name] = [
+            {"prompt": user["content"], "answer": reply["content"]}
+            for user, reply in (r["messages"] for r in out[chats])
+        ]
     return out
 
 
@@ -118,7 +127,7 @@ def write(directory: Path, seed: int = 0, train: int = 4000, held_out: int = 200
     data = records(seed, train, held_out)
     texts = ["system user assistant"]  # (the template's roles)
     texts += [m["content"] for rows in data.values() for r in rows for m in r.get("messages", [])]
-    texts += [r[key] for rows in data.values() for r in rows for key in ("prompt", "chosen", "rejected") if key in r]
+    texts += [r[key] for name in DRAWN for r in data[name] for key in ("prompt", "chosen", "rejected") if key in r]
     config = {"eos_token": END, "pad_token": END, "unk_token": UNKNOWN, "tokenizer_class": "PreTrainedTokenizerFast"}
     contents = {
         "tokenizer.json": tokenizer_json(texts),

@@ -143,3 +143,28 @@ def test_config_takes_the_prompts_section(tmp_path):
     assert cfg.data.name == "prompts" and cfg.grpo.rewards == ["engine.lm.rewards:exact_match"]
     with pytest.raises(UsageError, match="data.name=prompts holds prompts without completions"):
         load_config("configs/chat_sft.yaml", ["data.name=prompts", "data.path=p.jsonl"])
+
+
+def test_the_post_training_examples_prompts_are_its_conversations(tmp_path):
+    """engine/data/chat_example.py's prompts files (configs/chat_grpo.yaml's data) hold each
+    conversation's question and answer, and load as data.name=prompts with the example's template."""
+    from engine.data import chat_example
+
+    chat_example.write(tmp_path, seed=0, train=20, held_out=4)
+    for prompts_file, chats_file in chat_example.PROMPTS.items():
+        records = [json.loads(line) for line in (tmp_path / prompts_file).read_text().splitlines()]
+        chats = [json.loads(line)["messages"] for line in (tmp_path / chats_file).read_text().splitlines()]
+        assert records == [{"prompt": user["content"], "answer": reply["content"]} for user, reply in chats]
+    cfg = data_config(
+        name="prompts",
+        path=str(tmp_path / "prompts_train.jsonl"),
+        eval_path=str(tmp_path / "prompts_eval.jsonl"),
+        tokenizer=str(tmp_path),
+    )
+    dataset = load_dataset(cfg)
+    from tokenizers import Tokenizer
+
+    text = f"<|im_start|>user\n{records[0]['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+    ids = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert dataset.eval["prompt_tokens"][0][dataset.eval["prompt_mask"][0]].tolist() == ids
+    assert dataset.records[1][0].fields == {"answer": records[0]["answer"]}
