@@ -30,16 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from engine.run.columns import DPO_SUMS
-from engine.run.step import (
-    AUX_COLLECTION,
-    DPO_BETA,
-    FROZEN,
-    REFERENCE,
-    UNTRAINED,
-    aux_totals,
-    make_loss_fn,
-    model_variables,
-)
+from engine.run.step import DPO_BETA, make_loss_fn
+from engine.state.train_state import AUX_COLLECTION, FROZEN, REFERENCE, UNTRAINED, aux_totals, model_variables
 
 REF_LOGPS = "ref_logps"  # a batch's precomputed reference log-probabilities [pairs, 2] (float32)
 
