@@ -16,7 +16,9 @@ persistent tier's newest, and says which tier it used.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -50,6 +52,19 @@ class Restored(NamedTuple):
     # persistent, "restored_from": for the console, "checkpoint DIR/STEP" or the local tier's copies}
     meta: dict
     step: int
+
+
+# Orbax numbers a process's saves with one process-wide operation id, which its background
+# commit reads back: two runs saving at once on threads of one process (a sub-mesh sweep's
+# trials, engine/sweep/submesh.py) would take each other's. serial_saves() makes each save
+# whole (written and committed) under one lock: such runs save one at a time.
+_SERIAL: Optional[threading.Lock] = None
+
+
+def serial_saves() -> None:
+    """From now on this process's saves are made one at a time, each complete before the next."""
+    global _SERIAL
+    _SERIAL = _SERIAL or threading.Lock()
 
 
 class Checkpointer:
@@ -134,7 +149,10 @@ class Checkpointer:
 
     def _save(self, step: int, state, meta: dict, metrics: Optional[dict]) -> None:
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, force=True, metrics=metrics)  # metrics: checkpoint.keep_best's
+        with _SERIAL or contextlib.nullcontext():
+            self.manager.save(step, args=args, force=True, metrics=metrics)  # metrics: checkpoint.keep_best's
+            if _SERIAL is not None:
+                self.manager.wait_until_finished()
         self._sums.after_save(step)
 
     def wait(self) -> None:

@@ -1,5 +1,6 @@
-"""`launch.py sweep SWEEP.yaml [--parallel K] [--backend slurm] [--retry-failed]`: every config
-of a sweep file (grid, zip, random, or an Optuna search); re-running resumes what is unfinished."""
+"""`launch.py sweep SWEEP.yaml [--parallel K | --devices-per-trial N] [--backend slurm] [--retry-failed]`:
+every config of a sweep file (grid, zip, random, or an Optuna search); re-running resumes what is
+unfinished."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--retry-failed", action="store_true", help="run failed runs again")
     p.add_argument(
+        "--devices-per-trial",
+        type=int,
+        metavar="N",
+        help="train the trials in this process, each on its own sub-mesh of N of its devices, as many at once as "
+        "the devices hold (a freed sub-mesh takes the next trial)",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="train nothing: compile every distinct program of the sweep for --target (launch.py plan)",
@@ -41,7 +49,8 @@ def trains(argv: list[str]) -> bool:
 
 
 def runs_jax(args) -> bool:
-    return bool(args.run_group or args.plan)  # a sweep's own process (its runs are children) never loads jax
+    # a sweep's own process (its runs are children) never loads jax; with sub-meshes it trains them itself
+    return bool(args.run_group or args.plan or args.devices_per_trial)
 
 
 def run(args, argv: list[str]) -> int:
@@ -58,9 +67,24 @@ def run(args, argv: list[str]) -> int:
 
         sweep = load_sweep(args.sweep_file)
         validate_runs(sweep)
+        if args.devices_per_trial is not None:  # each run on a sub-mesh of the target
+            from engine.plan.sweeps import plan_submeshes
+
+            if args.slices != 1:
+                raise UsageError("--devices-per-trial plans sub-meshes of one slice: drop --slices")
+            return plan_submeshes(sweep, args.target, args.devices_per_trial)
         return plan_sweep(sweep, args.target, args.slices)
+    if args.devices_per_trial is not None and (args.parallel != 1 or args.backend != "local"):
+        raise UsageError("--devices-per-trial trains every trial in this process: drop --parallel and --backend")
     return sweep_main(
-        args.sweep_file, args.parallel, args.backend, args.retry_failed, args.run_task, args.task_runs, args.run_group
+        args.sweep_file,
+        args.parallel,
+        args.backend,
+        args.retry_failed,
+        args.run_task,
+        args.task_runs,
+        args.run_group,
+        args.devices_per_trial,
     )
 
 

@@ -35,6 +35,44 @@ def plan_sweep(sweep, target_name: str, slices: int) -> int:
     return 0 if fitting == len(rows) else 1
 
 
+def plan_submeshes(sweep, target_name: str, per_trial: int) -> int:
+    """`--devices-per-trial N` with --plan: each run of the sweep (a search: its probes, the ends
+    of its ranges and each choice) compiled for a sub-mesh of N devices of the target, an N-chip
+    slice of its chip (the sub-mesh's own shape: what its program sees); one row per run (its
+    memory per device and step time at 50% MFU, or why it does not fit) and how the sub-meshes
+    hold the runs. 0 when every run fits its sub-mesh, 1 otherwise."""
+    from engine.errors import UsageError
+    from engine.plan.tpu import Target, slice_shape
+    from engine.sweep.spec import search_probes
+
+    target = parse_target(target_name)
+    devices = target.chips * target.chip.devices_per_chip
+    if per_trial < 1 or devices % per_trial or per_trial % target.chip.devices_per_chip:
+        raise UsageError(
+            f"--devices-per-trial {per_trial} does not cut {target.name}'s {devices} devices into whole chips; "
+            f"use a divisor of {devices} (a multiple of {target.chip.devices_per_chip})"
+        )
+    chips = per_trial // target.chip.devices_per_chip
+    part = Target(target.chip, slice_shape(target.chip, chips, f"{target.chip.name} x {chips} chips"))
+    runs = search_probes(sweep.search) if sweep.search else sweep.runs
+    seen: dict[str, Planned] = {}
+    fitting = 0
+    for run in runs:
+        cfg = sweep.config(run)
+        key = json.dumps(program_settings(cfg), sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = plan(cfg, part)
+        planned = seen[key]
+        fitting += planned.fits
+        print(f"{run.name}: {_row(planned)}", flush=True)
+    meshes = devices // per_trial
+    print(
+        f"plan: {len(runs)} runs on {meshes} sub-meshes of {per_trial} devices ({part.topology_name}) of "
+        f"{target.name}: {min(meshes, len(runs))} at a time, {len(seen)} distinct program(s); {fitting} fit"
+    )
+    return 0 if fitting == len(runs) else 1
+
+
 def _row(planned: Planned) -> str:
     step = planned.step_seconds(0.5)
     time = f", step {step * 1e3:,.1f} ms at 50% MFU" if step else ""

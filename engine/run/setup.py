@@ -322,15 +322,20 @@ def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> S
 
 
 def build_run(
-    cfg: Config, compile_train: bool = True, check_memory: bool = True, dataset: Optional[Dataset] = None
+    cfg: Config,
+    compile_train: bool = True,
+    check_memory: bool = True,
+    dataset: Optional[Dataset] = None,
+    devices: Optional[Sequence] = None,
 ) -> Run:
     """Builds and compiles a run from shapes alone; no state is allocated until init_state().
 
     compile_train=False (the evaluator, export) skips compiling the train step: train_step is None.
     check_memory=False (--dry-run, which reports sizes) builds a state too large for a device.
-    dataset: in place of the config's data (sample and export: the run's recorded data.json)."""
+    dataset: in place of the config's data (sample and export: the run's recorded data.json).
+    devices: the run's own devices (a sweep trial's sub-mesh), in place of the first mesh.num_devices."""
     cache_before = dict(compile_cache_events)
-    plan = plan_run(cfg, dataset=dataset)
+    plan = plan_run(cfg, dataset=dataset, devices=devices)
     cfg, mesh, shapes = plan.cfg, plan.mesh, plan.shapes  # (the steps per call fitted: Blueprint.cfg)
     if check_memory:  # (a plan for a pod reports what does not fit itself)
         check_fits(plan.state.abstract, device_memory_bytes(mesh))

@@ -7,7 +7,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -47,12 +47,15 @@ class FitResult:
     steps: int = 0  # the step training ended at: train.steps or an early stop's (0: it had already finished)
 
 
-def fit(cfg: Config, run: Optional[Run] = None, started: Optional[float] = None) -> FitResult:
-    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating."""
+def fit(
+    cfg: Config, run: Optional[Run] = None, started: Optional[float] = None, devices: Optional[Sequence] = None
+) -> FitResult:
+    """Trains to cfg.train.steps from the newest checkpoint (or from scratch), logging and evaluating.
+    `devices`: the run's own devices (a sweep trial's sub-mesh: engine/sweep/submesh.py)."""
     result = FitResult(None)
 
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
-        return _open(cfg, run, started, result, closing, watchdog, goodput)
+        return _open(cfg, run, started, result, closing, watchdog, goodput, devices)
 
     result.state = fit_job(open_job, cfg, started, [Path(cfg.workdir)]).state
     return result
@@ -149,6 +152,7 @@ def _open(
     closing: contextlib.ExitStack,
     watchdog: Watchdog,
     goodput: Goodput,
+    devices: Optional[Sequence] = None,
 ) -> Started:
     """Claims the workdir, builds (compiles) the run, restores. A SIGTERM or SIGINT meanwhile ends
     the process at once (launched from the command line: engine.runtime.preemption.note_signals);
@@ -156,7 +160,7 @@ def _open(
     starting("loading data and compiling")  # named first: the lock file is the sign it started
     outputs = RunOutputs(cfg, closing, chief=jax.process_index() == 0)
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
-        run = run or build_run(cfg)
+        run = run or build_run(cfg, devices=devices)
         goodput.compile_seconds = run.compiled.compile_seconds
     check_names(cfg, eval_metric_names(cfg, run.model.family.task, run.dataset.info))
     outputs.open(run.dataset)

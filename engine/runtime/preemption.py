@@ -25,6 +25,7 @@ class Preempted(Exception):
 
 
 _noted: list[int] = []  # signals that arrived before the training loop watched for them
+_thread_stops: dict[int, threading.Event] = {}  # a thread's own stop (a sweep trial on a thread: thread_stop)
 _startup_handlers: dict = {}
 _startup: dict = {"phase": None, "cleanups": []}  # what start-up is doing; what to undo if it ends there
 
@@ -71,6 +72,19 @@ def starting(phase: Optional[str], cleanup=None) -> None:
             _startup["cleanups"].append(cleanup)
 
 
+@contextlib.contextmanager
+def thread_stop(event: threading.Event):
+    """While inside, a training loop on this thread stops once `event` is set as on SIGTERM
+    (it saves the step reached and raises Preempted): a sweep trial trained on a thread of the
+    sweep's process (engine/sweep/submesh.py), which signals cannot single out."""
+    ident = threading.get_ident()
+    _thread_stops[ident] = event
+    try:
+        yield
+    finally:
+        _thread_stops.pop(ident, None)
+
+
 def end_startup() -> None:
     """The training loop takes over: signals are noted again (and saved for), not fatal."""
     _startup.update(phase=None, cleanups=[])
@@ -98,6 +112,7 @@ class PreemptionWatch:
         import jax
 
         self.multi_process = jax.process_count() > 1
+        self.thread_stop = _thread_stops.get(threading.get_ident())
         self._previous = {}
         if not self.multi_process and threading.current_thread() is threading.main_thread():
             # Ctrl-C too: save, then exit 130, instead of a KeyboardInterrupt traceback mid-step
@@ -115,6 +130,8 @@ class PreemptionWatch:
             from jax.experimental import multihost_utils
 
             return any([multihost_utils.reached_preemption_sync_point(step) for step in range(first, last + 1)])
+        if self.thread_stop is not None and self.thread_stop.is_set():
+            self.requested = True
         return self.requested
 
     def close(self):

@@ -52,6 +52,7 @@ def main(
     task: int | None = None,
     task_runs: str | None = None,
     group: str | None = None,
+    devices_per_trial: int | None = None,
 ) -> int:
     sweep = load_sweep(sweep_file)
     if task is not None:
@@ -63,7 +64,11 @@ def main(
     sweep.directory.mkdir(parents=True, exist_ok=True)
     if not sweep.search:  # a search's index is written as its trials end
         write_index(sweep)
-    if sweep.search:
+    if devices_per_trial is not None:  # every trial in this process, on sub-meshes of its devices
+        from engine.sweep.submesh import run_submeshes
+
+        code = run_submeshes(sweep, devices_per_trial, retry_failed)
+    elif sweep.search:
         if backend == "slurm" or parallel != 1:
             raise UsageError(
                 "a search sweep runs one trial per sweep process: start several `launch.py sweep` "

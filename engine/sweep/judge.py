@@ -7,11 +7,13 @@ Imports no jax: the sweep's process uses it too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import signal
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 ENV = "ENGINE_JUDGE_FDS"  # "r,w": the run reads answers from r and writes records to w
 GO, STOP = b"go\n", b"stop\n"
@@ -25,6 +27,9 @@ class Judged:
 
     @classmethod
     def from_env(cls) -> Optional["Judged"]:
+        own = _by_thread.get(threading.get_ident())
+        if own is not None:  # a trial on a thread of the sweep's own process
+            return own
         fds = os.environ.pop(ENV, "")  # (popped: processes this one starts are not judged)
         if not fds:
             return None
@@ -90,3 +95,33 @@ class Judge:
     def close(self) -> None:
         for fd in (self._answers_w, self._records_r):
             os.close(fd)
+
+
+class InProcess(Judged):
+    """A trial trained on a thread of the sweep's process (engine/sweep/submesh.py): each record
+    goes to `verdict` on the trial's thread, whose False stops the run as a stop answer does
+    (`stop` is the event engine.runtime.preemption.thread_stop watches)."""
+
+    def __init__(self, verdict: Callable[[dict], bool], stop: threading.Event):
+        self.verdict, self.stop = verdict, stop
+
+    def ask(self, record: dict) -> None:
+        if not self.verdict(record):
+            self.stop.set()
+
+    def close(self) -> None:
+        return None
+
+
+_by_thread: dict[int, Judged] = {}
+
+
+@contextlib.contextmanager
+def judged_here(judged: Judged):
+    """While inside, a run that starts on this thread is judged by `judged`."""
+    ident = threading.get_ident()
+    _by_thread[ident] = judged
+    try:
+        yield
+    finally:
+        _by_thread.pop(ident, None)

@@ -218,7 +218,7 @@ def trial_run(trial) -> RunSpec:
     )
 
 
-def _reported(study, trial) -> set[int]:
+def reported_steps(study, trial) -> set[int]:
     """Steps already reported for this trial (a resumed trial re-logs none of them)."""
     frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
     return set(frozen.intermediate_values)
@@ -234,7 +234,7 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     workdir.mkdir(parents=True, exist_ok=True)
     write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
     split, name = sweep.metric.split("/", 1)
-    seen, pruned, stopped, start = _reported(study, trial), False, False, time.time()
+    seen, pruned, stopped, start = reported_steps(study, trial), False, False, time.time()
     judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/sweep/judge.py)
     with open(workdir / "run.log", "a") as log:
         child = subprocess.Popen(
@@ -314,7 +314,7 @@ def abandoned_trials(sweep: Sweep, study) -> tuple[list, list]:
     return orphans, training
 
 
-def _next_trial(sweep: Sweep, study):
+def next_trial(sweep: Sweep, study):
     """An abandoned trial to finish, else a new one while the study has fewer than
     search.trials; None when there is nothing left to start (waits for trainers that a
     killed sweep process left running)."""
@@ -361,7 +361,7 @@ def run_search(sweep: Sweep) -> int:
     previous = {sig: signal.signal(sig, lambda signum, frame: STOP.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while not STOP.is_set():
-            trial = _next_trial(sweep, study)
+            trial = next_trial(sweep, study)
             if trial is None:
                 break
             status = train_trial(sweep, study, trial)

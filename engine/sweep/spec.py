@@ -368,7 +368,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     return Sweep(path, base, overrides, runs, metric, mode, directory, slurm, search, pruner, vectorize, auto)
 
 
-def _search_probes(search: dict) -> list[RunSpec]:
+def search_probes(search: dict) -> list[RunSpec]:
     """Runs at the ends of a search's ranges and each of its choices: what validate_runs loads."""
     probes = []
     for end in (0, -1):
@@ -382,7 +382,7 @@ def validate_runs(sweep: Sweep) -> None:
     """Loads every run's config before any run starts; the first bad one stops the sweep.
     A search loads its ranges' ends and each choice."""
     stores = {}
-    for run in _search_probes(sweep.search) if sweep.search else sweep.runs:
+    for run in search_probes(sweep.search) if sweep.search else sweep.runs:
         cfg = sweep.config(run)
         check_installed(cfg)
         if "mlflow" in cfg.log.trackers:
