@@ -282,6 +282,18 @@ class _Whole:
         return self.layout(gradient, ("batch", "vocab"))
 
 
+def scaled_last(x, temperature=None, last_only: bool = False):
+    """A language model's final hidden states [batch, seq, embed] as its head takes them: the last
+    position's alone where `last_only` (a prompt's next token), divided by `temperature` (None:
+    as they are). The head is linear without a bias, so (h / T) W = (h W) / T: logits and the
+    fused loss of the temperature-scaled distribution, the loss's chunks and VJP unchanged."""
+    if last_only:
+        x = x[:, -1:]
+    if temperature is None:
+        return x
+    return (x.astype(jnp.float32) / temperature).astype(x.dtype)
+
+
 def kv_cache(module: nn.Module, k, v, segment_ids):
     """A decoding attention layer's key/value cache, in `module`'s `cache` collection: writes
     this call's keys and values into the cache's next slots (the cache keeps its own fill

@@ -44,7 +44,7 @@ from models.family import (
     LayerStack,
     NextToken,
 )
-from models.layers import LMHead, chunked_loss, config_loss_chunk, kv_cache, param_init, traced_loss_chunk
+from models.layers import LMHead, chunked_loss, config_loss_chunk, kv_cache, param_init, scaled_last, traced_loss_chunk
 from models.moe import MoE
 from models.pipeline import run_pipeline
 from models.projection import Projection
@@ -237,12 +237,25 @@ class Llama(nn.Module):
     layout: Optional[Constrainer] = None  # pins activations to the mesh (contract/activations.py)
 
     @nn.compact
-    def __call__(self, tokens, *, train: bool, example_ids=None, targets=None, positions=None, segment_ids=None):
+    def __call__(
+        self,
+        tokens,
+        *,
+        train: bool,
+        example_ids=None,
+        targets=None,
+        positions=None,
+        segment_ids=None,
+        temperature=None,
+        last_only: bool = False,
+    ):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab] (compute dtype); with targets:
         (per-token float32 cross-entropy, argmax == target). positions [batch, seq] default to
         0, 1, …; with decode they are RoPE positions only (the cache keeps its own fill level).
         segment_ids [batch, seq] (packed documents; with decode, 0 marks a prompt's left padding):
-        a token attends only to earlier tokens of its segment."""
+        a token attends only to earlier tokens of its segment. `temperature` (a scalar): the
+        logits (and the loss's) are those of logits / temperature, made as (h / T) W (sampling
+        and its log-probabilities, engine/lm/rollouts.py); `last_only`: the last position's alone."""
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -283,7 +296,9 @@ class Llama(nn.Module):
                     layout=self.layout,
                     name=f"layer_{i}",
                 )(x, positions, segment_ids)
-        x = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x)
+        x = scaled_last(
+            RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x), temperature, last_only
+        )
         if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
             head: _TiedHead | LMHead = _TiedHead(embed, self.dtype)
         else:

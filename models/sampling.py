@@ -19,15 +19,20 @@ def next_token(logits, key, temperature: float, top_p: float):
     """logits [batch, vocab] (float32) → token ids [batch]."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
-        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the tokens ranked above
-        drop_sorted = before >= top_p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, nucleus(logits / temperature, top_p), axis=-1).astype(jnp.int32)
+
+
+def nucleus(logits, top_p: float):
+    """logits [batch, vocab] with -inf outside the smallest set of most likely tokens whose
+    probability mass reaches top_p (top-p 1: as they are)."""
+    if top_p >= 1.0:
+        return logits
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
+    before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the tokens ranked above
+    drop_sorted = before >= top_p
+    drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+    return jnp.where(drop, -jnp.inf, logits)
 
 
 def generate(

@@ -15,7 +15,16 @@ from contract.activations import Constrainer, constrain
 from models import gpt2_hf, sampling
 from models.configs import ModelError, TransformerConfig
 from models.family import NO_OPTIONS, BuildOptions, Family, FlopsAccounting, LanguageModel, NextToken
-from models.layers import Dropout, LMHead, config_loss_chunk, dense, kv_cache, param_init, traced_loss_chunk
+from models.layers import (
+    Dropout,
+    LMHead,
+    config_loss_chunk,
+    dense,
+    kv_cache,
+    param_init,
+    scaled_last,
+    traced_loss_chunk,
+)
 from models.remat import ATTENTION_OUT, KEY, LAYER_INPUT, MLP_OUT, QUERY, VALUE, policy
 
 
@@ -129,11 +138,14 @@ class Transformer(nn.Module):
         targets=None,
         positions=None,
         segment_ids=None,
+        temperature=None,
+        last_only: bool = False,
     ):
         """tokens [batch, seq] int32 → logits [batch, seq, vocab]; with targets [batch, seq]:
         (per-token cross-entropy, argmax == target), from the fused loss of LMHead. Packed
         documents give positions [batch, seq] (< max_len) and segment_ids [batch, seq]; with
-        decode, segment 0 marks a prompt's left padding (models/layers.py kv_cache)."""
+        decode, segment 0 marks a prompt's left padding (models/layers.py kv_cache).
+        `temperature`, `last_only`: as models/llama.py's (models/layers.py scaled_last)."""
         seq = tokens.shape[1]
         embed = nn.Embed(
             self.vocab_size,
@@ -167,7 +179,7 @@ class Transformer(nn.Module):
                 self.layout,
                 name=f"block_{i}",
             )(x, example_ids, train, dropout_rate, segment_ids)
-        x = layer_norm(self.dtype, self.param_dtype, "final_norm")(x)
+        x = scaled_last(layer_norm(self.dtype, self.param_dtype, "final_norm")(x), temperature, last_only)
         head = LMHead(self.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         if targets is None:
             return head(x)
