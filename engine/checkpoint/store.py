@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from engine.checkpoint.choice import chosen_step, retention
 from engine.checkpoint.diagnosis import (
     TREE_MISMATCH,
     check_compatible,
@@ -41,7 +42,6 @@ from engine.checkpoint.packing import refitted
 from engine.checkpoint.staging import InBackground, effective_staging, staged_copy
 from engine.errors import UsageError
 from engine.lm.finetune import BaseWeights, base_weights
-from engine.run.best import chosen_step, retention
 
 
 class Restored(NamedTuple):

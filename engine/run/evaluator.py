@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from engine.checkpoint.choice import stopped_at
 from engine.config import Config, read_yaml_mapping
 from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
 from engine.lm.generation_eval import generated_metrics
-from engine.run.best import stopped_at
 from engine.run.outputs import SIDECAR, Evaluation, RunOutputs, eval_metrics
 from engine.run.reference_logps import fill, precomputed
 from engine.run.setup import Run, build_run
