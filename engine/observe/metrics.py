@@ -13,8 +13,8 @@ from typing import Any, Optional, Sequence
 from tqdm import tqdm
 
 from engine.observe.trackers import Tracker, numbers
+from engine.runtime.judged import Judged
 from engine.runtime.rundir import METRICS, append_line, read_records
-from engine.sweep.judge import Judged
 
 # what a plain (not a terminal's) train line shows of a train record, every log.every_steps
 # (and train.objective=dpo's, under TRL's names)

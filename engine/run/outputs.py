@@ -29,6 +29,7 @@ from engine.observe.trackers import open_trackers
 from engine.run.best import Monitor, Verdict
 from engine.run.columns import DPO_SUMS, MetricColumns, dpo_record
 from engine.run.step import weights_of
+from engine.runtime.judged import Judged
 from engine.runtime.preemption import starting
 from engine.runtime.rundir import (
     LOCK,
@@ -39,7 +40,6 @@ from engine.runtime.rundir import (
     storage_error,
     write_atomic,
 )
-from engine.sweep.judge import Judged
 
 SIDECAR = "evaluator"  # the `source` of the sidecar evaluator's eval records (and its TensorBoard folder)
 EVAL_SUMS = ("loss_sum", "correct", "count")

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from engine.errors import UsageError
+from engine.runtime.judged import InProcess, judged_here
 from engine.runtime.rundir import STATUS, append_line, read_status, write_json
-from engine.sweep.judge import InProcess, judged_here
 from engine.sweep.local import pending_runs, write_index
 from engine.sweep.progress import Progress
 from engine.sweep.spec import RunSpec, Sweep
