@@ -2,7 +2,7 @@
 
 Runs on 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, set
 below before jax is imported). For each model (the MNIST MLP of configs/mnist_mlp.yaml and
-the small GPT of tests/test_parallel.py) and each layout (data=8; fsdp=8; data=4,tensor=2;
+the small GPT of tests/integration/test_parallel.py) and each layout (data=8; fsdp=8; data=4,tensor=2;
 fsdp=4,tensor=2) it builds the run, times the step (median over --steps steps after
 --warmup, each step waited on: CPU collectives deadlock if steps overlap), and lists every
 all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute in
@@ -84,7 +84,7 @@ from engine.runtime.units import human_bytes  # noqa: E402
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 MODELS = {
     "mlp": [],  # configs/mnist_mlp.yaml as shipped
-    # the small GPT of tests/test_parallel.py
+    # the small GPT of tests/integration/test_parallel.py
     "transformer": [
         "model.name=transformer",
         "data.name=synthetic_text",

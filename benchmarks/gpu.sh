@@ -19,7 +19,7 @@ python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print('jax', 
 run() { echo "+ $*"; "$@"; }
 case $part in
   tests|all)
-    ENGINE_TEST_GPU=1 run python3 -m pytest -o addopts=-ra -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;&
+    ENGINE_TEST_GPU=1 run python3 -m pytest -o addopts=-ra -q -s -p no:cacheprovider tests/integration/test_gpu.py tests/e2e/test_gpu_e2e.py 2>&1 | tee "$OUT/gpu_tests.log" ;;&
   small|all)
     JAX_PLATFORMS=cuda run python3 benchmarks/loop_overhead.py --models seed_mlp 2>&1 | tee "$OUT/seed_mlp.log"
     JAX_PLATFORMS=cuda run python3 benchmarks/loop_overhead.py --models resnet18 gpt_small llama_tiny --steps 200 \

@@ -15,7 +15,7 @@ optimizer, on one CPU device, in one process:
                 returns the loss, which is never fetched.
 
 Models (`--models`): `mlp` (the default job: configs/mnist_mlp.yaml), `transformer` (the
-2-layer, d_model 32 GPT of tests/test_parallel.py on synthetic tokens: a worst case, its
+2-layer, d_model 32 GPT of tests/integration/test_parallel.py on synthetic tokens: a worst case, its
 step is a couple of milliseconds of tiny kernels) and `gpt_small` (configs/gpt_small.yaml
 as it is). For `mlp` there are two hand-written loops: one around a plain flax MLP (Dense
 128 relu → Dropout 0.2 → Dense 10 with `nn.Dropout`, mean cross-entropy), and one around
@@ -80,7 +80,7 @@ from engine.runtime import settings as process  # noqa: E402
 process.install()  # as launch.py does: counts compilation-cache hits
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "mesh.num_devices=1"]
-# model → (config file, overrides). "transformer" is the small GPT of tests/test_parallel.py
+# model → (config file, overrides). "transformer" is the small GPT of tests/integration/test_parallel.py
 # on the default job's config: a worst case, its step is a couple of milliseconds of tiny
 # kernels. "gpt_small" is configs/gpt_small.yaml (4 layers, d_model 128, 128 tokens) as is.
 GPT = [

@@ -5,7 +5,7 @@ docstring, grouped by folder under the first sentence of the folder's __init__.p
 
 `python -m engine.architecture` rewrites the part of docs/architecture.md between the map's two
 markers (the hand-written parts around it stay); `--check` exits 1 when that part is out of date
-(tests/test_docs.py checks it too). Modules are read with `ast`, never imported: no jax."""
+(tests/unit/test_docs.py checks it too). Modules are read with `ast`, never imported: no jax."""
 
 from __future__ import annotations
 

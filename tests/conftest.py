@@ -1,16 +1,15 @@
 """Tests run on 8 simulated CPU devices; these variables must be set before jax is imported.
-On a machine with a GPU, `ENGINE_TEST_GPU=1 python -m pytest tests/test_gpu.py` runs the GPU's
-own tests (JAX's default backend is then the GPU; the CPU devices stay for the rest).
+On a machine with a GPU, `ENGINE_TEST_GPU=1 python -m pytest tests/integration/test_gpu.py
+tests/e2e/test_gpu_e2e.py` runs the GPU's own tests (JAX's default backend is then the GPU; the CPU
+devices stay for the rest).
 
-Shared here: the launch.py subprocess helpers (run_cli, start_cli, wait_until), the tiny
-model overrides (TINY_LLAMA, TINY_GPT), the make_config fixture, and the `nocompile` tier's
-guard (a test marked nocompile fails if JAX compiled anything while it ran)."""
+Shared here: the make_config fixture and the `nocompile` guard (a test marked nocompile fails if
+JAX compiled anything while it ran); every test in tests/unit is marked nocompile. The helpers
+the tests share (launch.py in a subprocess, the tiny model overrides, ...) are in tests/support."""
 
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # The tests compile far more than they run: XLA:CPU's code generation without LLVM's
@@ -32,45 +31,21 @@ import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # `import support` from every tier (as pyproject.toml's pythonpath does)
+
+# (until the last flat test files move into the tiers: their `from conftest import ...`)
+from support.cli import child_env, run_cli, start_cli, wait_until, wrote_metrics  # noqa: E402, F401
+from support.configs import (  # noqa: E402, F401
+    QUIET,  # noqa: E402
+    RATES,
+    TINY_GPT,
+    TINY_LLAMA,
+)
 
 from engine.config import load_config  # noqa: E402
 from engine.runtime import settings as process  # noqa: E402
 
 process.install()  # as launch.py does: compile-cache counting, orbax noise filters
-
-# A tiny Llama (GQA: 2 key/value heads for 4 query heads) on synthetic text, as overrides of
-# any base config: make_config("mnist_mlp.yaml", *TINY_LLAMA, ...).
-TINY_LLAMA = [
-    "model.name=llama",
-    "data.name=synthetic_text",
-    "data.seq_len=16",
-    "data.num_examples=256",
-    "data.vocab_size=64",
-    "model.num_layers=2",
-    "model.d_model=32",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.mlp_dim=48",
-    "train.global_batch_size=16",
-    "optimizer.learning_rate=0.003",
-]
-# A tiny GPT (models/transformer.py, with dropout) on synthetic text, the same way.
-TINY_GPT = [
-    "model.name=transformer",
-    "data.name=synthetic_text",
-    "data.seq_len=16",
-    "data.num_examples=512",
-    "data.vocab_size=64",
-    "model.num_layers=2",
-    "model.d_model=32",
-    "model.num_heads=4",
-    "model.mlp_dim=64",
-    "model.dropout_rate=0.1",
-    "train.global_batch_size=16",
-]
-QUIET = ["log.progress=false", "log.tensorboard=false"]  # a launched run's quiet defaults
-# the fields of a metrics record that measure speed: two runs of the same training differ only in these
-RATES = ("steps_per_sec", "examples_per_sec", "tflops_per_device", "mfu")
 
 
 @pytest.hookimpl(optionalhook=True)  # (a pytest without pytest-xdist has no such hook)
@@ -97,6 +72,16 @@ def _count_compile(event: str, duration: float, **kwargs) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/unit compiles nothing: each of its tests is marked nocompile (and fails if it compiles)."""
+    for item in items:
+        if UNIT in item.path.parents:
+            item.add_marker(pytest.mark.nocompile)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -143,58 +128,3 @@ def make_config(tmp_path, compilation_cache):
 @pytest.fixture
 def mesh2x4():
     return jax.make_mesh((2, 4), ("data", "fsdp"))
-
-
-# --- launch.py in a subprocess ---
-
-
-def child_env(env=None):
-    """A launched process's environment: this one's without the tests' XLA_FLAGS (so 1 CPU
-    device and XLA's default optimisation), updated with env."""
-    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    full_env.update(env or {})
-    return full_env
-
-
-def run_cli(*args, env=None, timeout=300, cwd=ROOT):
-    """Runs launch.py in a subprocess to its end (1 CPU device unless env says otherwise):
-    a CompletedProcess with its stdout and stderr as text."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(env),
-        cwd=cwd,
-    )
-
-
-def start_cli(*args, env=None, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen):
-    """Starts launch.py in a subprocess and returns its Popen (text output, piped unless
-    stdout/stderr say otherwise; popen: more Popen arguments, e.g. start_new_session=True)."""
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), *args],
-        cwd=cwd,
-        env=child_env(env),
-        stdout=stdout,
-        stderr=stderr,
-        text=True,
-        **popen,
-    )
-
-
-def wait_until(ready, proc, seconds=120, poll=0.1):
-    """Polls `ready()` while `proc` runs; fails with its output if it ends or time runs out
-    first (killing it then, so that its output can be read)."""
-    deadline = time.time() + seconds
-    while not ready():
-        assert proc.poll() is None, proc.communicate()
-        if time.time() >= deadline:
-            proc.kill()
-            raise AssertionError(f"not ready within {seconds} s: {proc.communicate()}")
-        time.sleep(poll)
-
-
-def wrote_metrics(workdir) -> bool:
-    """Whether a run in workdir has logged its first record."""
-    return (workdir / "metrics.jsonl").exists() and bool((workdir / "metrics.jsonl").read_text())

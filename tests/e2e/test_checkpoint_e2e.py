@@ -1,0 +1,201 @@
+"""Checkpointing and fault tolerance: exact resume after SIGKILL, SIGTERM, damaged
+checkpoints, incompatible models, restore onto other meshes, the evaluator, export."""
+
+import json
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+from support.checkpoint import saved_arrays, train_briefly
+from support.cli import run_cli, start_cli
+
+from engine.checkpoint.store import Checkpointer
+from engine.run.setup import build_run
+from engine.runtime.rundir import read_records
+
+# dropout on, a warm-up + cosine schedule, a log line per step: every step's loss is compared
+RUN = [
+    "train.steps=120",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=20",
+    "log.every_steps=1",
+    "log.progress=false",
+    "eval.every_steps=0",
+    "optimizer.schedule=warmup_cosine",
+    "optimizer.warmup_steps=10",
+]
+
+
+def losses(workdir):
+    records = read_records(workdir / "metrics.jsonl")  # a line still being written is not read
+    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+def start_training(workdir, *extra):
+    return start_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *RUN, *extra)
+
+
+def wait_for_step(workdir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (workdir / "metrics.jsonl").exists() and losses(workdir) and losses(workdir)[-1][0] >= step:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = start_training(workdir)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return workdir
+
+
+def assert_same_run(workdir, reference):
+    assert losses(workdir) == losses(reference)  # bit-identical: JSON floats round-trip exactly
+    for a, b in zip(saved_arrays(workdir, 120), saved_arrays(reference, 120)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at, staging", [(67, "device")])  # host staging: the seeded random-moments test
+def test_sigkill_then_rerun_is_bit_identical(tmp_path, uninterrupted, kill_at, staging):
+    """Also with checkpoint.staging=device: the background save writes the state of its step."""
+    workdir = tmp_path / "killed"
+    proc = start_training(workdir, f"checkpoint.staging={staging}")
+    wait_for_step(workdir, kill_at, proc)
+    proc.kill()
+    proc.wait()
+    assert losses(workdir)[-1][0] < 120  # it really was cut short
+    proc = start_training(workdir, f"checkpoint.staging={staging}")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert_same_run(workdir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_resumes_without_losing_a_step(tmp_path, uninterrupted):
+    workdir = tmp_path / "preempted"
+    proc = start_training(workdir, "checkpoint.every_steps=1000")  # only the preemption save
+    wait_for_step(workdir, 30, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "preempted by SIGTERM: saved a checkpoint at step" in err
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] == losses(workdir)[-1][0]  # the save is at the last step run
+    proc = start_training(workdir, "checkpoint.every_steps=1000")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert_same_run(workdir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_all_checkpoints_corrupt_is_exit_2_and_nothing_deleted(tmp_path):
+    workdir = tmp_path / "run"
+    args = [
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "train.steps=20",
+        "checkpoint.every_steps=10",
+        "log.progress=false",
+    ]
+    assert run_cli(*args).returncode == 0
+    files = sorted(p for p in (workdir / "checkpoints").rglob("*") if p.is_file())
+    for path in files:
+        if path.parent.name in ("d", "ocdbt.process_0") or path.name == "manifest.ocdbt":
+            path.write_bytes(b"garbage")
+    before = sorted(p for p in (workdir / "checkpoints").rglob("*"))
+    proc = run_cli(*args[:4], "train.steps=30", "log.progress=false")
+    assert proc.returncode == 2, proc.stderr
+    assert f"every checkpoint in {workdir / 'checkpoints'} is unreadable" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p for p in (workdir / "checkpoints").rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_evaluator_evaluates_each_checkpoint_of_a_live_run_once(tmp_path):
+    workdir = tmp_path / "live"
+    evaluator = start_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--watch", *RUN)
+    trainer = start_training(workdir)
+    _, err = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, err
+    _, err = evaluator.communicate(timeout=300)
+    assert evaluator.returncode == 0, err
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r["step"] for r in records if r.get("source") == "evaluator"]
+    assert sorted(evaluated) == list(range(10, 121, 10))  # every checkpoint, each once
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in records if r.get("source") == "evaluator")
+    assert list((workdir / "evaluator").glob("events.out.tfevents.*"))
+    # without --watch: the newest checkpoint once
+    proc = run_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *RUN)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
+    workdir = tmp_path / "run"
+    cfg = train_briefly(make_config, workdir)
+    out = tmp_path / "export"
+    proc = run_cli("export", "--workdir", str(workdir), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    import orbax.checkpoint as ocp
+
+    exported = jax.export.deserialize(bytearray((out / "forward.stablehlo").read_bytes()))
+    variables = ocp.StandardCheckpointer().restore(out / "variables")
+    run = build_run(cfg)
+    state = Checkpointer(workdir / "checkpoints", 5).restore(run.abstract_state).state
+    images = run.dataset.eval["image"][:7]
+    expected = run.model.module.apply({"params": state.params}, images, train=False)
+    np.testing.assert_allclose(exported.call(variables, images), expected, rtol=1e-6)
+    assert run_cli("export", "--workdir", str(workdir), "--out", str(out)).returncode == 2  # never overwrites
+    from engine.runtime.rundir import check_sums
+
+    assert check_sums(out) is None and "variables/" in (out / "SHA256SUMS").read_text()
+    data = max((p for p in (out / "variables").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1  # one flipped bit in the variables: named
+    data.write_bytes(bytes(raw))
+    assert (
+        check_sums(out)
+        == f"{data.relative_to(out)} does not match its checksum in SHA256SUMS (the file changed on disk)"
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_at_seeded_random_moments_and_inside_a_save_is_bit_identical(tmp_path, uninterrupted):
+    """Killed with a save half written (its newest step put back as orbax leaves one mid-write:
+    under its temporary name, a file cut short), then at seeded random moments of the re-runs
+    (start-up, restore, training, saves): the last re-run ends bit-identical to a run never
+    stopped, and the half-written save is never read as whole."""
+    import random
+    import shutil
+
+    rng = random.Random(1123)
+    workdir = tmp_path / "killed"
+    proc = start_training(workdir)
+    wait_for_step(workdir, 40, proc)
+    proc.kill()
+    proc.wait()
+    checkpoints = workdir / "checkpoints"
+    newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    partial = checkpoints / f"{newest}.orbax-checkpoint-tmp-1795500000000000"
+    shutil.move(checkpoints / str(newest), partial)
+    largest = max((f for f in partial.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    for moment in [rng.uniform(0.5, 8.0) for _ in range(3)]:
+        proc = start_training(workdir)
+        time.sleep(moment)
+        proc.kill()
+        proc.wait()
+    proc = start_training(workdir)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (checkpoints / str(newest)).is_dir()  # that step was saved again, whole
+    assert_same_run(workdir, uninterrupted)

@@ -1,0 +1,102 @@
+"""`launch.py train --elastic` inside a SLURM allocation: a job whose task is SIGKILLed goes on as a new
+srun step on the task left, from the local tier, with the unbroken run's losses; the driver is
+refused outside an allocation or without fault.elastic; srun's lines about failed tasks are read."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from support import slurm_cluster
+from support.cli import child_env, run_cli
+from support.configs import ROOT
+
+from engine.runtime.rundir import read_records
+
+STEPS = 8
+
+
+JOB = [
+    "--config",
+    "configs/mnist_mlp.yaml",
+    f"train.steps={STEPS}",
+    "train.global_batch_size=32",  # 2 batch shards on 2 tasks, 1 on 1
+    "train.steps_per_call=1",
+    "log.every_steps=1",
+    "log.progress=false",
+    "eval.every_steps=0",
+    "eval.max_batches=2",
+    "fault.elastic=true",
+]
+
+
+def records(workdir, split):
+    return [r for r in read_records(workdir / "metrics.jsonl") if r["split"] == split]
+
+
+def losses(workdir):
+    return {r["step"]: r["loss"] for r in records(workdir, "train")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(
+    not slurm_cluster.available(), reason="needs root and Debian's slurm-wlm and munge (.ci/run installs them)"
+)
+def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path):
+    workdir, local = tmp_path / "elastic", tmp_path / "shm"
+    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "checkpoint.every_steps=6"]
+    env = {"JAX_PLATFORMS": "cpu", "ENGINE_TEST_KILL_AT": "1:5"}  # task 1 SIGKILLs itself at step 5
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    try:
+        cluster = slurm_cluster.SlurmCluster(tmp_path / "cluster").__enter__()
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"the SLURM test cluster did not start: {e}")
+    try:
+        driver = [sys.executable, str(ROOT / "launch.py"), "train", "--elastic", "--workdir", str(workdir)]
+        job = subprocess.run(
+            ["salloc", "-n", "2", *driver, *JOB, *tier],
+            env=dict(child_env(env), SLURM_CONF=cluster.env["SLURM_CONF"]),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        cluster.__exit__(None, None, None)
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    assert "task 1: Killed" in job.stderr
+    assert "elastic: restarting the job on 1 processes as a new srun step (restart 1 of" in job.stderr
+    (recovery,) = records(workdir, "recovery")
+    assert recovery["lost_process"] == 1 and "SIGKILL" in recovery["how"] and recovery["recovered"]
+    assert (recovery["processes_before"], recovery["processes_now"], recovery["tier"]) == (2, 1, "local")
+    assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= 2
+    # the node stayed up, so the job of 1 grows back to 2 tasks at its persistent checkpoint of step 6
+    (grown,) = records(workdir, "grow")
+    assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (1, 2, 6), grown
+    assert "elastic: growing back to 2 tasks as a new srun step" in job.stderr
+    assert job.stdout.count(f"done: {STEPS} steps") == 2  # (each task of the last step, the grown one, once)
+    broken = losses(workdir)
+    assert sorted(broken) == list(range(1, STEPS + 1))
+    # the unbroken run: the same mesh of 2 devices in one process
+    one = run_cli(*JOB, "--workdir", str(tmp_path / "unbroken"), env={"XLA_FLAGS": env["XLA_FLAGS"][:-1] + "2"})
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = losses(tmp_path / "unbroken")
+    assert sorted(expected) == sorted(broken)
+    np.testing.assert_allclose([broken[s] for s in sorted(broken)], [expected[s] for s in sorted(broken)], rtol=1e-5)
+
+
+@pytest.mark.nocompile
+def test_the_driver_is_refused_without_fault_elastic_or_outside_an_allocation(tmp_path):
+    workdir = str(tmp_path / "run")
+    bare = {k: "" for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")}
+    plain = run_cli("train", "--elastic", "--workdir", workdir, *JOB[:-1], env=dict(bare, SLURM_JOB_ID="7"))
+    assert plain.returncode == 2 and "needs fault.elastic=true; add fault.elastic=true" in plain.stderr
+    outside = run_cli("train", "--elastic", "--workdir", workdir, *JOB, env={"SLURM_JOB_ID": ""})
+    assert outside.returncode == 2 and "runs inside a SLURM allocation (an sbatch script" in outside.stderr
+    in_step = run_cli("train", "--elastic", "--workdir", workdir, *JOB, env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})
+    assert in_step.returncode == 2 and "not under srun" in in_step.stderr
+    one = run_cli("train", "--elastic", "--workdir", workdir, *JOB, env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"})
+    assert one.returncode == 2 and "the allocation has 1 task; ask for several" in one.stderr
+    local = run_cli("train", "--elastic", "--local-processes", "2", "--workdir", workdir, *JOB)
+    assert local.returncode == 2 and "drop --elastic" in local.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -1,0 +1,110 @@
+"""The local checkpoint tier (checkpoint.local_dir): frequent saves of each process's shards to
+node-local storage and a peer's, restored when newer than the persistent tier, bit-identically;
+damaged or lost copies skipped; the config's keys checked."""
+
+import json
+import shutil
+
+import pytest
+from support.cli import run_cli, start_cli, wait_until
+from support.configs import QUIET
+from support.local_tier import local_steps
+
+from engine.checkpoint.local_tier import run_directory
+from engine.checkpoint.peers import HOST_VARIABLE
+from engine.runtime.rundir import read_records
+
+
+def losses(workdir):
+    return [(r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+
+
+RUN = [
+    *QUIET,
+    "--config",
+    "configs/mnist_mlp.yaml",
+    "log.every_steps=1",
+    "eval.every_steps=0",
+    "train.steps_per_call=1",
+]
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_from_the_newer_local_step(tmp_path):
+    local_dir = tmp_path / "shm"
+    tier = [f"checkpoint.local_dir={local_dir}", "checkpoint.local_every_steps=3"]
+    reference = run_cli(*RUN, "--workdir", str(tmp_path / "ref"), "train.steps=200")
+    assert reference.returncode == 0, reference.stderr
+    workdir = tmp_path / "killed"
+    first = run_cli(*RUN, "--workdir", str(workdir), "train.steps=20", *tier)  # the persistent tier: step 20
+    assert first.returncode == 0, first.stderr
+    proc = start_cli(*RUN, "--workdir", str(workdir), "train.steps=1000000", *tier)  # persistent saves at the end only
+    wait_until(lambda: len([s for s in local_steps(local_dir, workdir) if s >= 26]) == 2, proc, poll=0.01)
+    proc.kill()
+    proc.wait()
+    kept = local_steps(local_dir, workdir)
+    # local_keep=2, pruned after each save: a kill between a save and its pruning leaves three
+    assert len(kept) in (2, 3) and all(b - a == 3 for a, b in zip(kept, kept[1:])) and 20 < kept[0] < kept[-1] < 200
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [20]
+    again = run_cli(*RUN, "--workdir", str(workdir), "train.steps=200", *tier)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from step {kept[-1]} (the local tier, checkpoint.local_dir={local_dir})" in again.stdout
+    assert losses(workdir) == losses(tmp_path / "ref")  # bit-identical: JSON floats round-trip exactly
+
+
+def _two_processes(workdir, local_dir, env=None):
+    return run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "--local-processes",
+        "2",
+        "--devices-per-process",
+        "2",
+        "mesh.fsdp=4",  # each process holds its own half of every parameter
+        "train.global_batch_size=32",
+        "train.steps=8",
+        "checkpoint.every_steps=4",
+        f"checkpoint.local_dir={local_dir}",
+        "checkpoint.local_every_steps=2",
+        *QUIET,
+        "log.every_steps=1",
+        "eval.every_steps=0",
+        env=env,
+        timeout=400,
+    )
+
+
+ONE_HOST = "note: every process of this job runs on one host: the local tier's peer copies guard against a lost"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_restore_from_a_peers_copy_then_the_persistent_tier(tmp_path):
+    workdir, local_dir = tmp_path / "run", tmp_path / "shm"
+    first = _two_processes(workdir, local_dir, env={HOST_VARIABLE: "host{process}"})  # two hosts, as it seems
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert ONE_HOST not in first.stdout
+    reference = losses(workdir)
+    assert [s for s, _ in reference] == list(range(1, 9))
+    run_dir = run_directory(str(local_dir), workdir / "checkpoints")
+    halves = [json.loads((run_dir / "process_0" / f"owner_{o}" / "6" / "index.json").read_text()) for o in (0, 1)]
+    assert halves[0]["shards"] != halves[1]["shards"]  # process 1's shards exist only at process 1 and its peer
+    # process 1's host lost its local storage, and the persistent save of step 8 never happened
+    shutil.rmtree(run_dir / "process_1")
+    shutil.rmtree(workdir / "checkpoints" / "8")
+    second = _two_processes(workdir, local_dir)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert ONE_HOST in second.stdout  # (both processes on this host)
+    assert "resuming from step 6 (the local tier" in second.stdout
+    assert "the shards of process(es) 1 from a peer's copy" in second.stdout
+    assert losses(workdir) == reference
+    # both copies of process 1's shards lost: the persistent tier
+    shutil.rmtree(run_dir / "process_1")
+    shutil.rmtree(run_dir / "process_0" / "owner_1")
+    shutil.rmtree(workdir / "checkpoints" / "8")
+    third = _two_processes(workdir, local_dir)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "resuming from step 4 (checkpoint " in third.stdout and "the persistent tier" in third.stdout
+    assert losses(workdir) == reference

@@ -1,0 +1,163 @@
+"""Tokenized corpora: the tokenize command (formats, resume, bad input), the Grain-backed
+`tokens` source (packing, mixtures), and training on it (exact resume after SIGKILL)."""
+
+import json
+
+import numpy as np
+import pytest
+from support import tokens as tokens_helpers
+from support.cli import run_cli, start_cli, wait_until
+from support.tokens import LLAMA_TOKENS, _corpus_files, _text
+
+from engine.data import tokens as tk
+from engine.data.pretokenize import tokenize
+from engine.errors import UsageError
+from engine.runtime.rundir import read_records
+
+two_corpora = tokens_helpers.two_corpora  # the fixture
+
+
+def test_tokenize_reads_a_hugging_face_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(3)
+    texts = [_text(rng, int(rng.integers(3, 40))) for _ in range(30)]
+    rows = {"id": list(range(30)), "content": texts}
+    # two shards (the order is state.json's), and a DatasetDict whose train split is read
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"), num_shards=2)
+    whole = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows)})
+    whole["test"] = whole["test"].select([0])
+    whole.save_to_disk(str(tmp_path / "dd"))
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
+    for name in ("ds", "dd", "same.jsonl"):
+        tokenize([str(tmp_path / name)], str(tmp_path / f"out_{name}"), "bpe:300", text_field="content", progress=False)
+    reference = tk.open_corpus(str(tmp_path / "out_same.jsonl"))
+    for name in ("ds", "dd"):
+        corpus = tk.open_corpus(str(tmp_path / f"out_{name}"))
+        for split in ("train", "eval"):
+            got, want = corpus.stream(split), reference.stream(split)
+            assert np.array_equal(got.read(0, got.doc_ends[-1]), want.read(0, want.doc_ends[-1]))
+            assert np.array_equal(got.doc_ends, want.doc_ends)
+    proc = run_cli(
+        "tokenize", "--input", str(tmp_path / "ds"), "--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"
+    )
+    assert (
+        proc.returncode == 2 and "no column 'text' (columns: ['id', 'content']); pass --text-field NAME" in proc.stderr
+    )
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test"]}')
+    proc = run_cli(
+        "tokenize", "--input", str(tmp_path / "dd"), "--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"
+    )
+    assert proc.returncode == 2 and f"e.g. --input {tmp_path / 'dd' / 'test'}" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_bad_corpus_input_is_refused_by_name(tmp_path, make_config):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(UsageError, match=r"bad.jsonl:2: no 'text' field .* --text-field"):
+        tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "o1"), "bpe:300", progress=False)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    with pytest.raises(UsageError, match="no non-empty documents"):
+        tokenize([str(tmp_path / "empty")], str(tmp_path / "o2"), "bpe:300", progress=False)
+    assert not (tmp_path / "o2").exists()  # nothing left behind
+    with pytest.raises(UsageError, match="does not exist"):
+        tokenize([str(tmp_path / "missing")], str(tmp_path / "o3"), "bpe:300", progress=False)
+    with pytest.raises(UsageError, match="bpe:N with N ≥ 257"):
+        tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "o4"), "bpe:100", progress=False)
+
+    good = _corpus_files(tmp_path / "good", documents=10)
+    tokenize([str(good)], str(tmp_path / "corpus"), "bpe:300", eval_fraction=0.2, progress=False)
+    with pytest.raises(UsageError, match="other settings"):
+        tokenize([str(good)], str(tmp_path / "corpus"), "bpe:400", progress=False)
+    from engine.run.setup import build_run
+
+    small_model = make_config(
+        "llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "model.vocab_size=200", "data.seq_len=16"
+    )
+    with pytest.raises(UsageError, match=r"model.vocab_size=200 is smaller than the data's vocabulary \(300"):
+        build_run(small_model, compile_train=False)
+    on_device = make_config(
+        "llama_tiny", "data.name=tokens", f"data.path={tmp_path / 'corpus'}", "data.seq_len=16", "data.placement=device"
+    )
+    with pytest.raises(UsageError, match="data.placement=device: data.name=tokens cannot live on the devices"):
+        build_run(on_device, compile_train=False)
+    shard = tmp_path / "corpus" / "train-00000.tokens"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x01  # one flipped bit
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="train-00000.tokens: checksum does not match"):
+        tk.open_corpus(str(tmp_path / "corpus"))
+    with pytest.raises(UsageError, match="no manifest.json.*launch.py tokenize"):
+        tk.open_corpus(str(good))
+    result = run_cli(
+        "--config",
+        "llama_tiny",
+        "--workdir",
+        str(tmp_path / "run"),
+        "data.name=tokens",
+        f"data.path={tmp_path / 'corpus'}",
+        "train.steps=2",
+    )
+    assert result.returncode == 2 and "checksum does not match" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def _train_records(workdir):
+    return [r for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
+
+
+@pytest.mark.slow
+def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_after_sigkill(tmp_path, two_corpora):
+    a, b = two_corpora
+    args = [
+        *LLAMA_TOKENS,
+        f"data.sources=[{{path: {a}, weight: 3}}, {{path: {b}, weight: 1}}]",
+        "train.steps=12",
+        "checkpoint.every_steps=3",
+    ]
+
+    def start(workdir):
+        return start_cli("--config", "llama_tiny", "--workdir", str(workdir), *args)
+
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    proc = start(reference)
+    assert proc.wait(timeout=300) == 0, proc.communicate()
+    records = _train_records(reference)
+    shares = np.array([[r["share_a"], r["share_b"]] for r in records])
+    np.testing.assert_allclose(shares.sum(axis=1), 1.0, rtol=1e-6)
+    assert abs(shares[:, 0].mean() - 0.75) < 0.1  # 12 steps × 8 windows, weighted by real tokens
+    proc = start(killed)
+    wait_until(lambda: _train_records(killed) and _train_records(killed)[-1]["step"] >= 7, proc, 240, poll=0.05)
+    proc.kill()
+    proc.wait()
+    assert _train_records(killed)[-1]["step"] < 12
+    proc = start(killed)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    losses = lambda records: [(r["step"], r["loss"], r["share_a"]) for r in records]  # noqa: E731
+    assert losses(_train_records(killed)) == losses(records)
+    # the run keeps its tokenizer: sample decodes with it, and a Hugging Face export carries it
+    assert (reference / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
+    sampled = run_cli("sample", "--workdir", str(reference), "--prompt", "alpha beta", "--temperature", "0")
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    text = sampled.stdout.strip("\n")
+    assert text.strip() and set(text) <= set("abcdefghijklmnopqrstuvwxyz ."), text  # the corpus's own characters
+    exported = run_cli("export", "--workdir", str(reference), "--out", str(tmp_path / "hf"), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_read_their_own_rows_and_match_one_process(tmp_path, two_corpora):
+    from support.multiprocess import local_job, one_process, train_losses
+
+    a, _ = two_corpora
+    args = [*LLAMA_TOKENS, f"data.path={a}", "train.steps=6", "mesh.data=2", "mesh.fsdp=2"]
+    two = local_job(tmp_path / "two", "llama_tiny", *args)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = one_process(tmp_path / "one", "llama_tiny", *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    x, y = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert sorted(x) == list(range(1, 7))
+    np.testing.assert_allclose([x[s] for s in sorted(x)], [y[s] for s in sorted(x)], rtol=1e-5)

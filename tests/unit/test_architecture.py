@@ -1,0 +1,321 @@
+"""The shape of the code that later work stands on: the engine knows no model, models know
+no engine, imports run one way, and the loop and setup stay small enough to read."""
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from support.configs import ROOT
+
+from engine.config import load_config
+from engine.errors import UsageError
+from engine.run.setup import Run
+
+ENGINE = sorted((ROOT / "engine").rglob("*.py"))
+
+
+MODELS = sorted((ROOT / "models").rglob("*.py"))
+
+
+def _runtime_nodes(tree):
+    """Every node, less `if TYPE_CHECKING:` blocks (annotations only, never imported at run time)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+        yield node
+
+
+def imports(path: Path) -> set[str]:
+    """Top-level package.module names a file imports (anywhere in it, lazily or not)."""
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_engine_names_no_model_family_field_or_task_data_key():
+    # ("mlp" is also a logical axis name, and the config's default model: not searched for)
+    words = re.compile(r'"transformer"|"resnet"|"cnn"|"tokens"|"image"|"label"|dropout_rate|num_layers')
+    for path in ENGINE:
+        if path.parent.name == "data" and path.name in (
+            "base.py",
+            "shards.py",
+            "sources.py",
+            "text.py",
+            "tokens.py",
+            "pretokenize.py",
+            "table.py",
+            "preprocess.py",
+            "chat_data.py",
+            "preferences.py",
+        ):
+            continue  # the data sources produce the keys
+        hits = [
+            f"{path.name}:{n}: {line.strip()}"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if words.search(line)
+        ]
+        assert not hits, hits
+
+
+def test_models_import_nothing_from_the_engine():
+    for path in MODELS:
+        assert not {name for name in imports(path) if name.split(".")[0] == "engine"}, path
+
+
+def test_engine_imports_have_no_cycles():
+    ours = {module_name(p): p for p in ENGINE + MODELS}
+    graph = {}
+    for name, path in ours.items():
+        graph[name] = set()
+        for imported in imports(path):
+            # `from engine import process` imports the submodule (its package is already loading);
+            # `from engine.x import y` imports module engine.x for its member y
+            names = _from_names(path, imported)
+            submodules = [f"{imported}.{alias}" for alias in names if f"{imported}.{alias}" in ours]
+            candidates = submodules + ([imported] if len(submodules) < len(names) or not names else [])
+            graph[name].update(c for c in candidates if c in ours and c != name)
+    for start in graph:  # depth-first: a path back to `start` is a cycle
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                assert nxt != start or _is_package_of(start, node), f"import cycle: {' -> '.join(trail + (nxt,))}"
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + (nxt,)))
+
+
+def _from_names(path: Path, module: str) -> list[str]:
+    names = []
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0:
+            names.extend(alias.name for alias in node.names)
+    return names
+
+
+def _is_package_of(package: str, module: str) -> bool:
+    """A package's __init__ re-exporting its own submodules is not a cycle."""
+    return module.startswith(package + ".")
+
+
+SOURCES = ENGINE + MODELS + sorted((ROOT / "contract").rglob("*.py")) + [ROOT / "launch.py"]
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    tree = ast.parse(path.read_text())
+    return {
+        f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+
+
+def test_every_function_fits_on_a_screen_and_every_file_stays_small():
+    lengths = {name: n for path in SOURCES for name, n in function_lengths(path).items()}
+    assert lengths["loop.py:train"] <= 60
+    assert not {name: n for name, n in lengths.items() if n > 60}
+    assert not {path.name: n for path in SOURCES if (n := len(path.read_text().splitlines())) > 450}
+
+
+def test_a_run_is_a_handful_of_named_parts():
+    assert len(dataclasses.fields(Run)) <= 12
+
+
+def test_no_engine_module_imports_another_modules_private_names():
+    found = []
+    for path in ENGINE + MODELS:
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("engine", "models"):
+                found += [
+                    f"{path.name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")
+                ]
+    assert not found, found
+
+
+def test_the_engine_asks_the_model_family_not_the_model_config():
+    """A model's settings are the family's to read: `getattr(cfg.model, ...)` in the engine is a
+    capability the family should declare (models/family.py)."""
+    pattern = re.compile(r"getattr\(\s*[\w.]*model\b")
+    hits = [
+        f"{path.name}:{n}"
+        for path in ENGINE
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, hits
+
+
+def test_every_family_satisfies_the_typed_protocol():
+    from models import REGISTRY
+    from models.family import ModelFamily, splits_sequence
+
+    assert all(isinstance(family, ModelFamily) for family in REGISTRY.values())
+    assert splits_sequence(REGISTRY["llama"]) and not splits_sequence(REGISTRY["mlp"])
+
+
+def test_a_model_family_has_a_small_required_core():
+    # required: every member of the protocol that Family does not default to None (the capability
+    # records, where absent means unsupported)
+    from models.family import Family, ModelFamily
+
+    members = {name for name in (*vars(ModelFamily), *vars(ModelFamily).get("__annotations__", {})) if name[0] != "_"}
+    capabilities = {name for name in members if getattr(Family, name, "required") is None}
+    required = members - capabilities
+    assert {"config_cls", "task", "build"} <= required and len(required) <= 8, sorted(required)
+    assert {"flops", "language_model", "layer_stack", "experts"} <= capabilities, sorted(capabilities)
+
+
+def test_the_engine_passes_the_models_what_they_need_as_arguments():
+    # no context variable carries anything between engine and models: build takes BuildOptions
+    # (the pipeline, LoRA adapters, the activation layout of the step traced)
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in MODELS + sorted((ROOT / "contract").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "ContextVar" in line or "contextvars" in line
+    ]
+    assert not hits, hits
+
+
+def test_the_mesh_keys_and_rules_come_from_the_axis_declarations():
+    from engine.config import MeshConfig
+    from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
+
+    names = [f.name for f in dataclasses.fields(MeshConfig)]
+    assert names[: 2 * len(CONFIG_AXES)] == [*CONFIG_AXES, *(f"dcn_{a}" for a in CONFIG_AXES)]
+    rules = default_rules()
+    for axis in AXES:
+        assert all(axis.name in rules[logical] for logical in axis.params)
+    assert rules["mlp"] == ["tensor", "fsdp"]  # tensor parallel first, then fsdp
+
+
+def test_the_configuration_reference_is_generated_from_the_schema():
+    from engine.config.reference import DOC, render
+
+    assert DOC.read_text() == render(), "docs/configuration.md is stale: python -m engine.config.reference"
+    assert "`optimizer.name` | `adam` |" in DOC.read_text()
+
+
+def test_model_validation_errors_are_usage_errors():
+    with pytest.raises(UsageError, match=r"model.dropout_rate=1.5 must be in \[0, 1\)"):
+        load_config(ROOT / "configs" / "mnist_mlp.yaml", ["model.name=cnn", "model.dropout_rate=1.5"], "/tmp/unused")
+
+
+def test_the_light_declarations_agree_with_what_they_stand_for():
+    """The names config checking reads without jax are the ones the heavy modules build."""
+    import optax
+
+    from engine.config import load_config
+    from engine.config.optimizers import OPTIMIZERS
+    from engine.run.optimizer import make_optimizer
+    from models import CONFIGS, REGISTRY
+    from models.configs import REMAT_NAMES
+    from models.remat import policy
+
+    for name in OPTIMIZERS:  # every optimizer of the table builds
+        cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", [f"optimizer.name={name}"], "/tmp/unused")
+        assert isinstance(make_optimizer(cfg.optimizer), optax.GradientTransformation)
+    assert all((policy(name) is None) == (name == "none") for name in REMAT_NAMES)  # each name builds its policy
+    assert {name: family.config_cls for name, family in REGISTRY.items()} == CONFIGS
+    assert all("hparams" in vars(config) for config in CONFIGS.values())  # program_settings reads it
+    assert REGISTRY["mlp"].hparams == ("dropout_rate",) and REGISTRY["llama"].hparams == ()
+
+
+def test_a_run_and_a_vectorised_group_of_one_write_the_same_records(make_config, tmp_path):
+    """One loop: a config trained alone and as a group of one gives the same metrics.jsonl
+    records (steps, splits, keys, losses), the same summary keys, and the same checkpoints."""
+    from engine.run.group import fit_group
+    from engine.run.single import fit
+    from engine.runtime.rundir import read_records
+
+    args = [
+        "mesh.num_devices=1",
+        "train.steps=20",
+        "log.every_steps=5",
+        "eval.every_steps=10",
+        "checkpoint.every_steps=10",
+        "log.profile_steps=[2,4]",
+    ]
+    fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "alone"))
+    fit_group([make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "group")])
+    alone, group = (read_records(tmp_path / name / "metrics.jsonl") for name in ("alone", "group"))
+    assert [(r["step"], r["split"], sorted(r)) for r in alone] == [(r["step"], r["split"], sorted(r)) for r in group]
+    for a, b in zip(alone, group):
+        if a["split"] != "summary":
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
+    assert (tmp_path / "group" / "profile").is_dir()  # the profiling window works for both
+    assert sorted(p.name for p in (tmp_path / "group" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+
+
+def test_the_engine_is_folders_that_show_the_design():
+    """A maintainer finds a thing by its folder: the engine's top level holds subpackages and at
+    most three modules, and no two modules anywhere in it share a file name."""
+    top = [p.name for p in (ROOT / "engine").glob("*.py")]
+    assert len(top) <= 3, top
+    names = [p.name for p in ENGINE if p.name not in ("__init__.py", "__main__.py")]
+    assert not {n for n in names if names.count(n) > 1}
+
+
+def _calls_of(name: str, node, where: str = "<module>"):
+    """The enclosing function's name (or "<module>") for each call of `name` (or of x.`name`) under `node`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Call) and name in (getattr(child.func, "id", None), getattr(child.func, "attr", None)):
+            yield where
+        yield from _calls_of(
+            name, child, child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+        )
+
+
+def test_the_engine_constructs_its_checkpointer_in_one_place():
+    """The engine opens checkpoints only through engine.checkpoint.store.open_checkpoints, so
+    every reader and writer takes keep, verification, staging and the frozen base from its
+    config the same way: that function holds the engine's one Checkpointer(...)."""
+    found = [
+        f"{module_name(path)}:{where}"
+        for path in ENGINE
+        for where in _calls_of("Checkpointer", ast.parse(path.read_text()))
+    ]
+    assert found == ["engine.checkpoint.store:open_checkpoints"], found
+
+
+def test_a_run_alone_names_no_sync_strategy():
+    """train.sync's strategies are engine/parallel/sync.py's table: a run alone steps, fetches and
+    logs through its `Syncing`, and neither branches on nor names one (DiLoCo's included)."""
+    text = (ROOT / "engine" / "run" / "single.py").read_text()
+    assert "diloco" not in text.lower()
+
+
+# the packed metrics' layout by name or position: the column names' tuple, a column looked up by
+# name, a row's or a column's literal index (`row[0]`, `host[:, 2]`, `packed[:, :, 3]`)
+PACKED_LAYOUT = re.compile(
+    r"TRAIN_METRICS|\.index\(\"(loss_sum|correct|count|grad_norm|learning_rate)\"\)|\brows?\[\s*-?\d|\[\s*:\s*,\s*(:\s*,\s*)?-?\d"
+)
+
+
+def test_only_the_metric_columns_know_the_packed_metrics_layout():
+    """engine/run/columns.py (MetricColumns) owns the packed train metrics' layout; no other engine
+    module names its columns or indexes metric rows by position (the data sources index their own
+    arrays, not metrics)."""
+    owner = ROOT / "engine" / "run" / "columns.py"
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in ENGINE
+        if path != owner and path.parent.name != "data"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PACKED_LAYOUT.search(line)
+    ]
+    assert not hits, hits
