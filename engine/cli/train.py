@@ -70,9 +70,10 @@ def _multi_process_flags(group) -> None:
     )
     group.add_argument(
         "--rendezvous",
-        metavar="DIR",
-        help="Kubernetes: supervise this pod's process of an elastic job, meeting the other pods in DIR, a directory "
-        "every pod mounts (a ReadWriteMany volume); needs fault.elastic=true and --processes",
+        metavar="DIR|etcd://HOST:PORT/PREFIX",
+        help="Kubernetes: supervise this pod's process of an elastic job, meeting the other pods through etcd (the "
+        "job's keys under PREFIX) or in DIR, a directory every pod mounts (a ReadWriteMany volume); needs "
+        "fault.elastic=true and --processes",
     )
     group.add_argument("--processes", type=int, metavar="N", help="with --rendezvous: the job's full size (pods)")
     group.add_argument(
@@ -179,9 +180,8 @@ def _slurm_job(args, argv: list[str]) -> int:
 
 
 def _pod_job(args, argv: list[str]) -> int:
-    """`--rendezvous DIR`: this process supervises one pod of an elastic job (engine/elastic/pods.py)."""
+    """`--rendezvous DIR|etcd://...`: this process supervises one pod of an elastic job (engine/elastic/pods.py)."""
     import socket
-    from pathlib import Path
 
     from engine.config import load_config
     from engine.elastic.pods import check_pod, run_pod_job
@@ -205,7 +205,7 @@ def _pod_job(args, argv: list[str]) -> int:
         )
     devices = task_devices(given, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
     child = without_flags(without_local_flags(argv), POD_FLAGS)
-    return run_pod_job(child, cfg, Path(args.rendezvous), args.processes, devices, member, address)
+    return run_pod_job(child, cfg, args.rendezvous, args.processes, devices, member, address)
 
 
 def _distributed_overrides(args) -> list[str]:

@@ -28,22 +28,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from engine.runtime.launcher import ABORT_SETTLE_SECONDS
+from engine.runtime.restart_protocol import ATTEMPT as ATTEMPT
+from engine.runtime.restart_protocol import FAILURES_FILE, RECOVERY, failure_record, pending
+from engine.runtime.restart_protocol import JOB as JOB
 from engine.runtime.rundir import METRICS, append_line, read_records, write_atomic
 from engine.runtime.watchdog import REACHED
 
-ATTEMPT = "ENGINE_ELASTIC_ATTEMPT"  # 0 for the first start, k for the k-th restart
-JOB = "ENGINE_ELASTIC_JOB"  # JSON {"started", "recovery"}: the job's start, the seconds between its earlier starts
-FAILURES_FILE = "elastic-failures.json"  # in the workdir: the failures so far, a JSON list of `failure` dicts
-RECOVERY = "recovery"  # the metrics.jsonl split of failure and recovery records
 # after a process fails without a signal, how long the others may take to end on their own before
 # they are stopped: when all do, the failure is the job's own (`lost`), not a lost process
 SETTLE_SECONDS = 3.0
@@ -118,47 +116,6 @@ def hang_key(path: Path) -> Optional[tuple[float, float, int]]:
     if process is None or path.name.startswith("hang-evaluator"):
         return None
     return (int(step.group(1)) if step else math.inf), written, int(process.group(1))
-
-
-def job_so_far(started: float, gap: float) -> tuple[float, float]:
-    """(the recovery seconds, the earlier starts' seconds) of the elastic job this start of its
-    processes belongs to, up to this process's start `started` (`gap`: this start's own recovery,
-    from the failure or the stop to grow back); (gap, 0) outside a local elastic job."""
-    job = json.loads(os.environ.get(JOB, "") or "null")
-    if not isinstance(job, dict):
-        return gap, 0.0
-    recovery = job["recovery"] + gap
-    return recovery, max(started - job["started"] - recovery, 0.0)
-
-
-def recorded(workdir: Path) -> set[tuple[int, int]]:
-    """(attempt, process) of the failures metrics.jsonl already holds a record of."""
-    return {
-        (r.get("attempt", -1), r.get("lost_process", -1))
-        for r in read_records(Path(workdir) / METRICS)
-        if r["split"] == RECOVERY
-    }
-
-
-def pending(workdir: Path, failures: list[dict]) -> list[dict]:
-    """The failures without a record yet."""
-    done = recorded(workdir)
-    return [f for f in failures if (f["attempt"], f["process"]) not in done]
-
-
-def failure_record(failure: dict, **recovery: Any) -> dict:
-    """A metrics.jsonl record's fields for `failure` and how the job recovered (step_restored,
-    tier, restored_from, seconds_lost, processes_now, recovered)."""
-    return {
-        "time": failure["time"],
-        "attempt": failure["attempt"],
-        "lost_process": failure["process"],
-        "how": failure["how"],
-        "step_reached": failure["step"],
-        "processes_before": failure["processes"],
-        "seconds_to_stop": failure.get("seconds_to_stop"),
-        **recovery,
-    }
 
 
 def after_failure(
@@ -260,9 +217,3 @@ def write_failures(workdir: Path, failures: list[dict]) -> None:
     """The failures so far, in the workdir (before each start: its process 0 records them, recovery.py)."""
     Path(workdir).mkdir(parents=True, exist_ok=True)
     write_atomic(Path(workdir) / FAILURES_FILE, json.dumps(failures) + "\n")
-
-
-def read_failures(workdir: Path) -> list[dict]:
-    """The failures so far that the supervisor wrote for this start ([] when none)."""
-    path = Path(workdir) / FAILURES_FILE
-    return json.loads(path.read_text()) if path.is_file() else []

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Optional
 
 from engine.errors import UsageError
-from engine.runtime.launcher import GROW_EXIT as GROW_EXIT  # (the launcher sees it too)
+from engine.runtime.restart_protocol import GREW as GREW
+from engine.runtime.restart_protocol import GROW as GROW
+from engine.runtime.restart_protocol import GROW_EXIT as GROW_EXIT
+from engine.runtime.restart_protocol import REQUEST as REQUEST
 
-GROW = "ENGINE_ELASTIC_GROW"  # the job's full size, given to a start smaller than it
-GREW = "ENGINE_ELASTIC_GREW"  # JSON {"time", "processes"}: the stop of the smaller job this start grew from
-REQUEST = "grow-request.json"  # in the workdir: the launcher's request to grow back
 POLL_SECONDS = 30.0  # SLURM: how often the driver asks sinfo whether the allocation's nodes are back
 
 

@@ -1,9 +1,9 @@
-"""`launch.py train --rendezvous DIR`: one pod's supervisor of an elastic job on Kubernetes,
-meeting the other pods on a shared directory.
+"""`launch.py train --rendezvous etcd://HOST:PORT/PREFIX|DIR`: one pod's supervisor of an elastic job on Kubernetes.
 
 On Kubernetes no one process sees every worker: each pod runs this supervisor, which trains
-nothing itself. The supervisors meet on a directory every pod mounts (engine/elastic/rendezvous.py:
-heartbeats, rounds formed by the lowest live member). For each round a supervisor is in, it starts
+nothing itself. The supervisors meet through a rendezvous (engine/elastic/rendezvous.py:
+heartbeats, rounds formed by the lowest live member) whose state etcd or a directory every pod
+mounts holds (stores.py). For each round a supervisor is in, it starts
 the training as one process (rank = its place among the round's members; the coordinator the
 round names, on the leader's pod; the shrink plan's mesh overrides for the round's size, as the
 local launcher does: engine/elastic/shrink.py), with ENGINE_ELASTIC_ATTEMPT = the round (rank 0's
@@ -83,7 +83,7 @@ def check_pod(cfg, processes: Optional[int], member: str) -> None:
         )
 
 
-def run_pod_job(args: list[str], cfg, directory: Path, processes: int, devices: int, member: str, address: str) -> int:
+def run_pod_job(args: list[str], cfg, where: str, processes: int, devices: int, member: str, address: str) -> int:
     """This pod's part of the elastic job: its exit code (1 with one message naming every failure
     when the job cannot go on)."""
     plans = shrink_plan(cfg, processes, devices)
@@ -91,8 +91,8 @@ def run_pod_job(args: list[str], cfg, directory: Path, processes: int, devices: 
     if cfg.fault.precompile:
         sys.stderr.write("note: fault.precompile is not built under --rendezvous: a restart compiles its job\n")
     job = job_identity(cfg)
-    rendezvous = Rendezvous(directory, member, address, processes, fewest=cfg.fault.min_processes, job=job)
-    heartbeat = Heartbeat(directory, member, address)
+    rendezvous = Rendezvous(where, member, address, processes, fewest=cfg.fault.min_processes, job=job)
+    heartbeat = Heartbeat(rendezvous.store.backend, member, address)
     heartbeat.start()
     supervisor = Supervisor(args, cfg, rendezvous, plans)
     previous = {sig: signal.signal(sig, supervisor.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,29 +1,27 @@
-"""The elastic pods' rendezvous on a shared directory: membership by heartbeat files, and
-numbered rounds formed by the lowest live member.
+"""The elastic pods' rendezvous: one generic state machine (membership, leader, rounds) over a backend.
 
-Every pod's supervisor (engine/elastic/pods.py) meets the others in one directory that
-every pod mounts (a ReadWriteMany volume: NFS, Filestore), in the manner of torchelastic's
-rendezvous, with no service of its own:
+Every pod's supervisor (engine/elastic/pods.py) meets the others through one rendezvous state
+that a backend (stores.py: a shared directory, or etcd) stores and changes only by compare-and-set
+with a fencing token, in the manner of torchelastic's dynamic rendezvous. The state holds:
 
-- `members/<id>.json`: each supervisor's heartbeat (its address and a counter rewritten every
-  BEAT_SECONDS by a thread). A member is alive while its counter keeps changing: one whose file
-  a reader has seen unchanged for STALE_SECONDS (by the reader's own clock, so the pods' clocks
-  need not agree, and from the file's content, which an NFS client rereads at each open, not
-  its cached mtime) has stopped: its pod died.
-- `ready/<n>/<id>.json`: a supervisor that wants to (re)start writes it for round n.
-- `rounds/<n>.json`: round n, written once (a temporary file hard-linked into place: the first
-  writer wins) by the leader, the lowest live id (ids sort with their numbers as numbers:
-  pod-2 before pod-10), once every live member of round n-1 is ready and the live ready set
-  has not changed for SETTLE_SECONDS or holds the job's full size (round 0 waits up to
-  FIRST_ROUND_SECONDS for the full size). It names the members (sorted; a member's rank is its
-  position) and what the supervisor adds (the coordinator, the failures so far). A supervisor
-  ready for round n that is not among its members (it came late) waits for round n+1.
-- `ended/<n>/<id>.json`: how a member's process of round n ended (its exit code, whether its
-  supervisor killed it, when), read by the members of that round and by round n+1's leader.
+- `members`: each supervisor's heartbeat (its address, its start's incarnation and a counter
+  raised every BEAT_SECONDS by a thread). A member is alive while its counter keeps changing: one
+  whose counter a reader has seen unchanged for STALE_SECONDS (by the reader's own clock, so the
+  pods' clocks need not agree) has stopped: its pod died.
+- `ready[n]`: the supervisors that want to (re)start in round n.
+- `rounds[n]`: round n, written once by the leader, the lowest live id (ids sort with their
+  numbers as numbers: pod-2 before pod-10), once every live member of round n-1 is ready and the
+  live ready set has not changed for SETTLE_SECONDS or holds the job's full size (round 0 waits up
+  to FIRST_ROUND_SECONDS for the full size). It names the members (sorted; a member's rank is its
+  position) and what the supervisor adds (the coordinator, the failures so far). The
+  compare-and-set makes the first leader's round the only one. A supervisor ready for round n
+  that is not among its members (it came late) waits for round n+1.
+- `ended[n]`: how each member's process of round n ended (its exit code, whether its supervisor
+  killed it, when), read by the members of that round and by round n+1's leader.
 
 Rounds and reports name their job (its workdir and a digest of its config: elastic_pods.job_identity):
-another job's, a finished one's left in the directory, is refused (exit 2) instead of ending this
-one; so is any file there that is not whole and of the form above.
+another job's, a finished one's left in the store, is refused (exit 2) instead of ending this one;
+so is a state that is not of the form above. Publishing round n drops the rounds before n-2.
 
 Imports no jax.
 """
@@ -31,8 +29,8 @@ Imports no jax.
 from __future__ import annotations
 
 import json
-import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -40,18 +38,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from engine.elastic.stores import RendezvousBackend, backend_for
 from engine.errors import UsageError
-from engine.runtime.rundir import write_atomic
 
-BEAT_SECONDS = 1.0  # how often a supervisor rewrites its heartbeat
+BEAT_SECONDS = 1.0  # how often a supervisor raises its heartbeat
 STALE_SECONDS = 5.0  # a heartbeat unchanged this long: the member has stopped
 SETTLE_SECONDS = 3.0  # how long the live ready set must stay the same before a smaller round is formed
 FIRST_ROUND_SECONDS = 60.0  # round 0 waits this long for the full size (pods start at different times)
-POLL_SECONDS = 0.25  # how often a waiting supervisor looks at the directory
+POLL_SECONDS = 0.25  # how often a waiting supervisor looks at the state
 FINAL = (0, 2)  # exit codes that end the whole job (done; a usage error every process meets)
 MEMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_ROUND = 10**9  # a round number beyond it is no round a job wrote
-# what a round file holds: a round to start in, or one that ends the job
+KEEP_ROUNDS = 2  # publishing round n keeps rounds n-2.. (the leader reads n-1's reports)
+SECTIONS = ("members", "ready", "rounds", "ended")
+# what a round holds: a round to start in, or one that ends the job
 ROUND_KEYS: dict[str, type | tuple[type, ...]] = {"round": int, "members": list, "coordinator": str, "failures": list}
 END_KEYS: dict[str, type | tuple[type, ...]] = {"end": str, "code": int}
 FAILURE_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -62,6 +62,7 @@ FAILURE_KEYS: dict[str, type | tuple[type, ...]] = {
     "processes": int,
 }
 REPORT_KEYS: dict[str, type | tuple[type, ...]] = {"code": int, "time": (int, float)}
+State = dict[str, dict]
 
 
 def _problem(data: dict, keys: dict) -> str:
@@ -83,57 +84,83 @@ def natural(member: str) -> list[tuple[int, str]]:
     return [(int(part) if part.isascii() and part.isdigit() else -1, part) for part in re.split(r"(\d+)", member)]
 
 
-def read_json(path: Path) -> Optional[dict]:
-    """A JSON file's object, or None when it is absent or not (yet) readable."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+def backend_of(where: RendezvousBackend | str | Path) -> RendezvousBackend:
+    """`where` as a backend: a backend itself, or what --rendezvous names (stores.backend_for)."""
+    return backend_for(where) if isinstance(where, (str, Path)) else where
 
 
-def create_json(path: Path, data: dict) -> bool:
-    """Writes `data` to `path` unless it exists (whole or not at all: a hard link of a complete
-    temporary file); whether this call wrote it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # (pods' pids are alike: often 1)
-    temporary.write_text(json.dumps(data) + "\n")
-    try:
-        os.link(temporary, path)
-        return True
-    except FileExistsError:
-        return False
-    except OSError:  # a file system without hard links: the check and the write are not one step there
-        if path.exists():
-            return False
-        os.replace(temporary, path)
-        return True
-    finally:
-        temporary.unlink(missing_ok=True)
+class Store:
+    """The rendezvous state over a backend: read whole, changed by compare-and-set."""
+
+    def __init__(self, where: RendezvousBackend | str | Path):
+        self.backend = backend_of(where)
+
+    def read(self) -> tuple[State, Any]:
+        """(the state, its token); UsageError for a state this engine did not write."""
+        data, token = self.backend.get_state()
+        return self.parse(data), token
+
+    def parse(self, data: Optional[bytes]) -> State:
+        if data is None:
+            return {section: {} for section in SECTIONS}
+        try:
+            state = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise self.malformed("the state", f"does not read as JSON ({str(e)[:80]})") from None
+        if not isinstance(state, dict):
+            raise self.malformed("the state", "is not a JSON object")
+        for section in SECTIONS:
+            value = state.setdefault(section, {})
+            items = value.items() if isinstance(value, dict) else []
+            inner = [key for key, item in items if not isinstance(item, dict)]
+            if not isinstance(value, dict) or inner:
+                said = f"{section}.{inner[0][:20]}" if inner else section
+                raise self.malformed("the state", f"has {said!r} that is not an object")
+        return state
+
+    def update(self, change: Callable[[State], Any]) -> Any:
+        """Applies `change` (which edits the state it is given) until the compare-and-set takes it;
+        what `change` returned for the state that was written."""
+        data, token = self.backend.get_state()
+        while True:
+            state = self.parse(data)
+            answer = change(state)
+            data, token, written = self.backend.set_state(json.dumps(state, sort_keys=True).encode(), token)
+            if written:
+                return answer
+
+    def malformed(self, what: str, problem: str) -> UsageError:
+        return UsageError(
+            f"--rendezvous {self.backend.name}: {what} {problem}: not what this engine's supervisors write; give each "
+            "job its own empty directory or etcd prefix, or remove the state"
+        )
 
 
 class Heartbeat:
-    """A thread rewriting `members/<member>.json` every `every` seconds until stopped."""
+    """A thread raising `member`'s heartbeat every `every` seconds until stopped."""
 
-    def __init__(self, directory: Path, member: str, address: str, every: float = BEAT_SECONDS):
-        self.path = Path(directory) / "members" / f"{member}.json"
+    def __init__(self, where: RendezvousBackend | str | Path, member: str, address: str, every: float = BEAT_SECONDS):
+        self.store, self.member = Store(where), member
         incarnation = uuid.uuid4().hex  # this supervisor's start: a restarted pod's differs
-        self.data: dict[str, Any] = {"member": member, "address": address, "incarnation": incarnation, "beat": 0}
+        self.data: dict[str, Any] = {"address": address, "incarnation": incarnation, "beat": 0}
         self.every, self.stopped = every, threading.Event()
         self.thread = threading.Thread(target=self._run, name="rendezvous-heartbeat", daemon=True)
 
     def beat(self) -> None:
         """One heartbeat: the counter goes up."""
         self.data["beat"] += 1
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, json.dumps({**self.data, "time": time.time()}) + "\n")
+
+        def change(state: State) -> None:
+            state["members"][self.member] = {**self.data, "time": time.time()}
+
+        self.store.update(change)
 
     def _run(self) -> None:
         while not self.stopped.is_set():
             try:
                 self.beat()
-            except OSError as e:  # (the volume's hiccup: the next beat tries again; a long one makes us stale)
-                print(f"warning: rendezvous: heartbeat not written: {e}", flush=True)
+            except (OSError, UsageError) as e:  # (the store's hiccup: the next beat tries again; a long one: stale)
+                print(f"warning: rendezvous: heartbeat not written: {e}", file=sys.stderr, flush=True)
             self.stopped.wait(self.every)
 
     def start(self) -> None:
@@ -141,18 +168,21 @@ class Heartbeat:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stops beating and removes the file (a member that leaves on purpose is not waited for)."""
+        """Stops beating and removes the member (a member that leaves on purpose is not waited for)."""
         self.stopped.set()
         self.thread.join(timeout=5)
-        self.path.unlink(missing_ok=True)
+        try:
+            self.store.update(lambda state: state["members"].pop(self.member, None))
+        except (OSError, UsageError) as e:  # (it goes stale instead)
+            print(f"warning: rendezvous: heartbeat not removed: {e}", file=sys.stderr, flush=True)
 
 
 class Rendezvous:
-    """One supervisor's view of the directory: who is alive, who is ready, the rounds."""
+    """One supervisor's view of the state: who is alive, who is ready, the rounds."""
 
     def __init__(
         self,
-        directory: Path,
+        where: RendezvousBackend | str | Path,
         member: str,
         address: str,
         processes: int,
@@ -163,33 +193,26 @@ class Rendezvous:
         first: float = FIRST_ROUND_SECONDS,
         job: Optional[dict] = None,
     ):
-        """`job`: what names this job (its workdir and config digest, elastic_pods.job_identity): a
-        round or report of another job in the directory is refused (None: not checked)."""
-        self.dir, self.member, self.address = Path(directory), member, address
-        self.job = job
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # (a regular file there, a path that cannot be created)
-            raise UsageError(
-                f"--rendezvous {directory}: not a directory this pod can use ({e.strerror or e}); pass a directory "
-                "every pod mounts (a ReadWriteMany volume)"
-            ) from None
+        """`where`: the backend, or --rendezvous's value; `job`: what names this job (its workdir and
+        config digest, pods.job_identity): a round or report of another job is refused (None: not checked)."""
+        self.store, self.member, self.address, self.job = Store(where), member, address, job
         self.processes, self.fewest = processes, fewest
         self.clock, self.stale, self.settle, self.first = clock, stale, settle, first
         self.seen: dict[str, tuple[object, float]] = {}  # member → (its last counter, when it changed)
         self.stable: tuple[int, frozenset, float] = (-1, frozenset(), 0.0)  # (round, ready set, since)
         self.started = clock()
 
+    def _state(self) -> State:
+        return self.store.read()[0]
+
     def live(self) -> list[str]:
         """The members whose heartbeat changed within the last `stale` seconds (sorted)."""
         now, alive = self.clock(), []
-        for path in (self.dir / "members").glob("*.json"):
-            data = read_json(path)
-            if data is None:
+        for member, data in self._state()["members"].items():
+            if not isinstance(data, dict):
                 continue
-            member = path.name[: -len(".json")]
             last = self.seen.get(member)
-            beat = (data.get("beat"), data.get("time"))  # (a restarted member's counter starts again)
+            beat = (data.get("beat"), data.get("time"), data.get("incarnation"))  # (a restarted member's starts again)
             if last is None or last[0] != beat:
                 last = self.seen[member] = (beat, now)
             if now - last[1] < self.stale:
@@ -197,26 +220,30 @@ class Rendezvous:
         return sorted(alive, key=natural)
 
     def incarnation(self, member: str) -> Optional[str]:
-        """Which start of `member`'s supervisor beats now (None: no heartbeat readable)."""
-        data = read_json(self.dir / "members" / f"{member}.json")
-        return data.get("incarnation") if data else None
+        """Which start of `member`'s supervisor beats now (None: no heartbeat)."""
+        data = self._state()["members"].get(member)
+        return data.get("incarnation") if isinstance(data, dict) else None
 
     def ready(self, n: int) -> None:
         """Says this member wants to start in round n."""
-        path = self.dir / "ready" / str(n) / f"{self.member}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"member": self.member, "time": time.time()}) + "\n")
+        self.store.update(lambda state: state["ready"].setdefault(str(n), {}).update({self.member: time.time()}))
 
     def ready_members(self, n: int) -> list[str]:
         """The members that said they are ready for round n."""
-        return sorted((p.name[: -len(".json")] for p in (self.dir / "ready" / str(n)).glob("*.json")), key=natural)
+        ready = self._state()["ready"].get(str(n))
+        return sorted(ready if isinstance(ready, dict) else [], key=natural)
 
     def round(self, n: int) -> Optional[dict]:
-        """Round n, once its leader wrote it; UsageError for a file that is no round of this job."""
-        path = self.dir / "rounds" / f"{n}.json"
-        data = self._read(path) if n >= 0 else None
+        """Round n, once its leader wrote it; UsageError for one that is no round of this job."""
+        return self._round(self._state(), n)
+
+    def _round(self, state: State, n: int) -> Optional[dict]:
+        data = state["rounds"].get(str(n)) if n >= 0 else None
         if data is None:
             return None
+        what = f"round {n}"
+        if not isinstance(data, dict):
+            raise self.store.malformed(what, "is not a JSON object")
         problem = _problem(data, END_KEYS if "end" in data else ROUND_KEYS)
         if not problem and "end" not in data:
             members, failures = data["members"], data["failures"]
@@ -227,70 +254,46 @@ class Rendezvous:
         if not problem and data.get("round", n) != n:
             problem = f"says it is round {str(data['round'])[:20]}"
         if problem:
-            raise self._malformed(path, problem)
-        self._same_job(path, data)
+            raise self.store.malformed(what, problem)
+        self._same_job(what, data)
         return data
 
     def latest(self) -> int:
         """The newest round written (-1: none yet)."""
-        stems = [p.stem for p in (self.dir / "rounds").glob("*.json") if p.stem.isascii() and p.stem.isdigit()]
-        huge = [stem for stem in stems if len(stem) > len(str(MAX_ROUND))]
+        keys = [key for key in self._state()["rounds"] if key.isascii() and key.isdigit()]
+        huge = [key for key in keys if len(key) > len(str(MAX_ROUND))]
         if huge:
-            name = self.dir / "rounds" / f"{huge[0][:20]}....json"
-            raise self._malformed(name, f"numbers a round beyond {MAX_ROUND}")
-        return max(map(int, stems), default=-1)
+            raise self.store.malformed(f"round {huge[0][:20]}...", f"numbers a round beyond {MAX_ROUND}")
+        return max(map(int, keys), default=-1)
 
     def end(self, n: int, report: dict) -> None:
         """How this member's process of round n ended (`report`: code, killed, time, ...)."""
-        path = self.dir / "ended" / str(n) / f"{self.member}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
         job = {"job": self.job} if self.job is not None else {}
-        write_atomic(path, json.dumps({"member": self.member, **report, **job}) + "\n")
+        entry = {"member": self.member, **report, **job}
+        self.store.update(lambda state: state["ended"].setdefault(str(n), {}).update({self.member: entry}))
 
     def reports(self, n: int) -> dict[str, dict]:
-        """member → how its process of round n ended, for those that said so; UsageError for a file
+        """member → how its process of round n ended, for those that said so; UsageError for one
         that is no report of this job."""
-        found = {}
-        for path in (self.dir / "ended" / str(n)).glob("*.json"):
-            report = self._read(path)
-            if report is None:
-                continue
-            problem = _problem(report, REPORT_KEYS)
+        found = self._state()["ended"].get(str(n)) or {}
+        for member, report in found.items():
+            what = f"the report of {str(member)[:40]} on round {n}"
+            problem = _problem(report, REPORT_KEYS) if isinstance(report, dict) else "is not a JSON object"
             if problem:
-                raise self._malformed(path, problem)
-            self._same_job(path, report)
-            found[path.name[: -len(".json")]] = report
-        return found
+                raise self.store.malformed(what, problem)
+            self._same_job(what, report)
+        return dict(found)
 
-    def _read(self, path: Path) -> Optional[dict]:
-        """A round's or report's object (each is written whole: a hard link or a rename); None when
-        absent; UsageError when something else is there."""
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, RecursionError) as e:
-            raise self._malformed(path, f"does not read as JSON ({str(e)[:80]})") from None
-        if not isinstance(data, dict):
-            raise self._malformed(path, "is not a JSON object")
-        return data
-
-    def _malformed(self, path: Path, problem: str) -> UsageError:
-        return UsageError(
-            f"--rendezvous {self.dir}: {path.relative_to(self.dir)} {problem}: not a file this engine's supervisors "
-            "wrote; give each job its own empty directory, or remove the file"
-        )
-
-    def _same_job(self, path: Path, data: dict) -> None:
+    def _same_job(self, what: str, data: dict) -> None:
         """UsageError when `data` (a round or a report) is another job's than this one."""
         if self.job is None or data.get("job") == self.job:
             return
         theirs = data.get("job")
         said = f"workdir {theirs.get('workdir')}, config {theirs.get('config')}" if isinstance(theirs, dict) else "?"
         raise UsageError(
-            f"--rendezvous {self.dir}: {path.relative_to(self.dir)} is another job's ({said}; this job: workdir "
+            f"--rendezvous {self.store.backend.name}: {what} is another job's ({said}; this job: workdir "
             f"{self.job.get('workdir')}, config {self.job.get('config')}): give each job its own empty "
-            "directory (a finished job's rounds would end this one), or empty this one"
+            "directory or etcd prefix (a finished job's rounds would end this one), or empty this one"
         )
 
     def finished(self, n: int) -> Optional[int]:
@@ -319,9 +322,18 @@ class Rendezvous:
         return chosen
 
     def publish(self, n: int, content: dict) -> None:
-        """Writes round n (unless another leader wrote it first)."""
+        """Writes round n (unless another leader wrote it first), dropping the rounds before n-2."""
         job = {"job": self.job} if self.job is not None else {}
-        create_json(self.dir / "rounds" / f"{n}.json", {**content, "round": n, **job})
+
+        def change(state: State) -> None:
+            if str(n) in state["rounds"]:
+                return  # (the first leader's round stands)
+            state["rounds"][str(n)] = {**content, "round": n, **job}
+            for section in ("ready", "rounds", "ended"):
+                for key in [k for k in state[section] if k.isascii() and k.isdigit() and int(k) < n - KEEP_ROUNDS]:
+                    del state[section][key]
+
+        self.store.update(change)
 
     def step(self, n: int, form: Callable[[int, list[str], Optional[dict]], dict]) -> tuple[int, Optional[dict]]:
         """One look at the directory while waiting for round n: (the round waited for now, the round

@@ -29,9 +29,18 @@ from typing import Optional
 import jax
 import numpy as np
 
-from engine.elastic.accounting import ATTEMPT, RECOVERY, failure_record, pending, read_failures
-from engine.elastic.grow import GREW, GROW, GROW_EXIT, REQUEST
 from engine.runtime.preemption import Preempted
+from engine.runtime.restart_protocol import (
+    ATTEMPT,
+    GREW,
+    GROW,
+    GROW_EXIT,
+    RECOVERY,
+    REQUEST,
+    failure_record,
+    pending,
+    read_failures,
+)
 
 KILL, HANG = "ENGINE_TEST_KILL_AT", "ENGINE_TEST_HANG_AT"
 GROWN = "grow"  # the metrics.jsonl split of a growth's record

@@ -15,7 +15,7 @@ import numpy as np
 from engine.checkpoint.store import Checkpointer, load_base, open_checkpoints
 from engine.config import Config
 from engine.data.chat_data import with_model
-from engine.elastic.accounting import job_so_far
+from engine.runtime.restart_protocol import job_so_far
 from engine.errors import UsageError
 from engine.lm.finetune import base_workdir, with_frozen
 from engine.observe.perf import Goodput, Throughput, Window, summary_text

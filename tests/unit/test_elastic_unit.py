@@ -13,9 +13,10 @@ from support.elastic import JOB
 
 from engine.config import load_config
 from engine.elastic.accounting import JOB as JOB_VARIABLE
-from engine.elastic.accounting import job_so_far, lost
+from engine.elastic.accounting import lost
 from engine.elastic.shrink import shrink_plan
 from engine.observe.perf import Goodput
+from engine.runtime.restart_protocol import job_so_far
 from engine.runtime.rundir import drop_records_after, read_records
 
 
