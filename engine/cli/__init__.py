@@ -42,10 +42,18 @@ def main(argv: list[str]) -> int:
     named = bool(argv) and argv[0] in COMMANDS
     name, rest = (argv[0], argv[1:]) if named else ("train", argv)
     module = command(name)
-    if module.trains(rest):
-        from engine.runtime.preemption import note_signals
+    if not module.trains(rest):
+        return _run(module, name, rest)
+    from engine.runtime.preemption import note_signals, stop_noting
 
-        note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (engine/runtime/preemption.py)
+    note_signals()  # from here a SIGTERM/SIGINT ends with one line and 143/130 (engine/runtime/preemption.py)
+    try:
+        return _run(module, name, rest)
+    finally:
+        stop_noting()  # no thread of this command outlives it (one left in JAX's C++ at exit aborts the process)
+
+
+def _run(module, name: str, rest: list[str]) -> int:
     args = module.parser().parse_intermixed_args(rest)
     from engine.errors import DistributedError, UsageError
     from engine.runtime.preemption import Preempted

@@ -177,4 +177,4 @@ class Prefetcher:
     def close(self) -> None:
         if self.depth > 0:
             self._stop.set()
-            self._thread.join(timeout=5)
+            self._thread.join()  # ends within the batch it is making: none outlives the run

@@ -43,8 +43,9 @@ def note_signals() -> None:
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     for sig in (signal.SIGTERM, signal.SIGINT):
         _startup_handlers[sig] = signal.signal(sig, _note)
-    _startup.update(phase="starting", sockets=(reader, writer))
-    threading.Thread(target=_end_at_once, args=(reader,), name="startup-signals", daemon=True).start()
+    thread = threading.Thread(target=_end_at_once, args=(reader,), name="startup-signals", daemon=True)
+    _startup.update(phase="starting", sockets=(reader, writer), thread=thread)
+    thread.start()
 
 
 def _note(signum, frame):
@@ -98,6 +99,18 @@ def release_signals() -> None:
     for sig, handler in _startup_handlers.items():
         signal.signal(sig, handler)
     _startup_handlers.clear()
+
+
+def stop_noting() -> None:
+    """The command is over: the handlers from before note_signals, and its thread ended (joined)
+    rather than left blocked until the interpreter exits."""
+    if threading.current_thread() is not threading.main_thread() or "thread" not in _startup:
+        return
+    release_signals()
+    reader, writer = _startup.pop("sockets")
+    writer.close()  # the thread's recv() sees the end of the stream and returns
+    _startup.pop("thread").join()
+    reader.close()
 
 
 class PreemptionWatch:

@@ -76,7 +76,11 @@ class Watchdog:
         self.phases[-1], self.since = name, time.monotonic()
 
     def close(self) -> None:
+        """Stops the thread and waits for it: it may be inside JAX (an array's is_ready), where a
+        thread still running when the interpreter exits is cancelled and aborts the process."""
         self.stopped.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
 
     def _watch(self) -> None:
         while not self.stopped.wait(1.0):
