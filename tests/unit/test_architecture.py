@@ -235,32 +235,6 @@ def test_the_light_declarations_agree_with_what_they_stand_for():
     assert REGISTRY["mlp"].hparams == ("dropout_rate",) and REGISTRY["llama"].hparams == ()
 
 
-def test_a_run_and_a_vectorised_group_of_one_write_the_same_records(make_config, tmp_path):
-    """One loop: a config trained alone and as a group of one gives the same metrics.jsonl
-    records (steps, splits, keys, losses), the same summary keys, and the same checkpoints."""
-    from engine.run.group import fit_group
-    from engine.run.single import fit
-    from engine.runtime.rundir import read_records
-
-    args = [
-        "mesh.num_devices=1",
-        "train.steps=20",
-        "log.every_steps=5",
-        "eval.every_steps=10",
-        "checkpoint.every_steps=10",
-        "log.profile_steps=[2,4]",
-    ]
-    fit(make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "alone"))
-    fit_group([make_config("mnist_mlp.yaml", *args, workdir=tmp_path / "group")])
-    alone, group = (read_records(tmp_path / name / "metrics.jsonl") for name in ("alone", "group"))
-    assert [(r["step"], r["split"], sorted(r)) for r in alone] == [(r["step"], r["split"], sorted(r)) for r in group]
-    for a, b in zip(alone, group):
-        if a["split"] != "summary":
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
-    assert (tmp_path / "group" / "profile").is_dir()  # the profiling window works for both
-    assert sorted(p.name for p in (tmp_path / "group" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
-
-
 def test_the_engine_is_folders_that_show_the_design():
     """A maintainer finds a thing by its folder: the engine's top level holds subpackages and at
     most three modules, and no two modules anywhere in it share a file name."""
