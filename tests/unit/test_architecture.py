@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -291,7 +292,8 @@ def test_only_the_strategy_table_asks_which_sync_strategy_runs():
 def test_the_engines_subpackages_import_one_way():
     """The layer order of pyproject.toml's import-linter contracts holds (docs/architecture.md,
     "Layers"): no subpackage imports one above it, not even inside a function."""
-    found = subprocess.run(["lint-imports"], cwd=ROOT, capture_output=True, text=True)
+    check = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_logo=True))"
+    found = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
     assert found.returncode == 0, found.stdout[-3000:]
 
 
