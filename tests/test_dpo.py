@@ -1,5 +1,6 @@
-"""The DPO objective (engine/run/dpo.py): TRL's losses, the reference under LoRA and full fine-tuning,
-response-only sequence log-probabilities, the metrics' flow, and its config checks."""
+"""The DPO objective (engine/objectives/dpo_part.py, engine/config/dpo_objective.py): TRL's losses,
+the reference under LoRA and full fine-tuning, response-only sequence log-probabilities, the
+metrics' flow, and its config checks."""
 
 import dataclasses
 import json
@@ -13,12 +14,13 @@ import pytest
 from test_chat_data import write_jsonl, write_model_dir
 
 from conftest import QUIET, ROOT, TINY_LLAMA, run_cli
+from engine.config.dpo_objective import DPO, DPO_SUMS
 from engine.config.objective import check_objective
 from engine.data import load_dataset
 from engine.errors import UsageError
+from engine.objectives.dpo_part import dpo_losses, make_dpo_loss_fn
 from engine.parallel.mesh import make_mesh
-from engine.run.columns import DPO_SUMS, MetricColumns, pack_metrics
-from engine.run.dpo import dpo_losses, make_dpo_loss_fn
+from engine.run.columns import MetricColumns, pack_metrics
 from engine.run.optimizer import make_optimizer
 from engine.run.setup import build_model, run_hparams
 from engine.run.state import state_plan
@@ -184,6 +186,9 @@ def test_lora_state_holds_one_base(make_config):
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, after.model_state[REFERENCE], given)))
 
 
+DPO_COLUMNS = MetricColumns(sums=DPO.sums, named=DPO.record)  # a DPO run's (engine/run/outputs.py)
+
+
 def test_dpo_steps_learn_a_separable_preference(make_config):
     cfg, family, module, state, tx, _ = setup(
         make_config, "finetune.lora.rank=4", "optimizer.learning_rate=0.02", dpo={"beta": 0.5}
@@ -196,7 +201,7 @@ def test_dpo_steps_learn_a_separable_preference(make_config):
     records = []
     for _ in range(8):
         state, metrics = step(state, batch)
-        records.append(MetricColumns(dpo=True).record(np.asarray(pack_metrics(metrics))[None]))
+        records.append(DPO_COLUMNS.record(np.asarray(pack_metrics(metrics, DPO_SUMS))[None]))
     first, last = records[0], records[-1]
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-5) and first["rewards/accuracies"] == 0.0
     assert last["rewards/accuracies"] == 1.0
@@ -211,9 +216,9 @@ def test_metrics_are_sums_over_pairs_under_trls_names():
         "rewards_chosen": 2.0, "rewards_rejected": -1.0, "logps_chosen": -40.0, "logps_rejected": -60.0,
     }  # fmt: skip
     other = dict(step, loss_sum=1.0, correct=4.0, rewards_chosen=6.0)
-    host = np.stack([np.asarray(pack_metrics(step)), np.asarray(pack_metrics(other))])
-    assert host.shape[-1] == MetricColumns(dpo=True).width == 8 + len(DPO_SUMS)
-    record = MetricColumns(dpo=True).record(host)
+    host = np.stack([np.asarray(pack_metrics(step, DPO_SUMS)), np.asarray(pack_metrics(other, DPO_SUMS))])
+    assert host.shape[-1] == DPO_COLUMNS.width == 8 + len(DPO_SUMS)
+    record = DPO_COLUMNS.record(host)
     assert record["loss"] == pytest.approx(0.5) and record["rewards/accuracies"] == pytest.approx(0.75)
     assert record["rewards/chosen"] == pytest.approx(1.0) and record["rewards/rejected"] == pytest.approx(-0.25)
     assert record["rewards/margins"] == pytest.approx(1.25) and record["logps/chosen"] == pytest.approx(-10.0)

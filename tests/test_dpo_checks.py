@@ -12,7 +12,7 @@ from test_dpo_reference import cli_args
 from test_early_stop import meta, saved_steps
 
 from conftest import run_cli
-from engine.run.dpo import make_dpo_loss_fn
+from engine.objectives.dpo_part import make_dpo_loss_fn
 from engine.run.step import make_train_step
 from engine.runtime.rundir import read_records
 from engine.state.train_state import REFERENCE

@@ -14,7 +14,7 @@ from engine.config.data_sections import data_config
 from engine.config.schema import DpoConfig
 from engine.data import DataInfo
 from engine.data.sources import load_dataset
-from engine.run.dpo import make_dpo_loss_fn
+from engine.objectives.dpo_part import make_dpo_loss_fn
 from engine.state.train_state import REFERENCE
 from models.family import NextToken
 

@@ -15,13 +15,15 @@ from test_dpo import hand_batch, nbytes, setup
 
 from conftest import QUIET, ROOT, run_cli
 from engine.config import shape_differences
+from engine.config.dpo_objective import DPO_BETA, REF_LOGPS
+from engine.config.objective import objective_of
 from engine.errors import UsageError
+from engine.objectives.dpo_part import make_dpo_loss_fn
 from engine.observe.perf import analytic_per_example
 from engine.parallel.mesh import make_mesh
-from engine.run.dpo import REF_LOGPS, make_dpo_loss_fn
 from engine.run.reference_logps import DIRECTORY, _read, _write, check_trained, compute, values_digest
 from engine.run.setup import run_hparams
-from engine.run.step import DPO_BETA, make_eval_step, make_train_step, weights_of
+from engine.run.step import make_eval_step, make_train_step, weights_of
 from engine.state.train_state import REFERENCE
 from models import REGISTRY
 
@@ -144,7 +146,7 @@ def test_dpo_flops_are_the_hand_formula(make_config, lora, precompute):
     full = 6 * (trained + base - embedding) * tokens + attention  # forward + backward of every parameter
     policy = full - 2 * base * tokens  # LoRA: no gradient for the base's weights
     reference = 0 if precompute else 2 * full / 3  # the reference's forward on chosen and rejected
-    flops, formula = analytic_per_example(cfg, REGISTRY["llama"].flops, info, plan.abstract)
+    flops, formula = analytic_per_example(cfg, REGISTRY["llama"].flops, info, plan.abstract, objective_of(cfg))
     assert flops == pytest.approx(2 * policy + reference, rel=1e-9) and flops > 0
     assert ("reference's forward" in formula) == (not precompute) and ("LoRA" in formula) == lora
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from engine.config.objective import objective_of, vector_keys
 from engine.config.optimizers import state_number_fields
 from engine.errors import UsageError
-from engine.parallel.strategies import strategy_of
 from models.configs import CONFIGS
 
 # config keys whose values are numbers in the train state (plus the model family's hparams)
-# (dpo.beta: train.objective=dpo's β is a step input too, engine/run/dpo.py)
-VECTOR_KEYS = ("seed", *(f"optimizer.{name}" for name in state_number_fields()), "dpo.beta")
+# (and the objectives' step inputs: DPO's dpo.beta, engine/config/objective.py)
+VECTOR_KEYS = ("seed", *(f"optimizer.{name}" for name in state_number_fields()), *vector_keys())
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -55,7 +55,7 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: vectorize trains runs side by side over the devices; a pipeline "
             f"(mesh.pipeline={cfg.mesh.pipeline}) is not vectorised: remove vectorize, or set mesh.pipeline=1"
         )
-    if not strategy_of(cfg).vectorised:
+    if cfg.train.sync != "every_step":
         raise UsageError(
             f"{where}: vectorize trains runs side by side over the devices; train.sync={cfg.train.sync} "
             f"keeps replicas over them already: remove vectorize, or set train.sync=every_step"
@@ -70,11 +70,7 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: finetune.base is not vectorised; run the sweep without vectorize "
             f"(each trial trains in its own process)"
         )
-    if cfg.train.objective == "dpo" and cfg.dpo.precompute_reference:  # (one dataset, each trial's reference)
-        raise UsageError(
-            f"{where}: dpo.precompute_reference is not vectorised yet; set "
-            "dpo.precompute_reference=false, or run the sweep without vectorize"
-        )
+    objective_of(cfg).check_vectorised(cfg, where)  # (DPO's precomputed reference: one dataset, each trial's)
     if cfg.checkpoint.restore_from:
         raise UsageError(
             f"{where}: vectorized runs start from scratch or their own checkpoints, not "

@@ -18,9 +18,9 @@ from contract.fields import option
 from engine.config.data_sections import DataConfig
 from engine.config.eval_section import EvalConfig
 from engine.config.grpo_section import GrpoConfig
+from engine.config.objective import objective_names
 from engine.config.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
 from engine.observe.trackers import TRACKERS
-from engine.parallel import strategies
 from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,7 +66,7 @@ class TrainConfig:
         "every_step: one gradient all-reduce over the data-parallel devices per step; diloco: replicas "
         "(diloco.replica_axis) each take diloco.inner_steps steps alone, then average their change "
         "(docs/parallelism.md)",
-        choices=lambda: tuple(strategies.STRATEGIES),
+        choices=("every_step", "diloco"),
     )
     param_dtype: str = option("float32", "dtype the parameters are stored and updated in", choices=DTYPES)
     compute_dtype: str = option("float32", "dtype of activations and matmuls (bfloat16 for speed)", choices=DTYPES)
@@ -84,7 +84,7 @@ class TrainConfig:
         "what the run trains for: lm (next-token cross-entropy, or the model's own loss) or dpo (direct "
         "preference optimisation on data.name=preferences pairs; the `dpo` section) or grpo (group-relative "
         "policy optimisation with reward functions on data.name=prompts; the `grpo` section)",
-        choices=("lm", "dpo", "grpo"),
+        choices=objective_names,
     )
     eager: bool = option(False, "run the step without jit, op by op (slow; for debugging, like TF eager)")
     compilation_cache_dir: str = option(

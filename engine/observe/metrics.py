@@ -16,11 +16,11 @@ from engine.observe.trackers import Tracker, numbers
 from engine.runtime.judged import Judged
 from engine.runtime.rundir import METRICS, append_line, read_records
 
-# what a plain (not a terminal's) train line shows of a train record, every log.every_steps
-# (and train.objective=dpo's, under TRL's names)
+# what a plain (not a terminal's) train line shows of a train record, every log.every_steps (and
+# the objective's own: MetricWriter's console_keys)
 PLAIN_TRAIN_KEYS: tuple[str, ...] = ("loss", "accuracy", "learning_rate", "grad_norm", "steps_per_sec", "mfu")
-PLAIN_TRAIN_KEYS += ("outer_step", "drift", "rewards/accuracies", "rewards/margins")
-BRIEF_KEYS = ("loss", "accuracy", "rewards/accuracies")  # what a progress bar shows
+PLAIN_TRAIN_KEYS += ("outer_step", "drift")
+BRIEF_KEYS = ("loss", "accuracy")  # what a progress bar shows (and the objective's brief_keys)
 
 
 class MetricWriter:
@@ -38,10 +38,15 @@ class MetricWriter:
         name: str = "",
         judged: Optional[Judged] = None,
         trackers: Sequence[Tracker] = (),
+        console_keys: Sequence[str] = (),
+        brief_keys: Sequence[str] = (),
     ):
         """name: printed before each line (the runs of a vectorised group share one output);
         judged: a search trial's pipe to its sweep, asked after each train and eval record;
-        trackers: W&B and MLflow runs, given every record (engine/observe/trackers.py)."""
+        trackers: W&B and MLflow runs, given every record (engine/observe/trackers.py);
+        console_keys, brief_keys: the objective's names a plain line and a progress bar show too
+        (engine/config/objective.py: DPO's TRL names)."""
+        self.plain_keys, self.brief_keys = (*PLAIN_TRAIN_KEYS, *console_keys), (*BRIEF_KEYS, *brief_keys)
         self.enabled, self.judged, self.trackers = enabled, judged, list(trackers)
         self.prefix = f"{name}: " if name else ""
         self.total_steps = total_steps
@@ -91,13 +96,13 @@ class MetricWriter:
         if split == "summary":  # the trainer prints its own one-paragraph summary
             return
         if self.bar is not None:
-            brief: dict[str, Any] = {k: values[k] for k in BRIEF_KEYS if k in values}
+            brief: dict[str, Any] = {k: values[k] for k in self.brief_keys if k in values}
             if split == "train":
                 self.bar.set_postfix({k: f"{v:.4g}" for k, v in brief.items()}, refresh=False)
             else:
                 self.bar.write(f"step {step} {split}: " + " ".join(f"{k}={v:.4g}" for k, v in brief.items()))
         else:
-            shown = {k: v for k, v in values.items() if split != "train" or k in PLAIN_TRAIN_KEYS}
+            shown = {k: v for k, v in values.items() if split != "train" or k in self.plain_keys}
             self._say(
                 f"{self.prefix}step {step} {split}: "
                 + " ".join(f"{k}={v:.4g}" for k, v in shown.items() if isinstance(v, (int, float)))

@@ -108,7 +108,7 @@ def lowered_flops(lowered) -> Optional[float]:
 
 
 def step_cost(
-    cfg, family, module, dataset, tx, abstract_state, devices: int, compiled, copies: int = 1, auto_chunk: int = 0
+    cfg, family, module, dataset, tx, abstract_state, devices, compiled, copies: int = 1, auto_chunk=0, objective=None
 ) -> StepCost:
     """The model FLOPs of one train step per device.
 
@@ -120,10 +120,13 @@ def step_cost(
     cannot analyse a lowered program (GPU and TPU plugins may not), the family's formula.
     `copies`: runs the compiled program steps at once (a vectorised group's trials; XLA's count
     of the program already holds them all); `auto_chunk`: the loss chunk model.loss_chunk=0 chose
-    as the step was traced (0: the whole sequence at once)."""
+    as the step was traced (0: the whole sequence at once); `objective`: the run's record
+    (engine/config/objective.py; None: a language model's), which counts an example."""
     info = dataset.info
     accounting = family.flops  # None: no formula, and no settings XLA would miscount
-    per_example, formula = analytic_per_example(cfg, accounting, info, abstract_state) if accounting else (0.0, "")
+    per_example, formula = (
+        analytic_per_example(cfg, accounting, info, abstract_state, objective) if accounting else (0.0, "")
+    )
     analytic = per_example * cfg.train.global_batch_size * copies / devices
     formula = formula if analytic else ""
     flops = compiled_flops(compiled) if compiled is not None else 0.0
@@ -145,7 +148,7 @@ def step_cost(
     if not differs:
         return StepCost(flops, "XLA cost analysis of the compiled step", analytic, formula)
     settings = ", ".join(differs)
-    reference = _reference_flops(cfg, family, dataset, tx, abstract_state)
+    reference = _reference_flops(cfg, family, dataset, tx, abstract_state, objective)
     if reference is not None:
         return StepCost(
             reference * copies / devices, f"XLA cost analysis of the same step without {settings}", analytic, formula
@@ -158,15 +161,14 @@ def step_cost(
     return StepCost(flops, compiled_source, analytic, formula)
 
 
-def analytic_per_example(cfg, accounting, info, abstract_state) -> tuple[float, str]:
+def analytic_per_example(cfg, accounting, info, abstract_state, objective=None) -> tuple[float, str]:
     """(the model FLOPs of one example of a train step by the family's formula, in words).
 
     The formula is a full training step's: forward, backward through the activations and the
     weights' gradients, 2 + 2 + 2 per parameter and token. LoRA (a FROZEN base in the model
     state): the base's weights get no gradient, so its parameters count 4 (forward and backward
-    through the activations), the adapters 6. train.objective=dpo: an example is a pair, two
-    sequences through the policy (forward and backward) and, unless dpo.precompute_reference,
-    two through the reference (forward alone: a third of a full step's work)."""
+    through the activations), the adapters 6. The objective's record counts an example from
+    that (`objective`, engine/config/objective.py: a DPO pair is two rows through the policy and the reference's)."""
     trained = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_state.params))
     frozen_tree = abstract_state.model_state.get(FROZEN, {}) if isinstance(abstract_state.model_state, dict) else {}
     frozen = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(frozen_tree))
@@ -177,19 +179,17 @@ def analytic_per_example(cfg, accounting, info, abstract_state) -> tuple[float, 
     base_weight_grads = min((full - accounting.per_example(cfg.model, info, trained)) / 3, full / 3)
     policy = full - base_weight_grads
     formula = accounting.formula + (" (LoRA: the frozen base 4*N_base*tokens)" if frozen else "")
-    if cfg.train.objective != "dpo":
+    if objective is None:
         return policy, formula
-    reference = 0.0 if cfg.dpo.precompute_reference else 2 * full / 3
-    what = "" if cfg.dpo.precompute_reference else " + the reference's forward on both (a third of the full step each)"
-    return 2 * policy + reference, f"DPO pair: the policy on chosen and rejected, {formula} each{what}"
+    return objective.flops(cfg, policy, full, formula)  # (DPO's pair: engine/config/dpo_objective.py)
 
 
-def _reference_flops(cfg, family, dataset, tx, abstract_state) -> Optional[float]:
+def _reference_flops(cfg, family, dataset, tx, abstract_state, objective=None) -> Optional[float]:
     """FLOPs of one whole train step with the family's reference work settings and no
     gradient accumulation, from the lowered (not compiled) program; None if not analysable.
     The reference model's parameters may be laid out differently (unscanned layers): its
     state's shapes come from its own init."""
-    if cfg.train.objective != "lm":  # (the plain step is a language model's; a DPO batch holds pairs)
+    if objective is not None and not objective.plain_step:  # (the plain step is a language model's, not DPO's)
         return None
     plain = {**family.flops.work_settings, **family.flops.reference_settings} if family.flops else {}
     model_cfg = dataclasses.replace(cfg.model, **plain)

@@ -16,7 +16,9 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 
 from engine.config import Config, with_keys
+from engine.config.objective import objective_of, objective_rows
 from engine.errors import UsageError
+from engine.observe.perf import analytic_per_example
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
 from engine.parallel.sharding import batch_shards, per_device_bytes
@@ -138,11 +140,16 @@ def plan(
     slice_of = [getattr(d, "slice_index", 0) for d in program.mesh.devices.flat]
     planned.collectives = hlo.program_collectives(compiled.program.as_text(), program.mesh.size, slice_of)
     info, family = program.dataset.info, program.family
-    num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(program.state.abstract.params))
-    per_example = family.flops.per_example(cfg.model, info, num_params) if family.flops else 0.0
+    # (the objective's count: a DPO pair's two policy rows and the reference's; LoRA's frozen base)
+    per_example, formula = (
+        analytic_per_example(cfg, family.flops, info, program.state.abstract, objective_of(cfg))
+        if family.flops
+        else (0.0, "")
+    )
     planned.flops_per_chip = per_example * cfg.train.global_batch_size * copies / program.mesh.size
-    planned.tokens_per_step = cfg.train.global_batch_size * family.task.tokens_per_example(info) * copies
-    planned.flops_formula = family.flops.formula if family.flops else ""
+    rows = objective_rows(cfg)  # (rows per example: a DPO pair is two)
+    planned.tokens_per_step = cfg.train.global_batch_size * rows * family.task.tokens_per_example(info) * copies
+    planned.flops_formula = formula
     return planned
 
 

@@ -5,7 +5,7 @@ on the host (a step's loss, a log line's record, a group's trial, replicas combi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,41 +17,22 @@ TRAIN_METRICS = ("loss_sum", "correct", "count", "grad_norm", "learning_rate", "
 # these do not (the learning rate is equal in all)
 _ROOT_MEAN_SQUARE, _MEAN = TRAIN_METRICS.index("grad_norm"), TRAIN_METRICS.index("learning_rate")
 EVAL_LIKE = ("loss_sum", "correct", "count")  # the sums an evaluation adds up too
-# train.objective=dpo (engine/run/dpo.py): sums over the pairs, after TRAIN_METRICS (whose `correct`
-# then counts the pairs whose chosen reward is the higher, `count` the pairs)
-DPO_SUMS = ("rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected")
 
 
-def dpo_record(sums: dict) -> dict:
-    """Summed DPO metrics (`loss_sum`, `correct`, `count`, DPO_SUMS) → the means over the pairs
-    under Hugging Face TRL's names."""
-    pairs = max(float(sums["count"]), 1.0)
-    mean = {name: float(sums[name]) / pairs for name in DPO_SUMS}
-    return {
-        "loss": float(sums["loss_sum"]) / pairs,
-        "rewards/chosen": mean["rewards_chosen"],
-        "rewards/rejected": mean["rewards_rejected"],
-        "rewards/accuracies": float(sums["correct"]) / pairs,
-        "rewards/margins": mean["rewards_chosen"] - mean["rewards_rejected"],
-        "logps/chosen": mean["logps_chosen"],
-        "logps/rejected": mean["logps_rejected"],
-    }
-
-
-def pack_metrics(metrics: dict) -> Any:
-    """A step's metrics (device arrays) → one float32 array [..., columns]: TRAIN_METRICS, DPO_SUMS
-    (a DPO run's), then `source_tokens` (a mixture's). A leading axis on every metric (replicas)
-    stays leading."""
-    names = TRAIN_METRICS + (DPO_SUMS if DPO_SUMS[0] in metrics else ())
+def pack_metrics(metrics: dict, sums: tuple[str, ...] = ()) -> Any:
+    """A step's metrics (device arrays) → one float32 array [..., columns]: TRAIN_METRICS, the
+    objective's `sums` (engine/config/objective.py: its record's), then `source_tokens` (a mixture's). A
+    leading axis on every metric (replicas) stays leading."""
+    names = TRAIN_METRICS + tuple(sums)
     packed = jnp.stack([jnp.asarray(metrics[name], jnp.float32) for name in names], axis=-1)
     if "source_tokens" in metrics:
         packed = jnp.concatenate([packed, metrics["source_tokens"].astype(jnp.float32)], axis=-1)
     return packed
 
 
-def unpack_metrics(packed, dpo: bool = False) -> list[dict]:
-    """Packed metrics on the host ([steps, columns]) → one dict per step (`dpo`: a DPO run's)."""
-    names = TRAIN_METRICS + (DPO_SUMS if dpo else ())
+def unpack_metrics(packed, sums: tuple[str, ...] = ()) -> list[dict]:
+    """Packed metrics on the host ([steps, columns]) → one dict per step (`sums`: the objective's columns)."""
+    names = TRAIN_METRICS + tuple(sums)
     steps = []
     for row in packed:
         metrics: dict[str, Any] = dict(zip(names, map(float, row)))
@@ -72,16 +53,18 @@ def combine_copies(packed):
 
 @dataclass(frozen=True)
 class MetricColumns:
-    """A run's packed metrics: TRAIN_METRICS's columns, DPO_SUMS's (`dpo`: a DPO run's), then one
-    per data source (a mixture's)."""
+    """A run's packed metrics: TRAIN_METRICS's columns, the objective's `sums`, then one per data
+    source (a mixture's). `named`: the objective's record of the summed metrics (its names in place
+    of loss and accuracy: DPO's TRL names; None: loss and accuracy), engine/config/objective.py."""
 
     sources: tuple[str, ...] = ()
-    dpo: bool = False
+    sums: tuple[str, ...] = ()
+    named: Optional[Callable[[dict], dict]] = None
 
     @property
     def leading(self) -> int:
         """The columns before the sources'."""
-        return len(TRAIN_METRICS) + (len(DPO_SUMS) if self.dpo else 0)
+        return len(TRAIN_METRICS) + len(self.sums)
 
     @property
     def width(self) -> int:
@@ -110,7 +93,7 @@ class MetricColumns:
     def record(self, host: np.ndarray) -> dict:
         """A window's metrics as a train record: mean loss and accuracy, grad norm, learning
         rate, a mixture of experts' routing, each source's share of the trained tokens."""
-        steps = unpack_metrics(host, self.dpo)
+        steps = unpack_metrics(host, self.sums)
         count = sum(m["count"] for m in steps)
         record = {
             "loss": sum(m["loss_sum"] for m in steps) / count,
@@ -118,9 +101,9 @@ class MetricColumns:
             "grad_norm": sum(m["grad_norm"] for m in steps) / len(steps),
             "learning_rate": steps[-1]["learning_rate"],
         }
-        if self.dpo:  # TRL's names; its rewards/accuracies is the accuracy
+        if self.named is not None:  # the objective's names (DPO's: TRL's; its rewards/accuracies is the accuracy)
             del record["accuracy"]
-            record.update(dpo_record({name: sum(m[name] for m in steps) for name in (*EVAL_LIKE, *DPO_SUMS)}))
+            record.update(self.named({name: sum(m[name] for m in steps) for name in (*EVAL_LIKE, *self.sums)}))
         routed = sum(m["routed"] for m in steps)
         if routed:  # a mixture of experts: its load-balancing loss, and assignments over capacity
             dropped = sum(m["dropped"] for m in steps)

@@ -23,11 +23,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from engine.config.dpo_objective import REF_LOGPS
 from engine.data import Dataset, load_dataset
 from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.errors import UsageError
 from engine.lm.template_clock import TIME_FORMAT, fixed_template_time
-from engine.run.dpo import REF_LOGPS
 from engine.runtime.rundir import sha256_file, write_atomic
 
 META = "data_record"  # the checkpoint meta's record of the data (`record`)

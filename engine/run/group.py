@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.checkpoint.store import InBackground
 from engine.config import Config
+from engine.config.objective import objective_of, objective_rows
 from engine.data import eval_batches
 from engine.data.chat_data import with_model
 from engine.errors import UsageError
@@ -150,7 +151,9 @@ class GroupJob:
         self.rates = Throughput(
             group.cost,
             self.cfg.train.global_batch_size,
-            self.cfg.train.global_batch_size * group.plan.family.task.tokens_per_example(info),
+            self.cfg.train.global_batch_size
+            * objective_rows(self.cfg)
+            * group.plan.family.task.tokens_per_example(info),
             group.mesh.devices.flat[0],
             self.cfg.train.compute_dtype,
             {},
@@ -163,6 +166,7 @@ class GroupJob:
             lambda batch: jax.device_put(batch, batch_sharding),
             group.plan.family.task,
             info,
+            objective_of(self.cfg),
         )
 
     def _live(self):

@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.checkpoint.store import Checkpointer, open_checkpoints
 from engine.config import Config, save_config, to_yaml
+from engine.config.objective import LM, Objective, objective_of
 from engine.data import eval_batches, example_spec
 from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.data.recorded import PREPROCESSING, check_preprocessing, record_shape
@@ -27,7 +28,7 @@ from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Throughput, Window
 from engine.observe.trackers import open_trackers
 from engine.run.best import Monitor, Verdict
-from engine.run.columns import DPO_SUMS, MetricColumns, dpo_record
+from engine.run.columns import MetricColumns
 from engine.run.step import weights_of
 from engine.runtime.judged import Judged
 from engine.runtime.preemption import starting
@@ -79,7 +80,8 @@ class RunOutputs:
         info = dataset.info
         if self.chief:
             write_run_files(self.cfg, dataset, self.workdir)
-        self.columns = MetricColumns(info.sources, dpo=self.cfg.train.objective == "dpo")
+        objective = objective_of(self.cfg)
+        self.columns = MetricColumns(info.sources, objective.sums, objective.record)
         self.config_text = to_yaml(self.cfg)
         self.checkpointer = self._enter(open_checkpoints(directory, self.cfg, write=True, **options))
         return self.checkpointer
@@ -99,7 +101,9 @@ class RunOutputs:
         """The chief's console, metrics.jsonl, TensorBoard and trackers (a search trial's also its
         pipe to the sweep); `member`: a group's trial (named lines, no progress bar)."""
         cfg, chief = self.cfg, self.chief
+        objective = objective_of(cfg)  # (its names a line shows: DPO's TRL names)
         options: dict[str, Any] = dict(enabled=chief, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard)
+        options.update(console_keys=objective.console_keys, brief_keys=objective.brief_keys)
         if self.sidecar:
             options.update(start_step=0, progress=False, tensorboard=False)
         elif member:
@@ -182,6 +186,7 @@ class Evaluation:
     put: Callable  # host batch → device batch
     task: Any
     info: Any
+    objective: Objective = LM  # its metric columns and record (engine/config/objective.py)
 
     @classmethod
     def of_run(cls, run) -> "Evaluation":
@@ -197,15 +202,17 @@ class Evaluation:
             lambda batch: compiled.put_batch(batch, size),
             run.model.family.task,
             run.dataset.info,
+            objective_of(run.cfg),
         )
 
 
 def eval_metric_names(cfg: Config, task, info) -> set[str]:
-    """The names in a run's eval records (eval_metrics'): a DPO run's TRL names (dpo_record's),
-    else loss, accuracy and the task's."""
+    """The names in a run's eval records (eval_metrics'): its objective's record's (a DPO run's
+    TRL names), else loss, accuracy and the task's."""
     generated = generation_eval.metric_names(cfg)  # (eval.generate's: its reward functions are loaded here)
-    if cfg.train.objective == "dpo":
-        return set(dpo_record({name: 0.0 for name in (*EVAL_SUMS, *DPO_SUMS)})) | generated
+    objective = objective_of(cfg)
+    if objective.record is not None:
+        return set(objective.record({name: 0.0 for name in (*EVAL_SUMS, *objective.sums)})) | generated
     return {"loss", "accuracy", *task.eval_metrics(1.0, info)} | generated
 
 
@@ -213,16 +220,17 @@ def eval_metrics(evaluation: Evaluation, state, trials: int = 0) -> list[dict[st
     """Loss, accuracy and the task's metrics over the eval split: one dict for a run's state,
     one per trial (`trials`) for a group's stacked states."""
     totals = {name: np.zeros(trials or (), np.float64) for name in EVAL_SUMS}
+    objective = evaluation.objective
     weights = weights_of(state)
     for host_batch in evaluation.batches():
         sums = jax.device_get(evaluation.eval_step(weights, evaluation.put(host_batch)))  # a host sync per batch
-        for name in (*EVAL_SUMS, *DPO_SUMS):  # (DPO_SUMS: a DPO run's, engine/run/dpo.py)
+        for name in (*EVAL_SUMS, *objective.sums):
             if name in sums:
                 totals[name] = totals.get(name, 0.0) + np.asarray(sums[name], np.float64)
     metrics = []
     for index in range(trials) if trials else [()]:
-        if DPO_SUMS[0] in totals:  # TRL's names
-            metrics.append(dpo_record({name: total[index] for name, total in totals.items()}))
+        if objective.record is not None:  # its names (DPO's: TRL's)
+            metrics.append(objective.record({name: total[index] for name, total in totals.items()}))
             continue
         loss_sum, correct, count = (float(totals[name][index]) for name in EVAL_SUMS)
         loss = loss_sum / count

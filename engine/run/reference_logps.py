@@ -2,7 +2,7 @@
 
 A run with train.objective=dpo and dpo.precompute_reference=true carries, in each split of its
 dataset, one more array REF_LOGPS: float32 [pairs, 2], the reference's log-probability of each
-pair's chosen and rejected response (engine/run/dpo.py). The pipeline indexes the first axis of
+pair's chosen and rejected response (engine/objectives/dpo_part.py). The pipeline indexes the first axis of
 every array, so a pair's values travel with it into every batch (shuffled, sharded, held on the
 devices); the step then runs no reference model, and under full fine-tuning the train state
 holds no copy of the starting parameters (engine/run/state.py).
@@ -37,10 +37,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from engine.config.dpo_objective import REF_LOGPS
+from engine.config.objective import objective_of
 from engine.data import Dataset, eval_batches
 from engine.errors import UsageError
+from engine.objectives import objective_part
 from engine.parallel import sharding
-from engine.run.dpo import REF_LOGPS, make_reference_fn
 from engine.state.train_state import FROZEN
 
 DIRECTORY = "reference_logps"  # in the workdir
@@ -50,7 +52,7 @@ META = "reference_logps"  # the checkpoint meta's {"sha256": of the values train
 
 def precomputed(cfg) -> bool:
     """Whether the run's batches carry the reference's log-probabilities."""
-    return cfg.train.objective == "dpo" and cfg.dpo.precompute_reference
+    return objective_of(cfg).prepass(cfg)
 
 
 def with_slots(cfg, dataset: Dataset) -> Dataset:
@@ -134,8 +136,10 @@ def values_digest(values: np.ndarray) -> str:
 def compute(run, params, model_state) -> np.ndarray:
     """The reference's log-probabilities of the train split's pairs then the eval split's
     [train + eval, 2], in eval-sized batches on the run's mesh."""
+    make_reference = objective_part(run.cfg).reference_fn
+    assert make_reference is not None  # (a pre-pass's objective has one: DPO's)
     reference = jax.jit(
-        make_reference_fn(run.model.module, run.model.family.task, run.cfg.dpo),
+        make_reference(run.model.module, run.model.family.task),
         out_shardings=sharding.replicated(run.mesh),
     )
     size, rows = run.inputs.eval_batch_size, run.inputs.eval_rows

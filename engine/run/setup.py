@@ -26,21 +26,23 @@ from engine.data import Dataset, TrainBatches, example_spec
 from engine.data.chat_data import with_model
 from engine.data.placement import resident_bytes
 from engine.errors import UsageError
+from engine.config.objective import config_value, objective_of
 from engine.lm import finetune
+from engine.objectives import objective_part
 from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
+from engine.parallel import diloco
 from engine.parallel.mesh import make_mesh
 from engine.parallel.sharding import ActivationLayout, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
 from engine.parallel.stages import storage_order
-from engine.parallel.sync import compile_sync, parts_of
+from engine.parallel.sync import compile_sync
 from engine.run import reference_logps
 from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
 from engine.run.data_record import load_rendered
-from engine.run.dpo import objective_loss_fn
 from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
-from engine.run.step import DPO_BETA, make_block_step, make_eval_step, make_train_step
+from engine.run.step import make_block_step, make_eval_step, make_train_step
 from engine.runtime.memory import device_memory_bytes
 from engine.runtime.settings import compile_cache_events
 from engine.state.train_state import TrainState
@@ -101,8 +103,8 @@ def run_hparams(cfg: Config) -> dict:
     schedule.update(
         {name: np.float32(value) for name, value in REGISTRY[cfg.model.name].hparam_values(cfg.model).items()}
     )
-    if cfg.train.objective == "dpo":  # β: a step input, as the schedule's (a vectorised β sweep)
-        schedule[DPO_BETA] = np.float32(cfg.dpo.beta)
+    for name, key in objective_of(cfg).step_hparams.items():  # (DPO's β: a step input, as the schedule's)
+        schedule[name] = np.float32(config_value(cfg, key))
     return {"schedule": schedule, "optimizer": {k: np.float32(v) for k, v in optimizer_hparams(cfg.optimizer).items()}}
 
 
@@ -193,19 +195,19 @@ def plan_run(
     family, module = build_model(cfg, dataset.info, bp.pmap_axis)  # whole, unconstrained: init, export
     tx = make_optimizer(cfg.optimizer)
     state = state_plan(cfg, mesh, family, module, dataset.info, tx, run_hparams(cfg))
-    sync = parts_of(cfg)  # train.sync's members (engine/parallel/sync.py)
-    replica_axes = sync.replica_axes
+    replica_axes: tuple[str, ...] = (diloco.REPLICA,) if bp.replicas_from else ()
     trained, evaluated = step_modules(cfg, dataset.info, bp, mesh, module, replica_axes)
-    loss_fn = objective_loss_fn(cfg, trained, family, len(dataset.info.sources))
+    objective = objective_part(cfg)  # the config's train.objective's loss (engine/objectives)
+    loss_fn = objective.loss_fn(trained, family, len(dataset.info.sources))
     resident = resident_bytes(cfg, dataset, lambda: device_memory_bytes(mesh))
     steps = bp.steps_per_block(resident > 0)
     one_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, bp.pmap_axis)
-    # (DiLoCo: the step taken by every replica alone, the outer step, the replicas' stacked state)
-    one_step, sync_step, functions = sync.step_and_state(cfg, mesh, one_step, state)
-    if functions is not None:
-        init, with_params, shardings = functions
-        state = state_plan_of(init, with_params, shardings, state.param_layouts, state.seed, state.hparams)
-    train_step = make_block_step(one_step, steps, bp.steps_per_call, resident > 0)
+    sync_step: Optional[Callable] = None
+    if bp.replicas_from:  # DiLoCo: the step taken by every replica alone, and the outer step
+        one_step, sync_step = diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco)
+        functions = diloco.state_functions(state, mesh, cfg.diloco.delay)
+        state = state_plan_of(*functions, state.param_layouts, state.seed, state.hparams)
+    train_step = make_block_step(one_step, steps, bp.steps_per_call, resident > 0, objective_of(cfg).sums)
     shapes = Shapes(
         state.abstract,
         state.shardings,
@@ -217,7 +219,7 @@ def plan_run(
         vmapped=replica_axes,
         metrics_axes=replica_axes,
     )
-    eval_loss_fn = objective_loss_fn(cfg, evaluated, family, len(dataset.info.sources))
+    eval_loss_fn = objective.loss_fn(evaluated, family, len(dataset.info.sources))
     eval_step = make_eval_step(eval_loss_fn, bp.pmap_axis)
     return Plan(
         mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step, trained
@@ -296,9 +298,8 @@ def train_loss_chunk(program) -> Optional[LossChunk]:
     cfg, mesh, language_model = program.cfg, program.mesh, program.family.language_model
     if language_model is None or language_model.loss_chunk is None:
         return None
-    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
-    if cfg.train.objective == "dpo":  # a pair is two rows to the module (engine/run/dpo.py pair_rows)
-        micro *= 2
+    # (rows to the module: a DPO pair is two)
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps * objective_of(cfg).rows_per_example(cfg)
     batch_splits = batch_shards(mesh)
     return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
 
@@ -318,6 +319,7 @@ def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> S
         compiled.program,
         copies,
         chunk.chunk if chunk is not None and chunk.auto else 0,
+        objective_of(cfg),
     )
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.checkpoint.store import Checkpointer, load_base, open_checkpoints
 from engine.config import Config
+from engine.config.objective import objective_rows
 from engine.data.chat_data import with_model
 from engine.runtime.restart_protocol import job_so_far
 from engine.errors import UsageError
@@ -81,7 +82,7 @@ class RunJob:
         self.sync_each_step = run.sync_each_step
         self.sync = Syncing(run.compiled.sync, run.sync_each_step)  # train.sync's part beside the step
         batch = self.cfg.train.global_batch_size
-        tokens = batch * run.model.family.task.tokens_per_example(run.dataset.info)
+        tokens = batch * objective_rows(self.cfg) * run.model.family.task.tokens_per_example(run.dataset.info)
         device = run.mesh.devices.flat[0]
         self.rates = Throughput(run.cost, batch, tokens, device, self.cfg.train.compute_dtype, run.compile_cache)
         self.done = start  # steps dispatched

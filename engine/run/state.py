@@ -14,6 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from engine.config import Config
+from engine.config.objective import objective_of
 from engine.errors import UsageError
 from engine.lm import finetune
 from engine.parallel import sharding
@@ -109,7 +110,7 @@ def state_plan(cfg: Config, mesh: Mesh, family: ModelFamily, module, info, tx, h
     def with_params(seed, hparams, params) -> TrainState:  # (the unused init is left out by XLA)
         return init_state(seed, hparams).replace(params=params)
 
-    if cfg.train.objective == "dpo" and not lora and not cfg.dpo.precompute_reference:  # (engine/run/dpo.py)
+    if objective_of(cfg).keeps_reference(cfg) and not lora:  # (DPO's reference, engine/objectives/dpo_part.py)
         init_state, with_params, shardings = with_reference(init_state, with_params, shardings)
     return state_plan_of(init_state, with_params, shardings, param_layouts, np.int32(cfg.seed), hparams)
 

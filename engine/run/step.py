@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from engine.config.objective import step_hparam_names
 from engine.run.columns import pack_metrics
 from engine.run.optimizer import learning_rate_at
 from engine.state.train_state import (
@@ -150,10 +151,12 @@ def make_train_step(
     return train_step
 
 
-def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, resident: bool = False) -> Callable:
+def make_block_step(
+    train_step: Callable, steps: int, steps_per_call: int = 1, resident: bool = False, sums: tuple[str, ...] = ()
+) -> Callable:
     """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
     step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call, columns]
-    (engine/run/columns.py)).
+    (engine/run/columns.py); `sums`: the objective's own metric columns).
 
     Batches travel to the device a block at a time, so per step the host only dispatches;
     with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and
@@ -171,7 +174,7 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, r
         else:
             batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, state.step % steps, keepdims=False), block)
         state, metrics = train_step(state, batch)
-        return state, pack_metrics(metrics)  # (a leading replica axis stays: [replicas, columns])
+        return state, pack_metrics(metrics, sums)  # (a leading replica axis stays: [replicas, columns])
 
     def block_step(state: TrainState, block):
         if steps_per_call == 1:
@@ -182,17 +185,13 @@ def make_block_step(train_step: Callable, steps: int, steps_per_call: int = 1, r
     return block_step
 
 
-DPO_BETA = "dpo_beta"  # train.objective=dpo: β, a step input in the state's hparams (engine/run/dpo.py)
-EVAL_HPARAMS = (DPO_BETA,)  # the state's hparams that evaluation reads too
-
-
 def weights_of(state) -> dict:
     """What evaluation, export and sampling read of a train state: {"params", "model_state"} (a
     TrainState's, or the global ones of another state kind: engine/parallel/diloco.py's), and
-    {"hparams"} where the state holds EVAL_HPARAMS (DPO's β scores the eval split too)."""
+    {"hparams"} where the state holds an objective's step hparams (DPO's β scores the eval split too)."""
     weights = {"params": state.params, "model_state": state.model_state}
     hparams = getattr(state, "hparams", None)
-    read = {name: hparams[name] for name in EVAL_HPARAMS if isinstance(hparams, dict) and name in hparams}
+    read = {name: hparams[name] for name in step_hparam_names() if isinstance(hparams, dict) and name in hparams}
     return {**weights, "hparams": read} if read else weights
 
 

@@ -1,4 +1,5 @@
-"""The DPO objective (train.objective=dpo): preference pairs scored by the policy and the reference.
+"""The DPO objective's step part (train.objective=dpo; its record: engine/config/dpo_objective.py):
+preference pairs scored by the policy and the reference.
 
 A batch of preference pairs (engine/data/preferences.py) holds `tokens`, `segments`, `positions`
 and `loss_mask` of shape [pairs, 2, seq_len + 1] (index 0 the chosen response, 1 the rejected
@@ -29,11 +30,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from engine.run.columns import DPO_SUMS
-from engine.run.step import DPO_BETA, make_loss_fn
+from engine.config.dpo_objective import DPO_BETA, DPO_SUMS, REF_LOGPS
+from engine.objectives import StepPart
 from engine.state.train_state import AUX_COLLECTION, FROZEN, REFERENCE, UNTRAINED, aux_totals, model_variables
-
-REF_LOGPS = "ref_logps"  # a batch's precomputed reference log-probabilities [pairs, 2] (float32)
 
 
 def pair_rows(batch) -> dict:
@@ -176,8 +175,16 @@ def make_dpo_loss_fn(module: nn.Module, task, dpo, hparam_names: tuple[str, ...]
     return loss_fn
 
 
-def objective_loss_fn(cfg, module: nn.Module, family, num_sources: int = 0) -> Callable:
-    """The loss function of the config's train.objective: make_dpo_loss_fn's, or make_loss_fn's."""
-    if cfg.train.objective == "dpo":
-        return make_dpo_loss_fn(module, family.task, cfg.dpo, family.hparams)
-    return make_loss_fn(module, family.task, family.hparams, num_sources)
+def part(cfg) -> StepPart:
+    """train.objective=dpo's step part: the pair loss with the config's `dpo` section, and the
+    reference's pass over a batch (dpo.precompute_reference's)."""
+    dpo = cfg.dpo
+
+    def loss_fn(module: nn.Module, family, num_sources: int = 0) -> Callable:
+        del num_sources  # (one source: preference pairs)
+        return make_dpo_loss_fn(module, family.task, dpo, family.hparams)
+
+    def reference_fn(module: nn.Module, task) -> Callable:
+        return make_reference_fn(module, task, dpo)
+
+    return StepPart(loss_fn, reference_fn)
