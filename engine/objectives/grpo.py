@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.config.grpo_objective import GRPO_BETA
+from engine.errors import UsageError
 from engine.lm import grpo_math
 from engine.lm.rollouts import logprobs_of, update_inputs
 from engine.objectives import StepPart
@@ -101,7 +102,16 @@ def make_grpo_loss_fn(module, grpo) -> Callable:
 
 
 def part(cfg) -> StepPart:
-    """train.objective=grpo's step part: the update's loss on rollout batches."""
+    """train.objective=grpo's step part: the update's loss on rollout batches. The run does not
+    drive rollouts yet (docs/design/grpo.md section 7): a run is refused in one line."""
+    raise UsageError(
+        "train.objective=grpo: the rollout loop is not part of the training run yet (its update, rollout batch and "
+        "config are: docs/design/grpo.md section 7); set train.objective=lm or dpo"
+    )
+
+
+def update_part(cfg) -> StepPart:
+    """The update's step part, for the run once it drives rollouts (part's successor)."""
     grpo = cfg.grpo
 
     def loss_fn(module, family, num_sources: int = 0) -> Callable:
