@@ -10,6 +10,7 @@ from typing import Any
 from engine.config.objective import objective_of, vector_keys
 from engine.config.optimizers import state_number_fields
 from engine.errors import UsageError
+from engine.parallel.strategies import strategy_of
 from models.configs import CONFIGS
 
 # config keys whose values are numbers in the train state (plus the model family's hparams)
@@ -55,7 +56,7 @@ def check_vectorizable(cfg, where: str) -> None:
             f"{where}: vectorize trains runs side by side over the devices; a pipeline "
             f"(mesh.pipeline={cfg.mesh.pipeline}) is not vectorised: remove vectorize, or set mesh.pipeline=1"
         )
-    if cfg.train.sync != "every_step":
+    if not strategy_of(cfg).vectorised:
         raise UsageError(
             f"{where}: vectorize trains runs side by side over the devices; train.sync={cfg.train.sync} "
             f"keeps replicas over them already: remove vectorize, or set train.sync=every_step"

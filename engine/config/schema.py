@@ -21,6 +21,7 @@ from engine.config.grpo_section import GrpoConfig
 from engine.config.objective import objective_names
 from engine.config.optimizers import OPTIMIZERS, SCHEDULES, WEIGHT_DECAY_ON
 from engine.observe.trackers import TRACKERS
+from engine.parallel import strategies
 from engine.parallel.axes import AXES, CONFIG_AXES, default_rules
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,7 +67,7 @@ class TrainConfig:
         "every_step: one gradient all-reduce over the data-parallel devices per step; diloco: replicas "
         "(diloco.replica_axis) each take diloco.inner_steps steps alone, then average their change "
         "(docs/parallelism.md)",
-        choices=("every_step", "diloco"),
+        choices=lambda: tuple(strategies.STRATEGIES),
     )
     param_dtype: str = option("float32", "dtype the parameters are stored and updated in", choices=DTYPES)
     compute_dtype: str = option("float32", "dtype of activations and matmuls (bfloat16 for speed)", choices=DTYPES)

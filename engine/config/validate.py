@@ -19,6 +19,7 @@ from engine.data.sources import EVAL_PATH_SOURCES, FILE_SOURCES, MIXTURE_SOURCES
 from engine.data.text import source_name
 from engine.errors import UsageError
 from engine.parallel.axes import CONFIG_AXES, MESH_AXES
+from engine.parallel.strategies import strategy_of
 
 INT32_MAX = 2**31 - 1
 TABLE_COLUMNS = "data.features and data.label "  # a table's columns: what makes a source a table
@@ -52,7 +53,7 @@ def validate(cfg):
         )
         warmup = cfg.train.steps
     _check_mesh(cfg.mesh)
-    _check_diloco(cfg)
+    strategy_of(cfg).check(cfg)  # train.sync's own checks (engine/parallel/strategies.py)
     _check_local_tier(cfg.checkpoint)
     _check_finetune(cfg.finetune)
     _check_lora_on_full_weights(cfg)
@@ -145,37 +146,6 @@ def _check_mesh(mesh) -> None:
         for axis in axes:
             if axis not in MESH_AXES:
                 raise UsageError(choice_message(f"mesh.rules.{logical}", axis, CONFIG_AXES))
-
-
-def _check_diloco(cfg) -> None:
-    """train.sync=diloco: the replicas' axis is set, and the rest of the run composes with it."""
-    if cfg.train.sync != "diloco":
-        if cfg.diloco.delay:
-            raise UsageError(
-                f"diloco.delay={cfg.diloco.delay} delays DiLoCo's outer step, but train.sync={cfg.train.sync}; "
-                "set train.sync=diloco, or diloco.delay=0"
-            )
-        return
-    mesh, axis = cfg.mesh, cfg.diloco.replica_axis
-    replicas = mesh.dcn_data if axis == "dcn_data" else mesh.data
-    if replicas == 1:
-        other = "data" if axis == "dcn_data" else "dcn_data"
-        raise UsageError(
-            f"train.sync=diloco with diloco.replica_axis={axis} needs mesh.{axis} > 1 (the replicas), "
-            f"but it is {replicas}; set mesh.{axis} to the number of replicas, or diloco.replica_axis={other}"
-        )
-    for key, value, fix in (
-        ("mesh.backend", mesh.backend, "jit"),
-        ("mesh.pipeline", mesh.pipeline, 1),
-        ("train.eager", cfg.train.eager, False),
-    ):
-        if value != fix:
-            raise UsageError(
-                f"train.sync=diloco does not run with {key}={value}; set {key}={str(fix).lower()} "
-                f"(or train.sync=every_step)"
-            )
-    if not cfg.diloco.outer_momentum < 1.0:
-        raise UsageError(f"diloco.outer_momentum={cfg.diloco.outer_momentum} must be in [0, 1), e.g. 0.9")
 
 
 def _check_finetune(finetune) -> None:
@@ -273,14 +243,14 @@ def _fit_steps_per_call(cfg) -> int:
     """train.steps_per_call is the most per call: calls end at every log, eval and checkpoint,
     so the steps per call are the largest divisor of their intervals (and train.steps) up to it,
     said in a note when that is fewer."""
-    per_call = cfg.train.steps_per_call
+    per_call, sync = cfg.train.steps_per_call, strategy_of(cfg)
     intervals = {
         "train.steps": cfg.train.steps,
         "log.every_steps": cfg.log.every_steps,
         "eval.every_steps": cfg.eval.every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "checkpoint.local_every_steps": cfg.checkpoint.local_every_steps if cfg.checkpoint.local_dir else 0,
-        **({"diloco.inner_steps": cfg.diloco.inner_steps} if cfg.train.sync == "diloco" else {}),
+        **({sync.round_setting: sync.round_steps(cfg)} if sync.round_setting else {}),
     }
     common = math.gcd(*intervals.values())  # 0-valued (off) intervals do not count
     if common % per_call:  # calls end at every log, eval and checkpoint: the most that fits

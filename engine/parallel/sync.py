@@ -1,8 +1,9 @@
-"""The ways a run keeps its copies of the model in step (train.sync), as a table of strategies:
-`every_step` (the train step's own gradient all-reduce, nothing beside it) and `diloco`
-(engine/parallel/diloco.py's rounds). A strategy builds the compiled programs' sync part
-(SyncPart); a run's `Syncing` steps, fetches its metrics and fills its log records by that part,
-so a job never asks which strategy is in use."""
+"""The jax-built members of the train.sync strategies (the table and its jax-free members:
+engine/parallel/strategies.py): `every_step` (the train step's own gradient all-reduce, nothing
+beside it) and `diloco` (engine/parallel/diloco.py's rounds). A strategy's StrategyParts wrap the
+step and the state plan, build the compiled programs' sync part (SyncPart) and say its startup
+and dry-run lines; a run's `Syncing` steps, fetches its metrics and fills its log records by that
+part, so a job never asks which strategy is in use."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import numpy as np
 
 from engine.observe.perf import fetch_rows
 from engine.parallel import diloco, diloco_shrink
-from engine.parallel.sharding import replicated
+from engine.parallel.sharding import per_device_bytes, replicated
+from engine.parallel.strategies import strategy_of
 from engine.run.columns import combine_copies
 
 
@@ -66,13 +68,63 @@ def _diloco(cfg, compiled, plan):
     )
 
 
-# train.sync → (cfg, Compiled, setup.Plan) → the Compiled with the strategy's SyncPart
-STRATEGIES: dict[str, Callable] = {"every_step": _every_step, "diloco": _diloco}
+def _as_is(cfg, mesh, one_step, state):
+    return one_step, None, None
+
+
+def _no_lines(cfg, run, params: int, *more) -> list[str]:
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyParts:
+    """A strategy's members built with jax (its record: engine/parallel/strategies.py)."""
+
+    # (cfg, Compiled, setup's plan) → the Compiled with its SyncPart
+    compile: Callable
+    replica_axes: tuple[str, ...] = ()  # the mesh axes the step is mapped over (one copy of the model each)
+    # (cfg, mesh, one train step, the run's state plan) → (the step each copy takes, the sync step
+    # (not compiled; None: none), the state plan's (init, init with params, shardings); None: as is)
+    step_and_state: Callable = _as_is
+    startup_lines: Callable = _no_lines  # (cfg, run, trained params) → what a run says at its start
+    # (cfg, run, total params, collectives(program) → text) → what `train --dry-run` adds
+    dry_run_lines: Callable = _no_lines
+
+
+def _diloco_step_and_state(cfg, mesh, one_step, state):
+    """Each replica's step alone, the outer step, and the replicas' stacked state."""
+    functions = diloco.state_functions(state, mesh, cfg.diloco.delay)
+    return diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco), functions
+
+
+def _diloco_startup_lines(cfg, run, params: int) -> list[str]:
+    return [diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, params).text()]
+
+
+def _diloco_dry_run_lines(cfg, run, params: int, collectives: Callable) -> list[str]:
+    """The replicas, and what a round's outer step sends."""
+    from engine.runtime.units import human_bytes
+
+    layout = diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, params)
+    replicas = per_device_bytes(run.abstract_state.replicas)
+    return [
+        f"{layout.text()}; replicas' state per device {human_bytes(replicas)}",
+        f"collectives of the outer step (once per round): {collectives(run.compiled.sync.program)}",
+    ]
+
+
+EVERY_STEP = StrategyParts(_every_step)
+DILOCO = StrategyParts(_diloco, (diloco.REPLICA,), _diloco_step_and_state, _diloco_startup_lines, _diloco_dry_run_lines)
+
+
+def parts_of(cfg) -> StrategyParts:
+    """train.sync's jax-built members."""
+    return strategy_of(cfg).parts()
 
 
 def compile_sync(cfg, compiled, plan):
     """The compiled programs with train.sync's sync part."""
-    return STRATEGIES[cfg.train.sync](cfg, compiled, plan)
+    return parts_of(cfg).compile(cfg, compiled, plan)
 
 
 class Syncing:

@@ -7,9 +7,9 @@ import math
 import jax
 
 from engine.config import Config
-from engine.parallel import diloco
 from engine.parallel.sharding import per_device_bytes
 from engine.parallel.stages import describe as describe_pipeline
+from engine.parallel.sync import parts_of
 from engine.plan import hlo
 from engine.run.setup import Run, build_run
 from engine.runtime.units import human_bytes
@@ -61,11 +61,10 @@ def dry_run_report(run: Run) -> str:
         lines.append(
             f"collectives in one call of the compiled step (a loop's run once per iteration): {hlo.summary(found)}"
         )
-    if isinstance(state, diloco.DilocoState):  # DiLoCo: the replicas, and what a round's outer step sends
-        layout = diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, total_params)
-        outer = hlo.hlo_collectives(run.compiled.sync.program.as_text(), run.mesh.size)
-        lines.append(f"{layout.text()}; replicas' state per device {human_bytes(per_device_bytes(state.replicas))}")
-        lines.append(f"collectives of the outer step (once per round): {hlo.summary(outer)}")
+    sync = parts_of(cfg)  # train.sync's lines (DiLoCo: the replicas, and what a round's outer step sends)
+    lines += sync.dry_run_lines(
+        cfg, run, total_params, lambda p: hlo.summary(hlo.hlo_collectives(p.as_text(), run.mesh.size))
+    )
     plan = run.blueprint.stages  # the pipeline the run was built with
     if plan.stages > 1:
         lines.append(describe_pipeline(plan, stacked_layers(run.model.family, cfg.model)))
@@ -88,8 +87,7 @@ def startup_lines(run: Run) -> list[str]:
         f"{run.mesh.devices.flat[0].platform} device(s) ({mesh}); global batch {cfg.train.global_batch_size}, "
         f"{cfg.train.steps} steps"
     ]
-    if isinstance(state, diloco.DilocoState):
-        lines.append(diloco.Layout(run.mesh.shape[diloco.REPLICA], cfg.diloco.inner_steps, params).text())
+    lines += parts_of(cfg).startup_lines(cfg, run, params)  # (DiLoCo: its replicas and H)
     plan = run.blueprint.stages  # the pipeline the run was built with
     if plan.stages > 1:
         lines.append(describe_pipeline(plan, stacked_layers(run.model.family, cfg.model)))

@@ -20,6 +20,7 @@ from engine.config import Config
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, BY_NAME, CONFIG_AXES, AxisContext, check_axes
 from engine.parallel.stages import stage_plan
+from engine.parallel.strategies import strategy_of
 from engine.run.backends import PMAP_AXIS
 from models import ModelFamily
 
@@ -58,7 +59,7 @@ def block_steps(cfg: Config, resident: bool = False) -> int:
 
 def replicas_from(cfg: Config) -> str:
     """train.sync=diloco: the mesh axis the replicas are taken from (diloco.replica_axis); else ""."""
-    return cfg.diloco.replica_axis if cfg.train.sync == "diloco" else ""
+    return strategy_of(cfg).replicas_from(cfg)
 
 
 def pmap_axis(cfg: Config) -> Optional[str]:

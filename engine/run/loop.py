@@ -19,6 +19,7 @@ import numpy as np
 from engine.data import Prefetcher
 from engine.errors import UsageError
 from engine.observe.perf import Goodput, StepTrace, Throughput, Window
+from engine.parallel.strategies import strategy_of
 from engine.run.best import Verdict
 from engine.run.recovery import GrowBack, GrowWatch
 from engine.runtime.distributed import barrier
@@ -245,10 +246,10 @@ def _log(job: Job, window: Window, done: int, goodput: Goodput) -> None:
 
 
 def _round_ends(cfg, done: int) -> bool:
-    """Whether a DiLoCo round ends at `done` (always true of other runs): a job resized mid-round
+    """Whether train.sync's round ends at `done` (every step but DiLoCo's): a job resized mid-round
     trains the round again from its start (engine/parallel/diloco_shrink.py), so it grows back only
     at a round's end, where nothing is dropped."""
-    return cfg.train.sync != "diloco" or done % cfg.diloco.inner_steps == 0
+    return done % strategy_of(cfg).round_steps(cfg) == 0
 
 
 def _due(every: int, done: int, total: int) -> bool:

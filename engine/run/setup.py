@@ -22,20 +22,19 @@ from jax.sharding import Mesh
 
 from contract.activations import ONE_STAGE, Constrainer, StagePlan
 from engine.config import Config
+from engine.config.objective import config_value, objective_of
 from engine.data import Dataset, TrainBatches, example_spec
 from engine.data.chat_data import with_model
 from engine.data.placement import resident_bytes
 from engine.errors import UsageError
-from engine.config.objective import config_value, objective_of
 from engine.lm import finetune
 from engine.objectives import objective_part
 from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
-from engine.parallel import diloco
 from engine.parallel.mesh import make_mesh
 from engine.parallel.sharding import ActivationLayout, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
 from engine.parallel.stages import storage_order
-from engine.parallel.sync import compile_sync
+from engine.parallel.sync import compile_sync, parts_of
 from engine.run import reference_logps
 from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
@@ -195,18 +194,19 @@ def plan_run(
     family, module = build_model(cfg, dataset.info, bp.pmap_axis)  # whole, unconstrained: init, export
     tx = make_optimizer(cfg.optimizer)
     state = state_plan(cfg, mesh, family, module, dataset.info, tx, run_hparams(cfg))
-    replica_axes: tuple[str, ...] = (diloco.REPLICA,) if bp.replicas_from else ()
+    sync = parts_of(cfg)  # train.sync's members (engine/parallel/sync.py)
+    replica_axes = sync.replica_axes
     trained, evaluated = step_modules(cfg, dataset.info, bp, mesh, module, replica_axes)
     objective = objective_part(cfg)  # the config's train.objective's loss (engine/objectives)
     loss_fn = objective.loss_fn(trained, family, len(dataset.info.sources))
     resident = resident_bytes(cfg, dataset, lambda: device_memory_bytes(mesh))
     steps = bp.steps_per_block(resident > 0)
     one_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, bp.pmap_axis)
-    sync_step: Optional[Callable] = None
-    if bp.replicas_from:  # DiLoCo: the step taken by every replica alone, and the outer step
-        one_step, sync_step = diloco.make_inner_step(one_step, mesh), diloco.make_sync_step(cfg.diloco)
-        functions = diloco.state_functions(state, mesh, cfg.diloco.delay)
-        state = state_plan_of(*functions, state.param_layouts, state.seed, state.hparams)
+    # (DiLoCo: the step taken by every replica alone, the outer step, the replicas' stacked state)
+    one_step, sync_step, functions = sync.step_and_state(cfg, mesh, one_step, state)
+    if functions is not None:
+        init, with_params, shardings = functions
+        state = state_plan_of(init, with_params, shardings, state.param_layouts, state.seed, state.hparams)
     train_step = make_block_step(one_step, steps, bp.steps_per_call, resident > 0, objective_of(cfg).sums)
     shapes = Shapes(
         state.abstract,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
+from engine.parallel.strategies import strategy_of
 
 # a local process's share of the host: measured on CPU, mnist_mlp's processes take about 0.25 GiB each
 # (12 took 2.95 GB); more processes than PROCESSES_PER_CPU per core only queue for the cores
@@ -64,7 +65,7 @@ def check_batches(cfg, devices: int) -> None:
     each process checks after it started: engine/parallel/mesh.py, engine/run/blueprint.py). DiLoCo's
     replica axis and multi-slice layouts are left to the processes."""
     mesh = cfg.mesh
-    if cfg.train.sync == "diloco" or mesh.dcn_data > 1 or mesh.num_devices != -1:
+    if strategy_of(cfg).replicas_from(cfg) or mesh.dcn_data > 1 or mesh.num_devices != -1:
         return
     sizes = {axis: getattr(mesh, axis) for axis in CONFIG_AXES}
     fixed = math.prod(size for size in sizes.values() if size != -1)

@@ -4,6 +4,8 @@ no engine, imports run one way, and the loop and setup stay small enough to read
 import ast
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -266,11 +268,33 @@ def test_the_engine_constructs_its_checkpointer_in_one_place():
     assert found == ["engine.checkpoint.store:open_checkpoints"], found
 
 
-def test_a_run_alone_names_no_sync_strategy():
-    """train.sync's strategies are engine/parallel/sync.py's table: a run alone steps, fetches and
-    logs through its `Syncing`, and neither branches on nor names one (DiLoCo's included)."""
-    text = (ROOT / "engine" / "run" / "single.py").read_text()
-    assert "diloco" not in text.lower()
+# the strategy table and the strategies' own modules: the only ones that may say which one runs
+STRATEGY_MODULES = {"strategies.py", "sync.py", "diloco.py", "diloco_shrink.py"}
+# (the elastic supervisor's checks are being moved onto the record's check_resize/round_steps)
+LEFT_TO_ELASTIC = {"engine/elastic/grow.py", "engine/elastic/shrink.py"}
+ASKS_WHICH_SYNC = re.compile(r"\.sync\s*[!=]=|DilocoState\)|isinstance\([^)]*Diloco")
+
+
+def test_only_the_strategy_table_asks_which_sync_strategy_runs():
+    """train.sync is compared in engine/parallel/strategies.py alone: the loop, setup, the dry run,
+    the blueprint and the config checks ask the strategy's record (round_steps, step_and_state,
+    dry_run_lines, replicas_from, check), never `train.sync == ...` or `isinstance(..., DilocoState)`.
+    (By behaviour: tests/integration/test_sync_strategy_plugin.py trains a strategy defined there.)"""
+    asking = {
+        str(path.relative_to(ROOT))
+        for path in ENGINE
+        if not (path.parent.name == "parallel" and path.name in STRATEGY_MODULES)
+        and ASKS_WHICH_SYNC.search(path.read_text())
+    }
+    assert asking <= LEFT_TO_ELASTIC, sorted(asking - LEFT_TO_ELASTIC)
+
+
+def test_the_engines_subpackages_import_one_way():
+    """The layer order of pyproject.toml's import-linter contracts holds (docs/architecture.md,
+    "Layers"): no subpackage imports one above it, not even inside a function."""
+    check = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_logo=True))"
+    found = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout[-3000:]
 
 
 # the packed metrics' layout by name or position: the column names' tuple, a column looked up by
