@@ -9,9 +9,9 @@ job of 3 grows back to 4 at its next persistent checkpoint (checkpoint.every_ste
 process's place is free again on this machine. The kills are seeded steps, one in each of
 `--kills` seeded persistent intervals (never the last, so every kill is followed by its growth
 before the next), at least --gap steps into their interval; the victim of each is a seeded random
-process of the 4 (process 0 included). So the k-th kill (from 0) hits the job's start 2k. A kill is
-the engine's test hook ENGINE_TEST_KILL_AT=process:step:start (the process SIGKILLs itself once it
-has dispatched that step: no clean-up, as a lost host). The figures per failure come from the
+process of the 4 (process 0 included). So the k-th kill (from 0) hits the job's start 2k. A kill
+comes from outside the trainer (tests/support/faults.py FaultAt: a SIGKILL to that process of
+that start once metrics.jsonl logged the step: no clean-up, as a lost host). The figures per failure come from the
 `split: "recovery"` records of metrics.jsonl, each growth's from the `split: "grow"` records; the
 whole soak's wall time is set against the unbroken run's (one 4-process job, no kills, the same
 checkpoint settings). The global batch is 48 (the default job's 64 has no split over 6 devices).
@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from support.faults import FaultAt  # noqa: E402 (the kills come from outside the trainer)
+
 PROCESSES, DEVICES = 4, 2
 JOB = [
     "--config",
@@ -60,7 +63,7 @@ def plan_kills(rng: random.Random, steps: int, kills: int, every: int, gap: int)
 
 def run(workdir: Path, overrides: list[str], env: dict) -> tuple[subprocess.CompletedProcess, float]:
     """One launcher job to its end: (its result, its wall seconds)."""
-    full = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "ENGINE_TEST_KILL_AT")}
+    full = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     full.update(env, JAX_PLATFORMS="cpu")
     flags = ["--local-processes", str(PROCESSES), "--devices-per-process", str(DEVICES)]
     argv = [sys.executable, str(ROOT / "launch.py"), *JOB[:2], "--workdir", str(workdir), *flags, *JOB[2:]]
@@ -80,8 +83,15 @@ def soak(args, base: Path, common: list[str], kill_steps: list[int]) -> tuple[li
     """The broken run, one job: (its recovery records, its growth records, its summary, wall seconds)."""
     rng = random.Random(args.seed + 1)
     workdir = base / "soak"
-    hooks = [f"{rng.randrange(PROCESSES)}:{step}:{2 * k}" for k, step in enumerate(kill_steps)]
-    done, seconds = run(workdir, [*common, f"train.steps={args.steps}"], {"ENGINE_TEST_KILL_AT": ",".join(hooks)})
+    victims = [rng.randrange(PROCESSES) for _ in kill_steps]
+    hooks = [f"{victim}:{step}:{2 * k}" for k, (victim, step) in enumerate(zip(victims, kill_steps))]
+    kills = [
+        FaultAt(workdir, victim, step, attempt=2 * k, timeout=7200)
+        for k, (victim, step) in enumerate(zip(victims, kill_steps))
+    ]
+    done, seconds = run(workdir, [*common, f"train.steps={args.steps}"], {})
+    for kill in kills:
+        kill.stop()
     (base / "soak.log").write_text(done.stdout + done.stderr)
     recoveries = records(workdir, "recovery")
     for record in recoveries:  # (a failure of a start that no planned kill names was not planned)

@@ -1,4 +1,4 @@
-"""Between an elastic job's starts: the background precompiles of its smaller sizes, a test's lost local tier.
+"""Between an elastic job's starts: the background precompiles of its smaller sizes.
 
 fault.precompile: while a job of n processes trains, the launcher runs `launch.py ... --dry-run`
 (the engine's own ahead-of-time compile of the train and eval steps, engine/plan/dryrun.py) as a
@@ -15,17 +15,12 @@ line on stderr says when it is in the cache; a failed precompile is a warning, n
 end. A restart stops the precompiles still running (SIGKILL: they only write complete cache
 entries) and starts those of the sizes below the new one.
 
-ENGINE_TEST_KILL_AT=process:step:start:local (tests only; recovery.py reads the first three
-fields): after that start of the job ended, before the restart, the launcher removes the lost
-process's local tier: `own` its process_<k> folder in checkpoint.local_dir (its host's storage:
-the restore takes its shards from a peer's copy), `all` every copy of its shards too (the restore
-takes the persistent tier). Imports no jax.
+Imports no jax.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -34,8 +29,6 @@ from pathlib import Path
 
 from engine.errors import UsageError
 from engine.runtime.launcher import start_background
-
-KILL = "ENGINE_TEST_KILL_AT"
 
 
 def check_precompile(cfg) -> None:
@@ -103,22 +96,3 @@ class Precompiles:
             sys.stderr.write(
                 f"precompile: the {count}-process job's programs are in the compilation cache ({took:.1f}s)\n"
             )
-
-
-def drop_local_tier(cfg, attempt: int) -> None:
-    """(tests only) Removes the local-tier copies ENGINE_TEST_KILL_AT names for this start's lost process
-    (an entry without the fourth field, `process:step` or `process:step:start`, removes none)."""
-    for entry in filter(None, os.environ.get(KILL, "").split(",")):
-        fields = entry.split(":")
-        if len(fields) < 4 or not fields[2].strip().isdigit() or int(fields[2]) != attempt:
-            continue
-        process, which = fields[0], fields[3]
-        if not cfg.checkpoint.local_dir:
-            continue
-        for run in Path(cfg.checkpoint.local_dir).expanduser().glob(f"{Path(cfg.workdir).name}-*"):
-            doomed = [run / f"process_{process}"]
-            if which == "all":
-                doomed += sorted(f for f in run.glob(f"process_*/owner_{process}") if f.parent != doomed[0])
-            for folder in doomed:
-                shutil.rmtree(folder, ignore_errors=True)
-            sys.stderr.write(f"test: removed {', '.join(str(f.relative_to(run)) for f in doomed)} of {run}\n")

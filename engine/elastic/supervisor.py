@@ -29,7 +29,7 @@ from typing import Optional, Protocol
 
 from engine.elastic.accounting import ATTEMPT, JOB, after_failure, restarts, write_failures
 from engine.elastic.grow import GROW_EXIT, grew_from, note_growth, start_env, withdraw
-from engine.elastic.precompile import Precompiles, check_precompile, drop_local_tier
+from engine.elastic.precompile import Precompiles, check_precompile
 from engine.elastic.shrink import shrink_plan
 
 
@@ -107,7 +107,6 @@ def supervise(membership: Membership, args: list[str], cfg, full: int, devices: 
         if ended is not None:
             withdraw(workdir)
             return ended
-        drop_local_tier(cfg, attempt - 1)  # (tests only)
         where = membership.after_failure()
         count = restarts(failures, full_since)
         sys.stderr.write(

@@ -1,4 +1,4 @@
-"""The restarted job's side of fault.elastic: its recovery records, and the tests' fault injection.
+"""The restarted job's side of fault.elastic: its recovery records, and growing back.
 
 The supervisor (engine/elastic/supervisor.py, pods.py) starts a restarted job with ENGINE_ELASTIC_ATTEMPT=k and
 the failures so far in the workdir's elastic-failures.json. Process 0 of that job writes, after its first step,
@@ -9,20 +9,13 @@ The time from the failure to this process's start is counted as the summary's ba
 A smaller job asked to grow back stops at a persistent checkpoint (`GrowWatch`, `GrowBack`:
 engine/elastic/grow.py); the job grown from it writes one `split: "grow"` record, its
 time from the stop counted as badput_recovery too.
-
-ENGINE_TEST_KILL_AT=process:step[:start[:local]],... (tests only) makes that process SIGKILL itself once
-it has dispatched that step, in that start of the job (ENGINE_ELASTIC_ATTEMPT; 0 when not given; `local`:
-engine/elastic/precompile.py). ENGINE_TEST_HANG_AT (the same form) makes it sleep for ever there instead:
-a hung process, which its watchdog ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -42,34 +35,12 @@ from engine.runtime.restart_protocol import (
     read_failures,
 )
 
-KILL, HANG = "ENGINE_TEST_KILL_AT", "ENGINE_TEST_HANG_AT"
 GROWN = "grow"  # the metrics.jsonl split of a growth's record
 
 
 def attempt() -> int:
     """Which start of an elastic job this is (0: the first, or no elastic launcher)."""
     return int(os.environ.get(ATTEMPT, "0") or 0)
-
-
-def kill_step() -> Optional[tuple[int, bool]]:
-    """The step after which this process kills itself (ENGINE_TEST_KILL_AT), or hangs
-    (ENGINE_TEST_HANG_AT: True), and which; None when neither names it (tests only)."""
-    for hang, variable in enumerate((KILL, HANG)):
-        for entry in filter(None, os.environ.get(variable, "").split(",")):
-            process, step, *start = (int(part) for part in entry.split(":")[:3])
-            if process == jax.process_index() and (start[0] if start else 0) == attempt():
-                return step, bool(hang)
-    return None
-
-
-def kill_if_due(at: Optional[tuple[int, bool]], done: int) -> None:
-    """SIGKILL this process once `done` reaches `at` (the tests' lost process: no clean-up), or
-    sleep for ever (the tests' hung process: its watchdog ends it)."""
-    if at is None or done < at[0]:
-        return
-    while at[1]:
-        time.sleep(60)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class GrowBack(Preempted):

@@ -16,7 +16,6 @@ from engine.checkpoint.store import Checkpointer, load_base, open_checkpoints
 from engine.config import Config
 from engine.config.objective import objective_rows
 from engine.data.chat_data import with_model
-from engine.runtime.restart_protocol import job_so_far
 from engine.errors import UsageError
 from engine.lm.finetune import base_workdir, with_frozen
 from engine.observe.perf import Goodput, Throughput, Window, summary_text
@@ -27,11 +26,12 @@ from engine.run.data_record import checked_record, own_meta
 from engine.run.evaluator import evaluate
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
-from engine.run.recovery import Recovery, kill_if_due, kill_step
+from engine.run.recovery import Recovery
 from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, starting
+from engine.runtime.restart_protocol import job_so_far
 from engine.runtime.rundir import METRICS
 from engine.runtime.watchdog import Watchdog
 from engine.state.train_state import FROZEN, REFERENCE
@@ -76,7 +76,6 @@ class RunJob:
     ):
         self.cfg, self.run, self.outputs, self.result, self.start = run.cfg, run, outputs, result, start
         self.goodput, self.recovery = goodput, recovery  # (a restarted elastic job's records, after its first step)
-        self.kill_at = kill_step()  # (tests only: ENGINE_TEST_KILL_AT)
         self.workdir = Path(self.cfg.workdir)
         self.steps_per_block, self.steps_per_call = run.inputs.steps_per_block, run.inputs.steps_per_call
         self.sync_each_step = run.sync_each_step
@@ -94,7 +93,6 @@ class RunJob:
     def step(self, state, block):
         state, metrics = self.run.compiled.train_step(state, block)
         self.done += self.steps_per_call
-        kill_if_due(self.kill_at, self.done)
         return self.sync.after(state, self.done), metrics
 
     def fetch(self, arrays: list) -> np.ndarray:

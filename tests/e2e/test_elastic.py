@@ -10,6 +10,7 @@ import time
 
 import pytest
 from support.elastic import LOCAL_EVERY, assert_unbroken_losses, local_job, records
+from support.faults import FaultAt, drop_local_tier
 
 from engine.elastic.accounting import lost
 
@@ -26,14 +27,17 @@ def test_a_killed_process_s_job_goes_on_with_the_rest_then_grows_back(tmp_path):
     ]
     # its host's local tier lost too: its shards' copy is at its peer, process 2, which goes on as
     # process 1 and finds it (and its own) in process_2/, an index the job of 2 does not have
-    kill = {"ENGINE_TEST_KILL_AT": f"{process}:{step}:0:own"}
+    dropped: list = []
+    host = lambda: dropped.extend(drop_local_tier(tmp_path / "shm", process))  # noqa: E731
+    kill = FaultAt(tmp_path / "elastic", process, step, then=host)
     began = time.time()
-    job = local_job(tmp_path / "elastic", *tier, processes=3, env=kill)
+    job = local_job(tmp_path / "elastic", *tier, processes=3)
     took = time.time() - began
+    kill.stop()
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-3000:]
     assert "[Gloo] Rank" not in job.stdout  # (gloo's connection lines, ~40 a start, are not relayed)
     assert f"process {process} was killed by signal 9 (SIGKILL)" in job.stderr
-    assert "elastic: restarting the job on 2 processes" in job.stderr and "test: removed process_1 of" in job.stderr
+    assert "elastic: restarting the job on 2 processes" in job.stderr and [p.name for p in dropped] == ["process_1"]
     assert "[0] process 0 of 2: joined the job" in job.stdout
     (recovery,) = records(tmp_path / "elastic", "recovery")
     assert recovery["lost_process"] == process and "SIGKILL" in recovery["how"]
@@ -56,10 +60,11 @@ def test_a_killed_process_s_job_goes_on_with_the_rest_then_grows_back(tmp_path):
 @pytest.mark.multiprocess
 def test_a_second_failure_with_none_left_ends_the_job_naming_both(tmp_path):
     workdir = tmp_path / "run"
-    kill = {"ENGINE_TEST_KILL_AT": "1:7:0,0:14:1"}  # process 1 at step 7; then, restarted alone, process 0
-    job = local_job(
-        workdir, "train.steps=16", "checkpoint.every_steps=4", "fault.grow_back=false", processes=2, devices=1, env=kill
-    )
+    kills = [FaultAt(workdir, 1, 7), FaultAt(workdir, 0, 14, attempt=1)]  # process 1 at step 7; then, alone, process 0
+    overrides = ["train.steps=16", "checkpoint.every_steps=4", "fault.grow_back=false"]
+    job = local_job(workdir, *overrides, processes=2, devices=1)
+    for kill in kills:
+        kill.stop()
     assert job.returncode == 1, job.stdout[-3000:] + job.stderr[-3000:]
     assert "elastic: restarting the job on 1 processes" in job.stderr
     message = job.stderr.strip().splitlines()[-1]

@@ -6,6 +6,7 @@ import re
 
 import pytest
 from support.elastic import local_job, records
+from support.faults import FaultAt
 
 INNER, LOCAL_EVERY, STEPS = 8, 5, 320
 
@@ -29,8 +30,9 @@ JOB = [
 def test_a_killed_replica_s_job_goes_on_with_three_and_converges(tmp_path):
     workdir = tmp_path / "elastic"
     tier = [f"checkpoint.local_dir={tmp_path / 'shm'}", f"checkpoint.local_every_steps={LOCAL_EVERY}"]
-    kill = {"ENGINE_TEST_KILL_AT": "2:207:0"}  # the local save at 205 mid-round (rounds of 8); persistent at 200
-    job = local_job(workdir, *JOB, *tier, processes=4, devices=1, env=kill)
+    kill = FaultAt(workdir, 2, 207)  # (logged at 208) the local save at 205 mid-round (rounds of 8); persistent at 200
+    job = local_job(workdir, *JOB, *tier, processes=4, devices=1)
+    kill.stop()
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-3000:]
     assert "process 2 was killed by signal 9 (SIGKILL)" in job.stderr, job.stderr
     assert "elastic: restarting the job on 3 processes" in job.stderr

@@ -12,6 +12,7 @@ import time
 import pytest
 from support.cli import run_cli, start_cli
 from support.elastic import JOB, assert_unbroken_losses, records
+from support.faults import FaultAt
 
 from engine.elastic.pods import STOPPED
 from engine.elastic.rendezvous import Rendezvous
@@ -43,16 +44,19 @@ def wait_for(ready, seconds: float = 120) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_lost_pod_s_job_goes_on_with_the_others_then_grows_back_when_it_returns(tmp_path):
-    env = {**DEVICES, "ENGINE_TEST_HANG_AT": "1:5:0"}  # pod-1's process stops at step 5 of round 0; then its pod dies
+    env = DEVICES
+    workdir = tmp_path / "elastic"
+    stop = FaultAt(workdir, 1, 5, sig=signal.SIGSTOP)  # pod-1's process stops at step 5 of round 0; then its pod dies
     pods = [pod(tmp_path, k, env) for k in range(PODS)]
     workdir, view = tmp_path / "elastic", Rendezvous(tmp_path / "rendezvous", "test", "", PODS)
     try:
-        wait_for(lambda: any(r["step"] >= 5 for r in records(workdir, "train")))
+        wait_for(stop.done.is_set)
         os.killpg(pods[1].pid, signal.SIGKILL)  # the pod's death: its supervisor, and its process with it
         wait_for(lambda: view.round(1) is not None)
         pods.append(pod(tmp_path, 1, env))  # the pod comes back (as a Job's restartPolicy brings it)
         codes = [p.wait(timeout=240) for p in pods]
     finally:
+        stop.stop()
         for p in pods:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import pytest
 from support import slurm_cluster
 from support.cli import child_env, run_cli
 from support.configs import ROOT
+from support.faults import FaultAt
 
 from engine.runtime.rundir import read_records
 
@@ -45,7 +46,8 @@ def losses(workdir):
 def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path):
     workdir, local = tmp_path / "elastic", tmp_path / "shm"
     tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "checkpoint.every_steps=6"]
-    env = {"JAX_PLATFORMS": "cpu", "ENGINE_TEST_KILL_AT": "1:5"}  # task 1 SIGKILLs itself at step 5
+    env = {"JAX_PLATFORMS": "cpu"}
+    kill = FaultAt(workdir, 1, 5)  # task 1 SIGKILLed once step 5 is logged
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     try:
         cluster = slurm_cluster.SlurmCluster(tmp_path / "cluster").__enter__()
@@ -62,6 +64,7 @@ def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path
             timeout=300,
         )
     finally:
+        kill.stop()
         cluster.__exit__(None, None, None)
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
     assert "task 1: Killed" in job.stderr
