@@ -244,8 +244,13 @@ class LMHead(nn.Module):
             self.param_dtype,
         )
 
-    def __call__(self, x):
+    def __call__(self, x, float32: bool = False):
+        """The logits in the compute dtype, or (`float32`) in float32 as the fused loss makes them."""
+        if float32:
+            return self.float32(x, self.kernel, jnp.dtype(self.dtype))
         return jnp.einsum("...d,dv->...v", x.astype(self.dtype), self.kernel.astype(self.dtype))
+
+    float32 = staticmethod(_logits)  # (x, kernel, dtype) → float32 logits, as the loss makes them
 
     def loss(self, x, targets, chunk: int = 0, layout: Optional[Constrainer] = None):
         """x [batch, seq, embed], targets [batch, seq] → (losses float32, correct bool), [batch, seq]."""
@@ -282,13 +287,15 @@ class _Whole:
         return self.layout(gradient, ("batch", "vocab"))
 
 
-def scaled_last(x, temperature=None, last_only: bool = False):
-    """A language model's final hidden states [batch, seq, embed] as its head takes them: the last
-    position's alone where `last_only` (a prompt's next token), divided by `temperature` (None:
-    as they are). The head is linear without a bias, so (h / T) W = (h W) / T: logits and the
-    fused loss of the temperature-scaled distribution, the loss's chunks and VJP unchanged."""
-    if last_only:
-        x = x[:, -1:]
+def scaled_last(x, norm, temperature=None, last_only: bool = False):
+    """A language model's last hidden states [batch, seq, embed] as its head takes them: the
+    final `norm` of the last position alone where `last_only` (a prompt's next token: sliced
+    before the norm, so that it is computed as a decoding step's), divided by `temperature`
+    (None: as they are). The head is linear without a bias, so (h / T) W = (h W) / T: logits and
+    the fused loss of the temperature-scaled distribution, the loss's chunks and VJP unchanged.
+    (With a temperature the models' heads give float32 logits made as the loss makes them:
+    sampled log-probabilities then equal the update's in any compute dtype.)"""
+    x = norm(x[:, -1:] if last_only else x)
     if temperature is None:
         return x
     return (x.astype(jnp.float32) / temperature).astype(x.dtype)

@@ -296,15 +296,14 @@ class Llama(nn.Module):
                     layout=self.layout,
                     name=f"layer_{i}",
                 )(x, positions, segment_ids)
-        x = scaled_last(
-            RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")(x), temperature, last_only
-        )
+        norm = RMSNorm(cfg.norm_eps, self.dtype, self.param_dtype, name="final_norm")
+        x = scaled_last(x, norm, temperature, last_only)
         if cfg.tie_embeddings:  # the embedding table [vocab, embed] is the output projection, transposed
             head: _TiedHead | LMHead = _TiedHead(embed, self.dtype)
         else:
             head = LMHead(cfg.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         if targets is None:
-            return head(x)
+            return head(x, float32=temperature is not None)
         chunk = traced_loss_chunk(cfg.loss_chunk, cfg.logits_budget_mib, targets, self.vocab_size, self.layout)
         return head.loss(x, targets, chunk, self.layout if cfg.gather_head else None)
 
@@ -338,7 +337,9 @@ class _TiedHead:
     def __init__(self, embed: nn.Embed, dtype):
         self.embed, self.dtype = embed, dtype
 
-    def __call__(self, x):
+    def __call__(self, x, float32: bool = False):
+        if float32:  # as the loss makes them
+            return LMHead.float32(x, self.embed.embedding.T, jnp.dtype(self.dtype))
         return self.embed.attend(x.astype(self.dtype))
 
     def loss(self, x, targets, chunk: int = 0, layout: Optional[Constrainer] = None):

@@ -179,10 +179,10 @@ class Transformer(nn.Module):
                 self.layout,
                 name=f"block_{i}",
             )(x, example_ids, train, dropout_rate, segment_ids)
-        x = scaled_last(layer_norm(self.dtype, self.param_dtype, "final_norm")(x), temperature, last_only)
+        x = scaled_last(x, layer_norm(self.dtype, self.param_dtype, "final_norm"), temperature, last_only)
         head = LMHead(self.d_model, self.vocab_size, self.dtype, self.param_dtype, name="lm_head")
         if targets is None:
-            return head(x)
+            return head(x, float32=temperature is not None)
         chunk = traced_loss_chunk(self.loss_chunk, self.logits_budget_mib, targets, self.vocab_size, self.layout)
         return head.loss(x, targets, chunk, self.layout if self.gather_head else None)
 

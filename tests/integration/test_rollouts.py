@@ -100,6 +100,18 @@ def test_recorded_logprobs_equal_the_update_pass_and_the_program_compiles_once(l
     assert (got.logprobs[got.completion_mask] < 0).all()
 
 
+def test_in_bfloat16_too_the_recorded_logprobs_are_the_update_passs():
+    """The heads give float32 logits made as the fused loss makes them (compute-dtype logits were
+    6e-3 apart here: the ratio at GRPO's first update would not be 1)."""
+    family, cfg = REGISTRY["llama"], LlamaConfig(**TINY, tie_embeddings=True)
+    module, decoder = (family.build(cfg, INFO, jnp.bfloat16, jnp.float32, decode=d) for d in (False, True))
+    params = jax.tree.map(lambda p: 3 * p if p.shape == (96, 32) else p, initial(module))  # sharper logits
+    tokens, mask = prompts()
+    rollout = rollouts.build_decode(decoder, SPEC, params, len(PROMPTS))(params, tokens, mask, jax.random.key(6))
+    update = np.asarray(update_logprobs(module, params, tokens, mask, rollout))
+    np.testing.assert_allclose(np.asarray(rollout.logprobs), update, rtol=0, atol=1e-5)
+
+
 def test_pad_ids_and_pad_counts_change_nothing(llama):
     module, decoder, params, decode = llama
     key = jax.random.key(5)
