@@ -27,65 +27,10 @@ from engine.config.schema import Config
 from engine.config.validate import TABLE_COLUMNS, choice_message, other_source_key, validate
 from engine.errors import UsageError
 from engine.runtime.rundir import write_atomic
+from engine.runtime.yaml_files import read_yaml_mapping, yaml_problem
 from models.configs import CONFIGS  # the model.* dataclasses, without jax or flax
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-MAX_YAML_VALUES = 100_000  # a config or sweep file expanding to more is refused (YAML alias bombs)
-
-
-def _too_many_values(data, limit: int = MAX_YAML_VALUES) -> bool:
-    """Whether `data`, with YAML aliases expanded, holds more than `limit` values (stops counting there)."""
-    count, todo = 0, [data]
-    while todo:
-        item = todo.pop()
-        count += 1
-        if count > limit:
-            return True
-        if isinstance(item, dict):
-            todo.extend(item.values())
-        elif isinstance(item, list):
-            todo.extend(item)
-    return False
-
-
-# PyYAML's safe loader in C (libyaml) where PyYAML was built with it: ~10x faster, the same
-# documents, tags refused alike; a sweep's processes each read every config and its bases
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def read_yaml_mapping(path: Path, what: str) -> dict:
-    """A YAML file (safe loading: nothing is constructed from tags) that must hold a mapping
-    of at most MAX_YAML_VALUES values once its aliases are expanded."""
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except yaml.YAMLError as e:
-        raise UsageError(f"{what} {path}{_yaml_place(e)} is not valid YAML: {_yaml_problem(e)}") from None
-    if _too_many_values(data):
-        raise UsageError(
-            f"{what} {path} expands to more than {MAX_YAML_VALUES:,} values (through YAML aliases "
-            "&name / *name?); write the values out"
-        )
-    if data is None:
-        raise UsageError(
-            f"{what} {path} is empty; it must hold a mapping of keys (see configs/ and docs/configuration.md)"
-        )
-    if not isinstance(data, dict):
-        raise UsageError(f"{what} {path} must hold a mapping of keys, not {type(data).__name__}")
-    return data
-
-
-def _yaml_place(error: yaml.YAMLError) -> str:
-    """':line:column' of a YAML error, where PyYAML knows it."""
-    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
-    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    return getattr(error, "problem", None) or str(error).splitlines()[0]
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -264,7 +209,7 @@ def load_config(
             yaml.safe_load(value)
         except yaml.YAMLError as e:
             raise UsageError(
-                f"override '{item}': the value is not valid YAML ({_yaml_problem(e)}); close its "
+                f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); close its "
                 f"brackets and quotes, e.g. {key}=[256,128]"
             ) from None
     try:

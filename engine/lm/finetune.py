@@ -26,9 +26,9 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
 from contract.adapters import NO_ADAPTATION, Adaptation, targeted
-from engine.config import read_yaml_mapping
 from engine.errors import UsageError
 from engine.runtime.rundir import SUMS
+from engine.runtime.yaml_files import read_yaml_mapping
 from engine.state.train_state import FROZEN
 from models.projection import PackedNF4, dequantized, quantize_kernel
 
