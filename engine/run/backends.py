@@ -152,8 +152,29 @@ def compile_jit(
         in_shardings=(weights_of(shapes.state_shardings), batch_sharding),
         out_shardings=sharding.replicated(mesh),
     )
-    evaluate = jitted_eval.lower(weights_of(shapes.state), eval_batch).compile()
+    # compiled at its first use: a run that never evaluates (a plan's train step, a test's steps) skips it
+    evaluate = OnFirstUse(lambda: jitted_eval.lower(weights_of(shapes.state), eval_batch).compile())
     return Compiled(train_step=program, eval_step=evaluate, compile_seconds=compile_seconds, program=program, **common)
+
+
+class OnFirstUse:
+    """A compiled program that is compiled when first called or asked about (memory_analysis, ...)."""
+
+    def __init__(self, compile_program: Callable[[], Any]):
+        self._compile, self._program = compile_program, None
+
+    def program(self):
+        if self._program is None:
+            self._program = self._compile()
+        return self._program
+
+    def __call__(self, *args):
+        return self.program()(*args)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # (not the program's: this object's own, not yet set)
+            raise AttributeError(name)
+        return getattr(self.program(), name)
 
 
 def _train_input(mesh: Mesh, shapes: Shapes, resident) -> tuple[Callable, Any, Any]:
