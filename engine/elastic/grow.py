@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine.errors import UsageError
+from engine.parallel.strategies import strategy_of
 from engine.runtime.restart_protocol import GREW as GREW
 from engine.runtime.restart_protocol import GROW as GROW
 from engine.runtime.restart_protocol import GROW_EXIT as GROW_EXIT
@@ -47,8 +48,8 @@ POLL_SECONDS = 30.0  # SLURM: how often the driver asks sinfo whether the alloca
 
 def note_growth(cfg) -> None:
     """Says at start when a job that shrinks could not grow back as fault.grow_back means (no
-    persistent checkpoint before the end; DiLoCo's only at the checkpoints that end a round)."""
-    every, inner = cfg.checkpoint.every_steps, cfg.diloco.inner_steps
+    persistent checkpoint before the end; a strategy with rounds, DiLoCo's, only at the checkpoints that end one)."""
+    every, strategy = cfg.checkpoint.every_steps, strategy_of(cfg)
     if not cfg.fault.grow_back:
         return
     if not every:
@@ -56,12 +57,11 @@ def note_growth(cfg) -> None:
             "note: fault.grow_back: checkpoint.every_steps=0 saves no persistent checkpoint before the end, so a job "
             "that shrinks does not grow back; set checkpoint.every_steps\n"
         )
-    elif cfg.train.sync == "diloco" and every % inner:
+    elif every % (round_steps := strategy.round_steps(cfg)):
         sys.stderr.write(
-            f"note: fault.grow_back: a DiLoCo job grows back only at a persistent checkpoint that ends a round (every "
-            f"{math.lcm(every, inner)} steps here); make checkpoint.every_steps a multiple of diloco.inner_steps "
-            f"({inner})"
-            "\n"
+            f"note: fault.grow_back: a train.sync={cfg.train.sync} job grows back only at a persistent checkpoint that "
+            f"ends a round (every {math.lcm(every, round_steps)} steps here); make checkpoint.every_steps a multiple "
+            f"of {strategy.round_setting} ({round_steps})\n"
         )
 
 

@@ -14,6 +14,7 @@ import math
 
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
+from engine.parallel.strategies import strategy_of
 
 
 def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
@@ -27,11 +28,7 @@ def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
             f"fault.elastic=true: fault.min_processes={fault.min_processes} leaves no smaller job for "
             f"{processes} processes to go on with; set fault.min_processes below {processes}"
         )
-    if cfg.train.sync == "diloco" and cfg.finetune.base:
-        raise UsageError(
-            "fault.elastic=true with train.sync=diloco and finetune.base: continuing on fewer DiLoCo replicas is "
-            "not built for a frozen base yet; set fault.elastic=false (a lost process then ends the job)"
-        )
+    strategy = strategy_of(cfg)  # (train.sync's answers: engine/parallel/strategies.py)
     sizes = {axis: getattr(cfg.mesh, axis) for axis in CONFIG_AXES}
     derived = [axis for axis, size in sizes.items() if size == -1 and axis != "data"]
     if derived:
@@ -51,23 +48,8 @@ def shrink_plan(cfg, processes: int, devices: int) -> dict[int, list[str]]:
                 f"where the data axis is the one that shrinks: {problem}. Fix: {_fix(cfg, counts, devices, others)}"
             )
         plans[count] = overrides
-        _check_replicas(cfg, count, processes, count * devices // others)
+        strategy.check_resize(cfg, count, processes, count * devices // others)  # (DiLoCo: 2 replicas or more)
     return plans
-
-
-def _check_replicas(cfg, count: int, processes: int, data: int) -> None:
-    """train.sync=diloco: UsageError when a job of `count` processes (mesh.data = `data`) would hold
-    fewer than 2 replicas (its replica axis shrinks with the data axis: diloco_shrink.py)."""
-    if cfg.train.sync != "diloco":
-        return
-    axis = cfg.diloco.replica_axis
-    replicas = cfg.mesh.dcn_data * count // processes if axis == "dcn_data" else data
-    if replicas < 2:
-        raise UsageError(
-            f"fault.elastic=true with train.sync=diloco: a job of {count} processes would hold {replicas} "
-            f"replica(s) (diloco.replica_axis={axis}), and DiLoCo needs 2 or more; raise fault.min_processes "
-            f"above {count}"
-        )
 
 
 def _layout(cfg, count: int, processes: int, devices: int, others: int, batch_others: int):
