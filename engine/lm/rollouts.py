@@ -68,8 +68,12 @@ class DecodeSpec:
             for name, value, rule, ok in (
                 ("max_prompt_tokens", self.max_prompt_tokens, ">= 1", self.max_prompt_tokens >= 1),
                 ("max_completion_tokens", self.max_completion_tokens, ">= 1", self.max_completion_tokens >= 1),
-                ("temperature", self.temperature, "a finite number > 0", math.isfinite(self.temperature)),
-                ("temperature", self.temperature, "a finite number > 0", self.temperature > 0),
+                (
+                    "temperature",
+                    self.temperature,
+                    "a finite number > 0",
+                    math.isfinite(self.temperature) and self.temperature > 0,
+                ),
                 ("top_p", self.top_p, "in (0, 1]", 0 < self.top_p <= 1),
                 ("top_k", self.top_k, ">= 0", self.top_k >= 0),
             )

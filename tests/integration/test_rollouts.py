@@ -221,6 +221,7 @@ def test_rollout_keys_are_a_function_of_seed_and_step():
     "change, message",
     [
         ({"temperature": 0.0}, "temperature=0.0 must be a finite number > 0"),
+        ({"temperature": float("inf")}, "temperature=inf must be a finite number > 0"),
         ({"top_p": 0.0}, "top_p=0.0 must be in (0, 1]"),
         ({"max_completion_tokens": 0}, "max_completion_tokens=0 must be >= 1"),
     ],
