@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import jax
 
-from engine.config import DistributedConfig
 from engine.errors import DistributedError, UsageError, exit_now
 from engine.runtime.preemption import release_signals
 
@@ -85,8 +84,9 @@ def detected_cluster() -> Optional[str]:
     return None
 
 
-def initialize(cfg: DistributedConfig) -> str:
-    """Starts jax.distributed when the job has several processes; returns how they were found."""
+def initialize(cfg) -> str:
+    """Starts jax.distributed when the job has several processes; returns how they were found.
+    `cfg`: the config's `distributed` section (engine/config/schema.py's DistributedConfig)."""
     found = _job(cfg)
     if found is None:
         return "single process" if not os.environ.get("TF_CONFIG") else "TF_CONFIG (single process)"
@@ -132,7 +132,7 @@ def initialize(cfg: DistributedConfig) -> str:
     return source
 
 
-def _job(cfg: DistributedConfig) -> Optional[tuple[str, dict[str, Any]]]:
+def _job(cfg) -> Optional[tuple[str, dict[str, Any]]]:
     """(how the processes were found, jax.distributed.initialize's arguments), or None for a job
     of one process: explicit settings, else a cluster JAX detects, else TF_CONFIG."""
     if cfg.coordinator_address or cfg.num_processes > 1:
