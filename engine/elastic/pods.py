@@ -101,6 +101,11 @@ def run_pod_job(args: list[str], cfg, where: str, processes: int, devices: int, 
     except Stopped as e:
         sys.stderr.write(f"elastic: pod {member}: {e}\n")
         return e.code
+    except ConnectionError as e:  # (the rendezvous's store is gone: this pod cannot take part any more)
+        sys.stderr.write(f"error: elastic: pod {member}: {e}; its process was stopped\n")
+        if supervisor.child is not None and supervisor.child.poll() is None:
+            os.killpg(supervisor.child.pid, signal.SIGKILL)
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -33,7 +34,8 @@ Token = Any  # a backend's fencing token: None when there is no state yet
 
 ETCD = "etcd://"
 STATE, LOCK = "state.json", "state.lock"
-TIMEOUT_SECONDS = 10.0  # one etcd request (a partitioned pod's supervisor stops waiting, and says so)
+TIMEOUT_SECONDS = 10.0  # one etcd request
+RETRY_SECONDS = 30.0  # how long requests that fail to reach etcd are tried again (an election, a blip) before giving up
 
 
 class RendezvousBackend(Protocol):
@@ -124,12 +126,20 @@ class EtcdBackend:
         self.key = f"/{prefix}/state"
 
     def _call(self, what: str, function, *args):
-        from etcd3gw.exceptions import Etcd3Exception
+        """`function(*args)`, tried again for RETRY_SECONDS while etcd cannot be reached; then
+        ConnectionError naming what failed."""
+        from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
-        try:
-            return function(*args)
-        except Etcd3Exception as e:
-            raise ConnectionError(f"etcd at {self.name}: {what} failed ({e})") from None
+        deadline = time.monotonic() + RETRY_SECONDS
+        while True:
+            try:
+                return function(*args)
+            except (ConnectionFailedError, ConnectionTimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"etcd at {self.name} cannot be reached: {what} failed ({e})") from None
+            except Etcd3Exception as e:
+                raise ConnectionError(f"etcd at {self.name}: {what} failed ({e})") from None
+            time.sleep(0.5)
 
     def get_state(self) -> tuple[Optional[bytes], Token]:
         found = self._call("reading the state", self.client.get, self.key, True)

@@ -3,6 +3,7 @@ a shared directory and on a real etcd server; and how --rendezvous names one."""
 
 import sys
 import threading
+import time
 
 import pytest
 from support.etcd_server import etcd_server  # noqa: F401 (a fixture)
@@ -65,3 +66,14 @@ def test_rendezvous_names_a_directory_or_an_etcd_prefix(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x\n")
     with pytest.raises(UsageError, match=r"not a directory this pod can use"):
         backend_for(str(tmp_path / "file"))
+
+
+def test_an_etcd_that_cannot_be_reached_is_tried_again_then_named(monkeypatch):
+    pytest.importorskip("etcd3gw")
+    from engine.elastic import stores
+
+    monkeypatch.setattr(stores, "RETRY_SECONDS", 1.0)
+    began = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"etcd at etcd://127.0.0.1:1/jobs/a cannot be reached: reading"):
+        backend_for("etcd://127.0.0.1:1/jobs/a").get_state()
+    assert time.monotonic() - began >= 1.0  # (tried again for RETRY_SECONDS first)
