@@ -31,16 +31,9 @@ import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # `import support` from every tier (as pyproject.toml's pythonpath does)
+sys.path.insert(0, str(ROOT / "tests"))  # `import support` from every tier
 
-# (until the last flat test files move into the tiers: their `from conftest import ...`)
-from support.cli import child_env, run_cli, start_cli, wait_until, wrote_metrics  # noqa: E402, F401
-from support.configs import (  # noqa: E402, F401
-    QUIET,  # noqa: E402
-    RATES,
-    TINY_GPT,
-    TINY_LLAMA,
-)
+from support.configs import QUIET  # noqa: E402
 
 from engine.config import load_config  # noqa: E402
 from engine.runtime import settings as process  # noqa: E402

@@ -15,7 +15,7 @@ def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(m
     config file's step 1000."""
     import time
 
-    from conftest import run_cli
+    from support.cli import run_cli
 
     workdir = tmp_path / "run"
     fit(
@@ -33,7 +33,7 @@ def test_the_evaluator_reads_the_runs_own_config_and_stops_when_it_is_finished(m
 
 @pytest.mark.slow
 def test_the_evaluator_stops_when_the_run_it_watches_is_dead(make_config, tmp_path):
-    from conftest import run_cli
+    from support.cli import run_cli
 
     workdir = tmp_path / "run"
     fit(
@@ -55,7 +55,8 @@ def test_the_readme_serving_snippet_runs_as_written(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, run_cli
+    from support.cli import run_cli
+    from support.configs import ROOT
 
     readme = (ROOT / "docs" / "checkpoints.md").read_text()
     snippet = readme.split("<!-- serving snippet: tests/e2e/test_first_run_e2e.py runs it as written -->", 1)[1]

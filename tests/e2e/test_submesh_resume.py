@@ -8,8 +8,9 @@ import signal
 
 import pytest
 import yaml
+from support.cli import start_cli, wait_until
+from support.configs import ROOT
 
-from conftest import ROOT, start_cli, wait_until
 from engine.config import load_config
 from engine.runtime.rundir import read_records, read_status
 

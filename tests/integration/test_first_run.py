@@ -75,7 +75,7 @@ def test_a_watcher_started_before_the_run_follows_the_runs_own_config_once_writt
 def test_the_readme_stays_a_front_page():
     """README.md is the setup, the run and the test commands and a map of the docs, in at most
     150 lines; recipes and snippets live in docs/, where their tests follow them."""
-    from conftest import ROOT
+    from support.configs import ROOT
 
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 150, "README.md is over 150 lines: move the detail into docs/"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from support.configs import TINY_LLAMA
 
-from conftest import TINY_LLAMA
 from engine.config import objective as objective_table
 from engine.config.objective_record import Objective
 from engine.errors import UsageError

@@ -10,7 +10,7 @@ from support.configs import ROOT
 from engine.cli import main
 
 # a run that stops early (the prefetcher is ahead of the loop when it ends), with evaluations,
-# checkpoints and the watchdog, as tests/test_early_stop.py's runs
+# checkpoints and the watchdog, as tests/e2e/test_early_stop_e2e.py runs
 EARLY = [
     "mesh.num_devices=1",
     "train.steps=200",

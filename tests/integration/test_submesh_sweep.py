@@ -7,8 +7,8 @@ import json
 
 import pytest
 import yaml
+from support.configs import ROOT
 
-from conftest import ROOT
 from engine.config import load_config
 from engine.runtime.rundir import read_records
 from engine.sweep import load_sweep

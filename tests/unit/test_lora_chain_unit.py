@@ -12,7 +12,8 @@ from engine.errors import UsageError
 def test_a_base_whose_config_does_not_read_as_a_run_s_is_a_usage_error(tmp_path):
     """finetune.base's config.yaml hand-edited (a section that is not a mapping) was an
     AttributeError or TypeError traceback."""
-    from conftest import ROOT
+    from support.configs import ROOT
+
     from engine.lm.finetune import BaseWeights
 
     (tmp_path / "lora" / "checkpoints").mkdir(parents=True)

@@ -2,26 +2,21 @@
 against the reference run in the step, β as a step input (a vectorised β × learning-rate grid),
 and the FLOPs a DPO step counts (engine/observe/perf.py)."""
 
-import json
-import math
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_chat_data import write_jsonl, write_model_dir
-from test_dpo import hand_batch, nbytes, setup
+from support.dpo import hand_batch, nbytes, setup
 
-from conftest import QUIET, ROOT, run_cli
 from engine.config import shape_differences
 from engine.config.dpo_objective import DPO_BETA, REF_LOGPS
 from engine.config.objective import objective_of
-from engine.errors import UsageError
 from engine.objectives.dpo_part import make_dpo_loss_fn
 from engine.observe.perf import analytic_per_example
 from engine.parallel.mesh import make_mesh
-from engine.run.reference_logps import DIRECTORY, _read, _write, check_trained, compute, values_digest
+from engine.run.reference_logps import compute
 from engine.run.setup import run_hparams
 from engine.run.step import make_eval_step, make_train_step, weights_of
 from engine.state.train_state import REFERENCE
@@ -60,37 +55,6 @@ def test_precomputed_state_holds_no_reference_and_batches_stand_for_it(make_conf
         np.testing.assert_allclose(float(given[name]), float(on_the_fly[name]), rtol=1e-5)
     off = sums(moved, lean.model_state, dict(batch, **{REF_LOGPS: ref + 1.0}))  # they are what is used
     assert abs(float(off["rewards_chosen"]) - float(on_the_fly["rewards_chosen"])) > 0.1
-
-
-@pytest.mark.nocompile
-def test_the_reference_cache_is_read_only_with_the_checksum_it_was_written_with(tmp_path):
-    """KEY.json beside KEY.npy: a column shifted by 3.0, one flipped bit, or no KEY.json is not
-    read (computed again, with a note); a resumed run's values must be the ones it trained with."""
-    rng = np.random.default_rng(0)
-    values = -rng.uniform(1, 30, (12, 2)).astype(np.float32)
-    path = tmp_path / "0123.npy"
-    _write(path, values, {"pairs": "abc"})
-    read, problem = _read(path, 12)
-    np.testing.assert_array_equal(read, values)
-    assert problem == "" and json.loads(path.with_suffix(".json").read_text())["inputs"] == {"pairs": "abc"}
-    shifted = values.copy()
-    shifted[:, 1] += 3.0
-    flipped = values.copy()
-    flipped.view(np.uint32)[5, 0] ^= 1 << 23  # an exponent bit: a finite value of another size
-    for damaged in (shifted, flipped):
-        np.save(path, damaged)
-        assert _read(path, 12) == (
-            None,
-            f"not the values written (their sha256 is not the one {path.with_suffix('.json')} records)",
-        )
-    _write(path, values, {})
-    path.with_suffix(".json").unlink()
-    read, problem = _read(path, 12)
-    assert read is None and problem.startswith("without a readable checksum")
-    check_trained(values, values_digest(values), path)  # (the values trained with: nothing to say)
-    check_trained(values, "", path)  # (a run from before the record)
-    with pytest.raises(UsageError, match=f"{path} does not hold the reference log-probabilities this run trained"):
-        check_trained(shifted, values_digest(values), path)
 
 
 def per_pair(fn, state, batch, i, side):
@@ -155,57 +119,3 @@ def plan_info(cfg):
     from engine.data import load_dataset
 
     return load_dataset(cfg.data).info
-
-
-def cli_args(tmp_path, workdir, *extra):
-    model = tmp_path / "model"
-    if not model.exists():
-        model.mkdir()
-        write_model_dir(model)
-    prompts = ["the cat sat", "hello there", "on the mat", "be brief"]
-    records = [{"prompt": f"{prompts[i % 4]} {i}", "chosen": "hello", "rejected": "the mat"} for i in range(20)]
-    path = write_jsonl(tmp_path / "pairs.jsonl", records)
-    return [
-        "train", "--config", str(ROOT / "configs" / "mnist_mlp.yaml"), "model.name=llama", "model.num_layers=2",
-        "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_dim=48", f"data.path={path}",
-        "data.eval_fraction=0.2", f"data.tokenizer={model}", "data.seq_len=24", "train.global_batch_size=4",
-        "optimizer.learning_rate=0.01", "log.every_steps=1", "eval.every_steps=2", "checkpoint.every_steps=2",
-        "data.name=preferences", "train.objective=dpo", *QUIET, "--workdir", str(workdir), *extra,
-    ]  # fmt: skip
-
-
-def losses(workdir):
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["split"], r["step"], r["loss"], r["rewards/margins"]) for r in records if "loss" in r]
-
-
-def test_precomputed_run_trains_as_the_reference_in_the_step(tmp_path):
-    """Full fine-tuning, 4 steps: the same losses with the reference precomputed as with it in the
-    step (rtol 1e-5); the cache is read again by a resumed run, and a damaged one computed again."""
-    plain, pre = tmp_path / "plain", tmp_path / "pre"
-    proc = run_cli(*cli_args(tmp_path, plain, "train.steps=4"))
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli(*cli_args(tmp_path, pre, "train.steps=2", "dpo.precompute_reference=true"))
-    assert proc.returncode == 0, proc.stderr
-    assert "computed once, cached in" in proc.stdout, proc.stdout
-    (cache,) = (pre / DIRECTORY).glob("*.npy")
-    values = np.load(cache)
-    assert values.shape == (20, 2) and np.all(values < 0)
-    shifted = values.copy()
-    shifted[:, 0] += 3.0  # one column changed and its KEY.json written to match (issue 57): not the run's values
-    _write(cache, shifted, json.loads(cache.with_suffix(".json").read_text())["inputs"])
-    proc = run_cli(*cli_args(tmp_path, pre, "train.steps=3", "dpo.precompute_reference=true"))  # resumed at 2
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "were not the values this run trained with (its checkpoint records another sha256)" in proc.stdout
-    np.testing.assert_array_equal(np.load(cache), values)
-    cache.write_bytes(b"not an array")
-    proc = run_cli(*cli_args(tmp_path, pre, "train.steps=4", "dpo.precompute_reference=true"))  # resumed at 3
-    assert proc.returncode == 0 and "were unreadable" in proc.stdout, proc.stdout + proc.stderr
-    np.testing.assert_array_equal(np.load(cache), values)
-    meta_file = pre / "checkpoints" / "4" / "meta" / "metadata"
-    meta = json.loads(meta_file.read_text())
-    assert meta["reference_logps"] == {"sha256": values_digest(values)}  # what the run trained with
-    got, want = {r[:2]: r[2:] for r in losses(pre)}, losses(plain)  # (pre: an eval at the end of steps=3 too)
-    assert len(want) == 6 and all(r[:2] in got for r in want)
-    np.testing.assert_allclose([got[r[:2]] for r in want], [r[2:] for r in want], rtol=1e-5, atol=1e-7)
-    assert math.isclose(want[0][2], math.log(2), rel_tol=1e-5)

@@ -3,26 +3,20 @@ transformers' where it is installed), scanned = unscanned, generation with a key
 equals step-by-step argmax, and Hugging Face checkpoints round-trip bit for bit."""
 
 import dataclasses
-import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.llama import INFO, LLAMA, TINY, ours_from_hf_dir, transformers_logits, write_hf_checkpoint
 
-from conftest import TINY_LLAMA, run_cli, start_cli, wait_until
-from engine.data import DataInfo
 from engine.observe.perf import compiled_flops
 from engine.parallel.sharding import unbox
 from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
 from models import REGISTRY, sampling
 from models.llama import LlamaConfig
-
-INFO = DataInfo("tokens", 8, 8, vocab_size=61, seq_len=12)
-TINY = dict(num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, mlp_dim=48, rope_theta=10000.0)
-LLAMA = TINY_LLAMA
 
 
 def init(cfg: LlamaConfig, info=INFO, seed=0):
@@ -177,97 +171,6 @@ def test_greedy_generation_with_the_cache_equals_argmax_without_it():
     assert hot[0] == hot[1] != hot[2]  # a seed gives one text; another seed another
 
 
-def write_hf_checkpoint(path, cfg: LlamaConfig, vocab: int, shards: int = 1):
-    """A random model in Hugging Face's layout (config.json + safetensors), made without torch."""
-    from safetensors.numpy import save_file
-
-    from models import llama_hf
-
-    rng = np.random.default_rng(0)
-    path.mkdir(parents=True)
-    hf = llama_hf.config_to_hf(dataclasses.replace(cfg, vocab_size=vocab), INFO)
-    (path / "config.json").write_text(json.dumps(hf))
-    tensors = {}
-    for tensor in llama_hf.tensors(cfg):
-        for name in tensor.names:
-            shape = _hf_shape(name, cfg, vocab)
-            tensors[name] = rng.standard_normal(shape).astype(np.float32) * 0.1
-    names = sorted(tensors)
-    parts = [names[i::shards] for i in range(shards)]
-    weight_map = {}
-    for i, part in enumerate(parts):
-        file = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(path / file))
-        weight_map.update({n: file for n in part})
-    if shards > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return tensors
-
-
-def _hf_shape(name: str, cfg: LlamaConfig, vocab: int) -> tuple[int, ...]:
-    d, q, kv, mlp = cfg.d_model, cfg.num_heads * cfg.head_width, cfg.kv_heads * cfg.head_width, cfg.mlp_dim
-    table = {
-        "embed_tokens": (vocab, d),
-        "lm_head": (vocab, d),
-        "q_proj": (q, d),
-        "k_proj": (kv, d),
-        "v_proj": (kv, d),
-        "o_proj": (d, q),
-        "gate_proj": (mlp, d),
-        "up_proj": (mlp, d),
-        "down_proj": (d, mlp),
-        "q_norm": (cfg.head_width,),
-        "k_norm": (cfg.head_width,),
-    }
-    for key, shape in table.items():
-        if key in name:
-            return shape
-    return (d,)  # the RMSNorm scales
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("shards", [1, 3])
-def test_hugging_face_import_then_export_is_bit_exact(tmp_path, shards):
-    cfg = LlamaConfig(**{**TINY, "qk_norm": shards == 3})
-    original = write_hf_checkpoint(tmp_path / "hf", cfg, vocab=256, shards=shards)
-    common = [
-        "data.name=synthetic_text",
-        "data.vocab_size=256",
-        "data.seq_len=12",
-        "data.num_examples=64",
-        "train.global_batch_size=8",
-        "log.progress=false",
-        "log.tensorboard=false",
-    ]
-    proc = run_cli(
-        "import-hf",
-        str(tmp_path / "hf"),
-        "--workdir",
-        str(tmp_path / "run"),
-        *common,
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("export", "--workdir", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr
-    from engine.lm.hf import _Reader, _tensor_files
-
-    read = _Reader(_tensor_files(tmp_path / "out"))
-    assert sorted(read.files) == sorted(original)
-    for name, value in original.items():
-        np.testing.assert_array_equal(read(name), value, err_msg=name)
-    exported = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert exported["num_key_value_heads"] == 2 and exported["num_hidden_layers"] == 3
-
-
-def test_unsupported_hugging_face_settings_are_refused_by_name(tmp_path):
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**TINY), vocab=256)
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
-    proc = run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(tmp_path / "run"))
-    assert proc.returncode == 2 and "attention_bias=True" in proc.stderr and "Traceback" not in proc.stderr
-
-
 def test_a_tokenizer_without_an_end_of_text_token_is_refused_naming_what_works(tmp_path):
     """The standard library the written config would train on ends each module with an end-of-text
     token; a tokenizer with none is refused at import (nothing written), naming a route that
@@ -300,33 +203,6 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused_naming_what_works(t
     assert (run / "checkpoints" / "0").is_dir()
 
 
-def ours_from_hf_dir(path, info=INFO):
-    """Our module and parameters, read from a Hugging Face directory through models/llama_hf.py."""
-    from engine.lm.hf import _Reader, _tensor_files
-    from models import llama_hf
-
-    read = _Reader(_tensor_files(path))
-    settings = llama_hf.config_from_hf(json.loads((path / "config.json").read_text()))
-    settings.pop("name")
-    cfg = LlamaConfig(**settings)
-    params = {}
-    for tensor in llama_hf.tensors(cfg):
-        layers = [tensor.to_ours(read(name)) for name in tensor.names]
-        node = params
-        for key in tensor.path[:-1]:
-            node = node.setdefault(key, {})
-        node[tensor.path[-1]] = np.stack(layers) if tensor.stacked else layers[0]
-    return REGISTRY["llama"].build(cfg, info, jnp.float32, jnp.float32), params
-
-
-def transformers_logits(path, tokens):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    with torch.no_grad():
-        return reference(torch.tensor(tokens)).logits.numpy()
-
-
 def test_logits_equal_transformers_llama(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -336,92 +212,3 @@ def test_logits_equal_transformers_llama(tmp_path):
     module, params = ours_from_hf_dir(tmp_path / "hf")
     logits = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
     np.testing.assert_allclose(np.asarray(logits), transformers_logits(tmp_path / "hf", tokens), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
-def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**{**TINY, "qk_norm": qk_norm}), vocab=256)
-    run = tmp_path / "run"
-    common = [
-        "data.name=synthetic_text",
-        "data.vocab_size=256",
-        "data.seq_len=12",
-        "data.num_examples=64",
-        "train.global_batch_size=8",
-        "log.progress=false",
-        "log.tensorboard=false",
-    ]
-    assert run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(run), *common).returncode == 0
-    trained = run_cli("--config", str(run / "config.yaml"), "--workdir", str(run), "train.steps=3")
-    assert trained.returncode == 0, trained.stderr  # fine-tunes from the imported step 0
-    proc = run_cli("export", "--workdir", str(run), "--format", "hf", "--out", str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr
-    tokens = np.random.default_rng(4).integers(0, 256, (2, 12))
-    module, params = ours_from_hf_dir(tmp_path / "out", DataInfo("tokens", 8, 8, vocab_size=256, seq_len=12))
-    ours = module.apply({"params": params}, jnp.asarray(tokens, jnp.int32), train=False)
-    theirs = transformers_logits(tmp_path / "out", tokens)
-    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
-    imported, imported_params = ours_from_hf_dir(tmp_path / "hf", DataInfo("tokens", 8, 8, vocab_size=256, seq_len=12))
-    before = imported.apply({"params": imported_params}, jnp.asarray(tokens, jnp.int32), train=False)
-    assert not np.allclose(before, ours)  # the three steps of training changed the model
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["model.num_experts=4", "model.experts_per_token=2", "model.expert_capacity_factor=1.0"],
-        ["model.num_experts=4", "model.experts_per_token=2", "model.moe_dispatch=ragged"],
-        ["finetune.lora.rank=4", "finetune.lora.dropout=0.1", "finetune.base_dtype=nf4", "train.matmul_dtype=int8"],
-    ],
-    ids=["moe", "moe-ragged", "qlora"],
-)
-def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
-    """Exact resume holds for scanned (stacked) parameters too, and for a mixture of experts
-    (its routing, dropped tokens and load-balancing metrics included). (A dense Llama's own
-    case: the MoE runs train every stacked parameter, the QLoRA run the dense layers.)"""
-    from engine.runtime.rundir import read_records
-
-    args = [
-        *LLAMA,
-        *extra,
-        "train.steps=12",
-        "checkpoint.every_steps=3",
-        "log.every_steps=1",
-        "log.progress=false",
-        "log.tensorboard=false",
-        "eval.every_steps=0",
-        "data.steps_per_transfer=1",
-    ]
-
-    def start(workdir):
-        return start_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *args)
-
-    def train_records(workdir):
-        return [
-            (r["step"], r["loss"], r.get("moe_aux_loss"), r.get("moe_dropped_tokens"))
-            for r in read_records(workdir / "metrics.jsonl")
-            if r["split"] == "train"
-        ]
-
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert start(reference).wait(timeout=300) == 0
-    proc = start(killed)
-    wait_until(lambda: train_records(killed) and train_records(killed)[-1][0] >= 7, proc, 240, poll=0.05)
-    proc.kill()
-    proc.wait()
-    assert train_records(killed)[-1][0] < 12
-    proc = start(killed)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert train_records(killed) == train_records(reference)
-    assert (train_records(reference)[0][2] is not None) == any("num_experts" in e for e in extra)  # MoE: routing
-    import orbax.checkpoint as ocp
-
-    saved = [
-        ocp.PyTreeCheckpointer().restore(path / "checkpoints" / "12" / "state")["params"]
-        for path in (killed, reference)
-    ]
-    jax.tree.map(np.testing.assert_array_equal, *saved)

@@ -2,33 +2,20 @@
 the reference under LoRA and full fine-tuning, response-only sequence log-probabilities, the
 metrics' flow, and its config checks."""
 
-import dataclasses
-import json
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_chat_data import write_jsonl, write_model_dir
+from support.dpo import SEQ, eval_sums, hand_batch, nbytes, pairs, per_pair, setup
 
-from conftest import QUIET, ROOT, TINY_LLAMA, run_cli
 from engine.config.dpo_objective import DPO, DPO_SUMS
-from engine.config.objective import check_objective
-from engine.data import load_dataset
-from engine.errors import UsageError
 from engine.objectives.dpo_part import dpo_losses, make_dpo_loss_fn
-from engine.parallel.mesh import make_mesh
 from engine.run.columns import MetricColumns, pack_metrics
-from engine.run.optimizer import make_optimizer
-from engine.run.setup import build_model, run_hparams
-from engine.run.state import state_plan
 from engine.run.step import make_train_step
 from engine.state.train_state import FROZEN, REFERENCE
 from models.family import NextToken
-
-SEQ = 16
 
 
 def np_logsigmoid(x):
@@ -53,54 +40,6 @@ def test_losses_are_trls(loss, ls, beta):
     pc, pr, rc, rr = (rng.normal(-20, 5, 8).astype(np.float32) for _ in range(4))
     got = dpo_losses(*map(jnp.asarray, (pc, pr, rc, rr)), beta, loss, ls)
     np.testing.assert_allclose(np.asarray(got), trl_loss(pc, pr, rc, rr, beta, loss, ls), rtol=1e-5, atol=1e-6)
-
-
-def pairs(prompts, chosen, rejected):
-    """A batch in interfaces.md's format from token lists: [pairs, 2, SEQ + 1] right-padded."""
-    n = len(prompts)
-    batch = {k: np.zeros((n, 2, SEQ + 1), np.int32) for k in ("tokens", "segments", "positions", "loss_mask")}
-    for i, prompt in enumerate(prompts):
-        for j, response in enumerate((chosen[i], rejected[i])):
-            row = list(prompt) + list(response)
-            batch["tokens"][i, j, : len(row)] = row
-            batch["segments"][i, j, : len(row)] = 1
-            batch["positions"][i, j, : len(row)] = np.arange(len(row))
-            batch["loss_mask"][i, j, len(prompt) : len(row)] = 1
-    return {k: jnp.asarray(v) for k, v in batch.items()}
-
-
-def hand_batch():
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 64, n) for n in (5, 3, 7)]
-    chosen = [rng.integers(1, 64, n) for n in (4, 9, 2)]
-    rejected = [rng.integers(1, 64, n) for n in (6, 2, 9)]
-    return pairs(prompts, chosen, rejected), prompts, chosen, rejected
-
-
-def setup(make_config, *overrides, dpo=()):
-    """(cfg, family, module, state, tx, state plan) of a tiny Llama whose train.objective is dpo (the config is
-    loaded as an lm run on synthetic text: the preference loader is another module's)."""
-    cfg = make_config("mnist_mlp.yaml", *TINY_LLAMA, f"data.seq_len={SEQ}", *overrides)
-    cfg = dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, objective="dpo"), dpo=dataclasses.replace(cfg.dpo, **dict(dpo))
-    )
-    info = load_dataset(cfg.data).info
-    family, module = build_model(cfg, info)
-    tx = make_optimizer(cfg.optimizer)
-    plan = state_plan(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), family, module, info, tx, run_hparams(cfg))
-    return cfg, family, module, plan.create(), tx, plan
-
-
-def eval_sums(loss_fn):
-    """The jitted metric sums of an eval call of `loss_fn` (params, model_state, batch)."""
-    return jax.jit(lambda p, s, b: loss_fn(p, s, b, None, False)[1][0])
-
-
-def per_pair(fn, params, model_state, batch):
-    """Each pair's metrics (a batch mask selecting it alone; `fn`: eval_sums's), as {name: [pairs]}."""
-    n = batch["tokens"].shape[0]
-    rows = [jax.device_get(fn(params, model_state, dict(batch, mask=jnp.eye(n)[i]))) for i in range(n)]
-    return {name: np.array([float(r[name]) for r in rows]) for name in rows[0]}
 
 
 def perturbed(tree, leaf_names, seed=3):
@@ -163,10 +102,6 @@ def test_sequence_logps_are_the_responses_alone(make_config):
     np.testing.assert_allclose(other["logps_rejected"], got["logps_rejected"], rtol=1e-6)
 
 
-def nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def test_lora_state_holds_one_base(make_config):
     _, _, _, state, *_ = setup(make_config, "finetune.lora.rank=4")
     frozen = nbytes(state.model_state[FROZEN])
@@ -223,60 +158,3 @@ def test_metrics_are_sums_over_pairs_under_trls_names():
     assert record["rewards/chosen"] == pytest.approx(1.0) and record["rewards/rejected"] == pytest.approx(-0.25)
     assert record["rewards/margins"] == pytest.approx(1.25) and record["logps/chosen"] == pytest.approx(-10.0)
     assert record["logps/rejected"] == pytest.approx(-15.0) and "accuracy" not in record
-
-
-@pytest.mark.nocompile
-def test_config_checks(make_config):
-    cfg = make_config("mnist_mlp.yaml", *TINY_LLAMA)
-    dpo_run = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, objective="dpo"))
-    with pytest.raises(UsageError, match="data.name=preferences"):
-        check_objective(dpo_run)
-    preferences = dataclasses.replace(dpo_run, data=dataclasses.replace(cfg.data, name="preferences"))
-    check_objective(preferences)
-    with pytest.raises(UsageError, match="train.objective=dpo"):
-        check_objective(dataclasses.replace(preferences, train=cfg.train))
-    with pytest.raises(UsageError, match=r"dpo.beta=0.5 set with train.objective=lm.*set train.objective=dpo"):
-        make_config("mnist_mlp.yaml", *TINY_LLAMA, "dpo.beta=0.5")
-    for dpo, message in (
-        ({"loss": "ipo", "label_smoothing": 0.1}, "dpo.loss=ipo takes no label smoothing"),
-        ({"loss": "hinge", "label_smoothing": 0.1}, "dpo.loss=hinge takes no label smoothing"),
-        ({"label_smoothing": 0.5}, r"must be in \[0, 0.5\)"),
-    ):
-        with pytest.raises(UsageError, match=message):
-            check_objective(dataclasses.replace(preferences, dpo=dataclasses.replace(cfg.dpo, **dpo)))
-    lora = dataclasses.replace(cfg.finetune.lora, dropout=0.1)  # DPO scores without dropout (TRL's disable_dropout)
-    with pytest.raises(UsageError, match=r"finetune.lora.dropout=0.1 has no effect.*set finetune.lora.dropout=0"):
-        check_objective(dataclasses.replace(preferences, finetune=dataclasses.replace(cfg.finetune, lora=lora)))
-    check_objective(dataclasses.replace(preferences, dpo=dataclasses.replace(cfg.dpo, precompute_reference=True)))
-    check_objective(dataclasses.replace(preferences, dpo=dataclasses.replace(cfg.dpo, label_smoothing=0.2)))
-
-
-TRL_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
-
-
-def test_dpo_runs_end_to_end_with_trls_metrics(tmp_path):
-    """launch.py train with train.objective=dpo on data.name=preferences (LoRA): TRL's metrics in
-    metrics.jsonl for train and eval, on the console; the objective and the data must agree (exit 2)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    write_model_dir(model)
-    prompts = ["the cat sat", "hello there", "on the mat", "be brief"] * 4
-    pairs_ = [{"prompt": p, "chosen": "hello", "rejected": "the mat"} for p in prompts]
-    path = write_jsonl(tmp_path / "pairs.jsonl", pairs_)
-    args = [
-        "train", "--config", str(ROOT / "configs" / "mnist_mlp.yaml"), "model.name=llama", "model.num_layers=2",
-        "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_dim=48", f"data.path={path}",
-        "data.eval_fraction=0.25", f"data.tokenizer={model}", "data.seq_len=24", "train.global_batch_size=4",
-        "finetune.lora.rank=4", "optimizer.learning_rate=0.01", "train.steps=4", "log.every_steps=2", *QUIET,
-        "--workdir", str(tmp_path / "work"),
-    ]  # fmt: skip
-    proc = run_cli(*args, "data.name=preferences", "train.objective=dpo")
-    assert proc.returncode == 0, proc.stderr
-    records = [json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["split"] for r in records if "loss" in r] == ["train", "train", "eval"]
-    for record in (r for r in records if "loss" in r):
-        assert all(math.isfinite(record[name]) for name in (*TRL_NAMES, "logps/rejected"))
-        assert record["rewards/margins"] == pytest.approx(record["rewards/chosen"] - record["rewards/rejected"])
-    assert re.search(r"step 2 train: loss=\S+ .*rewards/accuracies=", proc.stdout), proc.stdout
-    proc = run_cli(*args, "data.name=preferences")  # (train.objective=lm)
-    assert proc.returncode == 2 and "set train.objective=dpo" in proc.stderr, proc.stderr

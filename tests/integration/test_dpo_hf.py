@@ -6,9 +6,9 @@ DPOTrainer._compute_loss). Skipped where torch, transformers or trl are not inst
 import jax
 import numpy as np
 import pytest
-from test_chat_data import SPECIAL, TEMPLATE, write_jsonl, write_model_dir
-from test_dpo import eval_sums, per_pair
-from test_llama import ours_from_hf_dir
+from support.chat_data import SPECIAL, TEMPLATE, write_jsonl, write_model_dir
+from support.dpo import eval_sums, per_pair
+from support.llama import ours_from_hf_dir
 
 from engine.config.data_sections import data_config
 from engine.config.schema import DpoConfig
@@ -19,9 +19,14 @@ from engine.state.train_state import REFERENCE
 from models.family import NextToken
 
 torch = pytest.importorskip("torch")
+
+
 transformers = pytest.importorskip("transformers")
 
+
 SYSTEM = {"role": "system", "content": "be brief"}
+
+
 PAIRS = [  # (prompt, chosen, rejected): conversational, as TRL's DPOTrainer takes them
     ("where is the cat?", "on the mat", "the cat sat"),
     ("hello there", "hi", "how are you today? the cat sat on the mat"),
