@@ -3,6 +3,7 @@ no engine, imports run one way, and the loop and setup stay small enough to read
 
 import ast
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -21,6 +22,13 @@ ENGINE = sorted((ROOT / "engine").rglob("*.py"))
 MODELS = sorted((ROOT / "models").rglob("*.py"))
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once for all the checks (the cycle check asks each
+    module's imports of every module importing it)."""
+    return ast.parse(path.read_text())
+
+
 def _runtime_nodes(tree):
     """Every node, less `if TYPE_CHECKING:` blocks (annotations only, never imported at run time)."""
     todo = [tree]
@@ -35,7 +43,7 @@ def _runtime_nodes(tree):
 def imports(path: Path) -> set[str]:
     """Top-level package.module names a file imports (anywhere in it, lazily or not)."""
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in _runtime_nodes(parsed(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -103,7 +111,7 @@ def test_engine_imports_have_no_cycles():
 
 def _from_names(path: Path, module: str) -> list[str]:
     names = []
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in _runtime_nodes(parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0:
             names.extend(alias.name for alias in node.names)
     return names
@@ -118,7 +126,7 @@ SOURCES = ENGINE + MODELS + sorted((ROOT / "contract").rglob("*.py")) + [ROOT / 
 
 
 def function_lengths(path: Path) -> dict[str, int]:
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     return {
         f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
         for node in ast.walk(tree)
@@ -140,7 +148,7 @@ def test_a_run_is_a_handful_of_named_parts():
 def test_no_engine_module_imports_another_modules_private_names():
     found = []
     for path in ENGINE + MODELS:
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in _runtime_nodes(parsed(path)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("engine", "models"):
                 found += [
                     f"{path.name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")
@@ -260,11 +268,7 @@ def test_the_engine_constructs_its_checkpointer_in_one_place():
     """The engine opens checkpoints only through engine.checkpoint.store.open_checkpoints, so
     every reader and writer takes keep, verification, staging and the frozen base from its
     config the same way: that function holds the engine's one Checkpointer(...)."""
-    found = [
-        f"{module_name(path)}:{where}"
-        for path in ENGINE
-        for where in _calls_of("Checkpointer", ast.parse(path.read_text()))
-    ]
+    found = [f"{module_name(path)}:{where}" for path in ENGINE for where in _calls_of("Checkpointer", parsed(path))]
     assert found == ["engine.checkpoint.store:open_checkpoints"], found
 
 
