@@ -20,7 +20,6 @@ from engine.errors import UsageError
 from engine.lm.finetune import base_workdir, with_frozen
 from engine.observe.perf import Goodput, Throughput, Window, summary_text
 from engine.parallel.sync import Syncing
-from engine.plan.dryrun import startup_lines
 from engine.run.best import Verdict, check_names
 from engine.run.data_record import checked_record, own_meta
 from engine.run.evaluator import evaluate
@@ -29,6 +28,7 @@ from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
 from engine.run.recovery import Recovery
 from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
+from engine.run.startup import startup_lines
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, starting
 from engine.runtime.restart_protocol import job_so_far

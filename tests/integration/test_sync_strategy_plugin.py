@@ -13,9 +13,9 @@ from engine.errors import UsageError
 from engine.parallel import strategies
 from engine.parallel.sharding import replicated
 from engine.parallel.sync import StrategyParts, SyncPart
-from engine.plan.dryrun import startup_lines
 from engine.run.setup import build_run
 from engine.run.single import fit
+from engine.run.startup import startup_lines
 from engine.runtime.rundir import read_records
 
 ROUND = 2
