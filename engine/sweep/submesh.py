@@ -70,6 +70,13 @@ class Routed(io.TextIOBase):
     def isatty(self) -> bool:
         return threading.get_ident() not in self.files and self.stream.isatty()
 
+    def fileno(self) -> int:  # (faulthandler's stacks, a hang's: the process's own stream)
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return self.stream.encoding
+
 
 class Queue:
     """The trials still to start: a grid/zip/random sweep's pending runs in order, or a search's
