@@ -11,6 +11,7 @@ from engine.parallel.sharding import per_device_bytes
 from engine.parallel.stages import describe as describe_pipeline
 from engine.parallel.sync import parts_of
 from engine.plan import hlo
+from engine.run.backends import compile_now
 from engine.run.setup import Run, build_run
 from engine.runtime.units import human_bytes
 from models.family import stacked_layers
@@ -76,4 +77,6 @@ def dry_run_report(run: Run) -> str:
 
 
 def dry_run(cfg: Config) -> None:
-    print(dry_run_report(build_run(cfg, check_memory=False)))
+    run = build_run(cfg, check_memory=False)
+    compile_now(run.compiled.eval_step)  # ahead of time as the train step: a precompile caches both
+    print(dry_run_report(run))

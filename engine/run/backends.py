@@ -177,6 +177,12 @@ class OnFirstUse:
         return getattr(self.program(), name)
 
 
+def compile_now(program) -> None:
+    """Compiles an OnFirstUse program now (anything else is compiled already, or eager)."""
+    if isinstance(program, OnFirstUse):
+        program.program()
+
+
 def _train_input(mesh: Mesh, shapes: Shapes, resident) -> tuple[Callable, Any, Any]:
     """(host block → device input, the input's abstract value, its sharding). Training batches
     travel in blocks of K steps ([K, batch, ...]): one transfer per block, and the step picks its
