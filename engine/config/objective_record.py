@@ -40,7 +40,7 @@ class Objective:
     check_vectorised: Callable[[Any, str], None] = _vectorisable  # (cfg, where) → None or UsageError
     # the state's hparams it takes as step inputs → their config keys (a vectorised sweep may differ in them)
     step_hparams: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    sums: tuple[str, ...] = ()  # its metric columns after engine/run/columns.py's train metrics (sums over a step)
+    sums: tuple[str, ...] = ()  # its metric columns after engine/state/columns.py's train metrics (sums over a step)
     # the summed loss_sum, correct, count and `sums` of steps or an eval split → a record (None: loss, accuracy)
     record: Optional[Callable[[dict], dict]] = None
     console_keys: tuple[str, ...] = ()  # the record's names a plain train line shows

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.data import example_spec
-from engine.run.columns import MetricColumns
 from engine.run.step import make_loss_fn, make_train_step
 from engine.runtime.caches import cache_path
+from engine.state.columns import MetricColumns, fetch_rows
 from engine.state.train_state import FROZEN, TrainState, split_variables
 
 # Dense peak FLOP/s per chip from vendor data sheets: (bfloat16, float32). float32 on NVIDIA
@@ -313,11 +313,6 @@ class StepTrace:
         if self.active:  # the loop ended early (preempted, failed): keep what was traced
             jax.profiler.stop_trace()
             self.active = False
-
-
-def fetch_rows(arrays: list) -> np.ndarray:
-    """Packed metrics of several calls, still on the devices → one host array [steps, ...]."""
-    return np.concatenate(jax.device_get(arrays))
 
 
 class Window:

@@ -15,11 +15,10 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from engine.observe.perf import fetch_rows
 from engine.parallel import diloco, diloco_shrink
 from engine.parallel.sharding import per_device_bytes, replicated
 from engine.parallel.strategies import strategy_of
-from engine.run.columns import combine_copies
+from engine.state.columns import combine_copies, fetch_rows
 
 
 def _no_fields(done: int) -> dict:

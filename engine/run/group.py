@@ -20,10 +20,9 @@ from engine.config.objective import objective_of, objective_rows
 from engine.data import eval_batches
 from engine.data.chat_data import with_model
 from engine.errors import UsageError
-from engine.observe.perf import Goodput, Throughput, Window, fetch_rows, summary_text
+from engine.observe.perf import Goodput, Throughput, Window, summary_text
 from engine.parallel import sharding
 from engine.run.best import Verdict
-from engine.run.columns import MetricColumns
 from engine.run.data_record import checked_record, own_meta
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import Evaluation, NonFiniteLoss, RunOutputs, eval_metrics
@@ -31,6 +30,7 @@ from engine.run.setup import with_config_hparams
 from engine.run.vectorize import Group, TooBig, build_group, check_fits
 from engine.runtime.preemption import starting
 from engine.runtime.watchdog import Watchdog
+from engine.state.columns import MetricColumns, fetch_rows
 
 
 @dataclass

@@ -28,7 +28,6 @@ from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Throughput, Window
 from engine.observe.trackers import open_trackers
 from engine.run.best import Monitor, Verdict
-from engine.run.columns import MetricColumns
 from engine.run.step import weights_of
 from engine.runtime.judged import Judged
 from engine.runtime.preemption import starting
@@ -41,6 +40,7 @@ from engine.runtime.rundir import (
     storage_error,
     write_atomic,
 )
+from engine.state.columns import MetricColumns
 
 SIDECAR = "evaluator"  # the `source` of the sidecar evaluator's eval records (and its TensorBoard folder)
 EVAL_SUMS = ("loss_sum", "correct", "count")

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from engine.config.objective import step_hparam_names
-from engine.run.columns import pack_metrics
 from engine.run.optimizer import learning_rate_at
+from engine.state.columns import pack_metrics
 from engine.state.train_state import (
     AUX_COLLECTION,
     UNTRAINED,
@@ -156,7 +156,7 @@ def make_block_step(
 ) -> Callable:
     """`steps_per_call` train steps over a block of `steps` batches ([steps, batch, ...]):
     step s uses batch s % steps → (state, metrics packed as float32 [steps_per_call, columns]
-    (engine/run/columns.py); `sums`: the objective's own metric columns).
+    (engine/state/columns.py); `sums`: the objective's own metric columns).
 
     Batches travel to the device a block at a time, so per step the host only dispatches;
     with steps_per_call > 1 (a divisor of `steps`) the steps run in a device-side loop and

@@ -1,1 +1,2 @@
-"""The train state every layer above shares: TrainState and its variable collections."""
+"""What every layer above shares of a run's state: TrainState, its variable collections, and the
+columns of the metrics a step packs."""

@@ -12,8 +12,8 @@ from support.dpo import SEQ, eval_sums, hand_batch, nbytes, pairs, per_pair, set
 
 from engine.config.dpo_objective import DPO, DPO_SUMS
 from engine.objectives.dpo_part import dpo_losses, make_dpo_loss_fn
-from engine.run.columns import MetricColumns, pack_metrics
 from engine.run.step import make_train_step
+from engine.state.columns import MetricColumns, pack_metrics
 from engine.state.train_state import FROZEN, REFERENCE
 from models.family import NextToken
 

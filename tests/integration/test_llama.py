@@ -13,8 +13,8 @@ from support.llama import INFO, LLAMA, TINY, ours_from_hf_dir, transformers_logi
 
 from engine.observe.perf import compiled_flops
 from engine.parallel.sharding import unbox
-from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
+from engine.state.columns import unpack_metrics
 from models import REGISTRY, sampling
 from models.llama import LlamaConfig
 

@@ -12,8 +12,8 @@ import pytest
 from support.context_experts import LLAMA, MOE, assert_same_training
 
 from engine.parallel.sharding import unbox
-from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
+from engine.state.columns import unpack_metrics
 from models import REGISTRY, sampling
 from models.configs import LlamaConfig
 from models.moe import MoE

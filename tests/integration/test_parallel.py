@@ -11,8 +11,8 @@ from support.configs import TINY_GPT
 from support.parallel import addressable_bytes, train_losses
 
 from engine.errors import UsageError
-from engine.run.columns import unpack_metrics
 from engine.run.setup import build_run
+from engine.state.columns import unpack_metrics
 
 MLP = ["model.name=mlp", "model.hidden_sizes=[128]", "model.dropout_rate=0.2", "train.global_batch_size=64"]
 

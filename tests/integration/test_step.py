@@ -8,12 +8,12 @@ import pytest
 from engine.config import OptimizerConfig
 from engine.errors import UsageError
 from engine.run.backends import compile_now
-from engine.run.columns import unpack_metrics
 from engine.run.optimizer import learning_rate_at, schedule_hparams
 from engine.run.setup import build_run
 from engine.run.single import fit
 from engine.runtime.rundir import read_records
 from engine.runtime.settings import compile_cache_events
+from engine.state.columns import unpack_metrics
 
 
 def first_steps(run, steps):

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from engine.run.columns import unpack_metrics
+from engine.state.columns import unpack_metrics
 
 
 def train_losses(run, steps):

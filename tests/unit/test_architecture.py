@@ -309,10 +309,10 @@ PACKED_LAYOUT = re.compile(
 
 
 def test_only_the_metric_columns_know_the_packed_metrics_layout():
-    """engine/run/columns.py (MetricColumns) owns the packed train metrics' layout; no other engine
+    """engine/state/columns.py (MetricColumns) owns the packed train metrics' layout; no other engine
     module names its columns or indexes metric rows by position (the data sources index their own
     arrays, not metrics)."""
-    owner = ROOT / "engine" / "run" / "columns.py"
+    owner = ROOT / "engine" / "state" / "columns.py"
     hits = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in ENGINE

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -121,3 +122,8 @@ class MetricColumns:
                 }
             )
         return record
+
+
+def fetch_rows(arrays: list) -> np.ndarray:
+    """Packed metrics of several calls, still on the devices → one host array [steps, ...]."""
+    return np.concatenate(jax.device_get(arrays))
