@@ -146,9 +146,9 @@ def run(args, argv: list[str]) -> int:
 
 
 def _local_job(args, argv: list[str]) -> int:
-    """`--local-processes N`: the config checked here (engine/runtime/local_check.py), then the job."""
+    """`--local-processes N`: the config checked here (engine/cli/local_check.py), then the job."""
+    from engine.cli.local_check import check_count, check_local_job, job_config
     from engine.runtime.launcher import run_local_job
-    from engine.runtime.local_check import check_count, check_local_job, job_config
 
     check_count(args.local_processes, args.devices_per_process)
     profile = ["log.profile_steps=[5,15]"] if args.profile else []
