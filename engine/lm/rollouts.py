@@ -102,7 +102,7 @@ def filtered(logits, top_k: int, top_p: float):
     """logits [B, V] with -inf outside the top_k most likely (0: all), then outside the top_p
     nucleus (Hugging Face's order: temperature, top-k, top-p)."""
     if 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return nucleus(logits, top_p)
 
@@ -131,12 +131,12 @@ def decode_rollout(module, spec: DecodeSpec, params, prompt_tokens, prompt_mask,
             last_only=last_only,
             mutable=["cache"],
         )
-        return logits[:, -1].astype(jnp.float32), updated["cache"]
+        return logits[..., -1, :].astype(jnp.float32), updated["cache"]
 
     def draw(i, logits, done, out):
         tokens, logps, mask = out
         token = jax.random.categorical(jax.random.fold_in(key, i), filtered(logits, spec.top_k, spec.top_p), axis=-1)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[..., 0]
         active = ~done
         token = jnp.where(active, token.astype(jnp.int32), spec.pad_id)
         out = (tokens.at[:, i].set(token), logps.at[:, i].set(jnp.where(active, logp, 0.0)), mask.at[:, i].set(active))
@@ -215,7 +215,7 @@ def update_inputs(prompt_tokens, prompt_mask, completion_tokens, pad_id: int = 0
     steps = completion_tokens.shape[1]
     segments, positions, lengths = _prompt_layout(prompt_mask)
     tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1).astype(jnp.int32)
-    targets = jnp.concatenate([tokens[:, 1:], jnp.full((rows, 1), pad_id, jnp.int32)], axis=1)
+    targets = jnp.concatenate([tokens[..., 1:], jnp.full((rows, 1), pad_id, jnp.int32)], axis=1)
     segments = jnp.concatenate([segments, jnp.ones((rows, steps), jnp.int32)], axis=1)
     positions = jnp.concatenate([positions, lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)], axis=1)
     return tokens, {"targets": targets, "positions": positions, "segment_ids": segments}
