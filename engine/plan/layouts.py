@@ -8,7 +8,7 @@ activation estimate (footprint.py) fits first (the rest by that estimate), then 
 XLA, the least recomputation, the auto loss chunk, the fewest micro-batches, the state most
 spread. The first `compiles` are compiled with the TPU compiler; the table ranks those by fit,
 then by step time (the analytic FLOPs at the chip's peak, with remat's recomputation, plus the
-compiled program's collective bytes at the ICI and DCN bandwidths of engine/plan/tpu.py)."""
+compiled program's collective bytes at the ICI and DCN bandwidths of engine/runtime/tpu_chips.py)."""
 
 from __future__ import annotations
 

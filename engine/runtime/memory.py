@@ -8,7 +8,7 @@ import os
 import jax
 from jax.sharding import Mesh
 
-from engine.plan.tpu import chip_of
+from engine.runtime.tpu_chips import chip_of
 
 
 def device_memory_bytes(mesh: Mesh) -> int:
