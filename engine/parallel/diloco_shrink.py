@@ -29,16 +29,25 @@ anew). A checkpoint of the same replica count is restored as any other, exactly.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from engine.checkpoint.store import Checkpointer, Restored
 from engine.parallel.diloco import DilocoState
 
 REPLICA_PARAMS = "replicas/params/"  # (a saved path, as packing.refitted gives it, of a replica-stacked leaf)
+
+
+class Checkpoints(Protocol):
+    """What `restore` asks of a run's checkpointer (engine/checkpoint/store.py's Checkpointer):
+    the newest checkpoint read through a refit (a Restored: state, meta, step), and the ones
+    after a step deleted."""
+
+    def restore(self, abstract_state: Any) -> Any: ...
+
+    def discard_after(self, step: int) -> None: ...
 
 
 def replica_count(state: DilocoState) -> int:
@@ -108,7 +117,7 @@ def resize(state: DilocoState, replicas: int, inner_steps: int) -> DilocoState:
     )
 
 
-def restore(checkpointer: Checkpointer, abstract: Any, inner_steps: int) -> Optional[Restored]:
+def restore(checkpointer: Checkpoints, abstract: Any, inner_steps: int) -> Optional[Any]:
     """The newest checkpoint of either tier in `abstract`'s replica count and shardings: as saved
     when that is its count, else resized at the start of its round (the steps after it discarded,
     `restored_from` saying so); None when there is none."""
@@ -131,4 +140,4 @@ def restore(checkpointer: Checkpointer, abstract: Any, inner_steps: int) -> Opti
             f"replicas: {now} go on from its last outer step, step {step} (the round's inner steps dropped)"
         ),
     )
-    return Restored(resized, meta, step)
+    return restored._replace(state=resized, meta=meta, step=step)  # (the checkpointer's Restored)
