@@ -21,6 +21,21 @@ class StepPart:
     loss_fn: Callable
     # (module, task) → reference(params, model_state, batch): the pre-pass's values of a batch
     reference_fn: Optional[Callable] = None
+    # an objective that trains on its own samples (GRPO: engine/objectives/grpo_driver.py): the run
+    # fits its data, compiles the update for `spec`'s rows and builds the sampler beside it
+    rollouts: Optional["RolloutPart"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutPart:
+    """What the run asks of an objective whose batches it samples (engine/run/setup.py, single.py)."""
+
+    # (cfg, dataset, mesh shape) → the dataset the run reads (GRPO: prompts padded to the decode's
+    # widths), or UsageError for a layout it does not run on
+    data: Callable
+    spec: Callable  # (cfg) → the update batch's arrays, zero-length stand-ins (data.pipeline example_spec)
+    rows: Callable  # (cfg) → the update batch's rows
+    build: Callable  # (cfg, family, dataset, abstract state, data sharding) → the sampler (grpo_driver.Rollouts)
 
 
 def objective_part(cfg) -> StepPart:
@@ -30,4 +45,4 @@ def objective_part(cfg) -> StepPart:
     return build(cfg)
 
 
-__all__ = ["StepPart", "objective_part"]
+__all__ = ["RolloutPart", "StepPart", "objective_part"]

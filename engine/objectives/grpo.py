@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from engine.config.grpo_objective import GRPO_BETA
-from engine.errors import UsageError
 from engine.lm import grpo_math
 from engine.lm.rollouts import logprobs_of, update_inputs
-from engine.objectives import StepPart
+from engine.objectives import RolloutPart, StepPart
 from engine.objectives.dpo_part import reference_variables
 from engine.state.train_state import AUX_COLLECTION, UNTRAINED, aux_totals, model_variables
 
@@ -102,20 +101,20 @@ def make_grpo_loss_fn(module, grpo) -> Callable:
 
 
 def part(cfg) -> StepPart:
-    """train.objective=grpo's step part: the update's loss on rollout batches. The run does not
-    drive rollouts yet (docs/design/grpo.md section 7): a run is refused in one line."""
-    raise UsageError(
-        "train.objective=grpo: the rollout loop is not part of the training run yet (its update, rollout batch and "
-        "config are: docs/design/grpo.md section 7); set train.objective=lm or dpo"
-    )
+    """train.objective=grpo's step part: the update's loss on rollout batches, and the rollouts the
+    run samples them with (engine/objectives/grpo_driver.py)."""
+    from engine.objectives import grpo_driver
 
-
-def update_part(cfg) -> StepPart:
-    """The update's step part, for the run once it drives rollouts (part's successor)."""
     grpo = cfg.grpo
 
     def loss_fn(module, family, num_sources: int = 0) -> Callable:
         del family, num_sources
         return make_grpo_loss_fn(module, grpo)
 
-    return StepPart(loss_fn)
+    rollouts = RolloutPart(
+        data=grpo_driver.fitted,
+        spec=grpo_driver.rollout_spec,
+        rows=lambda cfg: cfg.train.global_batch_size * cfg.grpo.num_generations,
+        build=grpo_driver.Rollouts,
+    )
+    return StepPart(loss_fn, rollouts=rollouts)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from engine.checkpoint.choice import stopped_at
 from engine.config import Config, read_yaml_mapping
 from engine.data.recorded import recorded_preprocessing
@@ -24,6 +26,10 @@ from engine.runtime.watchdog import Watchdog
 def evaluate(run: Run, state) -> dict[str, float]:
     """Loss, accuracy and the task's metrics of a run's state over the eval split (padding masked out),
     and eval.generate's scores of its completions (engine/lm/generation_eval.py)."""
+    if run.rollouts is not None:  # (GRPO: the mean reward of completions sampled for the eval prompts)
+        step = int(jax.device_get(state.step))
+        sampled = run.rollouts.evaluate(state, run.dataset.eval, step) if len(run.dataset.eval["record_index"]) else {}
+        return {**sampled, **generated_metrics(run, state)}
     return {**eval_metrics(Evaluation.of_run(run), state)[0], **generated_metrics(run, state)}
 
 

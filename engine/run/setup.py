@@ -31,7 +31,7 @@ from engine.lm import finetune
 from engine.objectives import objective_part
 from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
 from engine.parallel.mesh import make_mesh
-from engine.parallel.sharding import ActivationLayout, batch_shards
+from engine.parallel.sharding import ActivationLayout, batch_sharding, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
 from engine.parallel.stages import storage_order
 from engine.parallel.sync import compile_sync, parts_of
@@ -83,6 +83,7 @@ class Run:
     cost: StepCost  # model FLOPs per step (perf.step_cost)
     compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
+    rollouts: Any = None  # an objective that samples its batches (GRPO): its sampler, the blocks its prompts
 
     @property
     def cfg(self) -> Config:
@@ -160,6 +161,7 @@ class Plan:
     blueprint: Blueprint  # what the config builds on this mesh (engine/run/blueprint.py)
     sync_step: Optional[Callable] = None  # train.sync=diloco: the outer step (engine/parallel/diloco.py), not compiled
     trained: Any = None  # the module the train step traces (its activations pinned to the mesh: step_modules)
+    rollouts: Any = None  # objectives.RolloutPart: the run samples its batches (GRPO)
 
     @property
     def cfg(self) -> Config:
@@ -188,6 +190,9 @@ def plan_run(
         # (chat: its template, with the time of the run's start)
         dataset = load_rendered(cfg, with_model(cfg.data, finetune.base_workdir(cfg) or cfg.workdir))
     dataset = reference_logps.with_slots(cfg, dataset)  # (dpo.precompute_reference: filled before training)
+    objective = objective_part(cfg)  # the config's train.objective's loss (engine/objectives)
+    rollouts = objective.rollouts  # (GRPO: the update trains on the completions the run samples)
+    dataset = rollouts.data(cfg, dataset, dict(mesh.shape)) if rollouts else dataset  # (its layouts checked)
     packed = "segments" in example_spec(dataset.train)
     bp = blueprint(cfg, dict(mesh.shape), dataset.info, packed, REGISTRY[cfg.model.name], jax.default_backend())
     cfg = bp.cfg
@@ -197,10 +202,9 @@ def plan_run(
     sync = parts_of(cfg)  # train.sync's members (engine/parallel/sync.py)
     replica_axes = sync.replica_axes
     trained, evaluated = step_modules(cfg, dataset.info, bp, mesh, module, replica_axes)
-    objective = objective_part(cfg)  # the config's train.objective's loss (engine/objectives)
     loss_fn = objective.loss_fn(trained, family, len(dataset.info.sources))
-    resident = resident_bytes(cfg, dataset, lambda: device_memory_bytes(mesh))
-    steps = bp.steps_per_block(resident > 0)
+    resident = 0 if rollouts else resident_bytes(cfg, dataset, lambda: device_memory_bytes(mesh))
+    steps = 1 if rollouts else bp.steps_per_block(resident > 0)  # (rollouts: each step's batch sampled)
     one_step = make_train_step(loss_fn, tx, cfg.optimizer.schedule, cfg.train.grad_accum_steps, bp.pmap_axis)
     # (DiLoCo: the step taken by every replica alone, the outer step, the replicas' stacked state)
     one_step, sync_step, functions = sync.step_and_state(cfg, mesh, one_step, state)
@@ -211,8 +215,8 @@ def plan_run(
     shapes = Shapes(
         state.abstract,
         state.shardings,
-        example_spec(dataset.train),
-        cfg.train.global_batch_size,
+        rollouts.spec(cfg) if rollouts else example_spec(dataset.train),
+        rollouts.rows(cfg) if rollouts else cfg.train.global_batch_size,
         steps,
         bp.eval_batch_size,
         resident=resident > 0,
@@ -221,9 +225,10 @@ def plan_run(
     )
     eval_loss_fn = objective.loss_fn(evaluated, family, len(dataset.info.sources))
     eval_step = make_eval_step(eval_loss_fn, bp.pmap_axis)
-    return Plan(
+    plan = Plan(
         mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step, trained
     )
+    return dataclasses.replace(plan, rollouts=rollouts)
 
 
 def step_modules(cfg: Config, info, bp: Blueprint, mesh: Mesh, module, vmapped: tuple[str, ...]) -> tuple[Any, Any]:
@@ -364,4 +369,12 @@ def build_run(
         # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
         # before the first has finished; accelerators keep asynchronous dispatch.
         sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
+        rollouts=_sampler(cfg, plan) if compile_train else None,
     )
+
+
+def _sampler(cfg: Config, plan: Plan):
+    """The objective's sampler compiled beside the train step (GRPO's decode program), or None."""
+    if plan.rollouts is None:
+        return None
+    return plan.rollouts.build(cfg, plan.family, plan.dataset, plan.state.abstract, batch_sharding(plan.mesh))

@@ -62,6 +62,51 @@ def fit(
     return result
 
 
+class Sampled:
+    """A run whose batches it samples (train.objective=grpo): each batch of prompts' rollouts at the
+    first of its grpo.num_iterations steps (rollouts.rollout_key(state.rng, step): a resumed run,
+    which saved on a multiple of num_iterations, samples the same), the update on them at each; the
+    host's metrics (rewards/<fn>/mean, seconds sampling and updating), their means over a log window."""
+
+    def __init__(self, run: Run):
+        self.run, self.rollouts = run, run.rollouts
+        self.iterations = run.cfg.grpo.num_iterations if self.rollouts is not None else 1
+        self.batch: Any = None  # the rollouts on the device, for the steps of one batch of prompts
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def step(self, state, prompts: dict, done: int):
+        if self.batch is None or done % self.iterations == 0:
+            batch, host = self.rollouts.sample(state, prompts, done)
+            self.batch = self.run.compiled.put_block({name: value[None] for name, value in batch.items()})
+            self.add(host)
+        began, train_step = time.perf_counter(), self.run.compiled.train_step
+        assert train_step is not None  # (a run built to train)
+        state, metrics = train_step(state, self.batch)
+        jax.block_until_ready(metrics)
+        self.add({"seconds/updating": time.perf_counter() - began})
+        return state, metrics
+
+    def add(self, host: dict) -> None:
+        self.count += "seconds/updating" not in host
+        for name, value in host.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def fields(self) -> dict:
+        """The host metrics' means since the last record (seconds: per step), then cleared."""
+        if self.rollouts is None or not self.count:
+            return {}
+        fields = {
+            name: value / self.count
+            for name, value in self.sums.items()
+            if name.startswith("rewards/") or name.startswith("seconds/sampling")
+        }
+        updates = self.sums.get("seconds/updating", 0.0)
+        fields["seconds/updating"] = updates / self.count
+        self.sums, self.count = {}, 0
+        return fields
+
+
 class RunJob:
     """The loop's Job for a run alone; process 0 writes the records, every process saves."""
 
@@ -86,12 +131,18 @@ class RunJob:
         self.rates = Throughput(run.cost, batch, tokens, device, self.cfg.train.compute_dtype, run.compile_cache)
         self.done = start  # steps dispatched
         self.warned_drops = False  # a mixture of experts' dropped assignments: said once on the console
+        self.sampled = Sampled(run)
 
     def block(self, index: int):
+        if self.sampled.rollouts is not None:  # (the prompts stay on the host: the step samples them)
+            return self.run.inputs.train(index // self.sampled.iterations)
         return self.run.train_block(index)
 
     def step(self, state, block):
-        state, metrics = self.run.compiled.train_step(state, block)
+        if self.sampled.rollouts is not None:
+            state, metrics = self.sampled.step(state, block, self.done)
+        else:
+            state, metrics = self.run.compiled.train_step(state, block)
         self.done += self.steps_per_call
         return self.sync.after(state, self.done), metrics
 
@@ -108,12 +159,15 @@ class RunJob:
                 f"({record['moe_dropped_fraction']:.1%}) by step {done}: they skip their expert (model."
                 "expert_capacity_factor for onehot, model.expert_buffer_factor for ragged; 0 drops nothing)"
             )
-        self.outputs.write(done, "train", {**record, **self.sync.fields(done)})
+        self.outputs.write(done, "train", {**record, **self.sync.fields(done), **self.sampled.fields()})
         self.result.losses.update({s: loss for s, loss in losses.items() if s > self.start})  # this process's steps
 
     def evaluate(self, state, done: int) -> Verdict:
         metrics = evaluate(self.run, state)
         self.result.eval_metrics = metrics
+        if self.sampled.rollouts is not None:  # (GRPO: eval/reward, no eval loss: checkpoint.keep_best and
+            self.outputs.writer.write(done, "eval", metrics)  # train.early_stop do not watch it)
+            return Verdict()
         return self.outputs.evaluated(done, metrics)
 
     def save(self, step: int, state, window: Window, local: bool = False) -> None:
