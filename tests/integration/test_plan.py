@@ -49,9 +49,11 @@ def test_llama_tiny_compiles_for_a_v5e_slice_and_its_state_bytes_are_the_sharded
 
 @pytest.mark.slow
 def test_llama_1b_with_fsdp_over_four_v5e_chips_fits(make_config):
-    """(With remat=dots the saved attention scores of XLA's attention take 13 GiB and it does not.)"""
+    """(With remat=dots the saved attention scores of XLA's attention take 13 GiB and it does not.)
+    The train program alone: the one that holds the Adam state and the activations (the eval
+    program's compile is proven on llama_tiny above)."""
     cfg = make_config("llama_1b.yaml", "mesh.data=1", "mesh.fsdp=4", "train.global_batch_size=8", "model.remat=full")
-    planned = plan(cfg, parse_target("v5e-4"))
+    planned = plan(cfg, parse_target("v5e-4"), compile_eval=False)
     assert planned.fits, verdict(planned)
     assert planned.peak > 1.24e9 * 12 / 4  # more than the state alone: 1.24B parameters x 12 bytes / 4 chips
     assert verdict(planned).startswith("fits:")
