@@ -30,8 +30,8 @@ from engine.checkpoint.store import load_base  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.data.prompts import fit_prompts  # noqa: E402
 from engine.data.sources import load_dataset  # noqa: E402
+from engine.hub.generate import _decoder  # noqa: E402
 from engine.lm import finetune, rollouts  # noqa: E402
-from engine.lm.generate import _decoder  # noqa: E402
 from engine.lm.rewards import extracted_answer, load_rewards  # noqa: E402
 from engine.objectives.grpo import make_grpo_loss_fn  # noqa: E402
 from engine.objectives.grpo_rollout import rollout_batch  # noqa: E402

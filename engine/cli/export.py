@@ -47,7 +47,7 @@ def run(args, argv: list[str]) -> int:
 
         raise UsageError("--step goes with --format jax for now; --format hf exports the newest checkpoint")
     if args.format == "hf":
-        from engine.lm.hf import export_hf
+        from engine.hub.hf import export_hf
 
         print(f"exported to {export_hf(args.workdir, args.out, merge=args.merge, base_model=args.base_model)}")
         return 0
@@ -56,7 +56,7 @@ def run(args, argv: list[str]) -> int:
 
         flag = "--merge" if args.merge else "--base-model"
         raise UsageError(f"{flag} goes with --format hf (the default export keeps the adapters as parameters)")
-    from engine.checkpoint.inference import export_run
+    from engine.hub.inference import export_run
 
     print(f"exported to {export_run(args.workdir, args.out, args.step)}")
     return 0

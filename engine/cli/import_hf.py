@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args, argv: list[str]) -> int:
-    from engine.lm.hf import import_hf
+    from engine.hub.hf import import_hf
 
     print(f"imported {args.hf_dir} into {import_hf(args.hf_dir, args.workdir, args.config, args.overrides)}")
     return 0

@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args, argv: list[str]) -> int:
-    from engine.lm.generate import sample
+    from engine.hub.generate import sample
 
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts)
     if args.chat:

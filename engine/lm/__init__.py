@@ -1,2 +1,2 @@
-"""Language models: the tokenizer, Hugging Face weights in and out, adapters, generation, chat
-templates and fine-tuning."""
+"""Language models: the tokenizer, chat templates, LoRA adapters and fine-tuning, GRPO's arithmetic
+and rewards (Hugging Face weights in and out and sampling are engine/hub/'s)."""

@@ -26,10 +26,9 @@ from engine.data.chat_data import MODEL_TEXT_SOURCES, held_out, model_text
 from engine.data.conversations import as_messages, json_records
 from engine.errors import UsageError
 from engine.lm import finetune
-from engine.lm.generate import context_length
 from engine.lm.rewards import RESERVED, RewardFunction, call_reward, load_rewards
 from engine.lm.template_clock import rendering_at
-from engine.lm.tokenizer import eos_ids
+from engine.lm.tokenizer import context_length, eos_ids
 from engine.state.train_state import model_variables
 from models.family import BuildOptions, projections
 

@@ -193,3 +193,14 @@ def eos_ids(work: Path, tokenizer) -> list[int]:
     if tokenizer is not None:
         ids.update(i for i in (tokenizer.token_to_id(token) for token in END_OF_TEXT) if i is not None)
     return sorted(ids)
+
+
+def context_length(work: Path, info) -> int:
+    """Tokens of context the model was trained at: data.seq_len, or an imported model's
+    max_position_embeddings where larger."""
+    context = int(info.seq_len)
+    if (work / HF_CONFIG).is_file():
+        imported = json.loads((work / HF_CONFIG).read_text()).get("max_position_embeddings")
+        if isinstance(imported, int):
+            context = max(context, imported)
+    return context

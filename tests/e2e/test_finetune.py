@@ -289,7 +289,7 @@ def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
     proc = run_cli("sample", "--workdir", str(lora), "--prompt", "def", "--chat", "--max-tokens", "300")  # > seq_len 32
     assert proc.returncode == 0, proc.stderr
     # the adapter directory names the Hugging Face directory the base was imported from, or --base-model
-    from engine.lm.hf import export_hf
+    from engine.hub.hf import export_hf
 
     export_hf(str(lora), str(tmp_path / "adapter"))
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

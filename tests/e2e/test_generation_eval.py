@@ -14,8 +14,8 @@ from support.generation_eval import REWARDS
 from engine.checkpoint.store import restore_newest
 from engine.config import load_config
 from engine.data import chat_example
+from engine.hub.generate import sample
 from engine.lm.chat import chat_prompts
-from engine.lm.generate import sample
 from engine.lm.generation_eval import GenerationEval
 from engine.run.setup import build_run
 from engine.runtime.rundir import read_records

@@ -40,7 +40,7 @@ def test_hugging_face_import_then_export_is_bit_exact(tmp_path, shards):
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("export", "--workdir", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
-    from engine.lm.hf import _Reader, _tensor_files
+    from engine.hub.hf import _Reader, _tensor_files
 
     read = _Reader(_tensor_files(tmp_path / "out"))
     assert sorted(read.files) == sorted(original)

@@ -236,8 +236,8 @@ def test_a_gpt_run_samples(tmp_path):
 def test_a_gpt_run_exports_in_gpt2_layout_that_transformers_loads(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from engine.checkpoint.inference import run_config
     from engine.checkpoint.store import restore_newest
+    from engine.hub.inference import run_config
     from engine.run.setup import build_run
 
     work = tmp_path / "gpt"

@@ -13,7 +13,7 @@ from engine.lm.chat import chat_prompts, check_imported_template
 
 
 def test_import_refuses_a_hostile_template_and_leaves_the_workdir_as_found(tmp_path):
-    from engine.lm.hf import import_hf
+    from engine.hub.hf import import_hf
 
     hf = _hf_dir(tmp_path / "hf", {"chat_template": NESTED})
     work = tmp_path / "work"
@@ -31,7 +31,7 @@ def test_import_refuses_a_hostile_template_and_leaves_the_workdir_as_found(tmp_p
 
 
 def test_a_failed_import_leaves_nothing_and_a_finished_one_keeps_the_jinja_template(tmp_path, monkeypatch):
-    from engine.lm import hf as hf_module
+    from engine.hub import hf as hf_module
 
     hf = _hf_dir(tmp_path / "hf", {"chat_template": "unused"}, jinja=GOOD)
     work = tmp_path / "work"

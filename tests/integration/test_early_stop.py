@@ -36,7 +36,7 @@ def test_keep_best_survives_beside_the_newest_and_export_step_best_reads_it(make
     assert best != 280, "the setting must make an earlier evaluation the best"
     assert saved_steps(workdir) == [best, 280]  # keep=1: the newest, and the best beside it
     assert meta(workdir, 280)["keep_best"]["step"] == best
-    from engine.checkpoint.inference import export_run
+    from engine.hub.inference import export_run
 
     out = export_run(str(workdir), str(tmp_path / "export"), "best")  # (the CLI's --step: the early-stop test)
     assert json.loads((out / "export.json").read_text())["step"] == best
@@ -56,7 +56,7 @@ def jax_leaves(tree):
 
 @pytest.mark.slow
 def test_sample_step_best_reads_the_best_checkpoint(make_config, tmp_path):
-    from engine.lm.generate import sample
+    from engine.hub.generate import sample
 
     gpt = tmp_path / "gpt"
     quick = ["data.name=python_source", "data.tokenizer=bytes", "data.max_bytes=40000", "train.steps=4"]

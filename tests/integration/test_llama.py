@@ -179,7 +179,7 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused_naming_what_works(t
 
     from engine.data.pretokenize import tokenize
     from engine.errors import UsageError
-    from engine.lm.hf import import_hf
+    from engine.hub.hf import import_hf
 
     words = ["<unk>", "<sep>", *"def return import self if else for in class".split()]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

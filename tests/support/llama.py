@@ -71,7 +71,7 @@ def _hf_shape(name: str, cfg: LlamaConfig, vocab: int) -> tuple[int, ...]:
 
 def ours_from_hf_dir(path, info=INFO):
     """Our module and parameters, read from a Hugging Face directory through models/llama_hf.py."""
-    from engine.lm.hf import _Reader, _tensor_files
+    from engine.hub.hf import _Reader, _tensor_files
     from models import llama_hf
 
     read = _Reader(_tensor_files(path))

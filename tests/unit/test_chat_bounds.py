@@ -163,7 +163,7 @@ def test_tokenize_refuses_an_oversized_tokenizer_json_by_its_size(tmp_path):
 
 def test_import_hf_refuses_an_oversized_template_before_it_reads_the_directory(tmp_path, model_dir):
     """Before: import-hf read a 1.5 GB chat_template.jinja whole (4.85 GB of memory)."""
-    from engine.lm.hf import _tokenizer_files
+    from engine.hub.hf import _tokenizer_files
 
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -27,15 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from engine.checkpoint.inference import new_output_dir, run_config, staged
 from engine.checkpoint.store import open_checkpoints, restore_newest
 from engine.config import data_config, load_config, save_config, with_keys
 from engine.data import example_spec
 from engine.data.recorded import DATA_SHAPE, recorded_shape, shape_record
 from engine.errors import UsageError
+from engine.hub.hf_adapters import adapter_tensors, merged, peft_base, write_peft
+from engine.hub.inference import new_output_dir, run_config, staged
 from engine.lm.chat import JINJA_FILE, check_imported_template
 from engine.lm.finetune import lora_on
-from engine.lm.hf_adapters import adapter_tensors, merged, peft_base, write_peft
 from engine.lm.tokenizer import (
     HF_CONFIG,
     TOKENIZER,

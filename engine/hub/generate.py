@@ -4,7 +4,6 @@ run's data: byte-level text sources decode UTF-8 bytes, tokenized corpora their 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -13,12 +12,19 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from engine.checkpoint.inference import run_config
 from engine.checkpoint.store import restore_newest
 from engine.data.recorded import recorded_shape
 from engine.errors import UsageError
+from engine.hub.inference import run_config
 from engine.lm import finetune
-from engine.lm.tokenizer import HF_CONFIG, TOKENIZER, check_data_tokenizer, eos_ids, load_tokenizer_file, run_tokenizer
+from engine.lm.tokenizer import (
+    TOKENIZER,
+    check_data_tokenizer,
+    context_length,
+    eos_ids,
+    load_tokenizer_file,
+    run_tokenizer,
+)
 from engine.run.setup import build_run, device_memory_bytes
 from engine.runtime.units import human_bytes
 from engine.state.train_state import model_variables
@@ -231,17 +237,6 @@ def _cut(text: str, stop_strings: Sequence[str]) -> str:
     """`text` up to the first of `stop_strings` in it (not included)."""
     ends = [text.find(stop) for stop in stop_strings if stop in text]
     return text[: min(ends)] if ends else text
-
-
-def context_length(work: Path, info) -> int:
-    """Tokens of context the model was trained at: data.seq_len, or an imported model's
-    max_position_embeddings where larger."""
-    context = int(info.seq_len)
-    if (work / HF_CONFIG).is_file():
-        imported = json.loads((work / HF_CONFIG).read_text()).get("max_position_embeddings")
-        if isinstance(imported, int):
-            context = max(context, imported)
-    return context
 
 
 def _progress(total: int):
