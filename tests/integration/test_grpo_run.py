@@ -7,63 +7,21 @@ function that raises stops the run in one line naming it and the prompt; other l
 import json
 
 import pytest
-from support.chat_data import write_jsonl, write_model_dir
+from support.grpo import overrides, write_files
 
 from engine.errors import UsageError
 from engine.run.single import fit
 
-PROMPTS = ["hello there", "the cat sat", "how are you", "be brief"]
 STEPS = 40
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("grpo")
-    (directory / "model").mkdir()
-    model = write_model_dir(directory / "model")
-    train = write_jsonl(directory / "train.jsonl", [{"prompt": p} for p in PROMPTS])
-    held = write_jsonl(directory / "held.jsonl", [{"prompt": p} for p in PROMPTS[:2]])
-    rewards = directory / "rewards.py"
-    rewards.write_text(
-        "def even_ids(prompts, completions, completion_ids, **fields):\n"
-        "    return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]\n\n"
-        "def broken(prompts, completions, **fields):\n"
-        "    raise ValueError('no answer field')\n"
-    )
-    return model, train, held, rewards
+    return write_files(tmp_path_factory.mktemp("grpo"))
 
 
-def grpo_config(make_config, files, *overrides, reward="even_ids", tmp_path=None):
-    model, train, held, rewards = files
-    return make_config(
-        "mnist_mlp.yaml",
-        "mesh.num_devices=1",
-        "model.name=llama",
-        "model.num_layers=1",
-        "model.d_model=32",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "model.mlp_dim=48",
-        "data.name=prompts",
-        f"data.path={train}",
-        f"data.eval_path={held}",
-        f"data.tokenizer={model}",
-        "train.objective=grpo",
-        f"train.steps={STEPS}",
-        "train.global_batch_size=4",
-        "grpo.num_generations=4",
-        "grpo.max_prompt_tokens=16",
-        "grpo.max_completion_tokens=4",
-        f"grpo.rewards=[{rewards}:{reward}]",
-        "finetune.lora.rank=4",
-        "optimizer.learning_rate=0.03",
-        "finetune.lora.targets=[all]",
-        "optimizer.warmup_steps=0",
-        "log.every_steps=1",
-        "eval.every_steps=0",
-        "checkpoint.every_steps=0",
-        *overrides,
-    )
+def grpo_config(make_config, files, *more, reward="even_ids"):
+    return make_config("mnist_mlp.yaml", *overrides(files, STEPS, reward), *more)
 
 
 def records(workdir, split="train"):
