@@ -18,21 +18,17 @@ from engine.run.single import fit
 
 @pytest.mark.slow
 def test_pipelines_alone_and_beside_other_axes_give_the_one_device_training(make_config):
-    """Stages 2 and 4, GPipe and circular, alone and with data, fsdp and tensor: the one-device
-    losses and weights of the same run (rtol 1e-5) over 4 steps."""
+    """Stages 2 and 4, GPipe and circular, with data, fsdp and tensor: the one-device losses and
+    weights of the same run (rtol 1e-5) over 4 steps. (2 stages beside data alone, and 4 circular
+    stages of 2 repeats beside fsdp: the checkpoint test below, against one device too.)"""
     assert_same_training(
         make_config,
         DEEP,
         [
-            ["mesh.data=4", "mesh.pipeline=2"],
             ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=8"],
             ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "pipeline.schedule=circular", "train.microbatches=4"],
             ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=2", "model.remat=full"],
         ],
-    )
-    eight = [*DEEP, "model.num_layers=8"]  # 4 stages x 2 repeats of one layer each
-    assert_same_training(
-        make_config, eight, [["mesh.data=1", "mesh.fsdp=2", "mesh.pipeline=4", "pipeline.schedule=circular"]]
     )
 
 
@@ -65,9 +61,9 @@ def test_a_stage_holds_its_share_of_the_layers(make_config):
 
 @pytest.mark.slow
 def test_checkpoints_move_between_pipeline_layouts_and_the_run_continues(make_config, tmp_path):
-    """Saved under a circular 4-stage pipeline (layers stored stage-major on the devices, in
-    their own order in the checkpoint), resumed with no pipeline, then with 2 stages: the losses
-    of a run that never changed layout."""
+    """Saved under a circular 4-stage pipeline of 2 repeats beside fsdp (layers stored
+    stage-major on the devices, in their own order in the checkpoint), resumed with no pipeline,
+    then with 2 stages beside data: the losses of a run that never changed layout."""
     common = [
         *DEEP,
         "model.num_layers=8",
@@ -78,7 +74,7 @@ def test_checkpoints_move_between_pipeline_layouts_and_the_run_continues(make_co
     ]  # (train.steps ends each segment; a decaying schedule would follow it)
     reference = fit(make_config("llama_tiny.yaml", *common, "mesh.num_devices=1", workdir=tmp_path / "reference"))
     layouts = [
-        ["mesh.data=2", "mesh.pipeline=4", "pipeline.schedule=circular", "train.steps=2"],
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.pipeline=4", "pipeline.schedule=circular", "train.steps=2"],
         ["mesh.num_devices=1", "train.steps=4"],
         ["mesh.data=4", "mesh.pipeline=2"],
     ]
