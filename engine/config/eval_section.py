@@ -1,5 +1,5 @@
 """The run configuration's `eval` section: how often and on how much the eval split is evaluated,
-and the generation-based eval of language models (`eval.generate`, engine/lm/generation_eval.py).
+and the generation-based eval of language models (`eval.generate`, engine/run/generation_eval.py).
 
 Imports no jax: a sweep's process reads every run's config.
 """

@@ -21,12 +21,12 @@ from engine.config.objective import LM, Objective, objective_of
 from engine.data import eval_batches, example_spec
 from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.data.recorded import PREPROCESSING, check_preprocessing, record_shape
-from engine.lm import generation_eval
 from engine.lm.finetune import base_workdir
 from engine.lm.tokenizer import TOKENIZER, carry_model_files, check_data_tokenizer, model_tokenizer_file
 from engine.observe.metrics import MetricWriter
 from engine.observe.perf import Throughput, Window
 from engine.observe.trackers import open_trackers
+from engine.run import generation_eval
 from engine.run.best import Monitor, Verdict
 from engine.run.step import weights_of
 from engine.runtime.judged import Judged

@@ -1,4 +1,4 @@
-"""eval.generate (engine/lm/generation_eval.py): a chat run's evals complete the held-out prompts
+"""eval.generate (engine/run/generation_eval.py): a chat run's evals complete the held-out prompts
 with the sampler `sample` uses and score them by exact match against a record's field and by
 reward functions of TRL's signature (engine/lm/rewards.py); a reward function that raises, answers
 with the wrong length or NaN stops the run with exit 2 naming it."""
@@ -16,7 +16,7 @@ from engine.config import load_config
 from engine.data import chat_example
 from engine.hub.generate import sample
 from engine.lm.chat import chat_prompts
-from engine.lm.generation_eval import GenerationEval
+from engine.run.generation_eval import GenerationEval
 from engine.run.setup import build_run
 from engine.runtime.rundir import read_records
 

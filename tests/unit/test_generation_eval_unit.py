@@ -1,4 +1,4 @@
-"""eval.generate (engine/lm/generation_eval.py): a chat run's evals complete the held-out prompts
+"""eval.generate (engine/run/generation_eval.py): a chat run's evals complete the held-out prompts
 with the sampler `sample` uses and score them by exact match against a record's field and by
 reward functions of TRL's signature (engine/lm/rewards.py); a reward function that raises, answers
 with the wrong length or NaN stops the run with exit 2 naming it."""
