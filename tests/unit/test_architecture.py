@@ -71,6 +71,7 @@ def test_the_engine_names_no_model_family_field_or_task_data_key():
             "preprocess.py",
             "chat_data.py",
             "preferences.py",
+            "prompts.py",
         ):
             continue  # the data sources produce the keys
         hits = [
