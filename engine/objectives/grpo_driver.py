@@ -54,6 +54,8 @@ def check_layout(cfg, mesh_shape: dict) -> None:
 def fitted(cfg, dataset, mesh_shape: dict):
     """The prompts padded to the decode's widths (data.prompts fit_prompts), the layout checked."""
     check_layout(cfg, mesh_shape)
+    if dataset.records is None:  # a recorded run's stand-in (sample, export): its DataInfo is the fitted one
+        return dataset
     return fit_prompts(dataset, cfg.grpo.max_prompt_tokens, cfg.grpo.max_completion_tokens)
 
 

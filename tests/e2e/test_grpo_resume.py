@@ -1,7 +1,7 @@
 """train.objective=grpo as a process (launch.py): a run killed with SIGKILL and run again writes the
 same records as one never interrupted (the rollouts' keys are a function of (seed, step)); a reward
 function that raises stops the run with exit 2 naming the function and the prompt, the checkpoint
-before it intact (the run resumes from it)."""
+before it intact (the run resumes from it); `sample` and `export` of the LoRA result."""
 
 import time
 
@@ -65,3 +65,7 @@ def test_a_raising_reward_exits_2_naming_it_and_the_checkpoint_before_stays(tmp_
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 4" in resumed.stdout + resumed.stderr
     assert [r["step"] for r in train_records(workdir)] == list(range(1, 9))
+    sampled = run_cli("sample", "--workdir", str(workdir), "--chat", "--prompt", "hello there", "--max-tokens", "4")
+    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr  # (the LoRA result's own sampler)
+    exported = run_cli("export", "--workdir", str(workdir), "--out", str(tmp_path / "export"))
+    assert exported.returncode == 0 and (tmp_path / "export" / "export.json").is_file(), exported.stderr
