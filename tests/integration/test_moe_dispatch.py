@@ -57,14 +57,14 @@ def test_ragged_layer_gives_the_losses_and_gradients_of_dropless_onehot(k, route
 @pytest.mark.slow
 def test_ragged_over_expert_axes_gives_the_losses_of_dropless_onehot_on_one_device(make_config):
     """The reference: one device, one-hot, dropless; ragged with room for every assignment in
-    the all-to-all buffers, on one device and over expert 2, 4 and 8 (with fsdp, data)."""
+    the all-to-all buffers, on one device and over expert 4 (with fsdp) and 8, and over expert 2
+    beside context and tensor (the second run)."""
     args = [*LLAMA, *MOE, "model.expert_capacity_factor=0", "model.expert_buffer_factor=0"]
     assert_same_training(
         make_config,
         args,
         [
             ["mesh.num_devices=1", *RAGGED],
-            ["mesh.data=4", "mesh.expert=2", *RAGGED],
             ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", *RAGGED],
             ["mesh.data=1", "mesh.expert=8", *RAGGED],
         ],
