@@ -69,3 +69,15 @@ def test_a_two_device_layout_trains(make_config, files, tmp_path, axis):
     train = records(tmp_path / "run")
     assert [r["step"] for r in train] == [1, 2] and all(0.0 <= r["reward"] <= 1.0 for r in train)
     assert records(tmp_path / "run", "eval")[0]["reward"] >= 0.0
+
+
+def test_num_iterations_reuse_a_batch_and_beta_measures_the_kl(make_config, files, tmp_path):
+    """grpo.num_iterations=2: steps 1 and 2 update on one batch of rollouts (the same rewards), step 3
+    samples anew; grpo.beta > 0 under LoRA: the KL to the base with the adapters off, 0 at the first
+    update and not after it."""
+    fit(grpo_config(make_config, files, "train.steps=4", "grpo.num_iterations=2", "grpo.beta=0.1"))
+    train = records(tmp_path / "run")
+    batch = [(r["reward"], r["reward_std"]) for r in train]
+    assert batch[0] == batch[1] and batch[1] != batch[2] and batch[2] == batch[3]
+    assert train[0]["kl"] == 0.0 and train[1]["kl"] > 0.0
+    assert train[0]["seconds/sampling"] > 0 and "seconds/sampling" not in train[1]
