@@ -36,6 +36,11 @@ def check_layout(cfg, mesh_shape: dict) -> None:
     """UsageError for a GRPO run on a layout the rollouts do not run on (pipeline stages, context,
     experts, pmap, eager)."""
     others = {axis: size for axis, size in mesh_shape.items() if axis not in LAYOUTS and size > 1}
+    if jax.process_count() > 1:
+        raise UsageError(
+            f"train.objective=grpo runs in one process ({jax.process_count()} here): the rollouts and the rewards "
+            "are not shared between processes yet; run it on one host's devices"
+        )
     if cfg.train.steps_per_call != 1:
         raise UsageError(
             f"train.steps_per_call={cfg.train.steps_per_call}: a GRPO step samples on the host between updates; "
