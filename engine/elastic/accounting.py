@@ -40,7 +40,7 @@ from engine.runtime.restart_protocol import ATTEMPT as ATTEMPT
 from engine.runtime.restart_protocol import FAILURES_FILE, RECOVERY, failure_record, pending
 from engine.runtime.restart_protocol import JOB as JOB
 from engine.runtime.rundir import METRICS, append_line, read_records, write_atomic
-from engine.runtime.watchdog import REACHED
+from engine.runtime.watchdog import REACHED, STATUS
 
 # after a process fails without a signal, how long the others may take to end on their own before
 # they are stopped: when all do, the failure is the job's own (`lost`), not a lost process
@@ -96,16 +96,21 @@ def lost(seen: list[Failure], processes: int, hung: list[int]) -> tuple[list[Fai
 
 
 def hung_processes(files: list[Path]) -> list[tuple[int, Path]]:
-    """(process, hang file) of the watchdogs' hang files `files` (not an evaluator's), the likeliest
-    culprit first: the process whose loop is behind (its peers went on into the next step and wait
-    for it in that step's collectives), then the earliest written."""
-    found = [(key, path) for path in files if (key := hang_key(path)) is not None]
-    return [(key[2], path) for key, path in sorted(found)]
+    """(process, hang file) of the watchdogs' hang files and census answers `files` (not an
+    evaluator's), the likeliest culprit first: the process whose loop is behind (its peers went on
+    into the next step and wait for it in that step's collectives), then the one whose progress
+    stopped first. One entry per process (its file that says so most)."""
+    found = sorted((key, path) for path in files if (key := hang_key(path)) is not None)
+    first: dict[int, Path] = {}
+    for key, path in found:
+        first.setdefault(key[2], path)
+    return list(first.items())
 
 
 def hang_key(path: Path) -> Optional[tuple[float, float, int]]:
-    """(the step the hung process's loop last began (inf: none), when the file was written, the
-    process) of a watchdog's hang file; None for an evaluator's or an unreadable one."""
+    """(the step the process's loop last began (inf: none), when its progress stopped (the file's
+    time less the seconds it went without), the process) of a watchdog's hang file or census
+    answer (engine/runtime/watchdog.py); None for an evaluator's or an unreadable one."""
     try:
         headline = path.read_text(errors="replace").split("\n", 1)[0]
         written = path.stat().st_mtime
@@ -113,9 +118,11 @@ def hang_key(path: Path) -> Optional[tuple[float, float, int]]:
         return None
     process = re.search(r"; process (\d+), pid \d+", headline)
     step = re.search(rf"; {REACHED} (\d+)", headline)
+    waited = re.search(r"^no progress for ([\d.]+)s", headline)
     if process is None or path.name.startswith("hang-evaluator"):
         return None
-    return (int(step.group(1)) if step else math.inf), written, int(process.group(1))
+    stalled = written - (float(waited.group(1)) if waited else 0.0)
+    return (int(step.group(1)) if step else math.inf), stalled, int(process.group(1))
 
 
 def after_failure(
@@ -158,7 +165,12 @@ def account(
     for index, rc, when in gone:
         how = describe(rc)
         if index in hung:
-            how = f"hung ({how} by its watchdog{hung[index]})"
+            said = hung[index]
+            how = (
+                f"hung ({how}; behind its peers by its watchdog's census answer{said})"
+                if STATUS in said
+                else (f"hung ({how} by its watchdog{said})")
+            )
         failures.append(dict(attempt=attempt, process=index, how=how, step=step, time=when, processes=alive))
         if stopped is not None:
             failures[-1]["seconds_to_stop"] = round(stopped - when, 3)

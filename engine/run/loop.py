@@ -111,7 +111,11 @@ def fit_job(
     goodput = Goodput(started or time.time())
     with storage_failures(workdirs), contextlib.ExitStack() as closing:  # closed in reverse order
         watchdog = closing.enter_context(
-            contextlib.closing(Watchdog(dataclasses.asdict(cfg.watchdog), workdirs[0], jax.process_index()))
+            contextlib.closing(
+                Watchdog(
+                    dataclasses.asdict(cfg.watchdog), workdirs[0], jax.process_index(), processes=jax.process_count()
+                )
+            )
         )
         ready = open_job(closing, watchdog, goodput)
         watchdog.enter("step")

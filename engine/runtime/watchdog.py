@@ -8,12 +8,21 @@ data and compiling), `restore`, `step` (between two iterations of the training l
 `eval` and `save`. The loop calls `beat()` once per iteration, and each step's metrics that
 arrive from the device count too (`watch`); phases nest (`with
 watchdog.phase("save"): ...`), and leaving one restarts the clock of the phase around it.
+
+In a job of several processes the first watchdog to fire is often not the hung process's: its
+peers wait for it in a collective (or a checkpoint's barrier) and the process hosting the
+coordination service takes every other down when it exits. So a watchdog that fires asks its
+peers for their state first (a census: `hang-census-<time>.json` in the workdir), and each
+peer's watchdog thread, which polls once a second whatever its main thread does, answers with
+`hang-status-<time>-process<K>.txt` (the step its loop last began, how long it went without
+progress) before the asker exits: the elastic supervisor then blames the process behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import os
 import sys
 import threading
@@ -22,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine.errors import exit_now
+from engine.runtime.rundir import write_atomic
 
 WHAT = {
     "compile": "loading data and compiling",
@@ -35,12 +45,19 @@ WHAT = {
 # how a hang file's headline names the step the process's loop last began: the process behind its
 # peers (they wait for it in that step's collectives) is the one that hung (engine/elastic/accounting.py)
 REACHED = "its loop last began step"
+CENSUS = "hang-census-"  # a firing watchdog's request for its peers' state (a .json file)
+STATUS = "hang-status-"  # a peer's answer (a .txt file, read as a hang file is)
+CENSUS_SECONDS = 3.0  # how long a firing watchdog waits for the answers (peers poll once a second)
 
 
 class Watchdog:
-    def __init__(self, limits: dict[str, int], workdir: Path, process_index: int = 0, who: str = ""):
+    def __init__(
+        self, limits: dict[str, int], workdir: Path, process_index: int = 0, who: str = "", processes: int = 1
+    ):
         self.limits, self.workdir, self.process_index = limits, Path(workdir), process_index
         self.who = who  # "evaluator": its stacks go to hang-evaluator-<time>.txt
+        self.processes = processes  # the job's: above 1, a firing watchdog asks the others' state first
+        self.started, self.answered = time.time(), set()  # (censuses of an earlier start are not answered)
         self.phases, self.since = ["compile"], time.monotonic()
         self.in_flight: list = []
         self.ready = 0
@@ -85,6 +102,8 @@ class Watchdog:
     def _watch(self) -> None:
         while not self.stopped.wait(1.0):
             self._count_ready()
+            if self.processes > 1:
+                self._answer_census()
             phase = self.phases[-1]
             limit, waited = self.limits.get(phase, 0), time.monotonic() - self.since
             if limit and waited > limit:
@@ -97,19 +116,57 @@ class Watchdog:
             self.ready += 1
             self.since = time.monotonic()
 
+    def _state(self, phase: str, waited: float, limit: int) -> str:
+        """The headline of a hang file or a census answer (engine/elastic/accounting.py reads it)."""
+        return (
+            f"no progress for {waited:.1f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
+            f"process {self.process_index}, pid {os.getpid()}"
+            + (f"; {REACHED} {self.step}" if self.step is not None else "")
+        )
+
+    def _answer_census(self) -> None:
+        """Answers a peer's census (its watchdog fired) with this process's state, once per census."""
+        for path in self.workdir.glob(f"{CENSUS}*.json"):
+            if path.name in self.answered:
+                continue
+            self.answered.add(path.name)
+            try:
+                asker, written = json.loads(path.read_text())["process"], path.stat().st_mtime
+            except (OSError, ValueError, KeyError, TypeError):  # (a census being written is renamed into place)
+                continue
+            if written < self.started or asker == self.process_index:
+                continue
+            phase = self.phases[-1]
+            state = self._state(phase, time.monotonic() - self.since, self.limits.get(phase, 0))
+            name = f"{STATUS}{time.strftime('%Y%m%d-%H%M%S')}-process{self.process_index}.txt"
+            with contextlib.suppress(OSError):  # (a full disk: the asker's own file is the report)
+                write_atomic(self.workdir / name, f"{state}\n(answering the census of process {asker}'s watchdog)\n")
+
+    def _census(self) -> None:
+        """Asks the peers' watchdogs for their state and waits up to CENSUS_SECONDS for the answers."""
+        asked, before = time.time(), set(self.workdir.glob(f"{STATUS}*.txt"))
+        try:
+            write_atomic(
+                self.workdir / f"{CENSUS}{asked:.6f}-{self.process_index}.json",
+                json.dumps({"process": self.process_index}),
+            )
+        except OSError:
+            return
+        deadline = time.monotonic() + CENSUS_SECONDS
+        while time.monotonic() < deadline:
+            if len(set(self.workdir.glob(f"{STATUS}*.txt")) - before) >= self.processes - 1:
+                return
+            time.sleep(0.1)
+
     def _hung(self, phase: str, waited: float, limit: int) -> None:
-        """Every thread's stack to stderr and hang-<time>.txt, one line, exit 1."""
+        """Every thread's stack to stderr and hang-<time>.txt, one line, (with peers: their census) exit 1."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = (
             f"hang-{self.who + '-' if self.who else ''}{stamp}"
             + (f"-process{self.process_index}" if self.process_index else "")
             + ".txt"
         )
-        headline = (
-            f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
-            f"process {self.process_index}, pid {os.getpid()}"
-            + (f"; {REACHED} {self.step}" if self.step is not None else "")
-        )
+        headline = self._state(phase, waited, limit)
         stderr = sys.__stderr__ or sys.stderr
         stderr.write(f"{headline}\nevery thread's Python stack:\n")
         stderr.flush()
@@ -122,6 +179,8 @@ class Watchdog:
             where = str(self.workdir / name)
         except OSError as e:  # the stacks went to stderr above
             where = f"stderr only ({self.workdir / name}: {e.strerror})"
+        if self.processes > 1 and not self.who:
+            self._census()
         exit_now(
             f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), a stalled "
             f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow",

@@ -78,7 +78,8 @@ def test_a_hung_process_is_ended_by_its_watchdog_and_the_job_goes_on(tmp_path):
     (recovery,) = records(workdir, "recovery")
     # (the peer, waiting in a collective, may die of SIGABRT or its own watchdog first: the stuck one is blamed)
     assert recovery["lost_process"] == 1 and recovery["recovered"]
-    assert recovery["how"].startswith("hung (exited with code 1 by its watchdog: hang-"), recovery["how"]
+    # (named by its own hang file, or by its answer to the census of the peer whose watchdog fired first)
+    assert recovery["how"].startswith("hung (") and ": hang-" in recovery["how"], recovery["how"]
     assert recovery["step_restored"] in (2, 4) and recovery["processes_now"] == 1  # (the hung one saves no more)
     assert sorted(losses(workdir)) == list(range(1, STEPS + 1))
 

@@ -115,6 +115,35 @@ def test_the_hung_process_is_the_one_behind_its_peers(tmp_path):
 
 
 @pytest.mark.nocompile
+def test_a_firing_watchdog_s_census_names_the_peer_behind_it(tmp_path):
+    """Process 0's watchdog fires first (it waits for process 1 in a collective) and would take
+    process 1 down with it: its census gets process 1's state first, and process 1 is blamed."""
+    import time
+
+    from engine.elastic.accounting import hung_processes
+    from engine.runtime.watchdog import CENSUS_SECONDS, Watchdog
+
+    asker = Watchdog({}, tmp_path, process_index=0, processes=2)
+    peer = Watchdog({"step": 600}, tmp_path, process_index=1, processes=2)  # (its main thread: stuck)
+    try:
+        asker.beat(5)
+        peer.beat(4)  # its loop began step 4 and went no further
+        stuck = tmp_path / "hang-1.txt"
+        stuck.write_text(asker._state("step", 4.0, 4) + "\n\n")
+        began = time.monotonic()
+        asker._census()  # answered by the peer's watchdog thread, which polls once a second
+        assert time.monotonic() - began < CENSUS_SECONDS
+        (answer,) = tmp_path.glob("hang-status-*-process1.txt")
+        assert "process 1, pid" in answer.read_text() and "its loop last began step 4" in answer.read_text()
+        assert [process for process, _ in hung_processes([stuck, answer])] == [1, 0]
+        asker._census()  # a second census (a later hang) is answered too; the first is not answered twice
+        assert len(peer.answered) == 2 and len(list(tmp_path.glob("hang-status-*-process1.txt"))) >= 1
+    finally:
+        asker.close()
+        peer.close()
+
+
+@pytest.mark.nocompile
 def test_max_restarts_counts_the_restarts_since_the_job_last_ran_at_its_full_size():
     from types import SimpleNamespace
 
