@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from engine.runtime.settings import with_cpu_devices
+
 ROOT = Path(__file__).resolve().parent.parent
 # this program, for the processes it starts (local processes, a sweep's runs): the checkout's
 # launch.py where there is one, else the installed package
@@ -135,7 +137,7 @@ def _start(args: list[str], processes: int, devices_per_process: int, extra: dic
         **extra,
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+        XLA_FLAGS=with_cpu_devices(os.environ.get("XLA_FLAGS", ""), devices_per_process),
     )
     children, relays = [], []
     for index in range(processes):

@@ -67,6 +67,17 @@ def install(reader: bool = False) -> None:
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
+
+
+def with_cpu_devices(flags: str, devices: int) -> str:
+    """XLA_FLAGS `flags` with the simulated CPU device count set to `devices` (replacing one already
+    there) and every other flag kept: a launched process gets its share of devices and the user's
+    own XLA settings (optimisation level, dumps, ...), as the launching process had them."""
+    rest = [flag for flag in flags.split() if not flag.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*rest, f"{DEVICE_COUNT_FLAG}{devices}"])
+
+
 def _xla_cpu_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and _xla_knows(CPU_SCHEDULER_FLAG):

@@ -17,6 +17,7 @@ from engine.errors import UsageError
 from engine.observe.ranking import preload
 from engine.runtime.launcher import SELF
 from engine.runtime.rundir import STATUS, final_metrics, lock_holder, read_status, write_atomic, write_json
+from engine.runtime.settings import DEVICE_COUNT_FLAG, with_cpu_devices
 from engine.sweep.spec import RunSpec, Sweep
 
 
@@ -160,12 +161,10 @@ def device_envs(parallel: int) -> list[dict]:
         share = len(gpus) // parallel
         return [dict(base, CUDA_VISIBLE_DEVICES=",".join(gpus[i * share : (i + 1) * share])) for i in range(parallel)]
     flags = os.environ.get("XLA_FLAGS", "")
-    marker = "--xla_force_host_platform_device_count="
-    if marker in flags:  # simulated CPU devices: give each slot its share
-        count = int(flags.split(marker, 1)[1].split()[0])
+    if DEVICE_COUNT_FLAG in flags:  # simulated CPU devices: give each slot its share
+        count = int(flags.split(DEVICE_COUNT_FLAG, 1)[1].split()[0])
         share = max(count // parallel, 1)
-        rest = " ".join(f for f in flags.split() if not f.startswith(marker))
-        return [dict(base, XLA_FLAGS=f"{rest} {marker}{share}".strip()) for _ in range(parallel)]
+        return [dict(base, XLA_FLAGS=with_cpu_devices(flags, share)) for _ in range(parallel)]
     return [base] * parallel
 
 
@@ -174,13 +173,12 @@ def cpu_devices_env(env: dict, trials: int, parallel: int) -> dict:
     per core of its slot (the most that divide the trials), so the trial axis runs on every
     core (XLA runs a small step on one core per device). Simulated devices already set stay;
     on a GPU or TPU host the flag only shapes the CPU platform, which the group does not use."""
-    marker = "--xla_force_host_platform_device_count="
     flags = env.get("XLA_FLAGS", "")
-    if marker in flags:
+    if DEVICE_COUNT_FLAG in flags:
         return env
     cores = max(len(os.sched_getaffinity(0)) // parallel, 1)
     devices = max(d for d in range(1, cores + 1) if trials % d == 0)
-    return dict(env, XLA_FLAGS=f"{flags} {marker}{devices}".strip()) if devices > 1 else env
+    return dict(env, XLA_FLAGS=with_cpu_devices(flags, devices)) if devices > 1 else env
 
 
 def _nvidia_gpus() -> list[str]:

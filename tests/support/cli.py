@@ -7,12 +7,19 @@ import time
 
 from support.configs import ROOT
 
+from engine.runtime.settings import DEVICE_COUNT_FLAG
+
 
 def child_env(env=None):
-    """A launched process's environment: this one's without the tests' XLA_FLAGS (so 1 CPU
-    device and XLA's default optimisation), updated with env."""
-    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """A launched process's environment: this one's, updated with env, where XLA_FLAGS keeps the
+    tests' compile-speed flags (tests/conftest.py: both sides of a comparison compile alike) but
+    not their 8 devices: 1 CPU device unless env's XLA_FLAGS sets a count."""
+    full_env = dict(os.environ)
     full_env.update(env or {})
+    own = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if not flag.startswith(DEVICE_COUNT_FLAG)]
+    given = (env or {}).get("XLA_FLAGS", "").split()
+    names = {flag.split("=", 1)[0] for flag in given}
+    full_env["XLA_FLAGS"] = " ".join([*given, *(flag for flag in own if flag.split("=", 1)[0] not in names)])
     return full_env
 
 
