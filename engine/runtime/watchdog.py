@@ -57,7 +57,8 @@ class Watchdog:
         self.limits, self.workdir, self.process_index = limits, Path(workdir), process_index
         self.who = who  # "evaluator": its stacks go to hang-evaluator-<time>.txt
         self.processes = processes  # the job's: above 1, a firing watchdog asks the others' state first
-        self.started, self.answered = time.time(), set()  # (censuses of an earlier start are not answered)
+        self.started = time.time()  # (censuses of an earlier start are not answered)
+        self.answered: set[str] = set()
         self.phases, self.since = ["compile"], time.monotonic()
         self.in_flight: list = []
         self.ready = 0
