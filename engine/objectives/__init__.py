@@ -17,7 +17,7 @@ class StepPart:
     """An objective's part built with jax."""
 
     # (module, family, number of data sources) → loss(params, model_state, batch, rng, train, hparams)
-    # → (loss, (metric sums, new model_state)), as engine/run/step.py make_loss_fn's
+    # → (loss, (metric sums, new model_state)), as engine/objectives/lm.py make_loss_fn's
     loss_fn: Callable
     # (module, task) → reference(params, model_state, batch): the pre-pass's values of a batch
     reference_fn: Optional[Callable] = None

@@ -144,7 +144,7 @@ def make_reference_fn(module: nn.Module, task, dpo) -> Callable:
 
 def make_dpo_loss_fn(module: nn.Module, task, dpo, hparam_names: tuple[str, ...] = ()) -> Callable:
     """loss(params, model_state, batch, rng, train, hparams) → (mean loss over the pairs, (metric
-    sums, new model_state)), as engine/run/step.py make_loss_fn's: `loss_sum`, `correct` and
+    sums, new model_state)), as engine/objectives/lm.py make_loss_fn's: `loss_sum`, `correct` and
     `count` count pairs, and DPO_SUMS add TRL's rewards and log-probabilities (`dpo`: the config's
     `dpo` section; β from hparams[DPO_BETA] where given; a batch's REF_LOGPS stand for the
     reference's forward pass). The family's hparams (dropout rates) have no use: no dropout."""

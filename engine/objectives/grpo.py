@@ -44,7 +44,7 @@ def policy_logps(module, variables, batch, temperature: float, mutable) -> tuple
 
 def make_grpo_loss_fn(module, grpo) -> Callable:
     """loss(params, model_state, batch, rng, train, hparams) → (loss, (metric sums, model_state)) on
-    a rollout batch, as engine/run/step.py make_loss_fn's: `loss_sum` and `count` are
+    a rollout batch, as engine/objectives/lm.py make_loss_fn's: `loss_sum` and `count` are
     grpo_math.loss_sum_and_count's (so accumulated micro-batches give the batch's loss by
     grpo.loss_type), GRPO_SUMS the sums TRL's metrics are made of. No dropout (TRL's sampling and
     its ratio at the first update assume none)."""

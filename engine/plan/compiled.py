@@ -18,13 +18,13 @@ import jax
 from engine.config import Config, with_keys
 from engine.config.objective import objective_of, objective_rows
 from engine.errors import UsageError
-from engine.observe.perf import analytic_per_example
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
 from engine.parallel.sharding import batch_shards, per_device_bytes
 from engine.plan import hlo
 from engine.plan.hlo import Collective
 from engine.plan.tpu import Target
+from engine.run.cost import analytic_per_example
 from engine.run.setup import compile_plan, plan_run, train_loss_chunk
 from engine.runtime.units import human_bytes
 from models.layers import LossChunk

@@ -29,7 +29,7 @@ from engine.data.placement import resident_bytes
 from engine.errors import UsageError
 from engine.lm import finetune
 from engine.objectives import objective_part
-from engine.observe.perf import StepCost, enable_compilation_cache, step_cost
+from engine.observe.perf import StepCost, enable_compilation_cache
 from engine.parallel.mesh import make_mesh
 from engine.parallel.sharding import ActivationLayout, batch_sharding, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
@@ -38,6 +38,7 @@ from engine.parallel.sync import compile_sync, parts_of
 from engine.run import reference_logps
 from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
+from engine.run.cost import step_cost
 from engine.run.data_record import load_rendered
 from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
@@ -80,7 +81,7 @@ class Run:
     init_state: Callable  # (params=None) → a fresh TrainState, created already sharded (with these parameters)
     compiled: Compiled
     inputs: Inputs
-    cost: StepCost  # model FLOPs per step (perf.step_cost)
+    cost: StepCost  # model FLOPs per step (run/cost.py step_cost)
     compile_cache: dict  # persistent-cache {"hits": n, "misses": m} while building this run
     sync_each_step: bool  # wait for each step before dispatching the next (CPU collectives)
     rollouts: Any = None  # an objective that samples its batches (GRPO): its sampler, the blocks its prompts
@@ -310,7 +311,7 @@ def train_loss_chunk(program) -> Optional[LossChunk]:
 
 
 def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> StepCost:
-    """The model FLOPs of one step of the plan's compiled program, per device (perf.step_cost;
+    """The model FLOPs of one step of the plan's compiled program, per device (cost.step_cost;
     a loss the budget splits, model.loss_chunk=0, is a loop XLA counts once, as a set chunk is)."""
     chunk = train_loss_chunk(plan)
     return step_cost(

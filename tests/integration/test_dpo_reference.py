@@ -14,8 +14,8 @@ from engine.config import shape_differences
 from engine.config.dpo_objective import DPO_BETA, REF_LOGPS
 from engine.config.objective import objective_of
 from engine.objectives.dpo_part import make_dpo_loss_fn
-from engine.observe.perf import analytic_per_example
 from engine.parallel.mesh import make_mesh
+from engine.run.cost import analytic_per_example
 from engine.run.reference_logps import compute
 from engine.run.setup import run_hparams
 from engine.run.step import make_eval_step, make_train_step, weights_of

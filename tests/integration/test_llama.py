@@ -9,10 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.llama import INFO, LLAMA, TINY, ours_from_hf_dir, transformers_logits, write_hf_checkpoint
+from support.llama import (
+    INFO,
+    LLAMA,
+    TINY,
+    greedy_reference,
+    ours_from_hf_dir,
+    transformers_logits,
+    write_hf_checkpoint,
+)
 
-from engine.observe.perf import compiled_flops
 from engine.parallel.sharding import unbox
+from engine.run.cost import compiled_flops
 from engine.run.setup import build_run
 from engine.state.columns import unpack_metrics
 from models import REGISTRY, sampling
@@ -165,7 +173,7 @@ def test_greedy_generation_with_the_cache_equals_argmax_without_it():
     prompt = [int(t) for t in tokens[0, :5]]
     decoder = REGISTRY["llama"].build(cfg, INFO, jnp.float32, jnp.float32, decode=True)
     cached = sampling.generate(decoder, params, [prompt], 8, temperature=0.0)[0]
-    assert cached == sampling.greedy_without_cache(module, params, prompt, 8)
+    assert cached == greedy_reference(module, params, prompt, 8)
     assert cached == sampling.generate(decoder, params, [prompt], 8, temperature=0.0)[0]
     hot = [sampling.generate(decoder, params, [prompt], 8, temperature=1.5, top_p=0.9, seed=s)[0] for s in (0, 0, 1)]
     assert hot[0] == hot[1] != hot[2]  # a seed gives one text; another seed another

@@ -303,9 +303,9 @@ def test_resuming_between_calls_of_a_different_size_is_refused(make_config, tmp_
 def test_without_a_reference_count_mfu_uses_the_analytic_formula(make_config, monkeypatch):
     """GPU and TPU plugins may not analyse a lowered program; then a remat run's MFU comes
     from the transformer's formula, not from a compiled count that includes recomputation."""
-    import engine.observe.perf
+    import engine.run.cost
 
-    monkeypatch.setattr(engine.observe.perf, "lowered_flops", lambda lowered: None)
+    monkeypatch.setattr(engine.run.cost, "lowered_flops", lambda lowered: None)
     run = build_run(
         make_config(
             "mnist_mlp.yaml",
