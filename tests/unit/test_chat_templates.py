@@ -70,7 +70,11 @@ def test_a_huge_power_is_refused_not_computed():
 
 
 @pytest.mark.nocompile
-def test_nested_loops_share_one_iteration_budget():
+def test_nested_loops_share_one_iteration_budget(monkeypatch):
+    # (a million iterations take ~2 s here, some 6 s on a loaded machine: the clock's own limit, tested
+    # apart, must not answer first)
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 600.0)
+    monkeypatch.setattr(chat, "RECORD_SECONDS", 600.0)
     _refused(NESTED, "more than 1,000,000 loop iterations")
     letters = "{% for c in 'abcdefghij' %}" * 7 + "{% endfor %}" * 7  # 10 ** 7 iterations, no range, no output
     _refused(letters, "more than 1,000,000 loop iterations")
