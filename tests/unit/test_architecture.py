@@ -111,10 +111,16 @@ def test_engine_imports_have_no_cycles():
 
 
 def _from_names(path: Path, module: str) -> list[str]:
-    names = []
+    return _names_imported_from(path).get(module, [])
+
+
+@functools.cache
+def _names_imported_from(path: Path) -> dict[str, list[str]]:
+    """module → the names a file imports from it (`from module import a, b`), in one walk of its tree."""
+    names: dict[str, list[str]] = {}
     for node in _runtime_nodes(parsed(path)):
-        if isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0:
-            names.extend(alias.name for alias in node.names)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.setdefault(node.module, []).extend(alias.name for alias in node.names)
     return names
 
 
