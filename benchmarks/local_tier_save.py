@@ -8,12 +8,13 @@ times, interleaved, saves the same state to each tier and waits for it:
 
   blocking    what the training loop waits for: `save()` (persistent: the pinned host copy
               dispatched, orbax's save left to a background thread) or `save_local()` (local:
-              the state packed into one host buffer and, with several processes, a copy sent
-              to the peer process through the job's collectives; the files written in the
-              background). The engine's summary counts both tiers' blocking time together in
+              the state packed into one host buffer; with several processes the copy to the
+              peer process, engine/checkpoint/transport.py, and the files follow on the
+              tier's background thread). The engine's summary counts both tiers' blocking time together in
               checkpoint_blocking_seconds (badput_checkpoint_blocking).
   total       until `wait()` returns: everything written (persistent: orbax's files, commit and
-              SHA256SUMS; local: this process's shards and the copies it holds, with checksums).
+              SHA256SUMS; local: the copies exchanged, this process's shards and the copies it
+              holds written, with checksums).
   background  total - blocking: the time the save runs beside training.
 
 Each kind has one untimed warm-up first (the local tier's first save also agrees on the peers

@@ -1,11 +1,12 @@
 """Bytes between processes over the devices' own links: buffers moved between chosen pairs of
 processes by collective permutes, and small integer tables gathered to every process.
 
-The local checkpoint tier (local_tier.py) copies each process's shards to peer processes. It does
-not assume a shared filesystem: the bytes travel as a uint8 array through the job's
-collectives (gloo between CPU processes, NCCL on GPUs, ICI/DCN on TPUs), one device per
-process, in chunks of at most CHUNK bytes so that a transfer needs little device memory,
-and the receiving process writes them to its own storage. Every process calls these
+The local checkpoint tier (local_tier.py) moves copies of processes' shards between processes
+when it restores (its saves send theirs from a background thread, transport.py, where a
+collective must not run). It does not assume a shared filesystem: the bytes travel as a uint8
+array through the job's collectives (gloo between CPU processes, NCCL on GPUs, ICI/DCN on
+TPUs), one device per process, in chunks of at most CHUNK bytes so that a transfer needs
+little device memory. Every process calls these
 functions at the same point of its program, in the same order (they are collectives).
 """
 

@@ -5,11 +5,16 @@ checkpoint.local_dir holds, per run (named after its workdir) and per process,
 `process_<i>/owner_<o>/<step>/` (local_files.py): process o's shards of that step. Process i
 keeps its own (o = i) and the copies of the processes whose peer it is: each process's
 checkpoint.local_replicas peers are the next processes on other hosts (peers.py), so that
-losing one host's local storage loses no local step while there are several hosts. The copies
-travel through the job's collectives (exchange.py), not a shared filesystem. Files are written
-in the background; a write that fails (a full RAM disk) is a warning at the next save, agreed on
-by every process, and the next local saves try again. The newest checkpoint.local_keep steps
-are kept. Every step records the run's id (peers.py): another run's steps are never restored.
+losing one host's local storage loses no local step while there are several hosts. A save
+returns once the state is packed into host memory; on the tier's background thread the copies
+then travel (transport.py: TCP between the processes, off the job's collectives, which a second
+thread must not use), each received copy is written and confirmed, and a process's own copy is
+written only once every peer has confirmed its copy: a step directory is complete, and its
+peers' copies are in place, or it is a `.partial` folder that no restore takes. The next save,
+a restore and the end wait for that piece; its failure (a full RAM disk, a peer that never
+sent) is a warning at the next save, agreed on by every process, and the next local saves try
+again. The newest checkpoint.local_keep steps are kept. Every step records the run's id
+(peers.py): another run's steps are never restored.
 
 Restore first agrees, through one gather, on the hosts (the peers), the run id, a new run (what
 the local tier holds then is removed) and the persistent tier's newest step (the newest any
@@ -29,7 +34,7 @@ import hashlib
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, cast
 
 import jax
 import numpy as np
@@ -59,6 +64,7 @@ from engine.checkpoint.peers import (
     stored_run_id,
 )
 from engine.checkpoint.staging import InBackground
+from engine.checkpoint.transport import Transport, peer_sockets
 from engine.errors import UsageError
 
 
@@ -86,9 +92,12 @@ class LocalTier:
     """One run's local tier, seen from this process (every process holds one; save and restore are
     collectives: every process calls them at the same step)."""
 
-    def __init__(self, local_dir: str, persistent: Path, keep: int, replicas: int, verify: bool, fresh: bool):
+    def __init__(
+        self, local_dir: str, persistent: Path, keep: int, replicas: int, verify: bool, fresh: bool, timeout: int = 600
+    ):
         """`fresh`: the run's persistent directory did not exist yet (a new run): what the local
-        tier holds of an earlier run in this workdir is removed at restore."""
+        tier holds of an earlier run in this workdir is removed at restore. `timeout`: the seconds
+        a background exchange waits for a peer (distributed.barrier_timeout)."""
         self.setting = local_dir
         self.workdir = Path(persistent).absolute().parent
         self.process, self.count = jax.process_index(), jax.process_count()
@@ -103,7 +112,9 @@ class LocalTier:
         self._from_peers: list[int] = []  # the owners whose restored copy is a peer's (for the console)
         self._orphans = True  # the folders of process indices beyond the job's may remain (until a save)
         self._writing = InBackground("local-checkpoint")
-        self._writing_step = 0
+        self._writing_step = self._saves = 0
+        self.timeout = timeout
+        self.transport: Optional[Transport] = None  # (made at the first save with a peer; tests set their own)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # (before any collective: the launcher sees this process's exit 2 at once)
@@ -154,8 +165,8 @@ class LocalTier:
 
     def save(self, step: int, state, meta: dict) -> None:
         """This process's shards of `state` to its local storage, and a copy to each of its peers;
-        returns once the bytes are on the host and exchanged (the files are written in the
-        background). The previous write's failure on any process is a warning here."""
+        returns once the bytes are packed on the host (`_exchange` sends and writes them in the
+        background). The previous save's failure on any process is a warning here."""
         if self.peers is None:
             self._agree(None)
         failure = self._written()
@@ -170,11 +181,26 @@ class LocalTier:
             )
         buffer, index = pack(state)
         mine = Copy(self.process, buffer, {**index, "processes": self.count}, meta)
+        if self.transport is None and self.count > 1:
+            self.transport = peer_sockets(self.process)
+        self._writing_step, self._saves = step, self._saves + 1
+        self._writing.start(self._exchange, step, mine, f"{self.run}/{step}/{self._saves}")
+
+    def _exchange(self, step: int, mine: Copy, key: str) -> None:
+        """A save's background piece: this process's copy sent to each peer, the copies it keeps
+        received, written and confirmed, then its own written once each peer confirmed its copy
+        (sends first and receives before waiting: no process waits on one that waits on it)."""
         assert self.peers is not None
-        moves = [(owner, peer, owner) for owner in range(self.count) for peer in self.peers[owner]]
-        received = [from_header(*pair) for pair in self._transfer(moves, {self.process: mine})]
-        self._writing_step = step
-        self._writing.start(self._write, step, [mine, *received])
+        transport, mine_to = cast(Transport, self.transport), self.peers[self.process]  # (set when there are peers)
+        for peer in mine_to:
+            transport.send(peer, f"{key}/{self.process}-{peer}", [header(mine), mine.buffer], self.timeout)
+        for owner in (owner for owner in range(self.count) if self.process in self.peers[owner]):
+            head, buffer = transport.receive(f"{key}/{owner}-{self.process}", self.timeout)
+            self._write(step, [from_header(head, buffer)])
+            transport.confirm(f"{key}/{owner}-{self.process}")
+        for peer in mine_to:
+            transport.confirmed(f"{key}/{self.process}-{peer}", self.timeout)
+        self._write(step, [mine])
 
     def _transfer(self, moves: list[tuple[int, int, int]], held: dict[int, Copy]) -> list[tuple[Any, Any]]:
         """For each (source, destination, owner) of `moves`, the source's copy of owner's shards
@@ -274,6 +300,7 @@ class LocalTier:
         newest, read into `abstract_state`'s shardings (or a refit's: packing.refitted); None when there
         is none or it does not fit or read (on any process: all then restore the persistent tier;
         `declined` says why)."""
+        self.wait()  # (a save in flight ends first)
         fresh, newest = self._agree(persistent_newest)
         self.fresh = False  # (the run has begun: a later restore keeps what it saves)
         if fresh:

@@ -141,7 +141,8 @@ class Checkpointer:
 
     def save_local(self, step: int, state, meta: dict) -> None:
         """A save to the local tier (checkpoint.local_dir): every process's shards to its own
-        storage and its peers'; returns once they are on the host and exchanged."""
+        storage and its peers'; returns once they are packed on the host (the exchange with the
+        peers and the writes run in the background: `wait` waits for them)."""
         assert self.local is not None, "save_local needs checkpoint.local_dir"
         if self._frozen_base is not None:
             state, meta = self._frozen_base.strip(state, meta)
@@ -326,7 +327,11 @@ def open_checkpoints(
     Read-only unless `write`; written, with checkpoint.local_dir, with its local tier too."""
     section = cfg.checkpoint
     local = dict(
-        local_dir=section.local_dir, keep=section.local_keep, replicas=section.local_replicas, verify=section.verify
+        local_dir=section.local_dir,
+        keep=section.local_keep,
+        replicas=section.local_replicas,
+        verify=section.verify,
+        timeout=cfg.distributed.barrier_timeout,
     )
     return Checkpointer(
         directory,
