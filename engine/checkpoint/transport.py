@@ -65,7 +65,7 @@ def _own_address(coordinator: str) -> str:
 
 def _read_exactly(connection: socket.socket, size: int) -> np.ndarray:
     data = np.empty(size, np.uint8)
-    view, got = memoryview(data), 0
+    view, got = data.data, 0  # (a memoryview of the array)
     while got < size:
         count = connection.recv_into(view[got:])
         if not count:
