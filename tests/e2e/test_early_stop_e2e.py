@@ -7,6 +7,7 @@ import shutil
 import pytest
 from support.cli import run_cli
 from support.early_stop import meta, saved_steps
+from support.fuzz_cli import refused_in_one_line, run_in_one_process
 
 from engine.run.single import fit
 from engine.runtime.rundir import read_records
@@ -74,18 +75,25 @@ def test_early_stop_ends_the_run_and_a_resumed_run_stops_at_the_same_step(make_c
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize(
-    "args, named",
-    [
-        (["checkpoint.best_mode=maximum"], "checkpoint.best_mode='maximum' is not one of min, max"),
-        (["train.early_stop.metric=loss"], "train.early_stop.metric='loss' must name an eval metric"),
-        (["train.early_stop.metric=eval/loss", "eval.every_steps=0"], "eval.every_steps=0"),
-        (["checkpoint.keep_best=eval/los"], "checkpoint.keep_best=eval/los is not an eval metric of this run"),
-    ],
-)
-def test_bad_settings_exit_2_with_one_line(tmp_path, args, named):
+BAD = [  # (overrides, what the one line names)
+    (["checkpoint.best_mode=maximum"], "checkpoint.best_mode='maximum' is not one of min, max"),
+    (["train.early_stop.metric=loss"], "train.early_stop.metric='loss' must name an eval metric"),
+    (["train.early_stop.metric=eval/loss", "eval.every_steps=0"], "eval.every_steps=0"),
+    (["checkpoint.keep_best=eval/los"], "checkpoint.keep_best=eval/los is not an eval metric of this run"),
+]
+
+
+def test_bad_settings_exit_2_with_one_line(tmp_path):
+    """The last through launch.py in a process of its own (what a user sees), the others through
+    the CLI's main in one process (tests/support/fuzz_cli.py)."""
     quick = ["train.steps=20", "eval.every_steps=10", "log.progress=false", "log.tensorboard=false"]
-    proc = run_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "run"), *quick, *args)
+    argv = lambda i, args: ["--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / f"run{i}"), *quick, *args]  # noqa: E731
+    *rest, (args, named) = BAD
+    proc = run_cli(*argv(len(rest), args))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and named in proc.stderr, proc.stderr
-    assert not (tmp_path / "run").exists()  # refused before training or writing anything
+    results = run_in_one_process(tmp_path, [{"argv": argv(i, args)} for i, (args, _) in enumerate(rest)])
+    assert len(results) == len(rest) == 3
+    for result, (_, named) in zip(results, rest):
+        refused_in_one_line(result, named)
+    assert not list(tmp_path.glob("run*"))  # refused before training or writing anything

@@ -5,15 +5,15 @@ and one line naming the file, before anything is read or allocated."""
 import json
 import struct
 
-import pytest
 from support.cli import run_cli
+from support.fuzz_cli import refused_in_one_line, run_in_one_process
 from support.llama import TINY, write_hf_checkpoint
 
 from models.llama import LlamaConfig
 
 
-def _import(tmp_path):
-    return run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(tmp_path / "run"), "data.name=synthetic_text")
+def _import(hf, workdir) -> list[str]:
+    return ["import-hf", str(hf), "--workdir", str(workdir), "data.name=synthetic_text"]
 
 
 def _refused(proc, *words):
@@ -23,66 +23,80 @@ def _refused(proc, *words):
         assert word in proc.stderr, proc.stderr
 
 
-def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path):
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**TINY), vocab=256, shards=2)
-    (tmp_path / "secret.safetensors").write_bytes(b"not for the importer")
-    index = tmp_path / "hf" / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"]
-    first = sorted(weight_map)[0]
-    weight_map[first] = "../../../../../../../../etc/passwd"
-    index.write_text(json.dumps({"weight_map": weight_map}))
-    _refused(_import(tmp_path), "outside the Hugging Face directory", "/etc/passwd")
-    weight_map[first] = "../secret.safetensors"
-    index.write_text(json.dumps({"weight_map": weight_map}))
-    _refused(_import(tmp_path), "outside the Hugging Face directory")
-    assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_a_symlinked_weight_file_pointing_outside_is_refused(tmp_path):
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**TINY), vocab=256)
-    weights = tmp_path / "hf" / "model.safetensors"
-    weights.rename(tmp_path / "elsewhere.safetensors")
-    weights.symlink_to(tmp_path / "elsewhere.safetensors")
-    _refused(_import(tmp_path), "outside the Hugging Face directory")
-
-
 def _header(path, header: dict, data: bytes = b""):
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
-@pytest.mark.parametrize(
-    "header, data, expected",
-    [
-        # a 4 TB tensor in a file of a few bytes: refused before any allocation
-        ({"w": {"dtype": "F32", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 4 << 40]}}, b"\0" * 16, "lie outside"),
-        ({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 16]}}, b"\0" * 16, "does not match"),
-        ({"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, "known dtype"),
-        ({"w": {"dtype": "F32", "shape": "big", "data_offsets": [0, 4]}}, b"\0" * 4, "is not a list of sizes"),
-    ],
-    ids=["4TB", "shape-size", "dtype", "shape-type"],
-)
-def test_safetensors_headers_that_lie_are_refused_naming_the_file(tmp_path, header, data, expected):
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**TINY), vocab=256)
-    _header(tmp_path / "hf" / "model.safetensors", header, data)
-    _refused(_import(tmp_path), "model.safetensors", expected)
+HEADERS = {  # a safetensors header that lies: (header, data, what the line says)
+    # a 4 TB tensor in a file of a few bytes: refused before any allocation
+    "4TB": (
+        {"w": {"dtype": "F32", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 4 << 40]}},
+        b"\0" * 16,
+        "lie outside",
+    ),
+    "shape-size": ({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 16]}}, b"\0" * 16, "does not match"),
+    "dtype": ({"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, "known dtype"),
+    "shape-type": (
+        {"w": {"dtype": "F32", "shape": "big", "data_offsets": [0, 4]}},
+        b"\0" * 4,
+        "is not a list of sizes",
+    ),
+}
 
 
-def test_a_header_larger_than_the_file_or_not_json_is_refused(tmp_path):
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**TINY), vocab=256)
-    weights = tmp_path / "hf" / "model.safetensors"
-    weights.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
-    _refused(_import(tmp_path), "model.safetensors", "the header claims")
-    weights.write_bytes(struct.pack("<Q", 4) + b"{{{{")
-    _refused(_import(tmp_path), "model.safetensors", "not valid JSON")
-    (tmp_path / "hf" / "config.json").write_text("{not json")
-    _refused(_import(tmp_path), "config.json", "not valid JSON")
+def test_hostile_hugging_face_directories_and_non_finite_sample_numbers_are_refused_in_one_line(tmp_path):
+    """Weight files outside the directory (an index naming ../ paths, a symlink), safetensors
+    headers that lie, damaged JSON, and sample's non-finite numbers: each is exit 2, one line
+    naming the file or flag, no traceback, nothing written. Two of them through launch.py in a
+    process of their own (the exit code and stderr a user sees), the rest through the CLI's
+    main in one process (tests/support/fuzz_cli.py)."""
+    cases = []  # (argv, the words its line must say)
 
+    def hf(name, shards=1):
+        write_hf_checkpoint(tmp_path / name, LlamaConfig(**TINY), vocab=256, shards=shards)
+        return tmp_path / name
 
-@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
-def test_sample_refuses_numbers_that_are_not_finite(tmp_path, flag, value):
-    proc = run_cli("sample", "--workdir", str(tmp_path / "none"), "--prompt", "x", flag, value)
-    _refused(proc, flag)
+    (tmp_path / "secret.safetensors").write_bytes(b"not for the importer")
+    for name, target, words in (
+        ("passwd", "../../../../../../../../etc/passwd", ["outside the Hugging Face directory", "/etc/passwd"]),
+        ("secret", "../secret.safetensors", ["outside the Hugging Face directory"]),
+    ):
+        index = hf(name, shards=2) / "model.safetensors.index.json"
+        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map[sorted(weight_map)[0]] = target
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        cases.append((_import(index.parent, tmp_path / f"run-{name}"), words))
+
+    weights = hf("symlink") / "model.safetensors"
+    weights.rename(tmp_path / "elsewhere.safetensors")
+    weights.symlink_to(tmp_path / "elsewhere.safetensors")
+    cases.append((_import(weights.parent, tmp_path / "run-symlink"), ["outside the Hugging Face directory"]))
+
+    for name, (header, data, expected) in HEADERS.items():
+        _header(hf(name) / "model.safetensors", header, data)
+        cases.append((_import(tmp_path / name, tmp_path / f"run-{name}"), ["model.safetensors", expected]))
+
+    # a header larger than the file, a header that is not JSON, a config.json that is not JSON
+    hf("large").joinpath("model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    cases.append((_import(tmp_path / "large", tmp_path / "run-large"), ["model.safetensors", "the header claims"]))
+    hf("notjson").joinpath("model.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{")
+    cases.append((_import(tmp_path / "notjson", tmp_path / "run-notjson"), ["model.safetensors", "not valid JSON"]))
+    hf("config").joinpath("config.json").write_text("{not json")
+    cases.append((_import(tmp_path / "config", tmp_path / "run-config"), ["config.json", "not valid JSON"]))
+
+    for flag, value in (("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")):
+        cases.append((["sample", "--workdir", str(tmp_path / "none"), "--prompt", "x", flag, value], [flag]))
+
+    (first_argv, first_words), *rest = cases
+    _refused(run_cli(*first_argv), *first_words)  # the /etc/passwd index, through launch.py
+    *rest, (last_argv, last_words) = rest
+    _refused(run_cli(*last_argv), *last_words)  # sample --top-p nan, through launch.py
+    results = run_in_one_process(tmp_path, [{"argv": argv} for argv, _ in rest])
+    assert len(results) == len(rest) == 11
+    for result, (_, words) in zip(results, rest):
+        refused_in_one_line(result, *words)
+    assert not list(tmp_path.glob("run-*/checkpoints")) and not (tmp_path / "none").exists()
 
 
 def test_tokenize_ends_in_seconds_on_a_4mb_document_of_one_line_and_reruns_identically(tmp_path):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from support import tokens as tokens_helpers
 from support.cli import run_cli, start_cli, wait_until
+from support.fuzz_cli import refused_in_one_line, run_in_one_process
 from support.tokens import LLAMA_TOKENS, _corpus_files, _text
 
 from engine.data import tokens as tk
@@ -37,17 +38,13 @@ def test_tokenize_reads_a_hugging_face_datasets_directory(tmp_path):
             got, want = corpus.stream(split), reference.stream(split)
             assert np.array_equal(got.read(0, got.doc_ends[-1]), want.read(0, want.doc_ends[-1]))
             assert np.array_equal(got.doc_ends, want.doc_ends)
-    proc = run_cli(
-        "tokenize", "--input", str(tmp_path / "ds"), "--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"
-    )
-    assert (
-        proc.returncode == 2 and "no column 'text' (columns: ['id', 'content']); pass --text-field NAME" in proc.stderr
-    )
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test"]}')
-    proc = run_cli(
-        "tokenize", "--input", str(tmp_path / "dd"), "--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"
+    bad = ["--out", str(tmp_path / "bad"), "--tokenizer", "bpe:300"]  # both in one process (support/fuzz_cli.py)
+    no_text, no_train = run_in_one_process(
+        tmp_path, [{"argv": ["tokenize", "--input", str(tmp_path / name), *bad]} for name in ("ds", "dd")]
     )
-    assert proc.returncode == 2 and f"e.g. --input {tmp_path / 'dd' / 'test'}" in proc.stderr
+    refused_in_one_line(no_text, "no column 'text' (columns: ['id', 'content']); pass --text-field NAME")
+    refused_in_one_line(no_train, f"e.g. --input {tmp_path / 'dd' / 'test'}")
     assert not (tmp_path / "bad").exists()
 
 

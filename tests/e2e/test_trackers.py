@@ -8,6 +8,7 @@ import pytest
 import yaml
 from support.cli import run_cli
 from support.configs import ROOT
+from support.fuzz_cli import run_in_one_process
 
 wandb = pytest.importorskip("wandb")
 
@@ -146,18 +147,23 @@ def test_a_tracker_that_is_not_installed_is_a_usage_error(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "log.trackers lists wandb, which is not installed: pip install 'wandb" in proc.stderr
     assert "Traceback" not in proc.stderr and not workdir.exists()
-    typo = run_cli("--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[wanb]")
-    assert typo.returncode == 2 and "did you mean log.trackers=wandb?" in typo.stderr
 
 
-def _one_error_line(proc):
-    """The run stopped with exit 2 and one error line, no traceback."""
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+def _one_error_line(result):
+    """The command stopped with exit 2 and one error line, no traceback (a result of
+    tests/support/fuzz_cli.py)."""
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
+    where = result["escaped"] or result["stderr"][-2000:]
+    assert result["code"] == 2 and len(errors) == 1 and "Traceback" not in result["stderr"], where
+    assert not result["escaped"], where
     return errors[0]
 
 
-def test_a_tracking_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path, make_config):
+def test_a_misspelt_tracker_a_tracking_dir_that_cannot_be_a_directory_and_a_damaged_trackers_json_are_refused(
+    tmp_path, make_config
+):
+    """Each refused at start, before anything is written or compiled: by the command line's
+    check and by a run's own; the command lines run in one process (tests/support/fuzz_cli.py)."""
     from engine.errors import UsageError
     from engine.observe.trackers import check_installed, open_trackers
 
@@ -172,18 +178,18 @@ def test_a_tracking_dir_that_cannot_be_a_directory_is_refused_at_start(tmp_path,
                 refused.value
             )
             assert "\n" not in str(refused.value) and not (tmp_path / "run").exists()
-    workdir = tmp_path / "run"
-    proc = run_cli(
-        "--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[mlflow]", f"log.tracking_dir={afile}/x"
-    )
-    assert f"log.tracking_dir={afile}/x cannot be a directory" in _one_error_line(proc)
-    assert not workdir.exists()  # refused before anything was written or compiled
-
-
-def test_a_trackers_json_with_a_list_for_an_id_stops_the_command_line(tmp_path):
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    (workdir / "trackers.json").write_text('{"mlflow": ["x"]}')
-    proc = run_cli("--config", "mnist_mlp", "--workdir", str(workdir), "log.trackers=[mlflow]")
-    assert f"{workdir / 'trackers.json'} is damaged (its mlflow run id is" in _one_error_line(proc)
-    assert [p.name for p in workdir.iterdir()] == ["trackers.json"]  # nothing else written
+    typo, tracking, damaged = tmp_path / "typo", tmp_path / "tracking", tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "trackers.json").write_text('{"mlflow": ["x"]}')
+    argv = lambda workdir, *args: ["--config", "mnist_mlp", "--workdir", str(workdir), *args]  # noqa: E731
+    cases = [
+        {"argv": argv(typo, "log.trackers=[wanb]")},
+        {"argv": argv(tracking, "log.trackers=[mlflow]", f"log.tracking_dir={afile}/x")},
+        {"argv": argv(damaged, "log.trackers=[mlflow]")},
+    ]
+    results = run_in_one_process(tmp_path, cases)
+    assert "did you mean log.trackers=wandb?" in _one_error_line(results[0]) and not typo.exists()
+    assert f"log.tracking_dir={afile}/x cannot be a directory" in _one_error_line(results[1])
+    assert not tracking.exists()  # refused before anything was written or compiled
+    assert f"{damaged / 'trackers.json'} is damaged (its mlflow run id is" in _one_error_line(results[2])
+    assert [p.name for p in damaged.iterdir()] == ["trackers.json"]  # nothing else written
