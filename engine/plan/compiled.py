@@ -20,7 +20,7 @@ from engine.config.objective import objective_of, objective_rows
 from engine.errors import UsageError
 from engine.parallel.axes import BATCH_AXES, CONFIG_AXES
 from engine.parallel.mesh import mesh_shape
-from engine.parallel.sharding import batch_shards, per_device_bytes
+from engine.parallel.sharding import batch_sharding, batch_shards, per_device_bytes
 from engine.plan import hlo
 from engine.plan.hlo import Collective
 from engine.plan.tpu import Target
@@ -37,7 +37,7 @@ BOUND_AT = 0.5  # the MFU at which a step's collectives are weighed against its 
 class Program:
     """One compiled program's memory per chip (bytes)."""
 
-    name: str  # train or eval
+    name: str  # train or eval; GRPO's: update (its train step) and decode (its rollouts)
     params: int
     optimizer: int
     other_state: int  # model state, step, RNG, schedule numbers
@@ -63,6 +63,8 @@ class Planned:
     flops_per_chip: float = 0.0  # analytic model FLOPs of one step, per chip
     tokens_per_step: int = 0
     refused: str = ""  # the compiler's own refusal (out of memory), if any
+    refused_program: str = "train"  # the program it refused
+    batch_note: str = ""  # how the batch is made where it is not the data's (GRPO's rollouts)
     flops_formula: str = ""  # how the family counts a step's FLOPs (models/family.py FlopsAccounting)
     attention: str = ""  # the attention implementation the programs run ("": the model has none)
     remat: str = ""  # the activation rematerialisation policy ("": the model has none)
@@ -119,23 +121,39 @@ def plan(
         _check_mesh(cfg, target)
     cfg, group = _for_plan(cfg), [_for_plan(each) for each in group]
     copies, started = max(len(group), 1), time.perf_counter()
+    phases, decode = Phases(started, progress), None
     try:
         with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
-            program, compiled, state, block = _compile(cfg, target, group, Phases(started, progress))
+            program, compiled, state, block = _compile(cfg, target, group, phases)
+            train_seconds = time.perf_counter() - started
+            if program.rollouts is not None:  # (GRPO: the rollouts' decode program beside the update)
+                decode = _decode(program, phases)
     except _Refused as refused:
         planned = _planned(refused.program.cfg, target, refused.program.mesh)
         planned.refused, planned.loss = refused.text, train_loss_chunk(refused.program)
+        planned.refused_program = refused.name
         planned.attention, planned.remat = model_choices(refused.program)
         params, optimizer, other, block = refused.parts
-        planned.programs.append(Program("train", params, optimizer, other, block, -1, -1, 0.0))
+        name = _train_name(refused.program)
+        if refused.name == "decode":  # (the update compiled: its figures beside the decode's refusal)
+            planned.programs.append(_program(name, compiled.program, refused.parts, train_seconds))
+            prompts = _prompt_bytes(refused.program)
+            planned.programs.append(Program("decode", params, optimizer, other, prompts, -1, -1, 0.0))
+        else:
+            planned.programs.append(Program(name, params, optimizer, other, block, -1, -1, 0.0))
+        planned.batch_note = _rollout_note(refused.program)
         return planned
     cfg = program.cfg  # (the steps per call the run takes: setup.Plan.cfg)
     planned = _planned(cfg, target, program.mesh)
     planned.attention, planned.remat = model_choices(program)
-    planned.loss = train_loss_chunk(program)
+    planned.loss, planned.batch_note = train_loss_chunk(program), _rollout_note(program)
     parts = _parts(state)
-    planned.programs.append(_program("train", compiled.program, (*parts, block), time.perf_counter() - started))
-    if compile_eval:
+    planned.programs.append(_program(_train_name(program), compiled.program, (*parts, block), train_seconds))
+    if decode is not None:  # (GRPO evaluates by sampling with it: its eval step never runs)
+        planned.programs.append(
+            _program("decode", decode.compiled, (*parts, _prompt_bytes(program)), decode.compile_seconds)
+        )
+    elif compile_eval:
         planned.programs.append(_program("eval", compiled.eval_step, (*parts, _batch_bytes(program, 0)), 0.0))
     slice_of = [getattr(d, "slice_index", 0) for d in program.mesh.devices.flat]
     planned.collectives = hlo.program_collectives(compiled.program.as_text(), program.mesh.size, slice_of)
@@ -188,9 +206,55 @@ def _for_plan(cfg: Config) -> Config:
 class _Refused(Exception):
     """The TPU compiler refused the program (out of memory): an answer, not a failure."""
 
-    def __init__(self, text: str, program, parts: tuple[int, int, int, int]):
+    def __init__(self, text: str, program, parts: tuple[int, int, int, int], name: str = "train"):
         super().__init__(text)
-        self.text, self.program, self.parts = text, program, parts
+        self.text, self.program, self.parts, self.name = text, program, parts, name
+
+
+def _train_name(program) -> str:
+    """The train program's name: `update` where the run samples its batches (GRPO), else `train`."""
+    return "train" if program.rollouts is None else "update"
+
+
+def _rollout_note(program) -> str:
+    """How a GRPO step's batch is made ("" for data read from the source): prompts x completions."""
+    if program.rollouts is None:
+        return ""
+    cfg = program.cfg
+    prompts, grpo = cfg.train.global_batch_size, cfg.grpo
+    return (
+        f"batch: {prompts:,} prompts a step x {grpo.num_generations} completions (grpo.num_generations) = "
+        f"{program.rollouts.rows(cfg):,} rows of {grpo.max_prompt_tokens:,} prompt + "
+        f"{grpo.max_completion_tokens:,} completion tokens (grpo.max_prompt_tokens, grpo.max_completion_tokens)"
+    )
+
+
+def _prompt_bytes(program) -> int:
+    """Bytes per chip of the decode program's input: the rows' left-padded prompts and their masks."""
+    rows, width = program.rollouts.rows(program.cfg), program.cfg.grpo.max_prompt_tokens
+    return rows * width * (4 + 1) // batch_shards(program.mesh)  # (int32 tokens, bool mask)
+
+
+def _decode(program, phase: Phases):
+    """The run's rollout sampler built for the target as the run builds it beside the update
+    (its objective's RolloutPart.build: the decode program compiled for the rows' static shapes,
+    reading the train state's parameters where they lie, the rows split over the batch axes):
+    its Decode (engine/lm/rollouts.py); _Refused where the TPU compiler runs out of memory."""
+    cfg = program.cfg
+    phase(
+        f"compiling the rollouts' decode ({program.rollouts.rows(cfg):,} rows of {cfg.grpo.max_prompt_tokens:,} "
+        f"+ {cfg.grpo.max_completion_tokens:,} tokens)"
+    )
+    try:
+        sampler = program.rollouts.build(
+            cfg, program.family, program.dataset, program.state.abstract, batch_sharding(program.mesh)
+        )
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        parts = (*_parts(program.state.abstract), _batch_bytes(program, program.shapes.steps_per_block))
+        raise _Refused(str(e).splitlines()[0][:300], program, parts, "decode") from None
+    return sampler.decode
 
 
 class Phases:

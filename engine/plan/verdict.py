@@ -32,7 +32,7 @@ def render(planned: Planned) -> str:
         + (f" per device ({target.chip.devices_per_chip} per chip)" if target.chip.devices_per_chip > 1 else "")
     )
     lines.append(f"mesh: {' x '.join(axes) or 'one chip'}")
-    lines.append(_batch_line(planned))
+    lines.append(planned.batch_note or _batch_line(planned))
     stages = stage_plan(planned.cfg, planned.mesh.get("pipeline", 1))
     if stages.stages > 1:
         lines.append(describe_pipeline(stages, stacked_layers(REGISTRY[planned.cfg.model.name], planned.cfg.model)))
@@ -41,7 +41,7 @@ def render(planned: Planned) -> str:
     lines += _memory_table(planned)
     lines += _host_lines(planned)
     if planned.refused:
-        lines.append(f"the TPU compiler refused the train program: {planned.refused}")
+        lines.append(f"the TPU compiler refused the {planned.refused_program} program: {planned.refused}")
         return "\n".join(lines)
     lines += _collective_lines(planned)
     lines += _time_lines(planned)
@@ -157,7 +157,10 @@ def verdict(planned: Planned) -> str:
             f"gives a program ({headroom:.0%} headroom){warning}{_bound(planned)}"
         )
     if planned.refused:
-        return f"does not fit: the TPU compiler refused the program ({planned.refused}); {_fixes(planned, None)}"
+        fixes = _decode_fixes(planned) if planned.refused_program == "decode" else _fixes(planned, None)
+        return (
+            f"does not fit: the TPU compiler refused the {planned.refused_program} program ({planned.refused}); {fixes}"
+        )
     worst = max(planned.programs, key=lambda p: p.total)
     parts = {
         "parameters": worst.params,
@@ -168,9 +171,21 @@ def verdict(planned: Planned) -> str:
     largest = ", ".join(
         f"{name} {human_bytes(size)}" for name, size in sorted(parts.items(), key=lambda kv: -kv[1])[:3]
     )
+    fixes = _decode_fixes(planned) if worst.name == "decode" else _fixes(planned, worst)
     return (
         f"does not fit: the {worst.name} program needs {human_bytes(worst.total)} per device of "
-        f"{human_bytes(planned.hbm)} ({largest}); {_fixes(planned, worst)}"
+        f"{human_bytes(planned.hbm)} ({largest}); {fixes}"
+    )
+
+
+def _decode_fixes(planned: Planned) -> str:
+    """What shrinks GRPO's decode program: its key/value cache grows with the rows and their tokens."""
+    cfg = planned.cfg
+    grpo, prompts = cfg.grpo, cfg.train.global_batch_size
+    return (
+        f"try fewer rows (train.global_batch_size={max(prompts // 2, 1)} prompts, or grpo.num_generations="
+        f"{max(grpo.num_generations // 2, 2)}), shorter rollouts (grpo.max_completion_tokens="
+        f"{max(grpo.max_completion_tokens // 2, 1)}), or mesh.fsdp over more chips (the parameters it reads)"
     )
 
 
