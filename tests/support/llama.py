@@ -1,8 +1,10 @@
 """Helpers of tests/**/test_llama*.py that other test files (or its other tiers) share."""
 
 import dataclasses
+import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +96,23 @@ def transformers_logits(path, tokens):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     with torch.no_grad():
         return reference(torch.tensor(tokens)).logits.numpy()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(module, params, tokens):
+    return module.apply({"params": params}, tokens, train=False)
+
+
+def greedy_reference(module, params, prompt: list[int], max_tokens: int, length: int = 0) -> list[int]:
+    """models/sampling.py's greedy_without_cache (the whole sequence through the model again for
+    every new token, argmax), one compiled program for every step: the sequence is padded at the
+    end to `length` (default: its final length), which a causal model's logits at the last
+    token do not see. (Eager, each step's new length dispatched every op anew: ~1 s a token.)"""
+    length = length or len(prompt) + max_tokens - 1
+    sequence = list(prompt)
+    for _ in range(max_tokens):
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, : len(sequence)] = sequence
+        logits = _logits(module, params, jnp.asarray(tokens))
+        sequence.append(int(np.argmax(np.asarray(logits[0, len(sequence) - 1], np.float32))))
+    return sequence[len(prompt) :]
