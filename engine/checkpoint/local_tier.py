@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, cast
 
@@ -192,14 +193,19 @@ class LocalTier:
         (sends first and receives before waiting: no process waits on one that waits on it)."""
         assert self.peers is not None
         transport, mine_to = cast(Transport, self.transport), self.peers[self.process]  # (set when there are peers)
+        deadline = time.monotonic() + self.timeout  # (for the whole exchange, not each wait)
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.001)
+
         for peer in mine_to:
-            transport.send(peer, f"{key}/{self.process}-{peer}", [header(mine), mine.buffer], self.timeout)
+            transport.send(peer, f"{key}/{self.process}-{peer}", [header(mine), mine.buffer], left())
         for owner in (owner for owner in range(self.count) if self.process in self.peers[owner]):
-            head, buffer = transport.receive(f"{key}/{owner}-{self.process}", self.timeout)
+            head, buffer = transport.receive(f"{key}/{owner}-{self.process}", left())
             self._write(step, [from_header(head, buffer)])
             transport.confirm(f"{key}/{owner}-{self.process}")
         for peer in mine_to:
-            transport.confirmed(f"{key}/{self.process}-{peer}", self.timeout)
+            transport.confirmed(f"{key}/{self.process}-{peer}", left())
         self._write(step, [mine])
 
     def _transfer(self, moves: list[tuple[int, int, int]], held: dict[int, Copy]) -> list[tuple[Any, Any]]:

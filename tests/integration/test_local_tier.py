@@ -52,30 +52,30 @@ def test_a_damaged_local_step_is_set_aside_like_a_persistent_one(make_config, tm
     cfg = make_config(
         "mnist_mlp.yaml",
         "mesh.num_devices=1",
-        "train.steps=30",
-        "checkpoint.every_steps=20",
-        "log.every_steps=10",
+        "train.steps=10",
+        "checkpoint.every_steps=5",
+        "log.every_steps=3",
         f"checkpoint.local_dir={local_dir}",
-        "checkpoint.local_every_steps=4",
+        "checkpoint.local_every_steps=3",
         workdir=workdir,
     )
     fit(cfg)
-    assert local_steps(local_dir, workdir) == [24, 28]  # every 4 steps, the newest local_keep=2 kept
-    shutil.rmtree(workdir / "checkpoints" / "30")  # the persistent tier's newest is 20 now
+    assert local_steps(local_dir, workdir) == [6, 9]  # every 3 steps, the newest local_keep=2 kept
+    shutil.rmtree(workdir / "checkpoints" / "10")  # the persistent tier's newest is 5 now
     steps_dir = run_directory(str(local_dir), workdir / "checkpoints") / "process_0" / "owner_0"
-    _flip(steps_dir / "28" / "shards.bin")
+    _flip(steps_dir / "9" / "shards.bin")
     run = build_run(cfg)
     checkpointer = open_checkpoints(workdir / "checkpoints", cfg, write=True)
     restored = checkpointer.restore(run.abstract_state)
-    assert restored.step == 24 and int(restored.state.step) == 24 and restored.meta["tier"] == "local"
-    assert restored.meta["data"]["next_step"] == 24
+    assert restored.step == 6 and int(restored.state.step) == 6 and restored.meta["tier"] == "local"
+    assert restored.meta["data"]["next_step"] == 6
     assert "local checkpoint" in capfd.readouterr().err
-    aside = list((steps_dir.parent / "damaged").glob("owner_0-28-*.reason.txt"))
+    aside = list((steps_dir.parent / "damaged").glob("owner_0-9-*.reason.txt"))
     assert aside and "does not match its checksum" in aside[0].read_text()
-    _flip(steps_dir / "24" / "index.json")  # every local step damaged: the persistent tier
+    _flip(steps_dir / "6" / "index.json")  # every local step damaged: the persistent tier
     restored = checkpointer.restore(run.abstract_state)
     checkpointer.close()
-    assert restored.step == 20 and restored.meta["tier"] == "persistent"
+    assert restored.step == 5 and restored.meta["tier"] == "persistent"
     assert "the persistent tier" in restored.meta["restored_from"]
     assert restored.meta["restored_from"].endswith(
         "the persistent tier: the local tier holds no complete step of this run"

@@ -39,7 +39,7 @@ class HeldTransport:
 
     def send(self, destination, key, parts, timeout):
         if not self._gate.wait(timeout):
-            raise TimeoutError(f"{key} was held back for {timeout}s")
+            raise TimeoutError(f"{key} was held back")
         with self._lock:
             self._arrived[key] = [np.frombuffer(bytes(memoryview(part).cast("B")), np.uint8) for part in parts]
             self.log.append(f"sent {key}")
