@@ -7,7 +7,8 @@ step), a function of (seed, step), so a run resumed after SIGKILL samples the sa
 `Rollouts.sample(state, prompts, step)` gives the update's batch (host arrays, one row a
 completion) and the host's metrics (TRL's rewards/<function>/mean and completions/..., seconds
 sampling); `Rollouts.evaluate(state, prompts, step)` the mean reward of sampled completions to
-the eval prompts (eval/reward)."""
+the eval prompts (eval/reward). In a job of several processes each samples its rows of a batch on
+the run's mesh and process 0 alone calls the reward functions (engine/objectives/grpo_rollout.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.data import process_rows
 from engine.data.prompts import fit_prompts
 from engine.errors import UsageError
 from engine.lm import finetune
@@ -36,11 +38,6 @@ def check_layout(cfg, mesh_shape: dict) -> None:
     """UsageError for a GRPO run on a layout the rollouts do not run on (pipeline stages, context,
     experts, pmap, eager)."""
     others = {axis: size for axis, size in mesh_shape.items() if axis not in LAYOUTS and size > 1}
-    if jax.process_count() > 1:
-        raise UsageError(
-            f"train.objective=grpo runs in one process ({jax.process_count()} here): the rollouts and the rewards "
-            "are not shared between processes yet; run it on one host's devices"
-        )
     if cfg.train.steps_per_call != 1:
         raise UsageError(
             f"train.steps_per_call={cfg.train.steps_per_call}: a GRPO step samples on the host between updates; "
@@ -87,7 +84,7 @@ class Rollouts:
 
     def __init__(self, cfg, family, dataset, abstract_state, data_sharding=None):
         grpo = cfg.grpo
-        self.cfg, self.grpo, self.records = cfg, grpo, dataset.records
+        self.cfg, self.grpo, self.records, self.sharding = cfg, grpo, dataset.records, data_sharding
         info = dataset.info
         options = BuildOptions(adaptation=finetune.adaptation(cfg, projections(family)))
         dtype = jax.tree.leaves(abstract_state.params)[0].dtype
@@ -113,13 +110,16 @@ class Rollouts:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def sample(self, state, prompts: dict, step: int, split: int = 0) -> tuple[dict, dict]:
-        """(the update's batch of host arrays, host metrics) of the prompts' rollouts at `step`."""
+        """(the update's batch of host arrays, the whole batch's; host metrics) of the prompts'
+        rollouts at `step`; `prompts`: this process's rows of the batch (in a job of several
+        processes process 0 scores them all: grpo_rollout.py)."""
         began = time.perf_counter()
         params = model_variables(state.params, state.model_state)["params"]
         key = rollout_key(state.rng, step)
         batch, host = rollout_batch(
-            self.decode, params, prompts, key, self.records[split], self.rewards, self.detokenize, self.grpo
-        )
+            self.decode, params, prompts, key, self.records[split], self.rewards, self.detokenize, self.grpo,
+            self.sharding,
+        )  # fmt: skip
         host["seconds/sampling"] = time.perf_counter() - began
         return batch, host
 
@@ -130,10 +130,17 @@ class Rollouts:
         size = self.cfg.train.global_batch_size
         total, seen = 0.0, 0
         for begin in range(0, count, size):
-            index = np.arange(begin, begin + size) % count
+            index = (np.arange(begin, begin + size) % count)[self.local_rows(size)]
             part = {name: np.asarray(array)[index] for name, array in prompts.items()}
             batch, _ = self.sample(state, part, EVAL_STEP + step + begin, split=1)
             real = min(size, count - begin) * self.grpo.num_generations
             total += float(np.sum(batch["rewards"][:real]))
             seen += real
         return {"reward": total / max(seen, 1)}
+
+    def local_rows(self, size: int) -> np.ndarray:
+        """The rows of a batch of `size` prompts this process gives the decode (data.process_rows;
+        one process: all)."""
+        if jax.process_count() == 1 or self.sharding is None:
+            return np.arange(size)
+        return process_rows(self.sharding, size)

@@ -16,6 +16,7 @@ from engine.config import Config, read_yaml_mapping
 from engine.data.recorded import recorded_preprocessing
 from engine.errors import UsageError
 from engine.objectives import objective_part
+from engine.parallel.sharding import batch_sharding
 from engine.run.generation_eval import generated_metrics
 from engine.run.outputs import SIDECAR, Evaluation, RunOutputs, eval_metrics
 from engine.run.reference_logps import fill, precomputed
@@ -26,11 +27,13 @@ from engine.runtime.watchdog import Watchdog
 
 def evaluate(run: Run, state) -> dict[str, float]:
     """Loss, accuracy and the task's metrics of a run's state over the eval split (padding masked out),
-    and eval.generate's scores of its completions (engine/run/generation_eval.py)."""
-    if run.rollouts is None and objective_part(run.cfg).rollouts is not None:  # (built without the train step)
-        raise UsageError(
-            "the sidecar evaluator does not sample train.objective=grpo runs; the run's own eval.every_steps "
-            "writes eval/reward"
+    and eval.generate's scores of its completions (engine/run/generation_eval.py); a run that samples
+    its batches (GRPO): eval/reward, the mean reward of completions sampled for the eval prompts
+    with the run's own keys (the sidecar's equals the run's own eval of the same step)."""
+    sampler = objective_part(run.cfg).rollouts
+    if run.rollouts is None and sampler is not None:  # (built without the train step: the sidecar, once)
+        run.rollouts = sampler.build(
+            run.cfg, run.model.family, run.dataset, run.abstract_state, batch_sharding(run.mesh)
         )
     if run.rollouts is not None:  # (GRPO: the mean reward of completions sampled for the eval prompts)
         step = int(jax.device_get(state.step))

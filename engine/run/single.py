@@ -77,8 +77,9 @@ class Sampled:
 
     def step(self, state, prompts: dict, done: int):
         if self.batch is None or done % self.iterations == 0:
-            batch, host = self.rollouts.sample(state, prompts, done)
-            self.batch = self.run.compiled.put_block({name: value[None] for name, value in batch.items()})
+            batch, host = self.rollouts.sample(state, prompts, done)  # (the whole batch's rows: this process's put)
+            rows = self.run.compiled.rows(len(batch["advantages"]))
+            self.batch = self.run.compiled.put_block({name: value[rows][None] for name, value in batch.items()})
             self.add(host)
         began, train_step = time.perf_counter(), self.run.compiled.train_step
         assert train_step is not None  # (a run built to train)

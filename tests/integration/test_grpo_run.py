@@ -9,7 +9,9 @@ import json
 import pytest
 from support.grpo import overrides, write_files
 
+from engine.cli import main
 from engine.errors import UsageError
+from engine.run.outputs import SIDECAR
 from engine.run.single import fit
 
 STEPS = 40
@@ -61,14 +63,19 @@ def test_a_context_layout_is_refused(make_config, files):
 
 
 @pytest.mark.parametrize("axis", ["fsdp"])  # (tensor=2 and data=2 pass too: kept out for the suite's time)
-def test_a_two_device_layout_trains(make_config, files, tmp_path, axis):
-    cfg = grpo_config(
-        make_config, files, "train.steps=2", "mesh.num_devices=2", "mesh.data=1", f"mesh.{axis}=2", "eval.every_steps=2"
-    )
+def test_a_two_device_layout_trains_and_launch_eval_scores_it_alike(make_config, files, tmp_path, axis):
+    """Also `launch.py eval` of the run's checkpoint: the sidecar evaluator samples the eval prompts
+    with the run's own keys, so its eval/reward is the run's own eval's of that step."""
+    mesh = ["mesh.num_devices=2", "mesh.data=1", f"mesh.{axis}=2"]
+    cfg = grpo_config(make_config, files, "train.steps=2", *mesh, "eval.every_steps=2", "checkpoint.every_steps=2")
     fit(cfg)
     train = records(tmp_path / "run")
     assert [r["step"] for r in train] == [1, 2] and all(0.0 <= r["reward"] <= 1.0 for r in train)
-    assert records(tmp_path / "run", "eval")[0]["reward"] >= 0.0
+    (own,) = records(tmp_path / "run", "eval")
+    assert own["step"] == 2 and 0.0 < own["reward"] < 1.0
+    assert main(["eval", "--workdir", str(tmp_path / "run")]) == 0
+    (sidecar,) = [r for r in records(tmp_path / "run", "eval") if r.get("source") == SIDECAR]
+    assert sidecar["step"] == 2 and sidecar["reward"] == pytest.approx(own["reward"], rel=1e-6)
 
 
 def test_num_iterations_reuse_a_batch_and_beta_measures_the_kl(make_config, files, tmp_path):
