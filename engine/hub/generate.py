@@ -1,6 +1,11 @@
 """`launch.py sample --workdir DIR --prompt TEXT`: text from the newest checkpoint of a run,
-by the model family's generator (a key/value cache, jitted). Token ids become text by the
-run's data: byte-level text sources decode UTF-8 bytes, tokenized corpora their tokenizer."""
+by the compiled decode (engine/lm/rollouts.py: one program, the token loop on the device) where it
+serves the request, else by the model family's generator (models/sampling.py: a key/value cache,
+a jitted step per token and a host sync after each). The compiled decode serves every request of a
+family whose generator is models/sampling.py's (llama, transformer) but one with stop strings
+(`--stop`: text found on the host after each token); both draw token i of a row with the key
+fold_in(key(seed), i) from the same distribution (greedy: the same tokens). Token ids become text
+by the run's data: byte-level text sources decode UTF-8 bytes, tokenized corpora their tokenizer."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from engine.data.recorded import recorded_shape
 from engine.errors import UsageError
 from engine.hub.inference import run_config
 from engine.lm import finetune
+from engine.lm.rollouts import DecodeSpec, build_decode, left_pad
 from engine.lm.tokenizer import (
     TOKENIZER,
     check_data_tokenizer,
@@ -28,6 +34,7 @@ from engine.lm.tokenizer import (
 from engine.run.setup import build_run, device_memory_bytes
 from engine.runtime.units import human_bytes
 from engine.state.train_state import model_variables
+from models import sampling
 from models.family import BuildOptions, projections
 
 DEFAULT_TOKENS = 200  # new tokens of a sample when --max-tokens is not given (the context permitting)
@@ -51,12 +58,14 @@ def sample(
     num_samples: int = 1,
     stop_strings: Sequence[str] = (),
     step: Optional[str] = None,
+    compiled: bool = True,
 ) -> list[str]:
     """`num_samples` texts generated after each of `prompts` (the prompt itself not included),
     prompt by prompt, all drawn together in one batch. Each ends at the tokenizer's end-of-text
     token (not included) unless `stop_at_eos` is off, and before the first of `stop_strings` it
     contains; `max_tokens` None: 200, or fewer where the model's context ends sooner. `step`: the
-    checkpoint (best or N; None: the newest)."""
+    checkpoint (best or N; None: the newest). `compiled` False: the family's generator even where
+    the compiled decode would serve (benchmarks/sample_paths.py compares them)."""
     work = Path(workdir)
     _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings)
     cfg = run_config(work)
@@ -84,21 +93,41 @@ def sample(
         return [any(stop in decode([t for t in row[-tail:] if t < vocab]) for stop in stop_strings) for row in rows]
 
     params = model_variables(restored.state.params, restored.state.model_state)["params"]
-    with _progress(max_tokens) as bar:
-        samples = generate(
-            _decoder(cfg, run, jax.tree.leaves(params)[0].dtype, adapted=True),
-            params,
-            prompt_ids,
-            max_tokens,
-            temperature,
-            top_p,
-            seed,
-            stop_ids=stops,
-            num_samples=num_samples,
-            on_step=on_step,
-        )
+    decoder = _decoder(cfg, run, jax.tree.leaves(params)[0].dtype, adapted=True)
+    settings = (max_tokens, temperature, top_p, seed)
+    if compiled and not stop_strings and generate is sampling.generate:  # (the loop on the device)
+        samples = compiled_samples(decoder, params, prompt_ids, *settings, stops, num_samples)
+    else:  # (a stop string is found in the text on the host, token by token)
+        with _progress(max_tokens) as bar:
+            samples = generate(
+                decoder, params, prompt_ids, *settings, stop_ids=stops, num_samples=num_samples, on_step=on_step
+            )
     _check_ids(samples, vocab, source)
     return [_cut(decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), stop_strings) for tokens in samples]
+
+
+def compiled_samples(
+    decoder, params, prompts: list[list[int]], max_tokens: int, temperature: float, top_p: float, seed: int,
+    stop_ids: Sequence[int], num_samples: int,
+) -> list[list[int]]:  # fmt: skip
+    """models/sampling.py generate's rows (sample j of prompt i: row i * num_samples + j, each ending
+    after its first stop id, kept) by the compiled decode (engine/lm/rollouts.py), for prompts
+    left-padded to the longest: greedy (temperature 0) as its top-1, else temperature and top-p
+    with generate's keys (token i: fold_in(key(seed), i))."""
+    rows = [prompt for prompt in prompts for _ in range(num_samples)]
+    greedy = temperature == 0
+    spec = DecodeSpec(
+        max(map(len, rows)),
+        max_tokens,
+        1.0 if greedy else temperature,
+        1.0 if greedy else top_p,
+        1 if greedy else 0,
+        tuple(stop_ids),
+    )
+    tokens, mask = left_pad(rows, spec.max_prompt_tokens)
+    program = build_decode(decoder, spec, params, len(rows))
+    rollout = jax.device_get(program(params, tokens, mask, jax.random.key(seed)))
+    return [row[keep].tolist() for row, keep in zip(rollout.completion_tokens, rollout.completion_mask)]
 
 
 def _check_settings(max_tokens, temperature, top_p, num_samples, stop_strings) -> None:

@@ -16,6 +16,7 @@ from support.tokens import tokenized_corpus
 
 from engine.config import load_config
 from engine.data import DataInfo
+from engine.lm.rollouts import build_decode
 from models import REGISTRY, sampling
 from models.llama import LlamaConfig
 
@@ -258,3 +259,24 @@ def test_a_gpt_run_exports_in_gpt2_layout_that_transformers_loads(tmp_path):
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
     again = run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(tmp_path / "back"))
     assert again.returncode == 2 and "exported, not imported" in again.stderr
+
+
+def test_the_compiled_decode_serves_sample_and_gives_the_stepwise_generators_greedy_tokens(imported, monkeypatch):
+    """Without stop strings `sample` runs the compiled decode (engine/lm/rollouts.py: one program, the
+    token loop on the device); its greedy texts of prompts of different lengths, two samples each,
+    are the family's stepwise generator's (models/sampling.py), and with a stop string that
+    generator serves."""
+    from engine.hub import generate
+
+    hf, work, tokenizer, _ = imported
+    built = []
+    monkeypatch.setattr(generate, "build_decode", lambda *a, **k: built.append(1) or build_decode(*a, **k))
+    prompts = ["alpha beta gamma", "delta"]
+    common = dict(max_tokens=10, temperature=0.0, num_samples=2)
+    compiled = generate.sample(str(work), prompts, **common)
+    assert len(built) == 1
+    stepwise = generate.sample(str(work), prompts, **common, compiled=False)
+    assert len(built) == 1 and len(compiled) == 4 and any(compiled)
+    assert compiled == stepwise
+    generate.sample(str(work), prompts, **common, stop_strings=["\x00"])
+    assert len(built) == 1
