@@ -3,13 +3,14 @@ transformers renders them, tokenized with its tokenizer, packed, and a loss mask
 exactly the rendered spans data.loss_on names; overflow and bad data."""
 
 import json
+import re
 
 import numpy as np
-import pytest
 from support import chat_data as chat_data_helpers
 from support.chat_data import LLAMA, RECORDS, write_jsonl
 from support.cli import run_cli
 from support.configs import QUIET, ROOT
+from support.fuzz_cli import refused_in_one_line, run_in_one_process
 
 model_dir = chat_data_helpers.model_dir  # the fixture
 
@@ -48,26 +49,28 @@ def test_sft_runs_end_to_end_with_the_workdirs_template(tmp_path, model_dir):
     assert (work / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize(
-    "line, keys, message",
-    [
-        ('{"messages": [{"role": "tool", "content": "x"}]}', [], "train.jsonl:4: .*unknown role: tool"),
-        (json.dumps({"prompt": "hello " * 80, "completion": "hi"}), ["data.overflow=error"], "train.jsonl:4: the con"),
-        (
-            json.dumps(RECORDS[1]),
-            ["data.tokenizer=nowhere/tokenizer.json"],
-            "data.tokenizer=nowhere/tokenizer.json is neither a file nor a dir",
-        ),
-    ],
-)
-def test_bad_data_exits_2_with_one_line(tmp_path, model_dir, line, keys, message):
-    records = [*RECORDS[:3], line]
-    proc = run_cli(
-        *_cli_data(tmp_path, model_dir, records, f"data.tokenizer={model_dir}", *keys), "--workdir", str(tmp_path / "w")
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    import re
+BAD = [  # (the fourth line of train.jsonl, more keys, what the one line says: a regex)
+    ('{"messages": [{"role": "tool", "content": "x"}]}', [], "train.jsonl:4: .*unknown role: tool"),
+    (json.dumps({"prompt": "hello " * 80, "completion": "hi"}), ["data.overflow=error"], "train.jsonl:4: the con"),
+    (
+        json.dumps(RECORDS[1]),
+        ["data.tokenizer=nowhere/tokenizer.json"],
+        "data.tokenizer=nowhere/tokenizer.json is neither a file nor a dir",
+    ),
+]
 
-    assert re.search(message, proc.stderr), proc.stderr
-    assert not (tmp_path / "w").exists()
+
+def test_bad_data_exits_2_with_one_line(tmp_path, model_dir):
+    """Each refused in one line before anything is written, through the CLI's main in one process
+    (the messages' own cases: tests/unit/test_chat_data.py)."""
+    cases = []
+    for i, (line, keys, _) in enumerate(BAD):
+        (tmp_path / str(i)).mkdir()
+        args = _cli_data(tmp_path / str(i), model_dir, [*RECORDS[:3], line], f"data.tokenizer={model_dir}", *keys)
+        cases.append({"argv": [*args, "--workdir", str(tmp_path / str(i) / "w")]})
+    results = run_in_one_process(tmp_path, cases)
+    assert len(results) == len(BAD) == 3
+    for i, (result, (_, _, message)) in enumerate(zip(results, BAD)):
+        refused_in_one_line(result)
+        assert re.search(message, result["stderr"]), result["stderr"]
+        assert not (tmp_path / str(i) / "w").exists()
