@@ -5,7 +5,7 @@ unbroken one."""
 import shutil
 
 import pytest
-from support.cli import run_cli
+from support.cli import child_env, run_cli
 from support.early_stop import meta, saved_steps
 from support.fuzz_cli import refused_in_one_line, run_in_one_process
 
@@ -62,17 +62,19 @@ def test_early_stop_ends_the_run_and_a_resumed_run_stops_at_the_same_step(make_c
     assert f"resuming from step {resume_at}" in proc.stdout
     assert f"stopped early at step {stopped} of 400" in proc.stdout
     assert records(killed) == records(unbroken)
-    proc = run_cli("export", "--workdir", str(killed), "--out", str(tmp_path / "export"), "--step", "best")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "--step best reads the checkpoint kept by checkpoint.keep_best, which the run in" in proc.stderr
-    assert not (tmp_path / "export").exists()
     # re-running the finished run: said, nothing trained, nothing written
     result = fit(make_config("mnist_mlp.yaml", *EARLY, workdir=killed))
     assert f"already finished: the run stopped early at step {stopped} of 400" in capfd.readouterr().out
     assert result.steps == 0 and records(killed) == records(unbroken) and saved_steps(killed)[-1] == stopped
-    # a sidecar evaluator watching it ends with it (not waiting for step 400)
-    proc = run_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(killed), "--watch", *EARLY)
-    assert proc.returncode == 0, proc.stderr
+    # export --step best without keep_best: one line, exit 2; a sidecar evaluator watching the run
+    # ends with it (not waiting for step 400); both commands in one process (tests/support/fuzz_cli.py)
+    export = ["export", "--workdir", str(killed), "--out", str(tmp_path / "export"), "--step", "best"]
+    watch = ["eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(killed), "--watch", *EARLY]
+    refused, watched = run_in_one_process(tmp_path, [{"argv": export}, {"argv": watch}], env=child_env())
+    assert refused["code"] == 2 and refused["stderr"].count("\n") == 1, refused["escaped"] or refused["stderr"]
+    assert "--step best reads the checkpoint kept by checkpoint.keep_best, which the run in" in refused["stderr"]
+    assert not (tmp_path / "export").exists()
+    assert watched["code"] == 0 and not watched["escaped"], watched["escaped"] or watched["stderr"]
 
 
 BAD = [  # (overrides, what the one line names)

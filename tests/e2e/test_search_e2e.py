@@ -55,11 +55,12 @@ def test_tpe_with_the_median_pruner_stops_bad_trials_early_and_reports_importanc
 
 
 @pytest.mark.slow
-def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
+def test_a_killed_search_resumes_its_study_two_processes_share_it_and_a_damaged_study_is_rebuilt(tmp_path):
     """Two sweep processes on one study: one is SIGKILLed during a trial (its trainer, in a
     session of its own, trains on); the other waits for that trainer and resumes the trial
     (the trainer finds it finished, or resumes it from its checkpoint) and finishes the
-    study. Every trial is asked for once; the study ends with exactly `trials` trials."""
+    study. Every trial is asked for once; the study ends with exactly `trials` trials.
+    Then the study's database is cut short: it is set aside and rebuilt from the trials on disk."""
     path = sweep_file(tmp_path, 4)
     first, second = start_sweep(path), start_sweep(path)
     deadline = time.time() + 300
@@ -85,24 +86,18 @@ def test_a_killed_search_resumes_its_study_and_two_processes_share_it(tmp_path):
     for name in runs:
         assert train_steps(tmp_path / "sweep" / name)[-1] == 40
 
-
-@pytest.mark.slow
-def test_a_damaged_study_is_set_aside_and_rebuilt_from_the_trials_on_disk(tmp_path):
-    """Before: study.db cut to 3 kB ended every re-run in a SQLAlchemy traceback (exit 1)."""
+    # Before: study.db cut to 3 kB ended every re-run in a SQLAlchemy traceback (exit 1).
     import optuna
 
-    first = start_sweep(sweep_file(tmp_path, 2))
-    out, _ = first.communicate(timeout=600)
-    assert first.returncode == 0, out
     before = {r["name"]: r["final"]["eval/loss"] for r in index(tmp_path)}
     study = tmp_path / "sweep" / "study.db"
     study.write_bytes(study.read_bytes()[:3000])
-    again = start_sweep(sweep_file(tmp_path, 3))
+    again = start_sweep(sweep_file(tmp_path, 5))
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0, out
-    assert "Traceback" not in out and "is damaged" in out and "rebuilt the study: 2 trials" in out
+    assert "Traceback" not in out and "is damaged" in out and "rebuilt the study: 4 trials" in out
     assert (tmp_path / "sweep" / "study.db.damaged").stat().st_size == 3000  # kept, not deleted
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("start ")] == ["trial-0002"]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("start ")] == ["trial-0004"]
     rebuilt = optuna.load_study(study_name="sweep", storage=f"sqlite:///{study}")
-    assert [t.state.name for t in rebuilt.trials] == ["COMPLETE"] * 3
-    assert {f"trial-{t.number:04d}": t.value for t in rebuilt.trials[:2]} == before
+    assert [t.state.name for t in rebuilt.trials] == ["COMPLETE"] * 5
+    assert {f"trial-{t.number:04d}": t.value for t in rebuilt.trials[:4]} == before

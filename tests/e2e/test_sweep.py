@@ -28,13 +28,9 @@ def test_a_bad_value_stops_the_sweep_before_any_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_grid_runs_ranks_and_plots(tmp_path):
-    path = write_sweep(
-        tmp_path / "grid.yaml",
-        grid={"optimizer.learning_rate": [0.001, 0.003], "model.hidden_sizes": [[32], [64]]},
-        metric="eval/accuracy",
-        mode="max",
-    )
+def test_grid_runs_ranks_and_plots_and_parallel_finishes_the_same_runs_as_sequential(tmp_path):
+    grid = {"optimizer.learning_rate": [0.001, 0.003], "model.hidden_sizes": [[32], [64]]}
+    path = write_sweep(tmp_path / "grid.yaml", grid=grid, metric="eval/accuracy", mode="max")
     proc = run_cli("sweep", str(path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = tmp_path / "out"
@@ -56,6 +52,16 @@ def test_grid_runs_ranks_and_plots(tmp_path):
     typo = run_cli("report", str(out), "--metric", "eval/acc", "--out", str(tmp_path / "typo"))
     assert typo.returncode == 2 and "--metric eval/acc is in no run's metrics.jsonl" in typo.stderr
     assert "eval/accuracy" in typo.stderr and not (tmp_path / "typo" / "report.csv").exists()
+
+    # the same grid, two runs at a time: the same runs, the same results (same configs, same seeds)
+    parallel = write_sweep(tmp_path / "par.yaml", grid=grid, directory=str(tmp_path / "par"))
+    proc = run_cli("sweep", str(parallel), "--parallel", "2", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    par = index(tmp_path / "par")
+    assert [r["name"] for r in runs] == [r["name"] for r in par]
+    assert all(r["status"] == "finished" for r in par)
+    for a, b in zip(runs, par):
+        assert a["final"]["eval/loss"] == pytest.approx(b["final"]["eval/loss"], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -94,21 +100,6 @@ def read_metrics_steps(workdir):
         return 0
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
     return max(steps, default=0)
-
-
-@pytest.mark.slow
-def test_parallel_finishes_the_same_runs_as_sequential(tmp_path):
-    grid = {"optimizer.learning_rate": [0.001, 0.003], "model.hidden_sizes": [[32], [64]]}
-    sequential = write_sweep(tmp_path / "seq.yaml", grid=grid, directory=str(tmp_path / "seq"))
-    parallel = write_sweep(tmp_path / "par.yaml", grid=grid, directory=str(tmp_path / "par"))
-    assert run_cli("sweep", str(sequential), timeout=600).returncode == 0
-    proc = run_cli("sweep", str(parallel), "--parallel", "2", timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    seq, par = index(tmp_path / "seq"), index(tmp_path / "par")
-    assert [r["name"] for r in seq] == [r["name"] for r in par]
-    assert all(r["status"] == "finished" for r in par)
-    for a, b in zip(seq, par):  # same configs, same seeds: the same results
-        assert a["final"]["eval/loss"] == pytest.approx(b["final"]["eval/loss"], rel=1e-6)
 
 
 @pytest.mark.slow

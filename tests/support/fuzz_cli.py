@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def run_in_one_process(tmp_path: Path, cases: list[dict], timeout: int = 600, env: dict | None = None) -> list[dict]:
-    """Each case's (a dict with its "argv") exit code, stderr and any escaped exception, all run by
+    """Each case's (a dict with its "argv") exit code, stderr, stdout and any escaped exception, all run by
     this script in one fresh process (env: its environment; PATH and HOME=tmp_path unless given)."""
     import subprocess
 
@@ -50,16 +50,24 @@ def run_cases(cases: list[dict]) -> list[dict]:
 
     results = []
     for case in cases:
-        err = io.StringIO()
+        err, out = io.StringIO(), io.StringIO()
         escaped = ""
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             try:
                 code = main(case["argv"])
             except SystemExit as e:  # argparse's own usage errors
                 code = e.code if isinstance(e.code, int) else 2
             except BaseException as e:  # noqa: BLE001 - recorded: the test fails on any
                 code, escaped = -1, f"{type(e).__name__}: {e}"[:500]
-        results.append({**case, "code": code, "stderr": err.getvalue()[-2000:], "escaped": escaped})
+        results.append(
+            {
+                **case,
+                "code": code,
+                "stderr": err.getvalue()[-2000:],
+                "stdout": out.getvalue()[-2000:],
+                "escaped": escaped,
+            }
+        )
     return results
 
 
