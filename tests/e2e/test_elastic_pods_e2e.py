@@ -82,24 +82,6 @@ def test_a_lost_pod_s_job_goes_on_with_the_others_then_grows_back_when_it_return
 
 
 @pytest.mark.nocompile
-def test_a_pod_s_supervisor_is_refused_without_what_it_needs(tmp_path):
-    flags = ["train", "--rendezvous", str(tmp_path / "rendezvous"), "--member", "pod-0", "--workdir", str(tmp_path)]
-    plain = run_cli(*flags, "--processes", "3", "--config", *JOB[:-1])
-    assert plain.returncode == 2 and "needs fault.elastic=true; add fault.elastic=true" in plain.stderr
-    alone = run_cli(*flags, "--config", *JOB)
-    assert alone.returncode == 2 and "--rendezvous needs --processes N" in alone.stderr
-    local = run_cli(*flags, "--processes", "3", "--local-processes", "3", "--config", *JOB)
-    assert local.returncode == 2 and "drop --rendezvous or the other flag" in local.stderr
-    odd = run_cli(*flags[:3], "--member", "pod/0", "--workdir", str(tmp_path), "--processes", "3", "--config", *JOB)
-    assert odd.returncode == 2 and "--member 'pod/0': a member id is letters" in odd.stderr
-    shrink = run_cli(
-        *flags, "--processes", "4", "--devices-per-process", "2", "--config", *JOB, "train.global_batch_size=64"
-    )
-    assert shrink.returncode == 2 and "cannot go on with 3 processes (6 devices)" in shrink.stderr
-    assert not (tmp_path / "rendezvous" / "state.json").exists()  # (refused before joining)
-
-
-@pytest.mark.nocompile
 def test_a_rendezvous_directory_a_pod_cannot_use_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "rendezvous").write_text("a file\n")
     flags = ["--rendezvous", str(tmp_path / "rendezvous"), "--processes", "2", "--member", "pod-0"]

@@ -89,17 +89,9 @@ def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path
 
 
 @pytest.mark.nocompile
-def test_the_driver_is_refused_without_fault_elastic_or_outside_an_allocation(tmp_path):
-    workdir = str(tmp_path / "run")
-    bare = {k: "" for k in ("SLURM_JOB_ID", "SLURM_STEP_ID")}
-    plain = run_cli("train", "--elastic", "--workdir", workdir, *JOB[:-1], env=dict(bare, SLURM_JOB_ID="7"))
-    assert plain.returncode == 2 and "needs fault.elastic=true; add fault.elastic=true" in plain.stderr
-    outside = run_cli("train", "--elastic", "--workdir", workdir, *JOB, env={"SLURM_JOB_ID": ""})
-    assert outside.returncode == 2 and "runs inside a SLURM allocation (an sbatch script" in outside.stderr
-    in_step = run_cli("train", "--elastic", "--workdir", workdir, *JOB, env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})
-    assert in_step.returncode == 2 and "not under srun" in in_step.stderr
-    one = run_cli("train", "--elastic", "--workdir", workdir, *JOB, env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"})
-    assert one.returncode == 2 and "the allocation has 1 task; ask for several" in one.stderr
-    local = run_cli("train", "--elastic", "--local-processes", "2", "--workdir", workdir, *JOB)
-    assert local.returncode == 2 and "drop --elastic" in local.stderr
+def test_the_driver_outside_an_allocation_is_one_line_and_exit_2(tmp_path):
+    """(Its other refusals, in this process: tests/unit/test_elastic_cli_unit.py.)"""
+    outside = run_cli("train", "--elastic", "--workdir", str(tmp_path / "run"), *JOB, env={"SLURM_JOB_ID": ""})
+    assert outside.returncode == 2 and outside.stderr.count("\n") == 1, outside.stderr
+    assert outside.stderr.startswith("error: ") and "runs inside a SLURM allocation (an sbatch script" in outside.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -4,6 +4,7 @@ across process counts, TF_CONFIG, a killed process, and a run under a real SLURM
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,39 +40,40 @@ GPT = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
-def test_two_processes_match_one_process(tmp_path, model):
-    config, *overrides = model
-    two = local_job(tmp_path / "two", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
+def test_two_processes_match_one_process_and_checkpoints_move_between_process_counts(tmp_path):
+    """The MLP (dropout on) on 2 processes of 2 devices gives one process's losses; the step 4
+    checkpoint saved by 2 processes resumes on 1, the one saved by 1 on 2, each with those losses."""
+    config, *overrides = MLP
+    args = [*overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2", "checkpoint.every_steps=4"]
+    two = local_job(tmp_path / "two", config, *args)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "[1] " in two.stdout and "[0] " in two.stdout  # output prefixed by process id
+    one = one_process(tmp_path / "one", config, *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, expected = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert sorted(a) == list(range(1, 9))
+    np.testing.assert_allclose([a[s] for s in sorted(a)], [expected[s] for s in sorted(a)], rtol=1e-5)
+    for saved_by, resume in (("two", one_process), ("one", local_job)):  # saved by 2, resumed by 1; and back
+        workdir = tmp_path / f"from-{saved_by}"
+        shutil.copytree(tmp_path / saved_by / "checkpoints" / "4", workdir / "checkpoints" / "4")
+        resumed = resume(workdir, config, *args)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert "resuming from step 4" in resumed.stdout + resumed.stderr
+        losses = train_losses(workdir)
+        assert sorted(losses) == list(range(5, 9))
+        np.testing.assert_allclose([losses[s] for s in range(5, 9)], [expected[s] for s in range(5, 9)], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_on_a_transformer(tmp_path):
+    config, *overrides = GPT
+    two = local_job(tmp_path / "two", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     one = one_process(tmp_path / "one", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
     assert sorted(a) == list(range(1, 9))
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(a)], rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_checkpoints_move_between_process_counts(tmp_path):
-    config, *overrides = MLP
-    args = [*overrides, "checkpoint.every_steps=4"]
-    reference = one_process(tmp_path / "ref", config, *args, "train.steps=8")
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    expected = train_losses(tmp_path / "ref")
-    # saved by 2 processes, resumed by 1
-    first = local_job(tmp_path / "a", config, *args, "train.steps=4")
-    assert first.returncode == 0, first.stdout[-3000:]
-    second = one_process(tmp_path / "a", config, *args, "train.steps=8")
-    assert second.returncode == 0, second.stderr[-2000:]
-    # saved by 1 process, resumed by 2
-    assert one_process(tmp_path / "b", config, *args, "train.steps=4").returncode == 0
-    second = local_job(tmp_path / "b", config, *args, "train.steps=8")
-    assert second.returncode == 0, second.stdout[-3000:]
-    for workdir in (tmp_path / "a", tmp_path / "b"):
-        losses = train_losses(workdir)
-        assert sorted(losses) == list(range(1, 9))
-        np.testing.assert_allclose([losses[s] for s in range(5, 9)], [expected[s] for s in range(5, 9)], rtol=1e-5)
 
 
 @pytest.mark.slow
