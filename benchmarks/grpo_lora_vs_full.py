@@ -38,24 +38,38 @@ def full_overrides(base: str, lr: float) -> list[str]:
     ]
 
 
-def run(name: str, overrides: list[str], workdir: Path, niceness: int) -> dict:
-    """One launch.py process: its eval records, its train records' mean seconds, its wall."""
+def _records(workdir: Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def run(name: str, overrides: list[str], workdir: Path, niceness: int, stop_at: int = 0) -> dict:
+    """One launch.py process: its eval records, its train records' mean seconds, its wall; `stop_at`:
+    stopped (SIGTERM) once its eval at that step is written (the schedule stays the whole run's)."""
     shutil.rmtree(workdir, ignore_errors=True)
     command = ["nice", "-n", str(niceness), sys.executable, "launch.py", "--config", CONFIG, "--workdir", str(workdir)]
-    started = time.perf_counter()
-    done = subprocess.run([*command, *overrides], cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r.get("split") == "eval"]
-    train = [r for r in records if r.get("split") == "train"]
-    summary = next(r for r in records if r.get("split") == "summary")
+    started, wall = time.perf_counter(), 0.0
+    process = subprocess.Popen([*command, *overrides], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while stop_at and process.poll() is None:
+        if any(r.get("split") == "eval" and r["step"] >= stop_at for r in _records(workdir)):
+            wall = time.perf_counter() - started  # (to the eval's record)
+            process.terminate()
+            break
+        time.sleep(2)
+    _, stderr = process.communicate()
+    if not wall:
+        wall = time.perf_counter() - started
+        if process.returncode != 0:
+            sys.exit(f"{name}: exit {process.returncode}\n{stderr.decode()[-3000:]}")
+    records = _records(workdir)
+    evals = [r for r in records if r.get("split") == "eval" and (not stop_at or r["step"] <= stop_at)]
+    train = [r for r in records if r.get("split") == "train" and (not stop_at or r["step"] <= stop_at)]
+    summary = next((r for r in records if r.get("split") == "summary"), {"mean_step_seconds": float("nan")})
     mean = lambda key: sum(r[key] for r in train) / max(len(train), 1)  # noqa: E731
     result = {
         "name": name,
         "wall": wall,
-        "steps": summary.get("steps", train[-1]["step"] if train else 0),
+        "steps": train[-1]["step"] if train else 0,
         "eval": [(r["step"], r["reward"], r.get("generate/exact_match")) for r in evals],
         "sampling": mean("seconds/sampling"),
         "updating": mean("seconds/updating"),
@@ -73,6 +87,7 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=19)
     parser.add_argument("--no-before", action="store_true")
     parser.add_argument("--no-lora", action="store_true")
+    parser.add_argument("--stop-at", type=int, default=0, help="stop each run after its eval at this step")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     scratch = Path(tempfile.mkdtemp(prefix="grpo_lora_vs_full_"))
@@ -81,10 +96,16 @@ def main() -> None:
     if not args.no_before:
         results.append(run("before", ["train.steps=1", "optimizer.learning_rate=1e-9"], scratch / "before", args.nice))
     if not args.no_lora:
-        results.append(run("lora (shipped, lr 1e-3)", steps, scratch / "lora", args.nice))
+        results.append(run("lora (shipped, lr 1e-3)", steps, scratch / "lora", args.nice, args.stop_at))
     for lr in args.full_lr or [1e-4]:
         results.append(
-            run(f"full, lr {lr:g}", [*steps, *full_overrides(args.base, lr)], scratch / f"full_{lr:g}", args.nice)
+            run(
+                f"full, lr {lr:g}",
+                [*steps, *full_overrides(args.base, lr)],
+                scratch / f"full_{lr:g}",
+                args.nice,
+                args.stop_at,
+            )
         )
     print("\n| run | eval/reward by step | greedy exact by step | process wall | step (sampling / updating) |")
     print("|---|---|---|---|---|")
