@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 from support.cli import run_cli
-from support.configs import ROOT
-from support.plan import TINY, tiny
+from support.configs import ROOT, TINY_LLAMA
+from support.plan import TINY
 
 from engine.plan.layouts import search
 from engine.plan.tpu import parse_target
@@ -40,10 +40,12 @@ def test_llama_1b_pure_data_parallel_does_not_fit_a_v5e_4_and_names_the_fix(tmp_
 def test_search_ranks_a_fitting_layout_whose_overrides_train_with_the_default_losses(make_config, tmp_path):
     """The runs train in processes of their own, compiled as a user's would be: this process's
     unoptimised XLA:CPU code (tests/conftest.py) can starve one of 8 device threads past
-    XLA:CPU's 40 s collective rendezvous timeout on 2 cores."""
+    XLA:CPU's 40 s collective rendezvous timeout on 2 cores. (The tiny Llama on synthetic text:
+    what the search ranks and the runs compare does not depend on the model's size.)"""
     import json
 
-    ranked = search(tiny(make_config), parse_target("v5e-8"), compiles=2, say=lambda text: None)
+    cfg = make_config("mnist_mlp.yaml", *TINY, *TINY_LLAMA)
+    ranked = search(cfg, parse_target("v5e-8"), compiles=2, say=lambda text: None)
     assert ranked and ranked[0].planned.fits
     best = ranked[0].overrides()
     runs = {"default": [], "best": best}
@@ -51,10 +53,11 @@ def test_search_ranks_a_fitting_layout_whose_overrides_train_with_the_default_lo
     for name, overrides in runs.items():
         proc = run_cli(
             "--config",
-            "configs/llama_tiny.yaml",
+            "configs/mnist_mlp.yaml",
             "--workdir",
             str(tmp_path / name),
             *TINY,
+            *TINY_LLAMA,
             "train.steps=3",
             "log.every_steps=1",
             "eval.every_steps=0",
@@ -92,9 +95,11 @@ def test_a_sweep_plans_each_distinct_program_its_vectorised_groups_included(tmp_
     """Four runs, two compiled programs (the layer count differs), vectorised two at a time:
     two plans, each of a group of two trials."""
     sweep = tmp_path / "sweep.yaml"
+    grid = ("optimizer.learning_rate", "model.num_layers")
+    model = ", ".join(o.replace("=", ": ") for o in TINY_LLAMA if o.split("=")[0] not in grid)  # (the tiny Llama)
     sweep.write_text(
-        f"base: {ROOT / 'configs' / 'llama_tiny.yaml'}\ndirectory: {tmp_path / 'out'}\n"
-        "overrides: {train.steps_per_call: 1, mesh.data: 1, mesh.fsdp: 4}\n"
+        f"base: {ROOT / 'configs' / 'mnist_mlp.yaml'}\ndirectory: {tmp_path / 'out'}\n"
+        f"overrides: {{train.steps_per_call: 1, mesh.data: 1, mesh.fsdp: 4, {model}}}\n"
         "grid: {optimizer.learning_rate: [0.001, 0.003], model.num_layers: [2, 4]}\nvectorize: 2\n"
     )
     proc = run_cli("sweep", str(sweep), "--plan", "--target", "v5e-4", timeout=600)
