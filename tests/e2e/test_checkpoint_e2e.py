@@ -49,10 +49,15 @@ def wait_for_step(workdir, step, proc, timeout=120):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """A run never stopped, watched while it trains by an evaluator (`eval --watch`) started
+    before it: the reference of the resume tests, and the evaluator test's live run."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
+    evaluator = start_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--watch", *RUN)
     proc = start_training(workdir)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    _, err = evaluator.communicate(timeout=300)
+    assert evaluator.returncode == 0, err
     return workdir
 
 
@@ -121,14 +126,11 @@ def test_all_checkpoints_corrupt_is_exit_2_and_nothing_deleted(tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluator_evaluates_each_checkpoint_of_a_live_run_once(tmp_path):
-    workdir = tmp_path / "live"
-    evaluator = start_cli("eval", "--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), "--watch", *RUN)
-    trainer = start_training(workdir)
-    _, err = trainer.communicate(timeout=300)
-    assert trainer.returncode == 0, err
-    _, err = evaluator.communicate(timeout=300)
-    assert evaluator.returncode == 0, err
+def test_evaluator_evaluates_each_checkpoint_of_a_live_run_once(tmp_path, uninterrupted):
+    import shutil
+
+    workdir = tmp_path / "live"  # (a copy: the eval below adds a record; the fixture is shared)
+    shutil.copytree(uninterrupted, workdir)
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r["step"] for r in records if r.get("source") == "evaluator"]
     assert sorted(evaluated) == list(range(10, 121, 10))  # every checkpoint, each once

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from support import tokens as tokens_helpers
-from support.cli import run_cli, start_cli, wait_until
+from support.cli import child_env, run_cli, start_cli, wait_until
 from support.fuzz_cli import refused_in_one_line, run_in_one_process
 from support.tokens import LLAMA_TOKENS, _corpus_files, _text
 
@@ -134,13 +134,20 @@ def test_a_packed_mixture_trains_reports_shares_and_resumes_bit_identically_afte
     losses = lambda records: [(r["step"], r["loss"], r["share_a"]) for r in records]  # noqa: E731
     assert losses(_train_records(killed)) == losses(records)
     # the run keeps its tokenizer: sample decodes with it, and a Hugging Face export carries it
+    # (both commands through the CLI's main in one process: tests/support/fuzz_cli.py)
     assert (reference / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
-    sampled = run_cli("sample", "--workdir", str(reference), "--prompt", "alpha beta", "--temperature", "0")
-    assert sampled.returncode == 0, sampled.stderr[-2000:]
-    text = sampled.stdout.strip("\n")
+    sampled, exported = run_in_one_process(
+        tmp_path,
+        [
+            {"argv": ["sample", "--workdir", str(reference), "--prompt", "alpha beta", "--temperature", "0"]},
+            {"argv": ["export", "--workdir", str(reference), "--out", str(tmp_path / "hf"), "--format", "hf"]},
+        ],
+        env=child_env({"HOME": str(tmp_path)}),
+    )
+    assert sampled["code"] == 0 and not sampled["escaped"], sampled["escaped"] or sampled["stderr"]
+    text = sampled["stdout"].strip("\n")
     assert text.strip() and set(text) <= set("abcdefghijklmnopqrstuvwxyz ."), text  # the corpus's own characters
-    exported = run_cli("export", "--workdir", str(reference), "--out", str(tmp_path / "hf"), "--format", "hf")
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert exported["code"] == 0 and not exported["escaped"], exported["escaped"] or exported["stderr"]
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
 
 

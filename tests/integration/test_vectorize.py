@@ -40,30 +40,35 @@ def _losses(losses: dict) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 8])
-def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path, devices):
-    """On one device, and on 8 with the trial axis on the mesh (4 trials x data=2)."""
-    mesh = [f"mesh.num_devices={devices}"]
-    cfgs = [
-        make_config("mnist_mlp.yaml", *COMMON, *mesh, *v, workdir=tmp_path / f"v{i}") for i, v in enumerate(VARIANTS)
+def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path):
+    """On one device, and on 8 with the trial axis on the mesh (4 trials x data=2): both groups
+    against the same four runs alone."""
+    alone = [
+        fit(make_config("mnist_mlp.yaml", *COMMON, *variant, workdir=tmp_path / f"alone{i}"))
+        for i, variant in enumerate(VARIANTS)
     ]
-    mesh_shape = dict(group_mesh(cfgs[0], len(cfgs)).shape)
-    assert (mesh_shape["trial"], mesh_shape["data"]) == ((4, 2) if devices == 8 else (1, 1))
-    trials = fit_group(cfgs)
-    for i, (variant, trial) in enumerate(zip(VARIANTS, trials)):
-        alone = fit(make_config("mnist_mlp.yaml", *COMMON, *variant, workdir=tmp_path / f"alone{i}"))
-        assert trial.error is None
-        assert sorted(trial.losses) == list(range(1, 21))
-        np.testing.assert_allclose(_losses(trial.losses), _losses(alone.losses), rtol=1e-6)
-        assert trial.eval_metrics["loss"] == pytest.approx(alone.eval_metrics["loss"], rel=1e-6)
-        workdir = tmp_path / f"v{i}"  # each run's own files, as a run alone writes them
-        assert (workdir / "config.yaml").is_file()
-        assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
-        records = read_records(workdir / "metrics.jsonl")
-        assert [r["step"] for r in records if r["split"] == "train"] == [5, 10, 15, 20]
-        assert [r["step"] for r in records if r["split"] == "eval"] == [10, 20]
-    # the configs differ: so do their losses (the comparison above is not of one run four times)
-    assert len({round(float(_losses(t.losses)[-1]), 6) for t in trials}) == 4
+    for devices in (1, 8):
+        mesh = [f"mesh.num_devices={devices}"]
+        cfgs = [
+            make_config("mnist_mlp.yaml", *COMMON, *mesh, *v, workdir=tmp_path / f"d{devices}v{i}")
+            for i, v in enumerate(VARIANTS)
+        ]
+        mesh_shape = dict(group_mesh(cfgs[0], len(cfgs)).shape)
+        assert (mesh_shape["trial"], mesh_shape["data"]) == ((4, 2) if devices == 8 else (1, 1))
+        trials = fit_group(cfgs)
+        for i, (trial, solo) in enumerate(zip(trials, alone)):
+            assert trial.error is None
+            assert sorted(trial.losses) == list(range(1, 21))
+            np.testing.assert_allclose(_losses(trial.losses), _losses(solo.losses), rtol=1e-6, err_msg=str(devices))
+            assert trial.eval_metrics["loss"] == pytest.approx(solo.eval_metrics["loss"], rel=1e-6)
+            workdir = tmp_path / f"d{devices}v{i}"  # each run's own files, as a run alone writes them
+            assert (workdir / "config.yaml").is_file()
+            assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+            records = read_records(workdir / "metrics.jsonl")
+            assert [r["step"] for r in records if r["split"] == "train"] == [5, 10, 15, 20]
+            assert [r["step"] for r in records if r["split"] == "eval"] == [10, 20]
+        # the configs differ: so do their losses (the comparison above is not of one run four times)
+        assert len({round(float(_losses(t.losses)[-1]), 6) for t in trials}) == 4
 
 
 @pytest.mark.slow
