@@ -1,9 +1,10 @@
 """The elastic launchers' refusals, each one line and exit 2 before anything starts, from the command
 line in this process (engine/cli: as launch.py runs it; the e2e tests keep one refusal of each
-launcher through launch.py in a subprocess): a local job whose layout cannot shrink or whose grow
-request is a directory, a pod's supervisor without what it needs, the SLURM driver outside an
-allocation or without fault.elastic."""
+launcher through launch.py in a subprocess): a local job's usage errors, one whose layout cannot
+shrink or whose grow request is a directory, a pod's supervisor without what it needs, the SLURM
+driver outside an allocation or without fault.elastic."""
 
+import pytest
 from support.elastic import JOB
 
 from engine.cli import main
@@ -66,3 +67,23 @@ def test_the_slurm_driver_is_refused_without_fault_elastic_or_outside_an_allocat
     assert "the allocation has 1 task; ask for several" in driver(SLURM_JOB_ID="7", SLURM_NTASKS="1")
     assert "drop --elastic" in driver("--local-processes", "2")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["fault.max_restarts=-1"], "fault.max_restarts=-1 must be 0 or more"),
+        (["checkpoint.local_dir=relative/x", "checkpoint.local_every_steps=2"], "must be an absolute path"),
+        (["checkpoint.local_dir=/proc/nope/x", "checkpoint.local_every_steps=2"], "cannot be created"),
+        (["--local-processes", "100000"], "--local-processes 100000: this host holds at most"),
+    ],
+    ids=["fault-value", "relative-local-dir", "local-dir-uncreatable", "too-many"],
+)
+def test_a_local_job_s_usage_error_is_one_line_and_exit_2_before_any_process_starts(
+    tmp_path, capsys, overrides, reason
+):
+    """(A batch that does not divide, through launch.py: tests/e2e/test_multiprocess.py.)"""
+    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "run"), "--local-processes", "2"]
+    err = refused(capsys, *args, *overrides)
+    assert err.count("\n") == 1 and err.startswith("error: ") and reason in err, err
+    assert not (tmp_path / "run").exists()  # no process started, nothing written

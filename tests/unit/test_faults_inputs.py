@@ -201,3 +201,30 @@ def test_damaged_idx_files_are_named(tmp_path, damage, message):
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(UsageError, match=re.escape(message)):
         load_dataset(DataConfig(name="idx", path=str(tmp_path)))
+
+
+@pytest.mark.nocompile
+@pytest.mark.parametrize(
+    "labels, expected",
+    [
+        ([0, 1, 99], "20 of y outside [0, 10), the first at y[2] (value 99)"),
+        ([0, -1, 3], "the first at y[1] (value -1)"),
+        ([0, 2**33, 1], "(value 8589934592)"),
+    ],
+    ids=["too-large", "negative", "int64-would-wrap"],
+)
+def test_bad_labels_are_refused_at_load(tmp_path, capsys, labels, expected):
+    """Before: 99 grew the model to 100 classes, -1 trained, 2**33 wrapped to 0. (The command line in
+    this process; tests/e2e/test_faults_inputs_e2e.py refuses NaN inputs through launch.py.)"""
+    import numpy as np
+
+    from engine.cli import main
+
+    y = np.array(labels * 20, np.int64)
+    x = np.random.default_rng(0).random((len(y), 4, 4), np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    args = ["--config", "configs/mnist_mlp.yaml", "--workdir", str(tmp_path / "w"), "data.name=npz"]
+    code = main([*args, f"data.path={tmp_path / 'd.npz'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and str(tmp_path / "d.npz") in err, err
+    assert not (tmp_path / "w").exists()  # refused before anything was written
