@@ -18,7 +18,7 @@ def test_a_killed_pipelined_run_resumes_bit_identically(tmp_path):
         "mesh.pipeline=4",
         "pipeline.schedule=circular",
         "model.num_layers=8",
-        "train.steps=24",
+        "train.steps=12",
         "checkpoint.every_steps=4",
         "log.every_steps=1",
         "log.progress=false",
@@ -34,7 +34,7 @@ def test_a_killed_pipelined_run_resumes_bit_identically(tmp_path):
 
     proc = start_cli(*args, "--workdir", str(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline and max(losses_of(tmp_path / "killed") or [0]) < 14:
+    while time.time() < deadline and max(losses_of(tmp_path / "killed") or [0]) < 9:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
     proc.kill()
