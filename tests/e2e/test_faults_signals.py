@@ -118,9 +118,9 @@ def test_a_peer_that_never_starts_ends_the_job_with_one_line_not_sigabrt(tmp_pat
         "2",
         "--process-id",
         "0",
-        "distributed.initialization_timeout=6",
+        "distributed.initialization_timeout=3",  # (seconds waited for the peer)
         timeout=120,
     )
     assert proc.returncode == 1 and time.time() - started < 60, proc.stderr
-    assert "error: process 0 of 2: the job did not assemble within 6s" in proc.stderr
+    assert "error: process 0 of 2: the job did not assemble within 3s" in proc.stderr
     assert "Check failure" not in proc.stderr and "Traceback" not in proc.stderr
