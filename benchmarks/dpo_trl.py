@@ -1,21 +1,24 @@
 """DPO with LoRA on the shipped post-training example: the engine against Hugging Face TRL's DPOTrainer.
 
-Workload: configs/dpo.yaml (after configs/chat_sft.yaml): the 4-layer Llama of chat_sft.yaml
-(d_model 128), LoRA rank 8, alpha 16 on every projection, beta 0.1, sigmoid loss, 200 steps of 16
-pairs, AdamW 1e-3 with 20 warmup steps, on runs/chat_example's 4,000 training pairs; the held-out
+Workload: configs/dpo.yaml as shipped (after configs/chat_sft.yaml): the 4-layer Llama of
+chat_sft.yaml (d_model 128), LoRA rank 8, alpha 16 on every projection, beta 2.0, sigmoid loss,
+100 steps of 16 pairs, AdamW 2e-4 with 20 warmup steps then cosine-decayed to 0.1 of it (TRL:
+cosine_with_min_lr at min_lr_rate 0.1), on chat_example's 4,000 training pairs; the held-out
 reward accuracy on its 200 eval pairs at the end. TRL trains the same pairs (as conversations:
 the prompt a user message, the answers the assistant's, rendered with the same chat template)
 from the same SFT weights, exported from runs/chat_sft with `launch.py export --format hf`, with
 a PEFT LoRA of the same rank, alpha and targets, on torch (CPU, float32). Rounds interleave
 (engine, TRL, engine, TRL, ...); each reports pairs per second over the training steps and the
-final held-out rewards/accuracies.
+final held-out rewards/accuracies; the medians over rounds, and the engine's ratio to TRL.
 
     python -m engine.data.chat_example runs/chat_example
     python launch.py --config configs/chat_sft.yaml               # the SFT weights (runs/chat_sft)
-    python benchmarks/dpo_trl.py --trl-python /tmp/hfvenv/bin/python [--rounds 2] [--precompute]
+    python benchmarks/dpo_trl.py --trl-python VENV/bin/python [--rounds 2] [--precompute]
 
 `--trl-python`: a Python with torch, transformers, peft, trl and datasets (not the engine's
-dependencies); `--precompute` adds an engine row with dpo.precompute_reference=true.
+dependencies); `--precompute` adds an engine row with dpo.precompute_reference=true; `--example`
+and `--sft` take the example's files and the SFT run from elsewhere than runs/ (the SFT weights
+change the accuracies, not the pairs/s: any run of chat_sft.yaml's shape will do for speed).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,15 +36,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "runs" / "chat_example"
 SFT = ROOT / "runs" / "chat_sft"
-STEPS, BATCH, RANK, ALPHA, BETA, LR, WARMUP, SEQ = 200, 16, 8, 16, 0.1, 1e-3, 20, 32
+STEPS, BATCH, RANK, ALPHA, BETA, LR, WARMUP, SEQ = 100, 16, 8, 16, 2.0, 2e-4, 20, 32  # configs/dpo.yaml
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the engine's "all"
 
 
-def engine_round(work: Path, precompute: bool) -> dict:
+def engine_round(work: Path, precompute: bool, example: Path, sft: Path) -> dict:
     """One engine run of configs/dpo.yaml in its own process: pairs/s (the run's summary: training
     steps only), the process's wall time and the final held-out rewards/accuracies."""
     workdir = work / f"engine_{time.time_ns()}"
     cmd = [sys.executable, "launch.py", "--config", "configs/dpo.yaml", f"workdir={workdir}", "log.progress=false"]
+    cmd += [f"finetune.base={sft}", f"data.tokenizer={example}"]
+    cmd += [f"data.path={example / 'preferences_train.jsonl'}", f"data.eval_path={example / 'preferences_eval.jsonl'}"]
     if precompute:
         cmd.append("dpo.precompute_reference=true")
     start = time.perf_counter()
@@ -59,10 +65,11 @@ def engine_round(work: Path, precompute: bool) -> dict:
     }
 
 
-def trl_round(work: Path, python: str, hf_dir: Path) -> dict:
+def trl_round(work: Path, python: str, hf_dir: Path, example: Path, threads: int) -> dict:
     """One TRL run in its own process (this file with --side trl under `python`)."""
     out = work / f"trl_{time.time_ns()}.json"
     cmd = [python, __file__, "--side", "trl", "--hf-dir", str(hf_dir), "--out", str(out)]
+    cmd += ["--example", str(example), "--torch-threads", str(threads)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -85,7 +92,7 @@ def conversations(path: Path) -> list[dict]:
     ]
 
 
-def trl_side(hf_dir: Path, out: Path) -> None:
+def trl_side(hf_dir: Path, out: Path, example: Path, threads: int) -> None:
     """TRL's DPOTrainer with a PEFT LoRA on the exported SFT weights; writes pairs/s and the final
     held-out rewards/accuracies to `out`."""
     import datasets
@@ -94,6 +101,8 @@ def trl_side(hf_dir: Path, out: Path) -> None:
     import transformers
     import trl
 
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     tokenizer.chat_template = (hf_dir / "chat_template.jinja").read_text()
@@ -106,7 +115,8 @@ def trl_side(hf_dir: Path, out: Path) -> None:
         per_device_eval_batch_size=BATCH,
         learning_rate=LR,
         warmup_steps=WARMUP,
-        lr_scheduler_type="cosine",
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},  # the engine's warmup_cosine ends at 0.1 of the peak
         weight_decay=0.01,
         max_grad_norm=1.0,
         beta=BETA,
@@ -125,8 +135,8 @@ def trl_side(hf_dir: Path, out: Path) -> None:
     trainer = trl.DPOTrainer(
         model=model,
         args=args,
-        train_dataset=datasets.Dataset.from_list(conversations(EXAMPLE / "preferences_train.jsonl")),
-        eval_dataset=datasets.Dataset.from_list(conversations(EXAMPLE / "preferences_eval.jsonl")),
+        train_dataset=datasets.Dataset.from_list(conversations(example / "preferences_train.jsonl")),
+        eval_dataset=datasets.Dataset.from_list(conversations(example / "preferences_eval.jsonl")),
         processing_class=tokenizer,
         peft_config=lora,
     )
@@ -160,35 +170,55 @@ def main() -> None:
     p.add_argument("--trl-python", default=sys.executable, help="a Python with torch, transformers, peft, trl")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--precompute", action="store_true", help="add an engine row with dpo.precompute_reference")
+    p.add_argument("--example", type=Path, default=EXAMPLE, help="the example's files (chat_example)")
+    p.add_argument("--sft", type=Path, default=SFT, help="the SFT run (configs/chat_sft.yaml's workdir)")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch's threads (0: torch's default)")
     p.add_argument("--hf-dir", type=Path)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.side == "trl":
-        trl_side(args.hf_dir, args.out)
+        trl_side(args.hf_dir, args.out, args.example, args.torch_threads)
         return
-    for needed in (EXAMPLE / "preferences_train.jsonl", SFT / "config.yaml"):
+    for needed in (args.example / "preferences_train.jsonl", args.sft / "config.yaml"):
         if not needed.exists():
             raise SystemExit(f"{needed} is missing: run the commands in this file's docstring first")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         hf_dir = work / "sft_hf"
         subprocess.run(
-            [sys.executable, "launch.py", "export", "--workdir", str(SFT), "--out", str(hf_dir), "--format", "hf"],
+            [sys.executable, "launch.py", "export", "--workdir", str(args.sft), "--out", str(hf_dir), "--format", "hf"],
             cwd=ROOT,
             check=True,
             capture_output=True,
         )
         rows = []
         for i in range(args.rounds):
-            rows.append((f"engine, round {i + 1}", engine_round(work, False)))
+            rows.append((f"engine, round {i + 1}", engine_round(work, False, args.example, args.sft)))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
             if args.precompute:
-                rows.append((f"engine, precompute_reference, round {i + 1}", engine_round(work, True)))
+                rows.append(
+                    (f"engine, precompute_reference, round {i + 1}", engine_round(work, True, args.example, args.sft))
+                )
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
-            rows.append((f"TRL DPOTrainer + PEFT, round {i + 1}", trl_round(work, args.trl_python, hf_dir)))
+            rows.append(
+                (
+                    f"TRL DPOTrainer + PEFT, round {i + 1}",
+                    trl_round(work, args.trl_python, hf_dir, args.example, args.torch_threads),
+                )
+            )
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(f"{os.cpu_count()} CPUs")
+    print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()}")
     print(table(rows))
+    sides = {"engine": "engine, round", "engine (precompute)": "engine, precompute_reference", "TRL": "TRL"}
+    by_side = {label: [r["pairs_per_sec"] for name, r in rows if name.startswith(key)] for label, key in sides.items()}
+    for label, values in by_side.items():
+        if values:
+            print(f"{label}: median {statistics.median(values):.1f} pairs/s")
+    for label in ("engine", "engine (precompute)"):
+        if by_side[label]:
+            ratios = [ours / theirs for ours, theirs in zip(by_side[label], by_side["TRL"])]
+            ratio = statistics.median(by_side[label]) / statistics.median(by_side["TRL"])
+            print(f"{label} / TRL: {ratio:.2f}x (medians); round by round {', '.join(f'{x:.2f}' for x in ratios)}")
 
 
 if __name__ == "__main__":
