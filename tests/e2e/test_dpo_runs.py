@@ -9,6 +9,7 @@ and train.sync=diloco are refused with exit 2 (engine/config/objective.py); cont
 are untested with DPO."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import yaml
 from support.chat_data import LLAMA, write_jsonl, write_model_dir
 from support.cli import run_cli, start_cli, wait_until
 from support.configs import QUIET, RATES
+from support.fuzz_cli import refused_in_one_line, run_in_one_process
 from support.llama import write_hf_checkpoint
 
 from engine.runtime.rundir import read_records
@@ -129,11 +131,18 @@ def test_data_fsdp_and_tensor_give_the_one_device_metrics(files, lora_run, full_
     assert_same_metrics(eight, one[:4], rtol=1e-5)
 
 
-@pytest.mark.parametrize("key, value", [("mesh.pipeline", 2), ("train.sync", "diloco")])
-def test_pipeline_and_diloco_are_refused_naming_the_key(files, tmp_path, key, value):
-    keys = {key: value, "mesh.data": 2, **({"diloco.replica_axis": "data"} if value == "diloco" else {})}
-    proc = run_cli(*run_args(files, False, tmp_path / "w", **keys), env=EIGHT)
-    assert proc.returncode == 2 and f"train.objective=dpo does not run with {key}={value}" in proc.stderr, proc.stderr
+def test_pipeline_and_diloco_are_refused_naming_the_key(files, tmp_path):
+    """Each in one line, through the CLI's main in one process of 8 devices."""
+    refused = [("mesh.pipeline", 2), ("train.sync", "diloco")]
+    cases = []
+    for i, (key, value) in enumerate(refused):
+        keys = {key: value, "mesh.data": 2, **({"diloco.replica_axis": "data"} if value == "diloco" else {})}
+        cases.append({"argv": run_args(files, False, tmp_path / f"w{i}", **keys)})
+    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path), **EIGHT}
+    results = run_in_one_process(tmp_path, cases, env=env)
+    assert len(results) == len(refused) == 2
+    for result, (key, value) in zip(results, refused):
+        refused_in_one_line(result, f"train.objective=dpo does not run with {key}={value}")
 
 
 def test_sigkill_then_rerun_gives_the_same_metrics(files, lora_run, tmp_path):
@@ -175,11 +184,12 @@ def test_a_vectorised_learning_rate_and_beta_sweep_gives_each_trial_its_run_alon
 def test_sample_and_export_of_a_dpo_lora_workdir(files, lora_run, tmp_path):
     from safetensors.numpy import load_file
 
+    from engine.hub.hf import export_hf
+
     proc = run_cli("sample", "--workdir", str(lora_run), "--chat", "--prompt", "hello there", "--max-tokens", "1")
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-2000:]
-    for out, merge in ((tmp_path / "merged", ["--merge"]), (tmp_path / "adapter", [])):
-        proc = run_cli("export", "--workdir", str(lora_run), "--format", "hf", *merge, "--out", str(out))
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    for out, merge in ((tmp_path / "merged", True), (tmp_path / "adapter", False)):  # (`export --format hf`'s)
+        export_hf(str(lora_run), str(out), merge=merge)
     base, merged = (
         load_file(str(files["hf"] / "model.safetensors")),
         load_file(str(tmp_path / "merged" / "model.safetensors")),

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.context_experts import LLAMA, MOE, assert_same_training
+from support.llama import greedy_reference
 
 from engine.parallel.sharding import unbox
 from engine.run.setup import build_run
@@ -128,6 +129,6 @@ def test_ragged_generation_with_the_cache_equals_argmax_without_it():
     params = unbox(onehot.init(jax.random.key(0), jnp.asarray([prompt], jnp.int32), train=False))["params"]
     decoder = REGISTRY["llama"].build(ragged_cfg, info, jnp.float32, jnp.float32, decode=True)
     cached = sampling.generate(decoder, params, [prompt, prompt[:3]], 8, temperature=0.0)
-    assert cached[0] == sampling.greedy_without_cache(ragged, params, prompt, 8)
-    assert cached[0] == sampling.greedy_without_cache(onehot, params, prompt, 8)
-    assert cached[1] == sampling.greedy_without_cache(onehot, params, prompt[:3], 8)
+    assert cached[0] == greedy_reference(ragged, params, prompt, 8, length=12)
+    assert cached[0] == greedy_reference(onehot, params, prompt, 8, length=12)
+    assert cached[1] == greedy_reference(onehot, params, prompt[:3], 8, length=12)

@@ -6,7 +6,7 @@ the tokenizer does not have."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.llama import TINY
+from support.llama import TINY, greedy_reference
 
 from engine.data import DataInfo
 from models import REGISTRY, sampling
@@ -45,6 +45,6 @@ def test_prompts_of_different_lengths_in_one_batch_each_give_what_they_give_alon
     decoder = family.build(cfg, info, jnp.float32, jnp.float32, decode=True)
     prompts = [[5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42, 43, 44]]
     together = sampling.generate(decoder, params, prompts, 8, num_samples=2)
-    alone = [sampling.greedy_without_cache(module, params, prompt, 8) for prompt in prompts]
+    alone = [greedy_reference(module, params, prompt, 8, length=24) for prompt in prompts]
     assert together == [alone[0], alone[0], alone[1], alone[1], alone[2], alone[2]]
     assert len({tuple(a) for a in alone}) == 3  # three different continuations
