@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=19)
     parser.add_argument("--no-before", action="store_true")
     parser.add_argument("--no-lora", action="store_true")
+    parser.add_argument("--no-full", action="store_true")
     parser.add_argument("--stop-at", type=int, default=0, help="stop each run after its eval at this step")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -97,7 +98,7 @@ def main() -> None:
         results.append(run("before", ["train.steps=1", "optimizer.learning_rate=1e-9"], scratch / "before", args.nice))
     if not args.no_lora:
         results.append(run("lora (shipped, lr 1e-3)", steps, scratch / "lora", args.nice, args.stop_at))
-    for lr in args.full_lr or [1e-4]:
+    for lr in [] if args.no_full else args.full_lr or [1e-4]:
         results.append(
             run(
                 f"full, lr {lr:g}",
