@@ -17,6 +17,7 @@ from support.faults import FaultAt, drop_local_tier
 from engine.elastic.accounting import lost
 
 DEVICES = "--xla_force_host_platform_device_count={}"
+STEPS = 16  # (the killed-process job's: room for persistent checkpoints at 6 and 12 before its end)
 
 
 def losses(workdir):
@@ -26,22 +27,23 @@ def losses(workdir):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_killed_process_s_job_goes_on_from_either_tier_then_grows_back(tmp_path):
-    """Process 1 of 3 dies at step 5 with its host's local tier: its shards' copy is at its peer,
-    process 2, which goes on as process 1 and finds it (and its own) in process_2/, an index the job
-    of 2 does not have. Process 1 of that job of 2 dies at its first step with both copies of its
-    shards: the job of 1 restores the persistent tier with the losses of the job resumed by hand,
-    and grows back to 3 at its persistent checkpoint of step 8 (the lost places are free again on
-    this machine). Every step has the unbroken run's loss."""
+    """Process 1 of 3 dies at step 7 (its persistent checkpoint of step 6 committed) with its host's
+    local tier: its shards' copy is at its peer, process 2, which goes on as process 1 and finds it
+    (and its own) in process_2/, an index the job of 2 does not have. Process 1 of that job of 2 dies
+    at its first step with both copies of its shards: the job of 1 restores the persistent tier with
+    the losses of the job resumed by hand, and grows back to 3 at its persistent checkpoint of step 12
+    (the lost places are free again on this machine). Every step has the unbroken run's loss."""
     workdir, local = tmp_path / "elastic", tmp_path / "shm"
-    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "checkpoint.every_steps=4"]
+    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=2", "checkpoint.every_steps=6"]
+    committed = lambda: (workdir / "checkpoints" / "6" / "SHA256SUMS").exists()  # noqa: E731
     own: list = []
     both: list = []
-    kills = [  # (the second at the job of 2's first step: well before its persistent checkpoint of step 8)
-        FaultAt(workdir, 1, 5, then=lambda: own.extend(drop_local_tier(local, 1))),
+    kills = [  # (the second at the job of 2's first step: well before its persistent checkpoint of step 12)
+        FaultAt(workdir, 1, 7, ready=committed, then=lambda: own.extend(drop_local_tier(local, 1))),
         FaultAt(workdir, 1, 1, attempt=1, then=lambda: both.extend(drop_local_tier(local, 1, "all"))),
     ]
     began = time.time()
-    job = local_job(workdir, *tier, "checkpoint.keep=20", processes=3)
+    job = local_job(workdir, *tier, "checkpoint.keep=20", f"train.steps={STEPS}", processes=3)
     took = time.time() - began
     for kill in kills:
         kill.stop()
@@ -51,7 +53,7 @@ def test_a_killed_process_s_job_goes_on_from_either_tier_then_grows_back(tmp_pat
     assert "elastic: restarting the job on 2 processes" in job.stderr and [p.name for p in own] == ["process_1"]
     assert "elastic: restarting the job on 1 processes" in job.stderr
     assert "[0] process 0 of 2: joined the job" in job.stdout
-    assert "process_2/owner_1" in [f"{p.parent.name}/{p.name}" for p in both], both  # (the peer's copy of step 4)
+    assert "process_2/owner_1" in [f"{p.parent.name}/{p.name}" for p in both], both  # (the peer's copy of step 6)
     peer, persistent = records(workdir, "recovery")
     assert peer["lost_process"] == 1 and "SIGKILL" in peer["how"] and peer["recovered"]
     assert (peer["processes_before"], peer["processes_now"], persistent["processes_now"]) == (3, 2, 1)
@@ -62,19 +64,21 @@ def test_a_killed_process_s_job_goes_on_from_either_tier_then_grows_back(tmp_pat
     assert 0 <= peer["seconds_to_stop"] < 2 and 0 <= persistent["seconds_to_stop"] < 2  # SIGKILL at once
     assert peer["seconds_lost"] > 0 and "recovered: process 1" in job.stdout
     (grown,) = records(workdir, "grow")
-    assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (1, 3, 8), grown
+    assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (1, 3, 12), grown
     assert "elastic: growing back to 3 processes" in job.stderr and "grew back: from 1 to 3 processes" in job.stdout
     assert grown["seconds_lost"] > 0
     (summary,) = records(workdir, "summary")
     assert summary["badput_recovery"] > 0 and summary["badput_earlier_starts"] > 0
     assert 0.8 * took < summary["wall_seconds"] < took, (summary, took)  # the whole job's, not its last start's
-    assert_unbroken_losses(workdir, tmp_path / "unbroken")
+    assert persistent["step_restored"] == 6, persistent
+    assert_unbroken_losses(workdir, tmp_path / "unbroken", STEPS)
     # the losses from the persistent restore to the growth: those of the job resumed by hand, on 1
     # process of 2 devices (bit-identical)
     restored = persistent["step_restored"]
     hand = tmp_path / "hand"
+    hand_args = ["--config", JOB[0], "--workdir", str(hand), *JOB[1:], f"train.steps={STEPS}"]
     shutil.copytree(workdir / "checkpoints" / str(restored), hand / "checkpoints" / str(restored))
-    again = run_cli("--config", JOB[0], "--workdir", str(hand), *JOB[1:], env={"XLA_FLAGS": DEVICES.format(2)})
+    again = run_cli(*hand_args, env={"XLA_FLAGS": DEVICES.format(2)})
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from step {restored}" in again.stdout + again.stderr
     ran_alone = range(restored + 1, grown["step_restored"] + 1)

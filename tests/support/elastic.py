@@ -31,20 +31,21 @@ def local_job(workdir, *overrides, processes, devices=2, env=None, timeout=600):
     return run_cli(*args, env=env, timeout=timeout)
 
 
-_UNBROKEN: dict[int, float] = {}  # the unbroken run's losses, once run in this test process
+_UNBROKEN: dict[int, dict[int, float]] = {}  # steps → the unbroken run's losses, once run in this test process
 
 
-def assert_unbroken_losses(workdir, unbroken):
-    """The job's losses at every step are those of the unbroken run: the same mesh of 6 devices in
-    one process (rtol 1e-5: float summation order). The unbroken run (in `unbroken`) is run once
-    per test process: every elastic job of JOB (local processes, pods) compares with the same."""
+def assert_unbroken_losses(workdir, unbroken, steps=STEPS):
+    """The job's losses at every step are those of the unbroken run (JOB, train.steps=`steps`): the
+    same mesh of 6 devices in one process (rtol 1e-5: float summation order). The unbroken run (in
+    `unbroken`) is run once per test process: elastic jobs of JOB (local processes, pods) compare
+    with the same."""
     losses = {r["step"]: r["loss"] for r in records(workdir, "train")}
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    if not _UNBROKEN:
+    assert sorted(losses) == list(range(1, steps + 1))
+    if steps not in _UNBROKEN:
         env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=6"}
-        one = run_cli("--config", JOB[0], "--workdir", str(unbroken), *JOB[1:], env=env)
+        one = run_cli("--config", JOB[0], "--workdir", str(unbroken), *JOB[1:], f"train.steps={steps}", env=env)
         assert one.returncode == 0, one.stderr[-3000:]
-        _UNBROKEN.update({r["step"]: r["loss"] for r in records(unbroken, "train")})
-    expected = _UNBROKEN
+        _UNBROKEN[steps] = {r["step"]: r["loss"] for r in records(unbroken, "train")}
+    expected = _UNBROKEN[steps]
     assert sorted(expected) == sorted(losses)
     np.testing.assert_allclose([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], rtol=1e-5)

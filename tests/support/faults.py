@@ -70,8 +70,9 @@ def _steps_after(metrics: Path, offset: int) -> list[int]:
 
 class FaultAt(threading.Thread):
     """Sends `sig` to process `process` of start `attempt` of the job in `workdir` once that start
-    logged train step `step` or later (records written before the process appeared do not count).
-    `done` is set when it sent the signal (`pid`: to whom)."""
+    logged train step `step` or later (records written before the process appeared do not count)
+    and `ready()` holds, when given (e.g. a checkpoint committed). `done` is set when it sent the
+    signal (`pid`: to whom)."""
 
     def __init__(
         self,
@@ -82,10 +83,11 @@ class FaultAt(threading.Thread):
         attempt: int = 0,
         timeout: float = 600,
         then=None,
+        ready=None,
     ):
         super().__init__(name=f"fault-{process}-{step}", daemon=True)
         self.workdir, self.process, self.step, self.sig = Path(workdir), process, step, sig
-        self.attempt, self.timeout, self.then = attempt, timeout, then
+        self.attempt, self.timeout, self.then, self.ready = attempt, timeout, then, ready
         self.done, self.stopped = threading.Event(), threading.Event()
         self.pid: Optional[int] = None
         self.start()
@@ -99,7 +101,9 @@ class FaultAt(threading.Thread):
             offset = metrics.stat().st_size if metrics.exists() else 0
             self.pid = training_process(self.workdir, self.process, self.attempt)
             self.stopped.wait(0.05)
-        while not any(step >= self.step for step in _steps_after(metrics, offset)):
+        while not any(step >= self.step for step in _steps_after(metrics, offset)) or not (
+            self.ready is None or self.ready()
+        ):
             if self.stopped.wait(0.02) or time.time() > deadline:
                 return
         os.kill(self.pid, self.sig)
