@@ -14,7 +14,8 @@ import pytest
 from flax.traverse_util import flatten_dict
 from support.cli import run_cli
 from support.configs import ROOT
-from support.finetune import DATA, LORA, TOKENS, logits
+from support.finetune import DATA, LORA, TOKENS, imported_base, logits
+from support.fuzz_cli import run_in_one_process
 from support.llama import TINY, transformers_logits, write_hf_checkpoint
 from support.parallel import train_losses
 
@@ -30,19 +31,27 @@ from models.llama import PROJECTIONS, LlamaConfig
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """(HF dir, engine workdir): a tiny random Llama in Hugging Face's layout, imported."""
-    root = tmp_path_factory.mktemp("finetune")
-    write_hf_checkpoint(root / "hf", LlamaConfig(**TINY), vocab=256)
-    proc = run_cli("import-hf", str(root / "hf"), "--workdir", str(root / "base"), *DATA)
-    assert proc.returncode == 0, proc.stderr
-    return root / "hf", root / "base"
+    """(HF dir, engine workdir): a tiny random Llama in Hugging Face's layout, imported (read only)."""
+    return imported_base(tmp_path_factory)
 
 
 def config(base_dir, workdir, *overrides):
     return load_config(base_dir / "config.yaml", [*DATA, f"finetune.base={base_dir}", *LORA, *overrides], str(workdir))
 
 
-def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def lora_run(base, tmp_path_factory):
+    """(workdir, its CompletedProcess): 4 steps of LoRA (dropout 0.1) on the base, saved at 2 and 4."""
+    work = tmp_path_factory.mktemp("lora") / "lora"
+    proc = run_cli("--config", str(base[1] / "config.yaml"), "--workdir", str(work), *config_args(base[1]), *STRAIGHT)
+    assert proc.returncode == 0, proc.stderr
+    return work, proc
+
+
+STRAIGHT = ["finetune.lora.dropout=0.1", "log.every_steps=1", "checkpoint.every_steps=2", "train.steps=4"]
+
+
+def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base, lora_run, tmp_path, monkeypatch):
     _, base_dir = base
     plain_cfg = load_config(base_dir / "config.yaml", DATA, str(base_dir))
     plain = build_run(plain_cfg, compile_train=False)
@@ -53,18 +62,10 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     start = with_frozen(run.init_state(), frozen)
     np.testing.assert_array_equal(logits(run, start), logits(plain, base_state))  # B = 0: the base's forward
 
-    proc = run_cli(
-        "--config",
-        str(base_dir / "config.yaml"),
-        "--workdir",
-        str(tmp_path / "lora"),
-        *config_args(base_dir),
-        "train.steps=3",
-    )
-    assert proc.returncode == 0, proc.stderr
+    work, proc = lora_run
     assert f"fine-tuning LoRA adapters on the frozen base {base_dir}" in proc.stdout
     assert f"fine-tuning: base {base_dir} frozen in float32" in proc.stdout and "LoRA rank 4 on all" in proc.stdout
-    trained = restore_newest(tmp_path / "lora", run.abstract_state, cfg, "read")
+    trained = restore_newest(work, run.abstract_state, cfg, "read")
     base_leaves = flatten_dict(base_state.params)
     for path, value in flatten_dict(trained.state.model_state[FROZEN]).items():  # the base, bit for bit
         np.testing.assert_array_equal(np.asarray(value), np.asarray(base_leaves[path]), err_msg=str(path))
@@ -77,7 +78,7 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     moments = [leaf for leaf in jax.tree.leaves(trained.state.opt_state) if np.ndim(leaf) > 0]
     assert sorted(m.shape for m in moments) == sorted(2 * [v.shape for v in adapters.values()])
     # the checkpoint holds the adapters and the base's identity, not the base
-    step_dir = tmp_path / "lora" / "checkpoints" / "3"
+    step_dir = work / "checkpoints" / "4"
     saved = json.loads((step_dir / "meta" / "metadata").read_text())
     assert saved["base"]["path"] == str(base_dir) and len(saved["base"]["sha256"]) == 64
     state_tree = json.loads((step_dir / "state" / "_METADATA").read_text())["tree_metadata"]
@@ -86,8 +87,8 @@ def test_lora_starts_at_the_base_and_only_the_adapters_train_and_are_saved(base,
     # a reader of the run's checkpoints (the evaluator, export) reads the base once for all of them
     reads = []
     monkeypatch.setattr(checkpoint, "load_base", lambda *a: reads.append(a) or load_base(*a))
-    reader = checkpoint.Checkpointer(tmp_path / "lora" / "checkpoints", 3, read_only=True, base=base_weights(cfg))
-    again = [reader.restore(run.abstract_state, step=s).state for s in (3, 3)]
+    reader = checkpoint.Checkpointer(work / "checkpoints", 3, read_only=True, base=base_weights(cfg))
+    again = [reader.restore(run.abstract_state, step=s).state for s in (2, 4)]
     assert len(reads) == 1 and np.allclose(logits(run, again[1]), logits(run, trained.state))
 
 
@@ -168,13 +169,13 @@ def _fine_tune_run(make_config, common, *layout):
     return run
 
 
-def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base, tmp_path):
+def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base, lora_run, tmp_path):
+    """Stopped at 2 and resumed, a LoRA run (dropout 0.1) logs the losses of lora_run, never stopped
+    (on the base's copy: the same bytes at another path)."""
     _, imported = base
     base_dir = tmp_path / "base"
     shutil.copytree(imported, base_dir)
-    common = ["--config", str(base_dir / "config.yaml"), *config_args(base_dir), "finetune.lora.dropout=0.1"]
-    common += ["log.every_steps=1", "checkpoint.every_steps=2"]
-    assert run_cli(*common, "--workdir", str(tmp_path / "straight"), "train.steps=4").returncode == 0
+    common = ["--config", str(base_dir / "config.yaml"), *config_args(base_dir), *STRAIGHT[:-1]]
     assert run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=2").returncode == 0
     proc = run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=4")
     assert proc.returncode == 0 and "resuming from step 2" in proc.stdout, proc.stderr
@@ -182,8 +183,8 @@ def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base
     def losses(work):
         return [(r["step"], r["loss"]) for r in read_records(work / "metrics.jsonl") if r["split"] == "train"]
 
-    assert len(losses(tmp_path / "straight")) == 4
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert len(losses(lora_run[0])) == 4
+    assert losses(tmp_path / "resumed") == losses(lora_run[0])
     # the base trains one more step: a new checkpoint, another checksum; the adapters' run refuses it
     more = run_cli("--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, "train.steps=1")
     assert more.returncode == 0, more.stderr
@@ -229,24 +230,35 @@ def test_lora_in_the_imports_own_workdir_says_in_one_line_to_use_a_new_one(base,
     assert f"fine-tune in a new workdir with finetune.base={base_dir}" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize(
-    "overrides, named",
-    [
-        (["finetune.lora.targets=[qkv]"], "finetune.lora.targets: 'qkv' matches no projection"),
-        (["finetune.lora.rank=-1"], "finetune.lora.rank"),
-        (["finetune.lora.rank=0", "finetune.base_dtype=nf4"], "finetune.base_dtype=nf4 freezes the base"),
-        (["model.name=mlp", "data.name=digits"], "finetune.lora.rank: model.name=mlp has no named projections"),
-        (["finetune.base=/nonexistent/run"], "finetune.base=/nonexistent/run"),
-        (["finetune.lora.rank=1000000000"], "the train state needs"),
-    ],
-    ids=["targets", "rank", "rank-0", "family", "base", "rank-too-large"],
-)
-def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path, overrides, named):
-    args = ["--config", str(ROOT / "configs" / "llama_tiny.yaml"), "--workdir", str(tmp_path / "run"), *DATA]
-    proc = run_cli(*args, "finetune.lora.rank=4", *overrides, "train.steps=1")
+SETTINGS = [  # (overrides, what the refusal names)
+    (["finetune.lora.targets=[qkv]"], "finetune.lora.targets: 'qkv' matches no projection"),
+    (["finetune.lora.rank=-1"], "finetune.lora.rank"),
+    (["finetune.lora.rank=0", "finetune.base_dtype=nf4"], "finetune.base_dtype=nf4 freezes the base"),
+    (["model.name=mlp", "data.name=digits"], "finetune.lora.rank: model.name=mlp has no named projections"),
+    (["finetune.base=/nonexistent/run"], "finetune.base=/nonexistent/run"),
+    (["finetune.lora.rank=1000000000"], "the train state needs"),
+]
+
+
+def test_fine_tuning_settings_it_cannot_do_exit_2_naming_the_key(tmp_path):
+    """Each refused naming the key, before anything is written (no config.yaml, tokenizer.json,
+    checkpoints/): the first through launch.py, the rest through the CLI's main in one process."""
+
+    def argv(i, overrides):
+        args = ["--config", str(ROOT / "configs" / "llama_tiny.yaml"), "--workdir", str(tmp_path / f"run{i}"), *DATA]
+        return [*args, "finetune.lora.rank=4", *overrides, "train.steps=1"]
+
+    (first, named), *rest = SETTINGS
+    proc = run_cli(*argv(0, first))
     assert proc.returncode == 2, proc.stderr
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert not (tmp_path / "run").exists()  # nothing left behind: no config.yaml, tokenizer.json, checkpoints/
+    results = run_in_one_process(tmp_path, [{"argv": argv(i, o)} for i, (o, _) in enumerate(rest, 1)])
+    assert len(results) == len(rest) == 5
+    for result, (_, named) in zip(results, rest):  # (some after a warning: warmup_steps > train.steps)
+        where = (result["argv"], result["escaped"] or result["stderr"])
+        assert result["code"] == 2 and not result["escaped"] and "Traceback" not in result["stderr"], where
+        assert named in result["stderr"], where
+    assert not list(tmp_path.glob("run*"))  # nothing left behind
 
 
 def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):

@@ -3,14 +3,14 @@ merged into its own base in memory, so a LoRA run on a LoRA run (SFT, then DPO) 
 the new run starts at the first run's adapted logits, records the chain, and refuses a changed one."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.cli import run_cli
-from support.finetune import DATA, LORA, logits
-from support.llama import TINY, write_hf_checkpoint
+from support.finetune import DATA, LORA, imported_base, logits
 
 from engine.checkpoint.store import load_base, restore_newest
 from engine.config import load_config
@@ -18,13 +18,13 @@ from engine.errors import UsageError
 from engine.lm.finetune import base_weights, with_frozen
 from engine.run.setup import build_run
 from engine.state.train_state import FROZEN
-from models.llama import LlamaConfig
 
 
-def test_a_lora_run_on_a_lora_run_starts_at_its_adapted_logits_trains_and_refuses_a_changed_chain(tmp_path):
+def test_a_lora_run_on_a_lora_run_starts_at_its_adapted_logits_trains_and_refuses_a_changed_chain(
+    tmp_path, tmp_path_factory
+):
     base_dir, sft_dir = tmp_path / "base", tmp_path / "sft"
-    write_hf_checkpoint(tmp_path / "hf", LlamaConfig(**TINY), vocab=256)
-    assert run_cli("import-hf", str(tmp_path / "hf"), "--workdir", str(base_dir), *DATA).returncode == 0
+    shutil.copytree(imported_base(tmp_path_factory)[1], base_dir)  # (a copy: its base trains on below)
     common = ["--config", str(base_dir / "config.yaml"), *DATA, f"finetune.base={base_dir}", *LORA]
     proc = run_cli(*common, "--workdir", str(sft_dir), "train.steps=2")  # the first LoRA run (SFT)
     assert proc.returncode == 0, proc.stderr
