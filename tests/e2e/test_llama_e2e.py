@@ -88,25 +88,20 @@ def test_import_train_export_loads_in_transformers(tmp_path, qk_norm):
     assert not np.allclose(before, ours)  # the three steps of training changed the model
 
 
+QLORA = ["finetune.lora.rank=4", "finetune.lora.dropout=0.1", "finetune.base_dtype=nf4", "train.matmul_dtype=int8"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["model.num_experts=4", "model.experts_per_token=2", "model.expert_capacity_factor=1.0"],
-        ["model.num_experts=4", "model.experts_per_token=2", "model.moe_dispatch=ragged"],
-        ["finetune.lora.rank=4", "finetune.lora.dropout=0.1", "finetune.base_dtype=nf4", "train.matmul_dtype=int8"],
-    ],
-    ids=["moe", "moe-ragged", "qlora"],
-)
-def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
-    """Exact resume holds for scanned (stacked) parameters too, and for a mixture of experts
-    (its routing, dropped tokens and load-balancing metrics included). (A dense Llama's own
-    case: the MoE runs train every stacked parameter, the QLoRA run the dense layers.)"""
+def test_sigkill_then_rerun_is_bit_identical(tmp_path):
+    """A QLoRA run (a frozen nf4 base, LoRA dropout, int8 matmuls) SIGKILLed between saves re-runs
+    to the metrics and adapters of a run never killed. (Exact resume of scanned and MoE parameters,
+    their routing, dropped tokens and load-balancing metrics included: tests/integration/test_llama.py
+    test_a_resumed_mixture_of_experts_run_continues_bit_identically, in-process.)"""
     from engine.runtime.rundir import read_records
 
     args = [
         *LLAMA,
-        *extra,
+        *QLORA,
         "train.steps=12",
         "checkpoint.every_steps=3",
         "log.every_steps=1",
@@ -120,11 +115,7 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
         return start_cli("--config", "configs/mnist_mlp.yaml", "--workdir", str(workdir), *args)
 
     def train_records(workdir):
-        return [
-            (r["step"], r["loss"], r.get("moe_aux_loss"), r.get("moe_dropped_tokens"))
-            for r in read_records(workdir / "metrics.jsonl")
-            if r["split"] == "train"
-        ]
+        return [(r["step"], r["loss"]) for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"]
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert start(reference).wait(timeout=300) == 0
@@ -137,7 +128,6 @@ def test_sigkill_then_rerun_is_bit_identical(tmp_path, extra):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert train_records(killed) == train_records(reference)
-    assert (train_records(reference)[0][2] is not None) == any("num_experts" in e for e in extra)  # MoE: routing
     import orbax.checkpoint as ocp
 
     saved = [
