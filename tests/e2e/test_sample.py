@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from support.cli import run_cli
-from support.llama import TINY, ours_from_hf_dir, write_hf_checkpoint
+from support.llama import TINY, greedy_reference, ours_from_hf_dir, write_hf_checkpoint
 from support.tokens import tokenized_corpus
 
 from engine.config import load_config
 from engine.data import DataInfo
 from engine.lm.rollouts import build_decode
-from models import REGISTRY, sampling
+from models import REGISTRY
 from models.llama import LlamaConfig
 
 QUICK = ["data.max_bytes=60000", "data.seq_len=32", "train.global_batch_size=4", "log.tensorboard=false"]
@@ -44,7 +44,7 @@ def imported(tmp_path_factory):
 
 def _greedy(hf, prompt_ids, max_tokens, vocab):
     module, params = ours_from_hf_dir(hf, DataInfo("tokens", 8, 8, vocab_size=vocab, seq_len=32))
-    return sampling.greedy_without_cache(module, params, prompt_ids, max_tokens)
+    return greedy_reference(module, params, prompt_ids, max_tokens, length=32)  # (one program for every call)
 
 
 def test_import_keeps_the_tokenizer_and_sample_decodes_with_it(imported, tmp_path):
