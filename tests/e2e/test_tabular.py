@@ -220,15 +220,6 @@ def city_table(tmp_path):
     return table, body, args
 
 
-def test_a_resume_on_data_whose_preprocessing_changed_is_refused(tmp_path):
-    table, body, args = city_table(tmp_path)
-    workdir = str(tmp_path / "run")
-    assert run_cli("--config", f"configs/{PENGUINS}", "--workdir", workdir, *args, "train.steps=4").returncode == 0
-    table.write_text(ROWS + body * 3 + "30,rome,a,10,no\n30,rome,a,10,no\n")  # a new city, new statistics
-    proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", workdir, *args, "train.steps=8")
-    assert proc.returncode == 2 and "preprocessing.json" in proc.stderr and "differs" in proc.stderr, proc.stderr
-
-
 HOSTILE = {  # (the table's bytes, data.features, what the one line says)
     "a cell that is not UTF-8": (
         ROWS.encode().replace(b"london", b"lond\xffn"),
@@ -313,10 +304,11 @@ def test_hostile_tables_and_features_are_one_line_exit_2_and_leave_nothing(tmp_p
         assert not Path(result["workdir"]).exists(), where
 
 
-def test_an_edited_feature_cache_is_fitted_again_and_the_export_ships_the_runs_preprocessing(tmp_path):
-    """A feature cache whose spec was edited is not trusted (one line, fitted again); an export
-    after the data changed exits 2 naming the difference, and after it is restored ships the
-    workdir's preprocessing.json byte for byte."""
+def test_an_edited_feature_cache_is_fitted_again_and_changed_data_stops_a_resume_and_an_export(tmp_path):
+    """A feature cache whose spec was edited is not trusted (one line, fitted again); after the
+    data changed, a resume is refused (exit 2 naming preprocessing.json) and an export exits 2
+    naming the difference, and after it is restored the export ships the workdir's
+    preprocessing.json byte for byte."""
     table, body, args = city_table(tmp_path)
     args.append("train.steps=2")
     first, second = tmp_path / "first", tmp_path / "second"
@@ -331,6 +323,9 @@ def test_an_edited_feature_cache_is_fitted_again_and_the_export_ships_the_runs_p
     assert (second / "preprocessing.json").read_bytes() == (first / "preprocessing.json").read_bytes()
 
     table.write_text(ROWS + body * 3 + "30,rome,a,10,no\n")  # a new city, new statistics
+    steps = [arg for arg in args if not arg.startswith("train.steps=")]
+    proc = run_cli("--config", f"configs/{PENGUINS}", "--workdir", str(first), *steps, "train.steps=4")
+    assert proc.returncode == 2 and "preprocessing.json" in proc.stderr and "differs" in proc.stderr, proc.stderr
     proc = run_cli("export", "--workdir", str(first), "--out", str(tmp_path / "export"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "(ids[0] (city).size: 5 recorded, 6 now;" in proc.stderr, proc.stderr
