@@ -34,12 +34,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "transformer"])
 def test_every_layout_matches_one_device(make_config, model):
     args = [*model, "optimizer.name=adam", "optimizer.learning_rate=3e-3"]
-    reference, _ = train_losses(build_run(make_config("mnist_mlp.yaml", *args, *LAYOUTS["1 device"])), 20)
+    reference, _ = train_losses(build_run(make_config("mnist_mlp.yaml", *args, *LAYOUTS["1 device"])), 6)
     assert reference[-1] < reference[0]
     for name, layout in LAYOUTS.items():
         if name == "1 device" or (name == "data=8" and model is GPT):  # (the GPT's data axis: data=4,tensor=2)
             continue
-        losses, _ = train_losses(build_run(make_config("mnist_mlp.yaml", *args, *layout)), 20)
+        losses, _ = train_losses(build_run(make_config("mnist_mlp.yaml", *args, *layout)), 6)
         np.testing.assert_allclose(losses, reference, rtol=1e-4, err_msg=name)
 
 
