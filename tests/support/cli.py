@@ -5,9 +5,8 @@ import subprocess
 import sys
 import time
 
-from support.configs import ROOT
-
 from engine.runtime.settings import DEVICE_COUNT_FLAG
+from support.configs import ROOT
 
 
 def child_env(env=None):
