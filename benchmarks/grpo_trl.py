@@ -137,7 +137,8 @@ def trl_side(hf_dir: Path, example: Path, out: Path, steps: int, threads: int) -
 
     from engine.lm.rewards import exact_match
 
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     tokenizer.chat_template = (hf_dir / "chat_template.jinja").read_text()
@@ -242,7 +243,7 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=ROOT / "runs", help="holds chat_example and chat_sft_short")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--torch-threads", type=int, default=1, help="torch's threads (1: see BENCHMARKS.md)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch's threads (0: its default)")
     p.add_argument("--hf-dir", type=Path)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
