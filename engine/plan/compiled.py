@@ -121,7 +121,7 @@ def plan(
         _check_mesh(cfg, target)
     cfg, group = _for_plan(cfg), [_for_plan(each) for each in group]
     copies, started = max(len(group), 1), time.perf_counter()
-    phases, decode = Phases(started, progress), None
+    phases, decode, compiled, train_seconds = Phases(started, progress), None, None, 0.0
     try:
         with _no_persistent_cache():  # a TPU program cannot be loaded back on this host: not worth storing
             program, compiled, state, block = _compile(cfg, target, group, phases)
@@ -129,20 +129,7 @@ def plan(
             if program.rollouts is not None:  # (GRPO: the rollouts' decode program beside the update)
                 decode = _decode(program, phases)
     except _Refused as refused:
-        planned = _planned(refused.program.cfg, target, refused.program.mesh)
-        planned.refused, planned.loss = refused.text, train_loss_chunk(refused.program)
-        planned.refused_program = refused.name
-        planned.attention, planned.remat = model_choices(refused.program)
-        params, optimizer, other, block = refused.parts
-        name = _train_name(refused.program)
-        if refused.name == "decode":  # (the update compiled: its figures beside the decode's refusal)
-            planned.programs.append(_program(name, compiled.program, refused.parts, train_seconds))
-            prompts = _prompt_bytes(refused.program)
-            planned.programs.append(Program("decode", params, optimizer, other, prompts, -1, -1, 0.0))
-        else:
-            planned.programs.append(Program(name, params, optimizer, other, block, -1, -1, 0.0))
-        planned.batch_note = _rollout_note(refused.program)
-        return planned
+        return _refused_plan(refused, target, compiled, train_seconds)
     cfg = program.cfg  # (the steps per call the run takes: setup.Plan.cfg)
     planned = _planned(cfg, target, program.mesh)
     planned.attention, planned.remat = model_choices(program)
@@ -168,6 +155,25 @@ def plan(
     rows = objective_rows(cfg)  # (rows per example: a DPO pair is two)
     planned.tokens_per_step = cfg.train.global_batch_size * rows * family.task.tokens_per_example(info) * copies
     planned.flops_formula = formula
+    return planned
+
+
+def _refused_plan(refused: _Refused, target: Target, update, train_seconds: float) -> Planned:
+    """The plan of a program that does not fit: its parts' figures and why, with the update's own
+    figures beside a refused decode (`update`: the compiled update, GRPO's)."""
+    planned = _planned(refused.program.cfg, target, refused.program.mesh)
+    planned.refused, planned.loss = refused.text, train_loss_chunk(refused.program)
+    planned.refused_program = refused.name
+    planned.attention, planned.remat = model_choices(refused.program)
+    params, optimizer, other, block = refused.parts
+    name = _train_name(refused.program)
+    if refused.name == "decode":  # (the update compiled: its figures beside the decode's refusal)
+        planned.programs.append(_program(name, update.program, refused.parts, train_seconds))
+        prompts = _prompt_bytes(refused.program)
+        planned.programs.append(Program("decode", params, optimizer, other, prompts, -1, -1, 0.0))
+    else:
+        planned.programs.append(Program(name, params, optimizer, other, block, -1, -1, 0.0))
+    planned.batch_note = _rollout_note(refused.program)
     return planned
 
 
