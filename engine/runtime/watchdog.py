@@ -120,7 +120,7 @@ class Watchdog:
     def _state(self, phase: str, waited: float, limit: int) -> str:
         """The headline of a hang file or a census answer (engine/elastic/accounting.py reads it)."""
         return (
-            f"no progress for {waited:.1f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
+            f"no progress for {waited:.0f}s while {WHAT.get(phase, phase)} (watchdog.{phase}={limit}); "
             f"process {self.process_index}, pid {os.getpid()}"
             + (f"; {REACHED} {self.step}" if self.step is not None else "")
         )
