@@ -25,6 +25,9 @@ def test_a_fault_reaches_the_named_process_once_its_start_logged_the_step(tmp_pa
     earlier = subprocess.Popen([*sleep, "distributed.process_id=1"], env={"ENGINE_ELASTIC_ATTEMPT": "0"})
     target = subprocess.Popen([*sleep, "distributed.process_id=1"], env={"ENGINE_ELASTIC_ATTEMPT": "1"})
     try:
+        deadline = time.time() + 10  # (a child just forked still shows pytest's cmdline until it execs)
+        while training_process(workdir, 1, attempt=1) is None and time.time() < deadline:
+            time.sleep(0.05)
         assert training_process(workdir, 1, attempt=1) == target.pid
         deadline = time.time() + 10
         while fault.pid is None:
