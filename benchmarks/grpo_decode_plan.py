@@ -3,7 +3,7 @@ projection, compiled for a v6e-8 by the TPU compiler on this host (no chip, no w
 program's memory per chip, as `launch.py plan` reports a train step's.
 
 The decode reads the train state where it is (the frozen base and the adapters, FSDP over the
-chips: engine/run/setup.py plan_run's shardings); the rows (prompts x generations) are split over
+chips: engine/run/setup.py trace_run's shardings); the rows (prompts x generations) are split over
 the batch axes; Llama 3's end-of-text and end-of-turn ids stop a row.
 
     python benchmarks/grpo_decode_plan.py ROWS PROMPT_TOKENS COMPLETION_TOKENS   # e.g. 64 256 512
@@ -30,7 +30,7 @@ def main() -> None:
     from engine.parallel.sharding import ActivationLayout, batch_sharding
     from engine.plan.compiled import _no_persistent_cache
     from engine.plan.tpu import parse_target
-    from engine.run.setup import plan_run
+    from engine.run.setup import trace_run
     from engine.state.train_state import model_variables
     from models.family import BuildOptions, projections
 
@@ -39,7 +39,7 @@ def main() -> None:
     overrides += [f"train.global_batch_size={rows}", f"data.seq_len={prompt + completion}"]
     cfg = load_config(str(ROOT / "configs" / "llama3_8b.yaml"), overrides)
     started = time.perf_counter()
-    plan = plan_run(cfg, devices=parse_target("v6e-8").devices)
+    plan = trace_run(cfg, devices=parse_target("v6e-8").devices)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plan.state.abstract, plan.state.shardings
     )

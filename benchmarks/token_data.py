@@ -208,14 +208,14 @@ def bench_memory(args) -> None:
 def bench_batches(args) -> None:
     from engine.config import load_config
     from engine.data.tokens import Examples
-    from engine.run.setup import plan_run, train_batches
+    from engine.run.setup import trace_run, train_batches
 
     cfg = load_config(
         ROOT / "configs" / "llama_tiny.yaml",
         ["log.progress=false", *args.overrides],
         tempfile.mkdtemp(prefix="token_batches_"),
     )
-    batches = train_batches(cfg, plan_run(cfg), np.arange(cfg.train.global_batch_size))
+    batches = train_batches(cfg, trace_run(cfg), np.arange(cfg.train.global_batch_size))
     examples = batches.examples
 
     def one_by_one(indices):

@@ -63,7 +63,7 @@ def other_structure(directory: Path, step: int) -> UsageError:
 
 def without_clip_norm(abstract_state) -> Optional[Any]:
     """The target to read a checkpoint saved before the gradient-clipping norm became a state
-    number (engine/run/optimizer.py) into: `abstract_state` without the norm; None when
+    number (engine/optim/optimizer.py) into: `abstract_state` without the norm; None when
     `abstract_state` has none (the mismatch is another one)."""
     hyperparams = getattr(getattr(abstract_state, "opt_state", None), "hyperparams", None)
     if "grad_clip_norm" not in (hyperparams or {}):

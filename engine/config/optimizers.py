@@ -1,6 +1,6 @@
 """The optimizers and learning-rate schedules `optimizer.name` and `optimizer.schedule` choose
 from: a table the config reads for its choices (without jax: a sweep's process checks configs)
-and engine/run/optimizer.py builds from.
+and engine/optim/optimizer.py builds from.
 
 An optimizer is an optax function and the `optimizer.*` fields its arguments come from; those
 numbers become arrays in the optimizer state (optax.inject_hyperparams), so runs that differ

@@ -13,7 +13,7 @@ naming every failure, exit 1).
 
 Each restarted process gets ENGINE_ELASTIC_ATTEMPT=k; the failures so far are in the workdir's
 ELASTIC_FAILURES file (`write_failures`), which process 0 of the job that recovers reads to write
-one `split: "recovery"` record per failure after its first step (engine/run/recovery.py).
+one `split: "recovery"` record per failure after its first step (engine/runtime/recovery.py).
 
 After a failure the survivors are SIGKILLed at once, not given the launcher's SIGTERM grace
 (launcher.GRACE_SECONDS, 10 s): with a peer gone, a survivor's SIGTERM save cannot complete (it

@@ -5,7 +5,7 @@ started with. With fault.grow_back (the default) the launcher asks it to grow ba
 processes' places are there again: it writes WORKDIR/grow-request.json, and the training loop of
 a smaller job (started with ENGINE_ELASTIC_GROW=<full size>) checks, at each persistent checkpoint
 it saves, whether that file is there (process 0 reads it and tells the others, so every process
-agrees on the step: engine/run/recovery.py `GrowWatch`). If it is, every process waits for that
+agrees on the step: engine/runtime/recovery.py `GrowWatch`). If it is, every process waits for that
 checkpoint to be complete and exits with GROW_EXIT; the launcher starts the job again on its full
 size, which restores that step (either tier: the new processes take their shards from the
 persistent tier or a peer's copy, engine/checkpoint/local_reshard.py) and writes one

@@ -161,7 +161,7 @@ class Supervisor:
         hangs = set(self.workdir.glob("hang-*.txt"))
         if rank == 0:
             withdraw(self.workdir)
-            write_failures(self.workdir, found["failures"])  # (its process 0 records them: engine/run/recovery.py)
+            write_failures(self.workdir, found["failures"])  # (its process 0 records them: engine/runtime/recovery.py)
         command = [
             *SELF,
             *self.args,

@@ -44,7 +44,7 @@ def _every_step(cfg, compiled, plan):
 
 
 def _diloco(cfg, compiled, plan):
-    """train.sync=diloco: the plan's outer step (setup.Plan.sync_step) compiled beside the inner
+    """train.sync=diloco: the plan's outer step (setup.Traced.sync_step) compiled beside the inner
     step, run at the end of each round; the replicas' metrics combined on the device; a log
     record gets the outer steps so far and the bytes exchanged per step (then the replicas' drift
     and the outer gradient's norm at the last exchange)."""

@@ -1,7 +1,7 @@
 """One run compiled for a TPU target, and what the compiled programs say: memory per chip by
 part against the chip's HBM, the collectives over ICI and DCN, and the step time the analytic
 FLOPs give at a few MFUs. The run is built exactly as training builds it (engine/run/setup.py's
-plan_run and compile_plan), on the target's chips instead of this host's devices."""
+trace_run and compile_traced), on the target's chips instead of this host's devices."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from engine.plan import hlo
 from engine.plan.hlo import Collective
 from engine.plan.tpu import Target
 from engine.run.cost import analytic_per_example
-from engine.run.setup import compile_plan, plan_run, train_loss_chunk
+from engine.run.setup import compile_traced, trace_run, train_loss_chunk
 from engine.runtime.units import human_bytes
 from models.layers import LossChunk
 
@@ -130,7 +130,7 @@ def plan(
                 decode = _decode(program, phases)
     except _Refused as refused:
         return _refused_plan(refused, target, compiled, train_seconds)
-    cfg = program.cfg  # (the steps per call the run takes: setup.Plan.cfg)
+    cfg = program.cfg  # (the steps per call the run takes: setup.Traced.cfg)
     planned = _planned(cfg, target, program.mesh)
     planned.attention, planned.remat = model_choices(program)
     planned.loss, planned.batch_note = train_loss_chunk(program), _rollout_note(program)
@@ -285,14 +285,14 @@ def _compile(cfg: Config, target: Target, group: Sequence[Config], phase: Phases
 
         phase(f"building and compiling the vectorised group of {len(group)} runs")
         built = build_group(list(group), devices=devices)
-        block = _batch_bytes(built.plan, built.plan.shapes.steps_per_block) * len(built.batches)
-        return built.plan, built.compiled, stacked_states(built), block
+        block = _batch_bytes(built.traced, built.traced.shapes.steps_per_block) * len(built.batches)
+        return built.traced, built.compiled, stacked_states(built), block
     phase("the run's mesh, data, model and train-state shapes")
-    program = plan_run(cfg, devices=devices)
+    program = trace_run(cfg, devices=devices)
     block = _batch_bytes(program, program.shapes.steps_per_block)
     phase("compiling the train and eval steps (docs/multihost.md gives the times to expect)")
     try:
-        return program, compile_plan(cfg, program, compile_train=True), program.state.abstract, block
+        return program, compile_traced(cfg, program, compile_train=True), program.state.abstract, block
     except Exception as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

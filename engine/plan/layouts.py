@@ -28,7 +28,7 @@ from engine.plan.compiled import Planned, plan
 from engine.plan.footprint import Widths, activation_bytes
 from engine.plan.tpu import Target
 from engine.run.blueprint import replicas_from
-from engine.run.setup import plan_run
+from engine.run.setup import trace_run
 from engine.runtime.units import human_bytes
 from models import REGISTRY
 from models.family import ModelFamily, num_experts, splits_sequence
@@ -174,7 +174,7 @@ def screen(cfg: Config, target: Target) -> tuple[list[Candidate], list[Candidate
         key = tuple(candidate.mesh.items())
         if key not in shapes:
             try:
-                program = plan_run(configured(cfg, candidate), devices=devices)
+                program = trace_run(configured(cfg, candidate), devices=devices)
                 shapes[key] = (program, Widths.of(program.state.param_layouts))
             except UsageError:  # a layout the model refuses (tensor not dividing the heads, ...)
                 shapes[key] = None

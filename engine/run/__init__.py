@@ -1,2 +1,2 @@
 """A run: the one training loop, the single run and the vectorised group it drives, their outputs,
-the pure train step, the train state, the compile backends and the optimizer."""
+the pure train step, the train state and the compile backends."""

@@ -119,7 +119,7 @@ def _open(
     check_fits(group)
     goodput.compile_seconds = group.compiled.compile_seconds
     for cfg, output in zip(cfgs, outputs):
-        output.open(group.plan.dataset, staging="host_sync")  # (the slice saved is a copy already: Saves)
+        output.open(group.traced.dataset, staging="host_sync")  # (the slice saved is a copy already: Saves)
         trials.append(Trial(cfg, output, on_stop=on_stop))
     watchdog.enter("restore")
     starting("restoring")
@@ -127,7 +127,9 @@ def _open(
     for cfg, output, meta in zip(cfgs, outputs, metas):  # (chat and preference data: checked as a run's, single.py)
         own = own_meta(cfg, meta, bool(output.checkpointer.steps()))
         data = with_model(cfg.data, cfg.workdir)
-        output.recorded.update(checked_record(cfg, data, group.plan.dataset, own or {}, own is not None, output.chief))
+        output.recorded.update(
+            checked_record(cfg, data, group.traced.dataset, own or {}, own is not None, output.chief)
+        )
     goodput.redone_steps = max(output.resume(meta, start) for output, meta in zip(outputs, metas))
     for output in outputs:
         output.open_writer(start, member=True)
@@ -147,24 +149,24 @@ class GroupJob:
         self.workdir = Path(self.cfg.workdir)
         self.steps_per_block, self.steps_per_call = group.steps_per_block, self.cfg.train.steps_per_call
         self.sync_each_step = jax.default_backend() == "cpu" and group.mesh.size > 1
-        info = group.plan.dataset.info
+        info = group.traced.dataset.info
         self.rates = Throughput(
             group.cost,
             self.cfg.train.global_batch_size,
             self.cfg.train.global_batch_size
             * objective_rows(self.cfg)
-            * group.plan.family.task.tokens_per_example(info),
+            * group.traced.family.task.tokens_per_example(info),
             group.mesh.devices.flat[0],
             self.cfg.train.compute_dtype,
             {},
         )
         self.saves = Saves(group, trials)
-        size, batch_sharding = group.plan.shapes.eval_batch, sharding.batch_sharding(group.mesh)
+        size, batch_sharding = group.traced.shapes.eval_batch, sharding.batch_sharding(group.mesh)
         self.evaluation = Evaluation(  # every trial on the eval split: the batches shared, the states vmapped
             group.compiled.eval_step,
-            lambda: eval_batches(group.plan.dataset.eval, size, self.cfg.eval.max_batches),
+            lambda: eval_batches(group.traced.dataset.eval, size, self.cfg.eval.max_batches),
             lambda batch: jax.device_put(batch, batch_sharding),
-            group.plan.family.task,
+            group.traced.family.task,
             info,
             objective_of(self.cfg),
         )
@@ -226,7 +228,7 @@ def _restore(group: Group, trials: list[Trial]):
     """(stacked states, start step, the log window carried, each trial's checkpoint meta): every
     trial from its newest checkpoint, which must be at one step (the sweep groups runs by where
     they resume)."""
-    restored = [t.outputs.checkpointer.restore(group.plan.state.abstract) for t in trials]
+    restored = [t.outputs.checkpointer.restore(group.traced.state.abstract) for t in trials]
     steps = {r.step if r else 0 for r in restored}
     if len(steps) > 1:
         where = ", ".join(f"{t.cfg.workdir}: {r.step if r else 0}" for t, r in zip(trials, restored))
@@ -309,5 +311,5 @@ def _layout(group: Group) -> str:
 
 def _data_text(group: Group) -> str:
     order = "one data order" if len(group.batches) == 1 else "each run its own data order (their seeds differ)"
-    where = "the train split lives on every device" if group.plan.resident_bytes else "batches from the host"
+    where = "the train split lives on every device" if group.traced.resident_bytes else "batches from the host"
     return f"{order}, {where}"

@@ -21,9 +21,9 @@ from engine.errors import UsageError
 from engine.observe.perf import Goodput, StepTrace, Throughput, Window
 from engine.parallel.strategies import strategy_of
 from engine.run.best import Verdict
-from engine.run.recovery import GrowBack, GrowWatch
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, PreemptionWatch, end_startup
+from engine.runtime.recovery import GrowBack, GrowWatch
 from engine.runtime.rundir import storage_errno, storage_error
 from engine.runtime.watchdog import Watchdog
 

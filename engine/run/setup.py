@@ -30,6 +30,7 @@ from engine.errors import UsageError
 from engine.lm import finetune
 from engine.objectives import objective_part
 from engine.observe.perf import StepCost, enable_compilation_cache
+from engine.optim.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.parallel.mesh import make_mesh
 from engine.parallel.sharding import ActivationLayout, batch_sharding, batch_shards
 from engine.parallel.stages import layouts as pipeline_layouts
@@ -40,7 +41,6 @@ from engine.run.backends import Compiled, Shapes, compile_jit, compile_pmap
 from engine.run.blueprint import Blueprint, blueprint, replicas_from
 from engine.run.cost import step_cost
 from engine.run.data_record import load_rendered
-from engine.run.optimizer import make_optimizer, optimizer_hparams, schedule_hparams
 from engine.run.state import StatePlan, check_fits, state_plan, state_plan_of
 from engine.run.step import make_block_step, make_eval_step, make_train_step
 from engine.runtime.memory import device_memory_bytes
@@ -145,8 +145,9 @@ def build_model(
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A run up to its compiled programs: what build_run compiles, and what a vectorised group
+class Traced:
+    """A run traced up to its compiled programs (nothing compiled; not `launch.py plan`, which
+    compiles them for a pod: engine/plan/): what build_run compiles, and what a vectorised group
     of runs (engine/run/vectorize.py) compiles with a trial axis."""
 
     mesh: Mesh
@@ -166,7 +167,7 @@ class Plan:
 
     @property
     def cfg(self) -> Config:
-        """The config the plan was built from (the steps per call fitted: Blueprint.cfg)."""
+        """The config the run was traced from (the steps per call fitted: Blueprint.cfg)."""
         return self.blueprint.cfg
 
     @property
@@ -174,9 +175,9 @@ class Plan:
         return self.blueprint.stages
 
 
-def plan_run(
+def trace_run(
     cfg: Config, mesh: Optional[Mesh] = None, devices: Optional[Sequence] = None, dataset: Optional[Dataset] = None
-) -> Plan:
+) -> Traced:
     """Mesh, data, model, blueprint, train-state plan and the pure steps of a run; nothing compiled.
     `mesh`: another mesh than the config's (a vectorised group's, with a trial axis);
     `devices`: the config's mesh over these (a TPU topology's, for `launch.py plan`);
@@ -226,10 +227,10 @@ def plan_run(
     )
     eval_loss_fn = objective.loss_fn(evaluated, family, len(dataset.info.sources))
     eval_step = make_eval_step(eval_loss_fn, bp.pmap_axis)
-    plan = Plan(
+    traced = Traced(
         mesh, dataset, family, module, tx, state, train_step, eval_step, shapes, resident, bp, sync_step, trained
     )
-    return dataclasses.replace(plan, rollouts=rollouts)
+    return dataclasses.replace(traced, rollouts=rollouts)
 
 
 def step_modules(cfg: Config, info, bp: Blueprint, mesh: Mesh, module, vmapped: tuple[str, ...]) -> tuple[Any, Any]:
@@ -249,33 +250,33 @@ def step_modules(cfg: Config, info, bp: Blueprint, mesh: Mesh, module, vmapped: 
     return stepped, stepped
 
 
-def train_batches(cfg: Config, plan: Plan, rows: np.ndarray) -> TrainBatches:
+def train_batches(cfg: Config, traced: Traced, rows: np.ndarray) -> TrainBatches:
     """The run's host batches (this process's `rows` of each), in the run's data order."""
     return TrainBatches(
-        plan.dataset.train,
+        traced.dataset.train,
         cfg.train.global_batch_size,
         cfg.seed,
         cfg.data.shuffle,
         rows,
-        indices_only=plan.resident_bytes > 0,
+        indices_only=traced.resident_bytes > 0,
     )
 
 
-def compile_plan(cfg: Config, plan: Plan, compile_train: bool = True) -> Compiled:
-    """The plan's steps compiled for its mesh by the config's backend (jit or pmap)."""
-    train_step = plan.train_step if compile_train else None
+def compile_traced(cfg: Config, traced: Traced, compile_train: bool = True) -> Compiled:
+    """The traced steps compiled for its mesh by the config's backend (jit or pmap)."""
+    train_step = traced.train_step if compile_train else None
     if cfg.mesh.backend == "pmap":
-        compiled = compile_pmap(plan.mesh, plan.shapes, train_step, plan.eval_step)
+        compiled = compile_pmap(traced.mesh, traced.shapes, train_step, traced.eval_step)
     else:
-        compiled = compile_jit(plan.mesh, plan.shapes, train_step, plan.eval_step, eager=cfg.train.eager)
+        compiled = compile_jit(traced.mesh, traced.shapes, train_step, traced.eval_step, eager=cfg.train.eager)
     if compile_train:  # train.sync's programs beside the step (engine/parallel/sync.py)
-        compiled = compile_sync(cfg, compiled, plan)
-    order = storage_order(plan.stages, stacked_layers(plan.family, cfg.model))
+        compiled = compile_sync(cfg, compiled, traced)
+    order = storage_order(traced.stages, stacked_layers(traced.family, cfg.model))
     if order is None:
         return compiled
     # a circular pipeline stores its layers stage-major; checkpoints keep the layers' order
-    flags = functools.partial(_stacked_leaves, plan.state.param_layouts, plan.tx)
-    to_step, from_step = pipeline_layouts(order, flags, plan.state.shardings)
+    flags = functools.partial(_stacked_leaves, traced.state.param_layouts, traced.tx)
+    to_step, from_step = pipeline_layouts(order, flags, traced.state.shardings)
     return dataclasses.replace(compiled, to_step_layout=to_step, from_step_layout=from_step)
 
 
@@ -310,18 +311,18 @@ def train_loss_chunk(program) -> Optional[LossChunk]:
     return language_model.loss_chunk(cfg.model, program.dataset.info, micro, batch_splits, mesh.shape["context"])
 
 
-def plan_cost(cfg: Config, plan: Plan, compiled: Compiled, copies: int = 1) -> StepCost:
-    """The model FLOPs of one step of the plan's compiled program, per device (cost.step_cost;
+def traced_cost(cfg: Config, traced: Traced, compiled: Compiled, copies: int = 1) -> StepCost:
+    """The model FLOPs of one step of the traced run's compiled program, per device (cost.step_cost;
     a loss the budget splits, model.loss_chunk=0, is a loop XLA counts once, as a set chunk is)."""
-    chunk = train_loss_chunk(plan)
+    chunk = train_loss_chunk(traced)
     return step_cost(
         cfg,
-        plan.family,
-        plan.trained if plan.trained is not None else plan.module,  # (as the step traced it)
-        plan.dataset,
-        plan.tx,
-        plan.state.abstract,
-        plan.mesh.size,
+        traced.family,
+        traced.trained if traced.trained is not None else traced.module,  # (as the step traced it)
+        traced.dataset,
+        traced.tx,
+        traced.state.abstract,
+        traced.mesh.size,
         compiled.program,
         copies,
         chunk.chunk if chunk is not None and chunk.auto else 0,
@@ -343,39 +344,39 @@ def build_run(
     dataset: in place of the config's data (sample and export: the run's recorded data.json).
     devices: the run's own devices (a sweep trial's sub-mesh), in place of the first mesh.num_devices."""
     cache_before = dict(compile_cache_events)
-    plan = plan_run(cfg, dataset=dataset, devices=devices)
-    cfg, mesh, shapes = plan.cfg, plan.mesh, plan.shapes  # (the steps per call fitted: Blueprint.cfg)
+    traced = trace_run(cfg, dataset=dataset, devices=devices)
+    cfg, mesh, shapes = traced.cfg, traced.mesh, traced.shapes  # (the steps per call fitted: Blueprint.cfg)
     if check_memory:  # (a plan for a pod reports what does not fit itself)
-        check_fits(plan.state.abstract, device_memory_bytes(mesh))
-    compiled = compile_plan(cfg, plan, compile_train)
+        check_fits(traced.state.abstract, device_memory_bytes(mesh))
+    compiled = compile_traced(cfg, traced, compile_train)
     inputs = Inputs(
-        train=train_batches(cfg, plan, compiled.rows(cfg.train.global_batch_size)),
+        train=train_batches(cfg, traced, compiled.rows(cfg.train.global_batch_size)),
         eval_rows=compiled.rows(shapes.eval_batch),
         eval_batch_size=shapes.eval_batch,
         steps_per_block=shapes.steps_per_block,
         steps_per_call=cfg.train.steps_per_call,
-        resident_bytes=plan.resident_bytes,
+        resident_bytes=traced.resident_bytes,
     )
     return Run(
-        blueprint=plan.blueprint,
+        blueprint=traced.blueprint,
         mesh=mesh,
-        dataset=plan.dataset,
-        model=Model(plan.family, plan.module, plan.state.param_layouts),
-        abstract_state=plan.state.abstract,
-        init_state=plan.state.create,
+        dataset=traced.dataset,
+        model=Model(traced.family, traced.module, traced.state.param_layouts),
+        abstract_state=traced.state.abstract,
+        init_state=traced.state.create,
         compiled=compiled,
         inputs=inputs,
-        cost=plan_cost(cfg, plan, compiled),
+        cost=traced_cost(cfg, traced, compiled),
         compile_cache={k: v - cache_before.get(k, 0) for k, v in compile_cache_events.items()},
         # XLA:CPU collectives can deadlock when a second multi-device step is dispatched
         # before the first has finished; accelerators keep asynchronous dispatch.
         sync_each_step=jax.default_backend() == "cpu" and mesh.size > 1,
-        rollouts=_sampler(cfg, plan) if compile_train else None,
+        rollouts=_sampler(cfg, traced) if compile_train else None,
     )
 
 
-def _sampler(cfg: Config, plan: Plan):
+def _sampler(cfg: Config, traced: Traced):
     """The objective's sampler compiled beside the train step (GRPO's decode program), or None."""
-    if plan.rollouts is None:
+    if traced.rollouts is None:
         return None
-    return plan.rollouts.build(cfg, plan.family, plan.dataset, plan.state.abstract, batch_sharding(plan.mesh))
+    return traced.rollouts.build(cfg, traced.family, traced.dataset, traced.state.abstract, batch_sharding(traced.mesh))

@@ -25,12 +25,12 @@ from engine.run.data_record import checked_record, own_meta
 from engine.run.evaluator import evaluate
 from engine.run.loop import Started, fit_job
 from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
-from engine.run.recovery import Recovery
 from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.startup import startup_lines
 from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, starting
+from engine.runtime.recovery import Recovery
 from engine.runtime.restart_protocol import job_so_far
 from engine.runtime.rundir import METRICS
 from engine.runtime.watchdog import Watchdog

@@ -1,5 +1,5 @@
 """A run's train state before it exists: its shapes and shardings from the model's logical
-axes (nothing allocated), and compiled inits that create it already sharded (setup.plan_run;
+axes (nothing allocated), and compiled inits that create it already sharded (setup.trace_run;
 DiLoCo's replicas: engine/parallel/diloco.py)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import optax
 
 from engine.config.objective import step_hparam_names
 from engine.objectives.lm import make_loss_fn as make_loss_fn  # (its home; run/cost and tests read it here)
-from engine.run.optimizer import learning_rate_at
+from engine.optim.optimizer import learning_rate_at
 from engine.state.columns import pack_metrics
 from engine.state.train_state import (
     UNTRAINED,

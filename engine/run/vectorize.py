@@ -5,7 +5,7 @@ compiled program, trained as one program with a leading trial axis over the trai
 What may differ within a group (VECTOR_KEYS): the seed, the learning-rate schedule's
 numbers, weight decay, momentum, Adam's betas and epsilon, the gradient-clipping norm, and
 the model family's hyperparameters (dropout), DPO's dpo.beta. These are arrays in the train state already
-(engine/run/optimizer.py, setup.run_hparams), so the group's step is the run's own step under
+(engine/optim/optimizer.py, setup.run_hparams), so the group's step is the run's own step under
 `jax.vmap`: each trial's losses are those of the same config trained alone. Where there
 are several devices, a `trial` mesh axis spreads the trials over them (each trial keeps the
 run's own layout on its share of the devices). Trials with one seed read the same batches;
@@ -35,7 +35,7 @@ from engine.parallel.axes import MESH_AXES
 from engine.parallel.mesh import build_mesh, mesh_shape, num_devices
 from engine.parallel.sharding import per_device_bytes
 from engine.run.backends import Compiled, compile_jit
-from engine.run.setup import Plan, plan_cost, plan_run, run_hparams, train_batches
+from engine.run.setup import Traced, run_hparams, trace_run, traced_cost, train_batches
 from engine.runtime.memory import device_memory_bytes
 from engine.runtime.units import human_bytes
 
@@ -72,7 +72,7 @@ class Group:
     """K runs of one compiled program: the vmapped steps and their inputs."""
 
     cfgs: list[Config]  # the runs' configs, with the plan's steps per call
-    plan: Plan  # the first run's plan, on the group's mesh
+    traced: Traced  # the first run traced, on the group's mesh
     mesh: Mesh
     compiled: Compiled  # train_step: (stacked states, block) → (states, metrics [steps_per_call, K, ...])
     trial_shardings: Any  # the TrainState's shardings with the trial axis in front
@@ -82,7 +82,7 @@ class Group:
 
     @property
     def steps_per_block(self) -> int:
-        return self.plan.shapes.steps_per_block
+        return self.traced.shapes.steps_per_block
 
     def train_block(self, block: int):
         """The device input for the steps of `block`: each trial's batches (or the shared ones)."""
@@ -93,7 +93,7 @@ class Group:
         """Fresh states, one per trial (each as its config alone would make it), stacked."""
         seeds = np.array([cfg.seed for cfg in self.cfgs], np.int32)
         hparams = stack([run_hparams(cfg) for cfg in self.cfgs])
-        return jax.jit(jax.vmap(self.plan.state.init), out_shardings=self.trial_shardings)(seeds, hparams)
+        return jax.jit(jax.vmap(self.traced.state.init), out_shardings=self.trial_shardings)(seeds, hparams)
 
     def stack_states(self, states: list):
         """Single-run states (a restore) → the group's stacked state."""
@@ -113,7 +113,7 @@ class Group:
         if slot not in self.slot_shardings:
             devices = Mesh(self.mesh.devices[slot : slot + 1], MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
             self.slot_shardings[slot] = jax.tree.map(
-                lambda s: NamedSharding(devices, s.spec), self.plan.state.shardings
+                lambda s: NamedSharding(devices, s.spec), self.traced.state.shardings
             )
         return self.slot_shardings[slot]
 
@@ -121,7 +121,7 @@ class Group:
     def _take(self):  # one compiled program for every trial: the index is an argument
         return jax.jit(
             lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
-            out_shardings=self.plan.state.shardings,
+            out_shardings=self.traced.state.shardings,
         )
 
 
@@ -144,33 +144,33 @@ def build_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> Group
     _check_group(cfgs)
     first, trials = cfgs[0], len(cfgs)
     mesh = group_mesh(first, trials, devices)
-    plan = plan_run(first, mesh)
-    per_call = plan.blueprint.steps_per_call  # (the plan's: one per call for some families on CPU)
+    traced = trace_run(first, mesh)
+    per_call = traced.blueprint.steps_per_call  # (the traced run's: one per call for some families on CPU)
     cfgs = [dataclasses.replace(c, train=dataclasses.replace(c.train, steps_per_call=per_call)) for c in cfgs]
     first = cfgs[0]
-    trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)), plan.state.shardings)
+    trial_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(TRIAL, *s.spec)), traced.state.shardings)
     shared = len({cfg.seed for cfg in cfgs}) == 1  # one data order
     rows = np.arange(first.train.global_batch_size)
-    batches = [train_batches(cfg, plan, rows) for cfg in (cfgs[:1] if shared else cfgs)]
-    states = _stacked(plan.state.abstract, trial_shardings, trials)
+    batches = [train_batches(cfg, traced, rows) for cfg in (cfgs[:1] if shared else cfgs)]
+    states = _stacked(traced.state.abstract, trial_shardings, trials)
     lead: dict[str, Any] = {} if shared else {"block_lead": (trials,), "block_lead_axes": (TRIAL,)}
-    shapes = dataclasses.replace(plan.shapes, state=states, state_shardings=trial_shardings, **lead)
+    shapes = dataclasses.replace(traced.shapes, state=states, state_shardings=trial_shardings, **lead)
     block_axes = None if shared else 0
     step = jax.vmap(
-        plan.train_step,
+        traced.train_step,
         in_axes=(0, (None, block_axes) if shapes.resident else block_axes),
         out_axes=(0, 1),
         spmd_axis_name=TRIAL,
     )
-    evaluate = jax.vmap(plan.eval_step, in_axes=(0, None), spmd_axis_name=TRIAL)
+    evaluate = jax.vmap(traced.eval_step, in_axes=(0, None), spmd_axis_name=TRIAL)
     compiled = compile_jit(mesh, shapes, step, evaluate)
-    cost = plan_cost(first, plan, compiled, copies=trials)
-    return Group(cfgs, plan, mesh, compiled, trial_shardings, batches, cost)
+    cost = traced_cost(first, traced, compiled, copies=trials)
+    return Group(cfgs, traced, mesh, compiled, trial_shardings, batches, cost)
 
 
 def stacked_states(group: Group):
     """The group's train states as one abstract tree: the trial axis in front."""
-    return _stacked(group.plan.state.abstract, group.trial_shardings, len(group.cfgs))
+    return _stacked(group.traced.state.abstract, group.trial_shardings, len(group.cfgs))
 
 
 def _stacked(abstract, trial_shardings, trials: int):
@@ -214,7 +214,7 @@ def check_fits(group: Group) -> None:
     room = MEMORY_FRACTION * device_memory_bytes(group.mesh)
     if need <= room:
         return
-    shared = group.plan.resident_bytes
+    shared = group.traced.resident_bytes
     per_trial = max(need - shared, 1) * group.mesh.shape[TRIAL] / trials  # one trial's bytes on a device
     fits = next(
         (

@@ -1,2 +1,2 @@
-"""The process a run lives in: multi-host initialisation, the local launcher, preemption, the
-watchdog, process settings and the run directory on disk."""
+"""The process a run lives in: multi-host initialisation, the local launcher, preemption, a
+restarted job's recovery records, the watchdog, process settings and the run directory on disk."""

@@ -4,7 +4,7 @@ The supervisor (engine/elastic/) starts each start of the job with ENGINE_ELASTI
 locally, ENGINE_ELASTIC_JOB: the job's start and its earlier starts' recovery seconds), writes the
 failures so far to WORKDIR/elastic-failures.json, and asks a smaller job to grow back by
 WORKDIR/grow-request.json (ENGINE_ELASTIC_GROW: the full size; ENGINE_ELASTIC_GREW: the stop a
-grown start came from). Process 0 of a restarted job (engine/run/recovery.py) reads them and
+grown start came from). Process 0 of a restarted job (engine/runtime/recovery.py) reads them and
 writes one `split: "recovery"` record per failure that metrics.jsonl does not hold yet; every
 process that stops to grow back exits GROW_EXIT. Imports no jax.
 """

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.run.setup import build_run, plan_run
+from engine.run.setup import build_run, trace_run
 from engine.run.single import fit
 
 ROUNDS, INNER, REPLICAS, BATCH = 4, 2, 2, 8
@@ -144,7 +144,7 @@ def test_a_delayed_run_resumed_mid_round_continues_exactly(make_config, tmp_path
 
 def test_the_pending_change_is_laid_out_as_the_parameters(make_config):
     """fsdp inside each replica: the pending Δ̄ is split as the global parameters are (no compile)."""
-    plan = plan_run(make_config("mnist_mlp.yaml", *TINY, "mesh.fsdp=2", "mesh.num_devices=4"))
+    plan = trace_run(make_config("mnist_mlp.yaml", *TINY, "mesh.fsdp=2", "mesh.num_devices=4"))
     specs = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
     assert specs(plan.state.shardings.pending) == specs(plan.state.shardings.params)
     assert "fsdp" in str(specs(plan.state.shardings.params))

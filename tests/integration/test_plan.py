@@ -27,11 +27,11 @@ def sharded_bytes(program, layouts, mesh) -> int:
 def assert_state_bytes_are_the_sharded_state(make_config, planned, *overrides):
     """The plan fits, and each chip's parameter and optimizer bytes are those its PartitionSpecs
     give (Adam: two moments of every parameter, in float32, beside a few scalars)."""
-    from engine.run.setup import plan_run
+    from engine.run.setup import trace_run
 
     assert planned.fits
     train = planned.programs[0]
-    shapes = plan_run(tiny(make_config, *overrides), devices=planned.target.devices)
+    shapes = trace_run(tiny(make_config, *overrides), devices=planned.target.devices)
     expected = sharded_bytes(train, shapes.state.param_layouts, planned.mesh)
     assert train.params == expected
     assert 2 * expected <= train.optimizer <= 2 * expected + 1024
@@ -151,14 +151,14 @@ def test_splash_attention_compiles_for_tpu_and_keeps_no_score_matrix(make_config
     (not interpreted, as on this host's CPU): at seq 512 its train step's temporaries are far
     below XLA attention's, which holds [batch, heads, seq, seq] scores (40% of them at 512, 36%
     at 1024; at 256 the compiler reports no temporaries for either)."""
-    from engine.run.setup import compile_plan, plan_run
+    from engine.run.setup import compile_traced, trace_run
 
     target = parse_target("v5e-8")
     xla = plan(tiny(make_config, "data.seq_len=512", "model.attention=xla"), target, compile_eval=False)
     cfg = tiny(make_config, "data.seq_len=512", "model.attention=auto")  # (auto: splash for TPU devices)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compilation_cache_dir=""))
-    program = plan_run(cfg, devices=target.devices)
-    compiled = compile_plan(cfg, program)
+    program = trace_run(cfg, devices=target.devices)
+    compiled = compile_traced(cfg, program)
     assert "tpu_custom_call" in compiled.program.as_text()  # the kernel, for the chip
     assert compiled.memory.temp_size_in_bytes < xla.programs[0].temporaries / 2
     assert (xla.attention, model_choices(program)[0]) == ("xla", "splash")  # what the plan's text names

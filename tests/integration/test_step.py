@@ -7,8 +7,8 @@ import pytest
 
 from engine.config import OptimizerConfig
 from engine.errors import UsageError
+from engine.optim.optimizer import learning_rate_at, schedule_hparams
 from engine.run.backends import compile_now
-from engine.run.optimizer import learning_rate_at, schedule_hparams
 from engine.run.setup import build_run
 from engine.run.single import fit
 from engine.runtime.rundir import read_records
@@ -101,7 +101,7 @@ def test_each_optimizer_lowers_the_loss(make_config, name):
 def test_one_step_of_each_optimizer_equals_optax(name, reference, decay_on):
     """Our optimizer (its numbers in the state) makes optax's own update, weight decay on all
     parameters or (decay_on=matrices) not on norms' scales and biases."""
-    from engine.run.optimizer import make_optimizer
+    from engine.optim.optimizer import make_optimizer
 
     cfg = OptimizerConfig(name=name, momentum=0.9, b2=0.99, weight_decay=0.1, weight_decay_on=decay_on)
     rng = np.random.default_rng(0)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.data import load_dataset
+from engine.optim.optimizer import make_optimizer
 from engine.parallel.mesh import make_mesh
-from engine.run.optimizer import make_optimizer
 from engine.run.setup import build_model, run_hparams
 from engine.run.state import state_plan
 from support.configs import TINY_LLAMA

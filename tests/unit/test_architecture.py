@@ -238,7 +238,7 @@ def test_the_light_declarations_agree_with_what_they_stand_for():
 
     from engine.config import load_config
     from engine.config.optimizers import OPTIMIZERS
-    from engine.run.optimizer import make_optimizer
+    from engine.optim.optimizer import make_optimizer
     from models import CONFIGS, REGISTRY
     from models.configs import REMAT_NAMES
     from models.remat import policy

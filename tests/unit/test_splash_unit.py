@@ -26,7 +26,7 @@ def test_auto_attention_is_splash_on_tpu_where_it_can_run_and_cudnn_or_xla_elsew
 
 @pytest.mark.nocompile
 def test_cudnn_attention_off_a_gpu_is_one_line_naming_what_runs_there(make_config):
-    from engine.run.setup import plan_run
+    from engine.run.setup import trace_run
     from models.configs import LlamaConfig, ModelError, TransformerConfig, check_attention
 
     with pytest.raises(ModelError, match="GPU kernel.*TPU target.*auto or splash or xla"):
@@ -37,4 +37,4 @@ def test_cudnn_attention_off_a_gpu_is_one_line_naming_what_runs_there(make_confi
     # a run on CPU is refused before its data is read (not JAX's "cuDNN is not detected" when traced)
     cfg = make_config("llama_tiny.yaml", "data.name=tokens", "data.path=/nonexistent", "model.attention=cudnn")
     with pytest.raises(UsageError, match="model.attention=cudnn is cuDNN's flash attention"):
-        plan_run(cfg)
+        trace_run(cfg)
