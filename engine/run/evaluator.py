@@ -18,7 +18,7 @@ from engine.errors import UsageError
 from engine.objectives import objective_part
 from engine.parallel.sharding import batch_sharding
 from engine.run.generation_eval import generated_metrics
-from engine.run.outputs import SIDECAR, Evaluation, RunOutputs, eval_metrics
+from engine.run.outputs import SIDECAR, Evaluation, SidecarOutputs, eval_metrics
 from engine.run.reference_logps import fill, precomputed
 from engine.run.setup import Run, build_run
 from engine.runtime.rundir import METRICS, lock_holder, read_records
@@ -70,7 +70,7 @@ def run_evaluator(
                 )
             )
         )
-        outputs = RunOutputs(cfg, closing, sidecar=True)
+        outputs = SidecarOutputs(cfg, closing)
         outputs.open()  # the checkpoints, read only
         run = build_run(cfg, compile_train=False)  # evaluation only: no train step to compile
         if precomputed(cfg):  # the trainer's cached reference log-probabilities
@@ -84,7 +84,7 @@ def run_evaluator(
 def _watch(
     cfg: Config,
     run: Run,
-    outputs: RunOutputs,
+    outputs: SidecarOutputs,
     watchdog: Watchdog,
     watch: bool,
     poll_seconds: float,
@@ -145,7 +145,7 @@ def target_steps(cfg: Config) -> int:
     return steps if isinstance(steps, int) else cfg.train.steps
 
 
-def _evaluate_step(run: Run, outputs: RunOutputs, step: int) -> None:
+def _evaluate_step(run: Run, outputs: SidecarOutputs, step: int) -> None:
     checkpointer = outputs.checkpointer
     try:
         restored = checkpointer.restore(run.abstract_state, step=step)

@@ -25,7 +25,7 @@ from engine.parallel import sharding
 from engine.run.best import Verdict
 from engine.run.data_record import checked_record, own_meta
 from engine.run.loop import Started, fit_job
-from engine.run.outputs import Evaluation, NonFiniteLoss, RunOutputs, eval_metrics
+from engine.run.outputs import Evaluation, NonFiniteLoss, RunOutputs, TrialOutputs, eval_metrics
 from engine.run.setup import with_config_hparams
 from engine.run.vectorize import Group, TooBig, build_group, check_fits
 from engine.runtime.preemption import starting
@@ -114,7 +114,7 @@ def _open(
     goodput: Goodput,
 ) -> Started:
     starting("loading data and compiling")
-    outputs = [RunOutputs(cfg, closing) for cfg in cfgs]  # each workdir claimed
+    outputs = [TrialOutputs(cfg, closing) for cfg in cfgs]  # each workdir claimed
     group = build_group(cfgs)
     check_fits(group)
     goodput.compile_seconds = group.compiled.compile_seconds
@@ -132,7 +132,7 @@ def _open(
         )
     goodput.redone_steps = max(output.resume(meta, start) for output, meta in zip(outputs, metas))
     for output in outputs:
-        output.open_writer(start, member=True)
+        output.open_writer(start)
     job = GroupJob(group, trials, start)
     closing.enter_context(contextlib.closing(job.saves))  # closed before the checkpointers
     begins = f"resuming from step {start}" if start else "from scratch"

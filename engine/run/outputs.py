@@ -1,7 +1,8 @@
 """A run's outputs, built once (RunOutputs): its workdir claimed, its run files, metric writer,
 checkpointer and checkpoint metadata, the NaN policy, and the eval record with the best and
 early-stop monitor. A run alone holds one, a vectorised group one per trial, and the sidecar
-evaluator one that reads the checkpoints and adds eval records; all evaluate with `eval_metrics`."""
+evaluator one that reads the checkpoints and adds eval records (RunOutputs, TrialOutputs,
+SidecarOutputs: one class per role); all evaluate with `eval_metrics`."""
 
 from __future__ import annotations
 
@@ -56,27 +57,23 @@ class RunOutputs:
 
     checkpointer: Checkpointer
     writer: MetricWriter
+    claims = True  # the chief takes the workdir's lock (the sidecar evaluator does not)
 
-    def __init__(self, cfg: Config, closing: contextlib.ExitStack, *, chief: bool = True, sidecar: bool = False):
-        """chief: the process that claims the workdir and writes its files; sidecar: the
-        evaluator's (it claims nothing, reads the checkpoints, tags its eval records)."""
-        self.cfg, self.closing, self.chief, self.sidecar = cfg, closing, chief, sidecar
+    def __init__(self, cfg: Config, closing: contextlib.ExitStack, *, chief: bool = True):
+        """chief: the process that claims the workdir and writes its files."""
+        self.cfg, self.closing, self.chief = cfg, closing, chief
         self.workdir = Path(cfg.workdir)
         self.columns = MetricColumns()
         self.monitor = Monitor.resumed(cfg, {})  # checkpoint.keep_best's and train.early_stop's metrics
         self.config_text = ""  # the config as a checkpoint's meta holds it (made once: it takes ~0.1 s)
         self.recorded: dict = {}  # more of each checkpoint's meta: what a resume checks its inputs against
-        self.summary: Any = None  # the sidecar's own TensorBoard events
-        if chief and not sidecar:  # one job per workdir: claimed before compiling and before anything is written
+        if chief and self.claims:  # one job per workdir: claimed before compiling and before anything is written
             claim(self.workdir, closing)
 
-    def open(self, dataset=None, **options) -> Checkpointer:
+    def open(self, dataset, **options) -> Checkpointer:
         """The run's files written (the chief; `dataset`: its data) and its checkpoints opened for
-        saving (`options`: open_checkpoints's), or for reading (the sidecar)."""
+        saving (`options`: open_checkpoints's)."""
         directory = self.workdir / "checkpoints"
-        if self.sidecar:
-            self.checkpointer = self._enter(open_checkpoints(directory, self.cfg))
-            return self.checkpointer
         info = dataset.info
         if self.chief:
             write_run_files(self.cfg, dataset, self.workdir)
@@ -97,27 +94,26 @@ class RunOutputs:
         """Where training ends: train.steps, or the step an early stop recorded."""
         return self.monitor.stopped_at or self.cfg.train.steps
 
-    def open_writer(self, start: int, member: bool = False) -> MetricWriter:
+    def open_writer(self, start: int) -> MetricWriter:
         """The chief's console, metrics.jsonl, TensorBoard and trackers (a search trial's also its
-        pipe to the sweep); `member`: a group's trial (named lines, no progress bar)."""
+        pipe to the sweep)."""
         cfg, chief = self.cfg, self.chief
-        objective = objective_of(cfg)  # (its names a line shows: DPO's TRL names)
-        options: dict[str, Any] = dict(enabled=chief, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard)
-        options.update(console_keys=objective.console_keys, brief_keys=objective.brief_keys)
-        if self.sidecar:
-            options.update(start_step=0, progress=False, tensorboard=False)
-        elif member:
-            options.update(start_step=0, progress=False, name=self.workdir.name, trackers=open_trackers(cfg))
-        else:  # (finished, or stopped early: no trackers, nothing to log)
-            trackers = open_trackers(cfg) if chief and start < self.end else ()
-            judged = Judged.from_env() if chief else None
-            options.update(start_step=start, progress=cfg.log.progress, judged=judged, trackers=trackers)
-        self.writer = self._enter(MetricWriter(self.workdir, **options))
-        if self.sidecar and cfg.log.tensorboard:  # a folder of its own: two writers must not share an event file
-            from tensorboardX import SummaryWriter
-
-            self.summary = self._enter(SummaryWriter(str(self.workdir / SIDECAR)))
+        trackers = open_trackers(cfg) if chief and start < self.end else ()  # (finished, or stopped early: none)
+        judged = Judged.from_env() if chief else None
+        options: dict[str, Any] = dict(start_step=start, progress=cfg.log.progress, judged=judged, trackers=trackers)
+        self.writer = self._enter(MetricWriter(self.workdir, **self._writer_options(), **options))
         return self.writer
+
+    def _writer_options(self) -> dict[str, Any]:
+        """The writer's options every role shares (its objective's names a line shows: DPO's TRL names)."""
+        objective, cfg = objective_of(self.cfg), self.cfg
+        return dict(
+            enabled=self.chief,
+            total_steps=cfg.train.steps,
+            tensorboard=cfg.log.tensorboard,
+            console_keys=objective.console_keys,
+            brief_keys=objective.brief_keys,
+        )
 
     def _enter(self, thing):
         return self.closing.enter_context(contextlib.closing(thing))
@@ -143,15 +139,7 @@ class RunOutputs:
         return losses, {**self.columns.record(host), **rates.per_step(window.seconds() / max(window.timed_steps, 1))}
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> Verdict:
-        """Writes the eval record of `step`; then the NaN policy, and the monitor's verdict (the
-        sidecar's: its record, tagged, and its TensorBoard events alone)."""
-        if self.sidecar:
-            self.writer.write(step, "eval", {**metrics, "source": SIDECAR})
-            if self.summary is not None:
-                for name, value in metrics.items():
-                    self.summary.add_scalar(f"eval/{name}", value, step)
-                self.summary.flush()
-            return Verdict()
+        """Writes the eval record of `step`; then the NaN policy, and the monitor's verdict."""
         self.writer.write(step, "eval", metrics)
         self.nonfinite(nonfinite_eval(metrics, step))
         verdict = self.monitor.evaluated(metrics, step)
@@ -168,6 +156,52 @@ class RunOutputs:
             self.checkpointer.save_local(step, state, meta)
         else:
             self.checkpointer.save(step, state, meta, self.monitor.metrics(step))
+
+
+class TrialOutputs(RunOutputs):
+    """A vectorised group's trial (engine/run/group.py): its workdir claimed as a run alone's, its
+    lines named after it, no progress bar."""
+
+    def open_writer(self, start: int) -> MetricWriter:
+        options: dict[str, Any] = dict(
+            start_step=0, progress=False, name=self.workdir.name, trackers=open_trackers(self.cfg)
+        )
+        self.writer = self._enter(MetricWriter(self.workdir, **self._writer_options(), **options))
+        return self.writer
+
+
+class SidecarOutputs(RunOutputs):
+    """The sidecar evaluator's (engine/run/evaluator.py): it claims nothing, reads the checkpoints,
+    and tags its eval records; its TensorBoard events go to a folder of its own."""
+
+    claims = False
+
+    def __init__(self, cfg: Config, closing: contextlib.ExitStack):
+        super().__init__(cfg, closing)
+        self.summary: Any = None
+
+    def open(self, dataset=None, **options) -> Checkpointer:
+        """The run's checkpoints opened for reading."""
+        self.checkpointer = self._enter(open_checkpoints(self.workdir / "checkpoints", self.cfg))
+        return self.checkpointer
+
+    def open_writer(self, start: int) -> MetricWriter:
+        options = {**self._writer_options(), "start_step": 0, "progress": False, "tensorboard": False}
+        self.writer = self._enter(MetricWriter(self.workdir, **options))
+        if self.cfg.log.tensorboard:  # a folder of its own: two writers must not share an event file
+            from tensorboardX import SummaryWriter
+
+            self.summary = self._enter(SummaryWriter(str(self.workdir / SIDECAR)))
+        return self.writer
+
+    def evaluated(self, step: int, metrics: dict[str, float]) -> Verdict:
+        """Its eval record, tagged, and its TensorBoard events; no NaN policy, no monitor."""
+        self.writer.write(step, "eval", {**metrics, "source": SIDECAR})
+        if self.summary is not None:
+            for name, value in metrics.items():
+                self.summary.add_scalar(f"eval/{name}", value, step)
+            self.summary.flush()
+        return Verdict()
 
 
 def checkpoint_meta(cfg: Config, step: int, config_text: str = "", **more) -> dict:
