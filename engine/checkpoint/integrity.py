@@ -15,10 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-import jax
 import numpy as np
 
-from engine.runtime.distributed import barrier
+from engine.runtime.processes import current
 from engine.runtime.rundir import SUMS, check_sums, write_sums
 
 
@@ -33,6 +32,7 @@ class Checksums:
     def __init__(self, directory: Path, timeout_seconds: int, enabled: bool):
         self.directory, self.timeout_seconds = directory, timeout_seconds
         self._hashing = ThreadPoolExecutor(1, "checkpoint-sums") if enabled else None
+        self._chief = current().chief  # (asked here: saves may start on a thread of their own)
         self._pending: list[Future] = []
         self._ended = threading.Event()
 
@@ -43,7 +43,7 @@ class Checksums:
 
     def after_save(self, step: int) -> None:
         """Called once orbax's save of `step` has started: process 0 hashes it when complete."""
-        if self._hashing is not None and jax.process_index() == 0:
+        if self._hashing is not None and self._chief:
             self._pending.append(self._hashing.submit(self._write, step))
 
     def _write(self, step: int) -> None:
@@ -81,11 +81,10 @@ def verdict(step_dir: Path) -> Optional[str]:
     """Why the step's files fail their SHA256SUMS (None: they match). Process 0 checks them (one
     read of the checkpoint, not one per process) and every process gets its verdict: all must
     restore the same step."""
-    mismatch = check_sums(step_dir) if jax.process_index() == 0 else None
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        if int(multihost_utils.broadcast_one_to_all(np.int32(mismatch is not None))) and mismatch is None:
+    processes = current()
+    mismatch = check_sums(step_dir) if processes.chief else None
+    if processes.count > 1:
+        if int(processes.broadcast(np.int32(mismatch is not None))) and mismatch is None:
             mismatch = f"its files do not match {SUMS} (checked by process 0)"
     return mismatch
 
@@ -94,7 +93,7 @@ def set_aside(directory: Path, damaged: dict[int, str], timeout_seconds: int) ->
     """Moves unreadable steps into directory/damaged/ with the reason beside them (nothing is
     deleted), so that training saves those steps again normally; returns once every process
     may see them moved (then reload the list of steps)."""
-    if jax.process_index() == 0:
+    if current().chief:
         aside = directory / "damaged"
         aside.mkdir(exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -107,4 +106,4 @@ def set_aside(directory: Path, damaged: dict[int, str], timeout_seconds: int) ->
                 f"training will save step {step} again",
                 file=sys.stderr,
             )
-    barrier(f"set_aside_{'_'.join(map(str, damaged))}", timeout_seconds)  # moved before anyone reloads
+    current().barrier(f"set_aside_{'_'.join(map(str, damaged))}", timeout_seconds)  # moved before anyone reloads

@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import zlib
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
+from engine.checkpoint.among import among
 from engine.checkpoint.choice import chosen_step, retention
 from engine.checkpoint.diagnosis import (
     TREE_MISMATCH,
@@ -42,6 +44,7 @@ from engine.checkpoint.packing import refitted
 from engine.checkpoint.staging import InBackground, effective_staging, staged_copy
 from engine.errors import UsageError
 from engine.lm.finetune import BaseWeights, base_weights
+from engine.runtime.processes import current
 
 
 class Restored(NamedTuple):
@@ -99,9 +102,18 @@ class Checkpointer:
         self.manager = self._open_manager(keep, async_save, best)
 
     def _open_manager(self, keep: int, async_save: bool, best: Optional[tuple[str, str]]) -> ocp.CheckpointManager:
+        # a run on some of the job's processes (a sub-mesh sweep's trial): its chief is the primary
+        # host, and its commits wait for its own processes alone (engine/runtime/processes.py)
+        processes, handled, state = current(), {}, {}
+        if not processes.whole_job:
+            name = f"run_{zlib.crc32(str(self.directory).encode()):08x}"
+            handled["multiprocessing_options"], state = among(processes.ids, name)
+            if not self.read_only:  # (orbax creates it only for a run on every process)
+                self.directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             **retention(None if self.read_only else keep, best),
-            create=not self.read_only,
+            **handled,
+            create=not self.read_only and not handled,
             read_only=self.read_only,
             save_interval_steps=0 if self.read_only else 1,
             cleanup_tmp_directories=not self.read_only,  # a killed save's N.orbax-checkpoint-tmp-* (issue 57)
@@ -112,7 +124,10 @@ class Checkpointer:
         return ocp.CheckpointManager(
             self.directory,
             options=options,
-            item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(**handled, **state),
+                "meta": ocp.JsonCheckpointHandler(**handled),
+            },
         )
 
     def steps(self) -> list[int]:

@@ -1,6 +1,8 @@
-"""`launch.py sweep SWEEP.yaml [--parallel K | --devices-per-trial N] [--backend slurm] [--retry-failed]`:
-every config of a sweep file (grid, zip, random, or an Optuna search); re-running resumes what is
-unfinished."""
+"""`launch.py sweep SWEEP.yaml [--parallel K | --devices-per-trial N [--local-processes P
+--devices-per-process M]] [--backend slurm] [--retry-failed]`: every config of a sweep file (grid,
+zip, random, or an Optuna search); re-running resumes what is unfinished. With --devices-per-trial
+in a job of several processes (--local-processes, or any multi-host launch: every process runs
+the command) the job's devices are cut into sub-meshes (engine/sweep/submesh.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ def parser() -> argparse.ArgumentParser:
         "the devices hold (a freed sub-mesh takes the next trial)",
     )
     p.add_argument(
+        "--local-processes",
+        type=int,
+        metavar="P",
+        help="with --devices-per-trial: a job of P processes on this host (as for train), each running the sweep's "
+        "sub-meshes that hold its devices",
+    )
+    p.add_argument("--devices-per-process", type=int, default=1, metavar="M", help="with --local-processes")
+    # a job's process: distributed.* settings (launch.py ... --local-processes appends them)
+    p.add_argument("job", nargs="*", help=argparse.SUPPRESS)
+    p.add_argument(
         "--plan",
         action="store_true",
         help="train nothing: compile every distinct program of the sweep for --target (launch.py plan)",
@@ -50,7 +62,46 @@ def trains(argv: list[str]) -> bool:
 
 def runs_jax(args) -> bool:
     # a sweep's own process (its runs are children) never loads jax; with sub-meshes it trains them itself
-    return bool(args.run_group or args.plan or args.devices_per_trial)
+    # (the launcher of a job's processes does not)
+    return bool(args.run_group or args.plan or (args.devices_per_trial and not args.local_processes))
+
+
+def _local_job(args, argv: list[str]) -> int:
+    """`--devices-per-trial N --local-processes P`: P processes, each running this sweep command."""
+    from engine.cli.local_check import check_count
+    from engine.cli.train import without_local_flags
+    from engine.errors import UsageError
+    from engine.runtime.launcher import run_local_job
+    from engine.sweep.submesh import check_layout
+
+    if args.devices_per_trial is None:
+        raise UsageError(
+            "--local-processes runs a sweep's trials on sub-meshes of the job: add --devices-per-trial N, or drop "
+            "--local-processes (the trials' own configs may then set a job of their own)"
+        )
+    check_count(args.local_processes, args.devices_per_process)
+    check_layout(args.devices_per_trial, args.devices_per_process, args.local_processes)
+    return run_local_job(["sweep", *without_local_flags(argv)], args.local_processes, args.devices_per_process)
+
+
+def _join_job(settings: list[str]) -> None:
+    """A process of a multi-process job joins it (the settings launch.py appends, distributed.KEY=VALUE;
+    else a cluster environment's, as for train); a process alone does nothing."""
+    import dataclasses
+
+    from engine.config.schema import DistributedConfig
+    from engine.errors import UsageError
+    from engine.runtime.distributed import initialize
+
+    fields = {f.name: f.type for f in dataclasses.fields(DistributedConfig)}
+    given: dict = {}
+    for item in settings:
+        key, _, value = item.partition("=")
+        name = key.removeprefix("distributed.")
+        if not key.startswith("distributed.") or name not in fields or not value:
+            raise UsageError(f"launch.py sweep takes no override {item!r}: put overrides in the sweep file")
+        given[name] = int(value) if fields[name] in (int, "int") else value
+    initialize(DistributedConfig(**given))
 
 
 def run(args, argv: list[str]) -> int:
@@ -76,6 +127,12 @@ def run(args, argv: list[str]) -> int:
         return plan_sweep(sweep, args.target, args.slices)
     if args.devices_per_trial is not None and (args.parallel != 1 or args.backend != "local"):
         raise UsageError("--devices-per-trial trains every trial in this process: drop --parallel and --backend")
+    if args.local_processes:
+        return _local_job(args, argv)
+    if args.job and args.devices_per_trial is None:
+        raise UsageError(f"launch.py sweep takes no override {args.job[0]!r}: put overrides in the sweep file")
+    if args.devices_per_trial is not None:
+        _join_job(args.job)
     return sweep_main(
         args.sweep_file,
         args.parallel,

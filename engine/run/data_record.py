@@ -19,15 +19,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from engine.config.dpo_objective import REF_LOGPS
 from engine.data import Dataset, load_dataset
 from engine.data.chat_data import MODEL_TEXT_SOURCES
 from engine.errors import UsageError
 from engine.lm.template_clock import TIME_FORMAT, fixed_template_time
+from engine.runtime.processes import current
 from engine.runtime.rundir import sha256_file, write_atomic
 
 META = "data_record"  # the checkpoint meta's record of the data (`record`)
@@ -43,9 +42,9 @@ def load_rendered(cfg, data) -> Dataset:
     if data.name not in MODEL_TEXT_SOURCES:
         return load_dataset(data)
     when = recorded_time(Path(cfg.workdir).expanduser()) or time.strftime(TIME_FORMAT)
-    if jax.process_count() > 1:  # (a fresh start: each clock could read another day) process 0's time
+    if current().count > 1:  # (a fresh start: each clock could read another day) the chief's time
         sent = np.frombuffer(when.encode().ljust(32)[:32], np.uint8)  # (one shape on every process)
-        when = bytes(multihost_utils.broadcast_one_to_all(sent)).decode().strip()
+        when = bytes(current().broadcast(sent)).decode().strip()
     with fixed_template_time(time.strptime(when, TIME_FORMAT)):
         dataset = load_dataset(data)
     return dataclasses.replace(dataset, info=dataclasses.replace(dataset.info, template_time=when))

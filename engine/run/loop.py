@@ -21,8 +21,8 @@ from engine.errors import UsageError
 from engine.observe.perf import Goodput, StepTrace, Throughput, Window
 from engine.parallel.strategies import strategy_of
 from engine.run.best import Verdict
-from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, PreemptionWatch, end_startup
+from engine.runtime.processes import current
 from engine.runtime.recovery import GrowBack, GrowWatch
 from engine.runtime.rundir import storage_errno, storage_error
 from engine.runtime.watchdog import Watchdog
@@ -109,12 +109,11 @@ def fit_job(
     unwritable workdir is one StorageError (exit 2): unfinished saves are removed, the newest
     complete checkpoints kept, and a re-run resumes from them."""
     goodput = Goodput(started or time.time())
+    processes = current()
     with storage_failures(workdirs), contextlib.ExitStack() as closing:  # closed in reverse order
         watchdog = closing.enter_context(
             contextlib.closing(
-                Watchdog(
-                    dataclasses.asdict(cfg.watchdog), workdirs[0], jax.process_index(), processes=jax.process_count()
-                )
+                Watchdog(dataclasses.asdict(cfg.watchdog), workdirs[0], processes.index, processes=processes.count)
             )
         )
         ready = open_job(closing, watchdog, goodput)
@@ -131,7 +130,7 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
     cfg = job.cfg
     total, per_call, per_block = ready.end or cfg.train.steps, job.steps_per_call, job.steps_per_block
     batches = closing.enter_context(contextlib.closing(Prefetcher(job.block, start // per_block, cfg.data.prefetch)))
-    preemption = closing.enter_context(contextlib.closing(PreemptionWatch()))
+    preemption = closing.enter_context(contextlib.closing(PreemptionWatch(current().count)))
     grow = GrowWatch.begin(cfg) if cfg.fault.elastic else None
     trace = StepTrace(cfg.log.profile_steps, start, job.workdir, per_call)
     closing.enter_context(contextlib.closing(trace))
@@ -212,7 +211,7 @@ def _finish(
         )
     with paused(window, goodput, "checkpoint_seconds"), watchdog.phase("save"):
         job.wait()  # the last save is complete before the run reports success
-    barrier("finished", cfg.distributed.barrier_timeout)
+    current().barrier("finished", cfg.distributed.barrier_timeout)
     goodput.steps_run, goodput.data_wait_seconds = total - start, batches.wait_seconds  # waits are in the loop
     if total > start:
         timing = goodput.summary(time.time())
@@ -282,7 +281,7 @@ def storage_failures(workdirs: list[Path]) -> Iterator[None]:
         number = next((n for n in (storage_errno(e, w) for w in workdirs) if n is not None), None)
         if number is None or isinstance(e, UsageError):
             raise
-        if jax.process_index() == 0:  # the lock holder: the unfinished saves are its own
+        if current().chief:  # the lock holder: the unfinished saves are its own
             for workdir in workdirs:
                 for partial in (workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"):
                     shutil.rmtree(partial, ignore_errors=True)

@@ -28,8 +28,8 @@ from engine.run.outputs import NonFiniteLoss, RunOutputs, eval_metric_names
 from engine.run.reference_logps import fill_run, record, trained_digest
 from engine.run.setup import Run, build_run, with_config_hparams
 from engine.run.startup import startup_lines
-from engine.runtime.distributed import barrier
 from engine.runtime.preemption import Preempted, starting
+from engine.runtime.processes import RunProcesses, current, running
 from engine.runtime.recovery import Recovery
 from engine.runtime.restart_protocol import job_so_far
 from engine.runtime.rundir import METRICS
@@ -58,7 +58,8 @@ def fit(
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
         return _open(cfg, run, started, result, closing, watchdog, goodput, devices)
 
-    result.state = fit_job(open_job, cfg, started, [Path(cfg.workdir)]).state
+    with running(RunProcesses.of(devices)):  # (a sub-mesh's trial: the processes of its devices)
+        result.state = fit_job(open_job, cfg, started, [Path(cfg.workdir)]).state
     return result
 
 
@@ -212,7 +213,7 @@ def _open(
     the process at once (launched from the command line: engine.runtime.preemption.note_signals);
     there is nothing new to save."""
     starting("loading data and compiling")  # named first: the lock file is the sign it started
-    outputs = RunOutputs(cfg, closing, chief=jax.process_index() == 0)
+    outputs = RunOutputs(cfg, closing, chief=current().chief)
     if run is None or started is not None:  # a run built before the clock started was not compiled on it
         run = run or build_run(cfg, devices=devices)
         goodput.compile_seconds = run.compiled.compile_seconds
@@ -231,7 +232,7 @@ def _open(
     state = run.compiled.to_step_layout(with_config_hparams(state, cfg))
     if run.sync_each_step:  # XLA:CPU collectives: the init program must end before a step starts
         jax.block_until_ready(state)
-    barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # every process starts from one checkpoint
+    current().barrier(f"restored_step_{start}", cfg.distributed.barrier_timeout)  # the run starts from one checkpoint
     goodput.redone_steps = outputs.resume(meta, start)
     writer = outputs.open_writer(start)
     window = Window.resumed(start, meta.get("window"), outputs.columns)  # the log window a checkpoint cut in two
@@ -309,5 +310,5 @@ def initial_state(run: Run, checkpointer: Checkpointer):
 
 def _say(line: str) -> None:
     """One line of the run's start, from the chief process."""
-    if jax.process_index() == 0:
+    if current().chief:
         print(line, flush=True)

@@ -119,12 +119,11 @@ class PreemptionWatch:
     With several processes, jax.distributed's own SIGTERM notifier feeds that sync point, so
     no Python handler is installed over it."""
 
-    def __init__(self):
+    def __init__(self, processes: int = 1):
+        """`processes`: the run's (engine/runtime/processes.py; a sub-mesh trial's may be one of several)."""
         self.requested = bool(_noted)  # a signal from start-up, noted after the last check
         self.signum = _noted[0] if _noted else signal.SIGTERM  # what asked to stop
-        import jax
-
-        self.multi_process = jax.process_count() > 1
+        self.multi_process = processes > 1
         self.thread_stop = _thread_stops.get(threading.get_ident())
         self._previous = {}
         if not self.multi_process and threading.current_thread() is threading.main_thread():

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from engine.runtime.preemption import Preempted
+from engine.runtime.processes import current
 from engine.runtime.restart_protocol import (
     ATTEMPT,
     GREW,
@@ -89,7 +90,7 @@ class Recovery:
     @classmethod
     def begin(cls, cfg, start: int, meta: dict) -> Optional["Recovery"]:
         """This start's recovery (after the restore; None when there is nothing to record)."""
-        chief = jax.process_index() == 0
+        chief = current().chief
         if cfg.fault.elastic and ATTEMPT not in os.environ and jax.process_count() > 1 and chief:
             print(
                 "note: fault.elastic restarts jobs started with --local-processes, or driven by `launch.py train "

@@ -65,9 +65,11 @@ def main(
     if not sweep.search:  # a search's index is written as its trials end
         write_index(sweep)
     if devices_per_trial is not None:  # every trial in this process, on sub-meshes of its devices
-        from engine.sweep.submesh import run_submeshes
+        from engine.sweep.submesh import run_submeshes, writes_report
 
         code = run_submeshes(sweep, devices_per_trial, retry_failed)
+        if not writes_report():  # (another process of the job's)
+            return code
     elif sweep.search:
         if backend == "slurm" or parallel != 1:
             raise UsageError(

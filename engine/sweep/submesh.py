@@ -10,6 +10,14 @@ next one. A failure (a NaN loss, a layout that does not fit the sub-mesh, an exc
 its data or step) ends that trial alone, recorded with its reason in its status.json and
 sweep.jsonl; the others train on.
 
+In a job of several processes (every process runs the sweep command) each process trains the
+sub-meshes that hold its devices: a sub-mesh lies within one process (N divides its devices)
+or is the whole job's devices (each trial on every process, SPMD). The queue is the job's:
+process 0 publishes the runs still to do in the coordination service's key-value store, a
+sub-mesh's lowest process takes the next by the store's counter and tells the sub-mesh's other
+processes which. A trial's chief, barriers and checkpoint commits are its own processes'
+(engine/runtime/processes.py); the processes wait for each other once, at the sweep's end.
+
 JAX dispatch is thread-safe; what the run path keeps per process is made per thread here:
 its console output (each trial's goes to its workdir's run.log: `Routed`), its stop (SIGTERM
 to the sweep stops every trial at its next step, which saves: engine.runtime.preemption.
@@ -21,6 +29,7 @@ and eval records and its end, with times and sub-meshes (the benchmark reads it)
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import signal
@@ -33,12 +42,15 @@ from typing import Any, Callable, Optional
 
 from engine.errors import UsageError
 from engine.runtime.judged import InProcess, judged_here
+from engine.runtime.processes import RunProcesses
 from engine.runtime.rundir import STATUS, append_line, read_status, write_json
 from engine.sweep.local import pending_runs, write_index
 from engine.sweep.progress import Progress
 from engine.sweep.spec import RunSpec, Sweep
 
 EVENTS = "submesh.jsonl"
+KEY = "engine_sweep"  # the job's keys in the coordination service's store
+WAIT_MS = 7 * 24 * 3600 * 1000  # a process waits this long for the others (their trials may take days)
 
 
 def submeshes(devices: list, per_trial: int) -> list[list]:
@@ -50,6 +62,26 @@ def submeshes(devices: list, per_trial: int) -> list[list]:
             f"use a divisor of {len(devices)}"
         )
     return [devices[i : i + per_trial] for i in range(0, len(devices), per_trial)]
+
+
+def check_layout(per_trial: int, per_process: int, processes: int) -> None:
+    """UsageError unless each sub-mesh of `per_trial` devices lies within one process or is the whole job."""
+    total = per_process * processes
+    if processes == 1 or per_trial == total or (per_trial <= per_process and per_process % per_trial == 0):
+        return
+    within = [n for n in range(1, per_process + 1) if per_process % n == 0]
+    raise UsageError(
+        f"--devices-per-trial {per_trial} in a job of {processes} processes x {per_process} devices: a sub-mesh "
+        f"spanning some of the processes is not built; use --devices-per-trial {', '.join(map(str, within))} "
+        f"(trials within one process) or {total} (each trial on every process)"
+    )
+
+
+def job_client():
+    """The coordination service's client of a multi-process job (None for a process alone)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
 
 
 class Routed(io.TextIOBase):
@@ -82,8 +114,8 @@ class Queue:
     """The trials still to start: a grid/zip/random sweep's pending runs in order, or a search's
     next trials (an abandoned one first, as search.py does); thread-safe."""
 
-    def __init__(self, sweep: Sweep, retry_failed: bool):
-        self.sweep, self.lock = sweep, threading.RLock()
+    def __init__(self, sweep: Sweep, retry_failed: bool, client=None):
+        self.sweep, self.lock, self.client = sweep, threading.RLock(), client
         self.study: Any = None  # (a search's Optuna study)
         if sweep.search:
             from engine.sweep.search import open_study
@@ -91,12 +123,25 @@ class Queue:
             self.study, self.todo = open_study(sweep), []
         else:
             self.todo = pending_runs(sweep, retry_failed)
+        if client is not None:  # a job's: process 0's list, the same on every process
+            import jax
+
+            if jax.process_index() == 0:
+                client.key_value_set(f"{KEY}/todo", json.dumps([run.name for run in self.todo]))
+            names = json.loads(client.blocking_key_value_get(f"{KEY}/todo", WAIT_MS))
+            self.todo = [self.run(name) for name in names]
+
+    def run(self, name: str) -> RunSpec:
+        return next(run for run in self.sweep.runs if run.name == name)
 
     def take(self, stopping: threading.Event) -> Optional[tuple[RunSpec, Any]]:
         """(the next run, its Optuna trial or None), or None when nothing is left to start."""
         with self.lock:
             if stopping.is_set():
                 return None
+            if self.client is not None:  # the job's next: the store's counter
+                taken = self.client.key_value_increment(f"{KEY}/next", 1) - 1
+                return (self.todo[taken], None) if taken < len(self.todo) else None
             if self.study is None:
                 return (self.todo.pop(0), None) if self.todo else None
             from engine.sweep.search import next_trial, trial_run
@@ -143,10 +188,11 @@ class Queue:
 
 
 class Scheduler:
-    """One worker thread per sub-mesh, each training the queue's next trial until none is left."""
+    """One worker thread per sub-mesh of this process (`mine`: their indices in `meshes`, the
+    job's), each training the queue's next trial until none is left."""
 
-    def __init__(self, sweep: Sweep, meshes: list[list], queue: Queue, progress: Progress):
-        self.sweep, self.meshes, self.queue, self.progress = sweep, meshes, queue, progress
+    def __init__(self, sweep: Sweep, meshes: list[list], queue: Queue, progress: Progress, mine: list[int]):
+        self.sweep, self.meshes, self.queue, self.progress, self.mine = sweep, meshes, queue, progress, mine
         self.stopping = threading.Event()
         self.stops: dict[int, threading.Event] = {}  # sub-mesh → its trial's stop
         self.events_lock, self.config_lock = threading.Lock(), threading.Lock()
@@ -163,29 +209,45 @@ class Scheduler:
         for event in list(self.stops.values()):
             event.set()
 
-    def work(self, index: int) -> None:
-        devices = self.meshes[index]
-        while True:
-            taken = self.queue.take(self.stopping)
+    def work(self, slot: int) -> None:
+        index = self.mine[slot]
+        devices, processes = self.meshes[index], RunProcesses.of(self.meshes[index])
+        for turn in itertools.count():
+            taken = self.next(index, processes, turn)
             if taken is None:
-                self.progress.idle(index)
+                self.progress.idle(slot)
                 return
             run, trial = taken
-            status = self.train(index, devices, run, trial)
+            status = self.train(index, slot, devices, run, trial)
             value = status.get("final", {}).get(self.sweep.metric)
-            self.queue.ended(trial, status["status"], value)
-            self.progress.ended(index, run.name, status)
+            if processes.chief:
+                self.queue.ended(trial, status["status"], value)
+            self.progress.ended(slot, run.name, status)
 
-    def train(self, index: int, devices: list, run: RunSpec, trial) -> dict:
-        """Trains (or resumes) one run on `devices` on this thread; its status, as recorded."""
+    def next(self, index: int, processes: RunProcesses, turn: int) -> Optional[tuple[RunSpec, Any]]:
+        """The sub-mesh's next trial: its lowest process takes it from the queue and tells the others."""
+        if processes.count == 1:
+            return self.queue.take(self.stopping)
+        key, client = f"{KEY}/submesh{index}/{turn}", self.queue.client
+        if processes.chief:
+            taken = self.queue.take(self.stopping)
+            client.key_value_set(key, taken[0].name if taken else "")
+            return taken
+        name = client.blocking_key_value_get(key, WAIT_MS)
+        return (self.queue.run(name), None) if name else None
+
+    def train(self, index: int, slot: int, devices: list, run: RunSpec, trial) -> dict:
+        """Trains (or resumes) one run on `devices` on this thread; its status, as recorded (by the
+        run's chief: the lowest of its processes; the others log to run.process<P>.log)."""
         from engine.run.single import NonFiniteLoss, Preempted, fit
         from engine.runtime.preemption import thread_stop
         from engine.runtime.rundir import final_metrics
 
         workdir = self.sweep.workdir(run)
         workdir.mkdir(parents=True, exist_ok=True)
-        started = time.time()
-        write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "submesh": index})
+        started, chief = time.time(), RunProcesses.of(devices).chief
+        if chief:
+            write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "submesh": index})
         stop = self.stops[index] = threading.Event()
         if self.stopping.is_set():
             stop.set()
@@ -193,18 +255,19 @@ class Scheduler:
         pruned: list[bool] = []
 
         def judge(record: dict) -> bool:
-            self.progress.record(index, record)
+            self.progress.record(slot, record)
             self.event(record["split"], index, run.name, step=record["step"])
             go = verdict(record)
             if not go:
                 pruned.append(True)
             return go
 
-        self.progress.started(index, run.name, devices)
-        self.event("start", index, run.name, devices=[d.id for d in devices])
+        self.progress.started(slot, run.name, devices)
+        if chief:
+            self.event("start", index, run.name, devices=[d.id for d in devices])
         ident = threading.get_ident()
         record: dict[str, Any] = {"status": "failed", "submesh": index}
-        with open(workdir / "run.log", "a") as log, judged_here(InProcess(judge, stop)), thread_stop(stop):
+        with open(workdir / log_name(chief), "a") as log, judged_here(InProcess(judge, stop)), thread_stop(stop):
             self.stdout.files[ident] = self.stderr.files[ident] = log
             try:
                 with self.config_lock:  # (the sweep's cache of loaded configs)
@@ -227,8 +290,9 @@ class Scheduler:
         record.update(seconds=round(time.time() - started, 2), exit_code=0 if record["status"] == "finished" else 1)
         if trial is not None:
             record["trial"] = trial.number
-        write_json(workdir / STATUS, record)
-        self.event("end", index, run.name, status=record["status"], error=record.get("error"))
+        if chief:
+            write_json(workdir / STATUS, record)
+            self.event("end", index, run.name, status=record["status"], error=record.get("error"))
         return {**record, "final": final_metrics(workdir)}
 
     def run(self) -> None:
@@ -237,7 +301,7 @@ class Scheduler:
         }
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = self.stdout, self.stderr
-        threads = [threading.Thread(target=self.work, args=(i,), name=f"submesh-{i}") for i in range(len(self.meshes))]
+        threads = [threading.Thread(target=self.work, args=(s,), name=f"submesh-{i}") for s, i in enumerate(self.mine)]
         try:
             for thread in threads:
                 thread.start()
@@ -265,25 +329,50 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
         )
     from engine.checkpoint.store import serial_saves
 
-    meshes = submeshes(jax.devices(), per_trial)
+    meshes, client = submeshes(jax.devices(), per_trial), job_client()
+    if jax.process_count() > 1:
+        check_layout(per_trial, jax.local_device_count(), jax.process_count())
+        if sweep.search:
+            raise UsageError(
+                "a search sweep's sub-meshes run in one process (its study's trials are asked and told there): "
+                "run it without the job's processes, or make it a grid or random sweep"
+            )
+    mine = [i for i, mesh in enumerate(meshes) if jax.process_index() in RunProcesses.of(mesh).ids]
     serial_saves()  # (orbax's saves share one process-wide operation id)
-    queue = Queue(sweep, retry_failed)
+    queue = Queue(sweep, retry_failed, client)
     total = sweep.search["trials"] if sweep.search else len(sweep.runs)
     print(
         f"sweep {sweep.path.name}: {total} runs on {len(meshes)} sub-meshes of {per_trial} device(s) "
-        f"({jax.device_count()} {jax.devices()[0].platform} devices) in {sweep.directory}",
+        f"({jax.device_count()} {jax.devices()[0].platform} devices; this process's: {mine}) in {sweep.directory}",
         flush=True,
     )
-    progress = Progress(len(meshes), sweep.metric, sys.stderr)
-    scheduler = Scheduler(sweep, meshes, queue, progress)
+    progress = Progress(len(mine), sweep.metric, sys.stderr)
+    scheduler = Scheduler(sweep, meshes, queue, progress, mine)
     scheduler.run()
-    write_index(sweep)
+    if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
+        client.wait_at_barrier(f"{KEY}/end", WAIT_MS)
+    if jax.process_index() == 0:
+        write_index(sweep)
     if scheduler.stopping.is_set():
         return 143
     statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]
     if sweep.search:
         return 0
     return 0 if all(s == "finished" for s in statuses) else 1
+
+
+def log_name(chief: bool) -> str:
+    """A trial's log file on this process: its chief's run.log, the others' run.process<P>.log."""
+    import jax
+
+    return "run.log" if chief else f"run.process{jax.process_index()}.log"
+
+
+def writes_report() -> bool:
+    """Whether this process writes the sweep's report (process 0 of a job's)."""
+    import jax
+
+    return jax.process_index() == 0
 
 
 def events(directory: Path) -> list[dict]:

@@ -1,0 +1,123 @@
+"""A sub-mesh sweep (`launch.py sweep --devices-per-trial N`, engine/sweep/submesh.py) in a job of
+2 processes x 2 devices: sub-meshes within one process (N=2) and a sub-mesh spanning both (N=4).
+Each job is killed with SIGKILL (every process) and run again: the finished run is not trained
+again, the interrupted one resumes from its checkpoint with the losses of the same config trained
+alone on N devices, the one not yet begun starts."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+from support.cli import start_cli, wait_until
+from support.configs import ROOT
+
+from engine.config import load_config
+from engine.runtime.rundir import read_records, read_status
+
+COMMON = {
+    "train.steps_per_call": 1,
+    "train.global_batch_size": 32,
+    "eval.every_steps": 100,
+    "log.every_steps": 10,
+    "checkpoint.every_steps": 20,
+    "log.tensorboard": False,
+    "model.dropout_rate": 0.0,
+}
+JOB = ["--local-processes", "2", "--devices-per-process", "2"]
+
+
+def losses(workdir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"}
+
+
+def kill_job(proc) -> None:
+    """SIGKILL to every process of the job (each its own session), then to its launcher."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    for pid in children:
+        os.killpg(int(pid), signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+
+
+def killed_and_resumed(tmp_path, per_trial: int, runs: dict, unstarted: bool) -> tuple[Path, list[Path], str]:
+    """Runs the sweep, kills it once its first run finished and its second saved (the last not begun,
+    when `unstarted`), runs it again to the end; (its directory, the runs' workdirs, the first's records)."""
+    spec = {
+        "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+        "overrides": COMMON,
+        "zip": runs,
+        "metric": "eval/loss",
+        "directory": str(tmp_path / "s"),
+    }
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    names = [f"hidden_sizes={w[0]},steps={s}" for w, s in zip(runs["model.hidden_sizes"], runs["train.steps"])]
+    workdirs = [tmp_path / "s" / name for name in names]
+    command = ["sweep", str(path), "--devices-per-trial", str(per_trial), *JOB]
+    proc = start_cli(*command)
+
+    def killable() -> bool:
+        saved = [p for p in (workdirs[1] / "checkpoints").glob("*") if p.name.isdigit()]
+        begun = unstarted and workdirs[-1].exists()
+        return read_status(workdirs[0]).get("status") == "finished" and bool(saved) and not begun
+
+    wait_until(killable, proc, seconds=300)
+    kill_job(proc)
+    assert read_status(workdirs[1]).get("status") == "running"
+    finished = (workdirs[0] / "metrics.jsonl").read_text()
+    done = start_cli(*command)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, out + err
+    index = [json.loads(line) for line in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in index] == ["finished"] * len(names)
+    starts = [json.loads(line) for line in (tmp_path / "s" / "submesh.jsonl").read_text().splitlines()]
+    assert [e["run"] for e in starts if e["event"] == "start"].count(names[0]) == 1  # not trained again
+    return tmp_path / "s", workdirs, finished
+
+
+def alone(tmp_path, workdir: Path, devices: int) -> dict[int, float]:
+    """The losses of the run in `workdir` trained alone on `devices` devices of this process."""
+    from engine.run.single import fit
+
+    cfg = yaml.safe_load((workdir / "config.yaml").read_text())
+    values = {
+        **COMMON,
+        "model.hidden_sizes": cfg["model"]["hidden_sizes"],
+        "train.steps": cfg["train"]["steps"],
+        "mesh.num_devices": devices,
+    }
+    overrides = [f"{k}={json.dumps(v)}" for k, v in values.items()] + ["log.progress=false"]
+    fit(load_config(ROOT / "configs" / "mnist_mlp.yaml", overrides, str(tmp_path / "alone" / workdir.name)))
+    return losses(tmp_path / "alone" / workdir.name)
+
+
+def check_resumed(tmp_path, workdir: Path, devices: int, steps: int) -> None:
+    assert "resuming from step" in (workdir / "run.log").read_text()
+    resumed, uninterrupted = losses(workdir), alone(tmp_path, workdir, devices)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(10, steps + 1, 10))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-6, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_sub_meshes_within_each_process_of_a_killed_job_resume(tmp_path):
+    runs = {"model.hidden_sizes": [[8], [16], [24], [32]], "train.steps": [20, 200, 200, 40]}
+    directory, (first, long, _, unstarted), finished = killed_and_resumed(tmp_path, 2, runs, unstarted=True)
+    assert (first / "metrics.jsonl").read_text() == finished
+    starts = [json.loads(line) for line in (directory / "submesh.jsonl").read_text().splitlines()]
+    devices = {tuple(e["devices"]) for e in starts if e["event"] == "start"}
+    assert len(devices) == 2 and all(len({d // 2048 for d in mesh}) == 1 for mesh in devices)  # one process's each
+    check_resumed(tmp_path, long, 2, 200)
+    assert sorted(losses(unstarted)) == list(range(10, 41, 10))
+
+
+@pytest.mark.slow
+def test_a_sub_mesh_spanning_both_processes_of_a_killed_job_resumes(tmp_path):
+    runs = {"model.hidden_sizes": [[8], [16]], "train.steps": [20, 200]}
+    _, (first, long), finished = killed_and_resumed(tmp_path, 4, runs, unstarted=False)
+    assert (first / "metrics.jsonl").read_text() == finished
+    assert (long / "run.process1.log").is_file()  # process 1 trained it too
+    check_resumed(tmp_path, long, 4, 200)
