@@ -9,6 +9,7 @@ other. ArrayHandler.serialize is orbax's less that check (orbax-checkpoint's own
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import jax
@@ -88,6 +89,20 @@ class OwnValidator(array_metadata_store_lib.Validator):
                 f"the checkpoint holds array metadata from process {ref_process_index} alone, of the run's "
                 f"{self.processes}"
             )
+
+
+def own_operation_ids() -> None:
+    """From now on this process numbers its saves apart from the job's other processes.
+
+    Orbax keys a save's signals (its step's directories created) in the job's coordination store
+    by an operation id that each process counts from 0, the same on every process of a run on all
+    of them. Processes saving runs of their own at once (sub-mesh trials within each process)
+    would read each other's signals and write before their directories exist; each counts from
+    its own range instead (orbax's OperationIdGenerator)."""
+    from orbax.checkpoint._src.futures import synchronization
+
+    generator = synchronization.OperationIdGenerator
+    generator._operation_id_counter = itertools.count((jax.process_index() + 1) * 10**12)
 
 
 def among(ids: Sequence[int], name: str) -> tuple:

@@ -337,6 +337,10 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
                 "a search sweep's sub-meshes run in one process (its study's trials are asked and told there): "
                 "run it without the job's processes, or make it a grid or random sweep"
             )
+    if jax.process_count() > 1 and per_trial <= jax.local_device_count():  # each process saves its own runs
+        from engine.checkpoint.among import own_operation_ids
+
+        own_operation_ids()
     mine = [i for i, mesh in enumerate(meshes) if jax.process_index() in RunProcesses.of(mesh).ids]
     serial_saves()  # (orbax's saves share one process-wide operation id)
     queue = Queue(sweep, retry_failed, client)
