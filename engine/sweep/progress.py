@@ -16,8 +16,12 @@ from tqdm import tqdm
 
 
 class Progress:
-    def __init__(self, slots: int, metric: str, stream, terminal: Optional[bool] = None):
+    def __init__(
+        self, slots: int, metric: str, stream, terminal: Optional[bool] = None, labels: Optional[list[int]] = None
+    ):
+        """`labels`: the sub-meshes' numbers in the job (a process of several shows its own: default 0..slots-1)."""
         self.metric, self.stream, self.lock = metric, stream, threading.Lock()
+        self.labels = labels if labels is not None else list(range(slots))
         self.split, self.name = metric.split("/", 1)
         self.terminal = stream.isatty() if terminal is None else terminal
         self.lines: list[dict[str, Any]] = [{"run": "", "state": "waiting", "step": 0} for _ in range(slots)]
@@ -34,7 +38,7 @@ class Progress:
         with self.lock:
             self.lines[slot] = {"run": run, "state": "starting", "step": 0, "devices": [d.id for d in devices]}
         if not self.terminal:
-            self._say(f"start {run} on sub-mesh {slot} (devices {self.lines[slot]['devices']})")
+            self._say(f"start {run} on sub-mesh {self.labels[slot]} (devices {self.lines[slot]['devices']})")
 
     def record(self, slot: int, record: dict) -> None:
         """A train or eval record the slot's trial logged."""
@@ -66,10 +70,10 @@ class Progress:
     def text(self, slot: int) -> str:
         line = self.lines[slot]
         if not line["run"]:
-            return f"[{slot}] {line['state']}"
+            return f"[{self.labels[slot]}] {line['state']}"
         shown = f" {self.metric}={line['metric']:.4g}" if "metric" in line else ""
         shown += f" loss={line['loss']:.4g}" if "loss" in line else ""
-        return f"[{slot}] {line['run']}: {line['state']} step {line['step']}{shown}"
+        return f"[{self.labels[slot]}] {line['run']}: {line['state']} step {line['step']}{shown}"
 
     def refresh(self) -> None:
         if not self.terminal:

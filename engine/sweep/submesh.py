@@ -350,7 +350,7 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
         f"({jax.device_count()} {jax.devices()[0].platform} devices; this process's: {mine}) in {sweep.directory}",
         flush=True,
     )
-    progress = Progress(len(mine), sweep.metric, sys.stderr)
+    progress = Progress(len(mine), sweep.metric, sys.stderr, labels=mine)
     scheduler = Scheduler(sweep, meshes, queue, progress, mine)
     scheduler.run()
     if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
