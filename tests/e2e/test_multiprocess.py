@@ -16,7 +16,8 @@ import pytest
 from support import slurm_cluster
 from support.cli import run_cli, start_cli, wait_until, wrote_metrics
 from support.configs import ROOT
-from support.multiprocess import COMMON, local_job, one_process, train_losses
+from support.in_process import train_here
+from support.multiprocess import COMMON, local_job, train_losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,37 +41,42 @@ GPT = [
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_and_checkpoints_move_between_process_counts(tmp_path):
+def test_two_processes_match_one_process_and_checkpoints_move_between_process_counts(tmp_path, capsys):
     """The MLP (dropout on) on 2 processes of 2 devices gives one process's losses; the step 4
-    checkpoint saved by 2 processes resumes on 1, the one saved by 1 on 2, each with those losses."""
+    checkpoint saved by 2 processes resumes on 1, the one saved by 1 on 2, each with those losses.
+    (The one process of 4 devices is this test's own: support/in_process.py.)"""
     config, *overrides = MLP
     args = [*overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2", "checkpoint.every_steps=4"]
     two = local_job(tmp_path / "two", config, *args)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "[1] " in two.stdout and "[0] " in two.stdout  # output prefixed by process id
-    one = one_process(tmp_path / "one", config, *args)
-    assert one.returncode == 0, one.stderr[-3000:]
+    code, said = train_here(capsys, tmp_path / "one", config, *args)
+    assert code == 0, said[-3000:]
     a, expected = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
     assert sorted(a) == list(range(1, 9))
     np.testing.assert_allclose([a[s] for s in sorted(a)], [expected[s] for s in sorted(a)], rtol=1e-5)
-    for saved_by, resume in (("two", one_process), ("one", local_job)):  # saved by 2, resumed by 1; and back
+    for saved_by in ("two", "one"):  # saved by 2, resumed by 1; and back
         workdir = tmp_path / f"from-{saved_by}"
         shutil.copytree(tmp_path / saved_by / "checkpoints" / "4", workdir / "checkpoints" / "4")
-        resumed = resume(workdir, config, *args)
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        assert "resuming from step 4" in resumed.stdout + resumed.stderr
+        if saved_by == "two":
+            code, said = train_here(capsys, workdir, config, *args)
+        else:
+            resumed = local_job(workdir, config, *args)
+            code, said = resumed.returncode, resumed.stdout + resumed.stderr
+        assert code == 0, said[-3000:]
+        assert "resuming from step 4" in said
         losses = train_losses(workdir)
         assert sorted(losses) == list(range(5, 9))
         np.testing.assert_allclose([losses[s] for s in range(5, 9)], [expected[s] for s in range(5, 9)], rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_on_a_transformer(tmp_path):
+def test_two_processes_match_one_process_on_a_transformer(tmp_path, capsys):
     config, *overrides = GPT
     two = local_job(tmp_path / "two", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    one = one_process(tmp_path / "one", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
-    assert one.returncode == 0, one.stderr[-3000:]
+    code, said = train_here(capsys, tmp_path / "one", config, *overrides, "train.steps=8", "mesh.data=2", "mesh.fsdp=2")
+    assert code == 0, said[-3000:]
     a, b = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
     assert sorted(a) == list(range(1, 9))
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(a)], rtol=1e-5)
