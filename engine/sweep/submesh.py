@@ -115,7 +115,8 @@ class Queue:
     next trials (an abandoned one first, as search.py does); thread-safe."""
 
     def __init__(self, sweep: Sweep, retry_failed: bool, client=None):
-        self.sweep, self.lock, self.client = sweep, threading.RLock(), client
+        # (a job's search: its processes share the study, which hands each trial to one of them)
+        self.sweep, self.lock, self.client = sweep, threading.RLock(), None if sweep.search else client
         self.study: Any = None  # (a search's Optuna study)
         if sweep.search:
             from engine.sweep.search import open_study
@@ -123,7 +124,7 @@ class Queue:
             self.study, self.todo = open_study(sweep), []
         else:
             self.todo = pending_runs(sweep, retry_failed)
-        if client is not None:  # a job's: process 0's list, the same on every process
+        if self.client is not None:  # a job's: process 0's list, the same on every process
             import jax
 
             if jax.process_index() == 0:
@@ -161,6 +162,7 @@ class Queue:
                 elif status in states or status == "finished":  # (finished without the metric: failed)
                     self.study.tell(trial, state=states.get(status, optuna.trial.TrialState.FAIL))
                 # interrupted: the trial stays running in the study; the next sweep process resumes it
+            if self.study is not None:  # (its trials: this process's and any other's)
                 from engine.sweep.search import trial_run
 
                 self.sweep.runs = [trial_run(t) for t in self.study.trials]
@@ -229,6 +231,7 @@ class Scheduler:
         if processes.count == 1:
             return self.queue.take(self.stopping)
         key, client = f"{KEY}/submesh{index}/{turn}", self.queue.client
+        assert client is not None, "a sub-mesh of several processes trains a grid, zip or random sweep"
         if processes.chief:
             taken = self.queue.take(self.stopping)
             client.key_value_set(key, taken[0].name if taken else "")
@@ -332,10 +335,10 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
     meshes, client = submeshes(jax.devices(), per_trial), job_client()
     if jax.process_count() > 1:
         check_layout(per_trial, jax.local_device_count(), jax.process_count())
-        if sweep.search:
+        if sweep.search and per_trial > jax.local_device_count():
             raise UsageError(
-                "a search sweep's sub-meshes run in one process (its study's trials are asked and told there): "
-                "run it without the job's processes, or make it a grid or random sweep"
+                f"a search sweep's trials span no processes (their pruning is judged on one): use --devices-per-trial "
+                f"{jax.local_device_count()} or fewer, or make it a grid or random sweep"
             )
     if jax.process_count() > 1 and per_trial <= jax.local_device_count():  # each process saves its own runs
         from engine.checkpoint.among import own_operation_ids
@@ -356,7 +359,7 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
     if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
         client.wait_at_barrier(f"{KEY}/end", WAIT_MS)
     if jax.process_index() == 0:
-        write_index(sweep)
+        queue.ended(None, "", None)  # the index (a search's: every process's trials)
     if scheduler.stopping.is_set():
         return 143
     statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]

@@ -121,3 +121,23 @@ def test_a_sub_mesh_spanning_both_processes_of_a_killed_job_resumes(tmp_path):
     assert (first / "metrics.jsonl").read_text() == finished
     assert (long / "run.process1.log").is_file()  # process 1 trained it too
     check_resumed(tmp_path, long, 4, 200)
+
+
+@pytest.mark.slow
+def test_an_optuna_search_shares_its_study_between_the_processes_sub_meshes(tmp_path):
+    spec = {
+        "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+        "overrides": {**COMMON, "train.steps": 10, "eval.every_steps": 10},
+        "metric": "eval/loss",
+        "directory": str(tmp_path / "s"),
+        "search": {"trials": 3, "seed": 0, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-1]}}},
+    }
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, out + err
+    index = [json.loads(line) for line in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["status"]) for r in index] == [(f"trial-000{n}", "finished") for n in range(3)]
+    starts = [json.loads(line) for line in (tmp_path / "s" / "submesh.jsonl").read_text().splitlines()]
+    assert sorted(e["run"] for e in starts if e["event"] == "start") == [f"trial-000{n}" for n in range(3)]  # once each
