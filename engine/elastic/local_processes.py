@@ -13,13 +13,14 @@ from pathlib import Path
 
 from engine.elastic.accounting import SETTLE_SECONDS
 from engine.elastic.grow import request
+from engine.elastic.precompile import DryRun, local_dry_run
 from engine.elastic.supervisor import supervise
 
 
 class LocalProcesses:
     """The job's processes on this machine (a Membership)."""
 
-    unit, how, precompiles = "processes", "", True
+    unit, how = "processes", ""
 
     def __init__(self, devices: int):
         self.devices = devices
@@ -28,6 +29,9 @@ class LocalProcesses:
         from engine.runtime.launcher import run_local_job
 
         return run_local_job(args, processes, self.devices, env, seen, grace=0, settle=SETTLE_SECONDS)
+
+    def precompile(self, args: list[str], processes: int, devices: int, log: Path) -> DryRun:
+        return local_dry_run(args, processes, devices, log)
 
     def when_back(self, workdir: Path, full: int) -> None:
         request(workdir, full, "the lost processes can run again on this machine")  # (at once: nothing to stop)

@@ -23,7 +23,10 @@ process failed on its own, the round file says so and every supervisor exits 1 w
 message. The child's exit 0 (done) and 2 (a usage error) end the job; 143/130 (a preemption)
 end this pod's supervisor with it. Grow back (engine/elastic/grow.py): while a round smaller
 than --processes runs and a live pod not in it is ready for the next, rank 0's supervisor asks the
-job to stop at its next persistent checkpoint; everyone then forms a larger round. Imports no jax.
+job to stop at its next persistent checkpoint; everyone then forms a larger round.
+fault.precompile (engine/elastic/precompile.py): the round's leader names a coordinator for each
+smaller size's dry run; the pods of its first ranks each run their process of it, in the background
+once the round's job has logged (the workdir is shared, as the checkpoints need). Imports no jax.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from engine.elastic.accounting import (
     write_failures,
 )
 from engine.elastic.grow import GROW_EXIT, note_growth, request, start_env, withdraw
+from engine.elastic.precompile import Precompiles, check_precompile
 from engine.elastic.rendezvous import MEMBER, POLL_SECONDS, Heartbeat, Rendezvous
 from engine.elastic.shrink import shrink_plan
 from engine.errors import UsageError
@@ -88,8 +92,7 @@ def run_pod_job(args: list[str], cfg, where: str, processes: int, devices: int, 
     when the job cannot go on)."""
     plans = shrink_plan(cfg, processes, devices)
     note_growth(cfg)
-    if cfg.fault.precompile:
-        sys.stderr.write("note: fault.precompile is not built under --rendezvous: a restart compiles its job\n")
+    check_precompile(cfg)
     job = job_identity(cfg)
     rendezvous = Rendezvous(where, member, address, processes, fewest=cfg.fault.min_processes, job=job)
     heartbeat = Heartbeat(rendezvous.store.backend, member, address)
@@ -166,12 +169,8 @@ class Supervisor:
             *SELF,
             *self.args,
             *self.plans.get(size, []),
-            f"distributed.coordinator_address={found['coordinator']}",
-            f"distributed.num_processes={size}",
-            f"distributed.process_id={rank}",
+            *distributed_args(found["coordinator"], size, rank),
         ]
-        if found["coordinator"].startswith("127.0.0.1:"):  # (a test's pods on one machine)
-            command.append(f"distributed.coordinator_bind_address={found['coordinator']}")
         grow = start_env(size, self.full, found.get("grew"), self.cfg)
         extra = {ATTEMPT: str(n), "PYTHONUNBUFFERED": "1", **grow}
         sys.stderr.write(f"elastic: pod {self.me}: round {n}, process {rank} of {size} (members {members})\n")
@@ -181,8 +180,14 @@ class Supervisor:
             start_new_session=True,
             preexec_fn=stop_with(os.getpid(), sig=signal.SIGKILL),
         )
-        killed = self.watch(n, members, rank, {m: self.rendezvous.incarnation(m) for m in members})
-        code = self.child.wait()
+        # fault.precompile: this pod's process of each smaller job's dry run (the first ranks' pods)
+        precompiles = Precompiles(self.args, self.plans, 0, self.cfg, PodDryRun.launcher(found, rank))
+        precompiles.start(size)
+        try:
+            killed = self.watch(n, members, rank, {m: self.rendezvous.incarnation(m) for m in members})
+            code = self.child.wait()
+        finally:
+            precompiles.stop()
         keys = [hang_key(path) for path in sorted(set(self.workdir.glob("hang-*.txt")) - hangs)]
         mine = sorted(key[:2] for key in keys if key is not None and key[2] == rank)
         report = {"code": code, "killed": killed, "time": time.time(), "hung": bool(mine)}
@@ -243,6 +248,8 @@ class Supervisor:
             "members": members,
             "coordinator": f"{self.rendezvous.address}:{free_port()}",
             "grew": None,
+            # fault.precompile: each smaller size's dry run, its coordinator on this pod too (the first ranks' pods)
+            "precompile": {str(k): f"{self.rendezvous.address}:{free_port()}" for k in self.plans if k < len(members)},
         }
         failures = list(previous["failures"]) if previous else []
         since = previous.get("full_since", 0) if previous else 0
@@ -282,6 +289,54 @@ class Supervisor:
         size, fault = len(before), self.cfg.fault
         _, message, _ = account(self.workdir, failures, seen, size, hung, r, fault, since, left=len(members))
         return failures[len(previous["failures"]) :], message, None
+
+
+class PodDryRun:
+    """This pod's process of a smaller job's dry run (fault.precompile): process `rank` of it, at
+    the coordinator the round's leader named for its size, at nice 19."""
+
+    def __init__(self, args: list[str], coordinator: str, processes: int, rank: int, log: Path):
+        command = [*SELF, *args, *distributed_args(coordinator, processes, rank)]
+        self.log = log.with_name(f"{log.stem}-process{rank}{log.suffix}")  # (each pod's own, in the shared workdir)
+        with open(self.log, "w") as out:
+            self.child = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=stop_with(os.getpid(), 19, sig=signal.SIGKILL),
+            )
+
+    @staticmethod
+    def launcher(found: dict, rank: int):
+        """precompile.Launch for the round `found`: the pods of the first ranks take part."""
+
+        def launch(args: list[str], processes: int, devices: int, log: Path) -> Optional[PodDryRun]:
+            coordinator = found.get("precompile", {}).get(str(processes))
+            return PodDryRun(args, coordinator, processes, rank, log) if coordinator and rank < processes else None
+
+        return launch
+
+    def wait(self) -> list[int]:
+        return [self.child.wait()]
+
+    def kill(self) -> None:
+        if self.child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.child.pid, signal.SIGKILL)
+        self.child.wait()
+
+
+def distributed_args(coordinator: str, processes: int, rank: int) -> list[str]:
+    """The overrides that make a process `rank` of a job of `processes` at `coordinator`."""
+    args = [
+        f"distributed.coordinator_address={coordinator}",
+        f"distributed.num_processes={processes}",
+        f"distributed.process_id={rank}",
+    ]
+    if coordinator.startswith("127.0.0.1:"):  # (a test's pods on one machine)
+        args.append(f"distributed.coordinator_bind_address={coordinator}")
+    return args
 
 
 def _failure(attempt: int, process: int, how: str, step, when: float, processes: int) -> dict:

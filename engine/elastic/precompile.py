@@ -15,6 +15,13 @@ line on stderr says when it is in the cache; a failed precompile is a warning, n
 end. A restart stops the precompiles still running (SIGKILL: they only write complete cache
 entries) and starts those of the sizes below the new one.
 
+Where a smaller job's dry run runs is the launcher's (`Membership.precompile`): on this machine
+(local processes, `LocalDryRun`); as an `srun --overlap` step of the allocation's tasks
+(engine/elastic/srun_steps.py: on the nodes that will run the restart, with a coordinator port of
+its own); one process per pod of the first n-1 pods of the round (engine/elastic/pods.py: the
+round's leader names each size's coordinator). Each takes part only where the workdir is shared,
+as an elastic job's checkpoints already require.
+
 Imports no jax.
 """
 
@@ -26,9 +33,54 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 from engine.errors import UsageError
 from engine.runtime.launcher import start_background
+
+
+class DryRun(Protocol):
+    """A smaller job's dry run started in the background."""
+
+    def wait(self) -> list[int]:
+        """Until it ends: its processes' exit codes."""
+        ...
+
+    def kill(self) -> None:
+        """Ends it now (SIGKILL: the cache only takes complete entries), and waits for it."""
+        ...
+
+    @property
+    def log(self) -> Path:
+        """The file its output goes to."""
+        ...
+
+
+# (args, processes, devices per process, the log's path) → the dry run started (its output written to that
+# file, or to a file named after it: a pod's share), or None where this place takes no part
+Launch = Callable[[list[str], int, int, Path], Optional[DryRun]]
+
+
+class LocalDryRun:
+    """A dry run as local processes at nice 19 (the local launcher's, engine/runtime/launcher.py)."""
+
+    def __init__(self, args: list[str], processes: int, devices: int, log: Path):
+        self.log = log
+        with open(log, "w") as out:
+            self.children = start_background(args, processes, devices, out)
+
+    def wait(self) -> list[int]:
+        return [child.wait() for child in self.children]
+
+    def kill(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+def local_dry_run(args: list[str], processes: int, devices: int, log: Path) -> DryRun:
+    return LocalDryRun(args, processes, devices, log)
 
 
 def check_precompile(cfg) -> None:
@@ -42,13 +94,15 @@ def check_precompile(cfg) -> None:
 
 
 class Precompiles:
-    """The background dry runs of the job's smaller sizes (nothing unless fault.precompile)."""
+    """The background dry runs of the job's smaller sizes (nothing unless fault.precompile),
+    each started by `launch` (the membership's: where a dry run of that size runs)."""
 
-    def __init__(self, args: list[str], plans: dict[int, list[str]], devices: int, cfg):
-        self.args, self.plans, self.devices = args, plans, devices
+    def __init__(self, args: list[str], plans: dict[int, list[str]], devices: int, cfg, launch: Launch = local_dry_run):
+        self.args, self.plans, self.devices, self.launch = args, plans, devices, launch
         self.enabled, self.workdir = cfg.fault.precompile, Path(cfg.workdir)
         self.stopped = threading.Event()
-        self.children: list = []
+        self.running: Optional[DryRun] = None
+        self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
     def start(self, alive: int) -> None:
@@ -68,10 +122,9 @@ class Precompiles:
     def stop(self) -> None:
         """Ends the precompile running now (and the ones after it)."""
         self.stopped.set()
-        for child in self.children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+        with self.lock:
+            if self.running is not None:
+                self.running.kill()
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -82,16 +135,22 @@ class Precompiles:
             if self.stopped.wait(1.0):
                 return
         for count in sizes:
-            began, log_path = time.monotonic(), self.workdir / f"precompile-{count}.log"
-            with open(log_path, "w") as log:
-                args = [*self.args, *self.plans[count], "fault.elastic=false", "--dry-run"]
-                self.children = start_background(args, count, self.devices, log)
-            codes = [child.wait() for child in self.children]
+            began = time.monotonic()
+            args = [*self.args, *self.plans[count], "fault.elastic=false", "--dry-run"]
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                self.running = self.launch(args, count, self.devices, self.workdir / f"precompile-{count}.log")
+            if self.running is None:  # (this place takes no part in that size's job)
+                continue
+            codes = self.running.wait()
             if self.stopped.is_set():
                 return
             took = time.monotonic() - began
             if any(codes):
-                sys.stderr.write(f"warning: precompile of the {count}-process job failed ({log_path}); not cached\n")
+                sys.stderr.write(
+                    f"warning: precompile of the {count}-process job failed ({self.running.log}); not cached\n"
+                )
                 continue
             sys.stderr.write(
                 f"precompile: the {count}-process job's programs are in the compilation cache ({took:.1f}s)\n"

@@ -14,6 +14,7 @@ growing back once sinfo says the nodes are up). Requires fault.elastic=true. Imp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -29,13 +30,14 @@ from engine.elastic.accounting import ATTEMPT, SETTLE_SECONDS
 from engine.elastic.grow import GROW_EXIT, WhenBack
 from engine.elastic.supervisor import supervise
 from engine.errors import UsageError
-from engine.runtime.launcher import SELF
+from engine.runtime.launcher import SELF, free_port
 
 # srun's line for a task that ended badly: "srun: error: node1: task 1: Killed",
 # "srun: error: node1: tasks 2-3: Exited with exit code 1"
 TASK_LINE = re.compile(r"\btasks? ([\d,\-]+): (.+?)\s*$")
 EXIT = re.compile(r"Exited with exit code (\d+)")
 STEP_NAME = "engine-elastic-{}"  # the name of the step of each start (ENGINE_ELASTIC_ATTEMPT)
+PRECOMPILE_NAME = "engine-precompile-{}"  # the step of a smaller job's dry run (fault.precompile), by its tasks
 # srun (or the step daemon) stopping the step's other tasks after a failure
 STOPPING = re.compile(r"Terminating StepId|STEP \S+ ON \S+ CANCELLED|Force Terminated")
 # how srun names a task killed by a signal (strsignal's words: "Killed", "Segmentation fault", ...)
@@ -88,13 +90,16 @@ def task_devices(given: Optional[int], env: Optional[Mapping[str, str]] = None) 
 class SrunSteps:
     """The job's tasks as srun steps of the allocation (a Membership)."""
 
-    unit, how, precompiles = "tasks", " as a new srun step", False
+    unit, how = "tasks", " as a new srun step"
 
     def __init__(self) -> None:
         self.exclude: list[str] = down_nodes() or []
 
     def start(self, args: list[str], processes: int, env: dict[str, str], seen: list) -> int:
         return run_step(args, processes, self.exclude, env, seen)
+
+    def precompile(self, args: list[str], processes: int, devices: int, log: Path) -> "SrunDryRun":
+        return SrunDryRun(args, processes, self.exclude, log)
 
     def when_back(self, workdir: Path, full: int) -> WhenBack:
         return WhenBack(workdir, full, nodes_up)
@@ -105,6 +110,35 @@ class SrunSteps:
 
     def after_growth(self) -> None:
         self.exclude = []
+
+
+class SrunDryRun:
+    """A smaller job's dry run as an `srun --overlap` step of the allocation's tasks (fault.precompile):
+    on the nodes the restart will run on, sharing their CPUs with the step training, with a
+    coordinator port of its own (JAX_COORDINATOR_PORT; JAX's default for SLURM is one port per
+    job, which the training step holds)."""
+
+    def __init__(self, args: list[str], tasks: int, exclude: list[str], log: Path):
+        self.name = PRECOMPILE_NAME.format(tasks)
+        step = srun_command(args, tasks, exclude, self.name)
+        at = step.index(SELF[0])  # (srun's own flags before it; nice 19 as the local precompiles)
+        command = [step[0], "--overlap", *step[1:at], "nice", "-n", "19", *step[at:]]
+        env = dict(os.environ, JAX_COORDINATOR_PORT=str(free_port()))
+        self.log = log
+        with open(log, "w") as out:
+            self.step = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, text=True
+            )
+
+    def wait(self) -> list[int]:
+        return [self.step.wait()]
+
+    def kill(self) -> None:
+        if self.step.poll() is None:
+            _signal_step(_step_id(self.name), "KILL")  # (SIGKILL to srun alone leaves its tasks to SLURM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.step.pid, signal.SIGKILL)
+        self.step.wait()
 
 
 def run_slurm_job(args: list[str], cfg, tasks: int, devices: int) -> int:

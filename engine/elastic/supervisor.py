@@ -29,7 +29,7 @@ from typing import Optional, Protocol
 
 from engine.elastic.accounting import ATTEMPT, JOB, after_failure, restarts, write_failures
 from engine.elastic.grow import GROW_EXIT, grew_from, note_growth, start_env, withdraw
-from engine.elastic.precompile import Precompiles, check_precompile
+from engine.elastic.precompile import DryRun, Precompiles, check_precompile
 from engine.elastic.shrink import shrink_plan
 
 
@@ -42,13 +42,17 @@ class Membership(Protocol):
 
     unit: str  # what its processes are called in messages ("processes", "tasks")
     how: str  # how a start runs, in messages ("" or " as a new srun step")
-    precompiles: bool  # whether fault.precompile's dry runs can run beside the job here
 
     def start(self, args: list[str], processes: int, env: dict[str, str], seen: list) -> int:
         """Runs one start of the job (`launch.py args` on `processes` processes, `env` added) to
         its end; its exit code (0, 1 after a failure, 2 for a usage error every process met,
         GROW_EXIT when every process left to grow back, 128+n when the supervisor got signal n).
         `seen` receives (process, return code, time) of the processes that failed."""
+        ...
+
+    def precompile(self, args: list[str], processes: int, devices: int, log: Path) -> Optional[DryRun]:
+        """fault.precompile: starts the dry run `launch.py args` of a job of `processes` beside the
+        one training, its output to the file `log` (precompile.py)."""
         ...
 
     def when_back(self, workdir: Path, full: int) -> Optional[Stoppable]:
@@ -72,9 +76,7 @@ def supervise(membership: Membership, args: list[str], cfg, full: int, devices: 
     workdir, fault = Path(cfg.workdir), cfg.fault
     withdraw(workdir)  # (a request of an earlier job; UsageError when it is not a file)
     note_growth(cfg)
-    if fault.precompile and not membership.precompiles:
-        sys.stderr.write(f"note: fault.precompile is not built for {membership.unit}: a restart compiles its job\n")
-    precompiles = Precompiles(args, plans, devices, cfg) if membership.precompiles else None
+    precompiles = Precompiles(args, plans, devices, cfg, membership.precompile)
     failures: list[dict] = []
     alive, attempt, full_since, grew = full, 0, 0, None
     job, stopped = {"started": time.time(), "recovery": 0.0}, None  # (the summary covers the whole job)
@@ -86,11 +88,9 @@ def supervise(membership: Membership, args: list[str], cfg, full: int, devices: 
         write_failures(workdir, failures)
         withdraw(workdir)
         back = membership.when_back(workdir, full) if alive < full and fault.grow_back else None
-        if precompiles is not None:
-            precompiles.start(alive)
+        precompiles.start(alive)
         code = membership.start([*args, *plans.get(alive, [])], alive, env, seen)
-        if precompiles is not None:
-            precompiles.stop()
+        precompiles.stop()
         if back is not None:
             back.stop()
         attempt, grew = attempt + 1, None

@@ -1,5 +1,6 @@
 """`launch.py train --elastic` inside a SLURM allocation: a job whose task is SIGKILLed goes on as a new
-srun step on the task left, from the local tier, with the unbroken run's losses; the driver is
+srun step on the task left, from the local tier, with the unbroken run's losses; a smaller job
+precompiled as an srun --overlap step (fault.precompile) compiles nothing when it runs; the driver is
 refused outside an allocation or without fault.elastic; srun's lines about failed tasks are read."""
 
 import subprocess
@@ -29,6 +30,30 @@ JOB = [
     "eval.max_batches=2",
     "fault.elastic=true",
 ]
+
+
+# In an allocation of 2 tasks: the job of 1 task precompiled as the elastic driver does beside a job of 2
+# (engine/elastic/srun_steps.py SrunSteps.precompile: an srun --overlap step), then run as a step: argv is
+# WORKDIR, then the job's arguments.
+PRECOMPILE = """
+import os, subprocess, sys, time
+from pathlib import Path
+from engine.config import load_config
+from engine.elastic.precompile import Precompiles
+from engine.elastic.srun_steps import SrunSteps
+from engine.runtime.launcher import SELF
+workdir, job = Path(sys.argv[1]), sys.argv[2:]
+args = ["--workdir", str(workdir), *job]
+precompiles = Precompiles(args, {1: []}, 1, load_config(job[1], job[2:], str(workdir)), SrunSteps().precompile)
+precompiles.start(2)
+workdir.mkdir()
+(workdir / "metrics.jsonl").touch()  # (the job of 2 has logged: the precompiles begin)
+later = time.time() + 1
+os.utime(workdir / "metrics.jsonl", (later, later))
+precompiles.wait()
+(workdir / "metrics.jsonl").unlink()
+sys.exit(subprocess.run(["srun", "-n", "1", *SELF, "train", *args, "fault.elastic=false", "train.steps=2"]).returncode)
+"""
 
 
 def records(workdir, split):
@@ -63,6 +88,26 @@ def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path
             text=True,
             timeout=300,
         )
+        narrow = tmp_path / "narrow"
+        precompiled = subprocess.run(
+            [
+                "salloc",
+                "-n",
+                "2",
+                sys.executable,
+                "-c",
+                PRECOMPILE,
+                str(narrow),
+                *JOB,
+                "model.hidden_sizes=[96]",
+                "fault.precompile=true",
+            ],
+            env=dict(child_env(env), SLURM_CONF=cluster.env["SLURM_CONF"]),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         kill.stop()
         cluster.__exit__(None, None, None)
@@ -78,6 +123,13 @@ def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path
     assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (1, 2, 6), grown
     assert "elastic: growing back to 2 tasks as a new srun step" in job.stderr
     assert job.stdout.count(f"done: {STEPS} steps") == 2  # (each task of the last step, the grown one, once)
+    # fault.precompile: the job of 1 task, dry-run as an srun --overlap step beside a job of 2 (SrunSteps'), then
+    # run as a step of its own, compiles nothing (a model of another width: programs the job above never compiled)
+    assert precompiled.returncode == 0, precompiled.stdout[-3000:] + precompiled.stderr[-3000:]
+    assert "precompile: the 1-process job's programs are in the compilation cache" in precompiled.stderr
+    assert "compile time" in (narrow / "precompile-1.log").read_text()
+    (summary,) = records(narrow, "summary")
+    assert summary["compile_cache_misses"] == 0 and summary["compile_cache_hits"] > 0, summary
     broken = losses(workdir)
     assert sorted(broken) == list(range(1, STEPS + 1))
     # the unbroken run: the same mesh of 2 devices in one process
