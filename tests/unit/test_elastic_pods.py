@@ -206,3 +206,13 @@ def test_the_rendezvous_refuses_another_job_s_rounds_and_any_state_it_did_not_wr
     (tmp_path / "folder" / "state.json").mkdir(parents=True)
     with pytest.raises(UsageError, match=r"state.json is a directory"):
         Rendezvous(tmp_path / "folder", "pod-0", "10.0.0.1", 2).latest()
+
+
+@pytest.mark.nocompile
+def test_the_leader_names_a_coordinator_on_its_pod_for_each_smaller_job_s_precompile(tmp_path):
+    cfg = load_config(JOB[0], [*JOB[1:], "fault.precompile=true"], str(tmp_path / "run"))
+    pods = Rendezvous(tmp_path / "rendezvous", "pod-0", "10.0.0.1", 3)
+    leader = Supervisor([], cfg, pods, {1: [], 2: ["mesh.data=2"], 3: []})  # (the shrink plan's sizes)
+    first = leader.form(0, ["pod-0", "pod-1", "pod-2"], None)["precompile"]
+    assert sorted(first) == ["1", "2"] and all(a.startswith("10.0.0.1:") for a in first.values())
+    assert leader.form(1, ["pod-0", "pod-2"], None)["precompile"].keys() == {"1"}
