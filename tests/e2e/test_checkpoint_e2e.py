@@ -68,39 +68,6 @@ def assert_same_run(workdir, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_at, staging", [(67, "device")])  # host staging: the seeded random-moments test
-def test_sigkill_then_rerun_is_bit_identical(tmp_path, uninterrupted, kill_at, staging):
-    """Also with checkpoint.staging=device: the background save writes the state of its step."""
-    workdir = tmp_path / "killed"
-    proc = start_training(workdir, f"checkpoint.staging={staging}")
-    wait_for_step(workdir, kill_at, proc)
-    proc.kill()
-    proc.wait()
-    assert losses(workdir)[-1][0] < 120  # it really was cut short
-    proc = start_training(workdir, f"checkpoint.staging={staging}")
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert_same_run(workdir, uninterrupted)
-
-
-@pytest.mark.slow
-def test_sigterm_saves_exits_143_and_resumes_without_losing_a_step(tmp_path, uninterrupted):
-    workdir = tmp_path / "preempted"
-    proc = start_training(workdir, "checkpoint.every_steps=1000")  # only the preemption save
-    wait_for_step(workdir, 30, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    assert "preempted by SIGTERM: saved a checkpoint at step" in err
-    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved and saved[-1] == losses(workdir)[-1][0]  # the save is at the last step run
-    proc = start_training(workdir, "checkpoint.every_steps=1000")
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert_same_run(workdir, uninterrupted)
-
-
-@pytest.mark.slow
 def test_all_checkpoints_corrupt_is_exit_2_and_nothing_deleted(tmp_path):
     workdir = tmp_path / "run"
     args = [
@@ -171,22 +138,41 @@ def test_export_reloads_and_reproduces_outputs(make_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_at_seeded_random_moments_and_inside_a_save_is_bit_identical(tmp_path, uninterrupted):
-    """Killed with a save half written (its newest step put back as orbax leaves one mid-write:
-    under its temporary name, a file cut short), then at seeded random moments of the re-runs
-    (start-up, restore, training, saves): the last re-run ends bit-identical to a run never
-    stopped, and the half-written save is never read as whole."""
+def test_sigterm_sigkill_with_device_staging_and_kills_at_seeded_moments_resume_bit_identically(
+    tmp_path, uninterrupted
+):
+    """One run stopped every way, each re-run resuming the last one's save, then finished:
+    bit-identical to a run never stopped.
+    1. SIGTERM at step 30+ (checkpoint.every_steps=1000): exit 143, its one save at the last step run.
+    2. Re-run with checkpoint.staging=device (the background save writes the state of its own
+       step), resumed from that save, SIGKILLed at step 67+.
+    3. Its newest save put back as orbax leaves one mid-write (under its temporary name, a file
+       cut short), then killed at seeded random moments of the re-runs (start-up, restore,
+       training, saves); each re-run resumes a step saved with device staging (or later), the
+       half-written save is never read as whole and that step is saved again."""
     import random
     import shutil
 
-    rng = random.Random(1123)
-    workdir = tmp_path / "killed"
-    proc = start_training(workdir)
-    wait_for_step(workdir, 40, proc)
+    workdir = tmp_path / "stopped"
+    proc = start_training(workdir, "checkpoint.every_steps=1000")  # only the preemption save
+    wait_for_step(workdir, 30, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "preempted by SIGTERM: saved a checkpoint at step" in err
+    checkpoints = workdir / "checkpoints"
+    saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert saved == [losses(workdir)[-1][0]]  # the one save is at the last step run
+
+    proc = start_training(workdir, "checkpoint.staging=device")
+    wait_for_step(workdir, max(67, saved[0] + 25), proc)  # two device-staged saves at least
     proc.kill()
     proc.wait()
-    checkpoints = workdir / "checkpoints"
+    assert losses(workdir)[-1][0] < 120  # it really was cut short
+
+    rng = random.Random(1123)
     newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert newest > saved[0]  # a device-staged save
     partial = checkpoints / f"{newest}.orbax-checkpoint-tmp-1795500000000000"
     shutil.move(checkpoints / str(newest), partial)
     largest = max((f for f in partial.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)

@@ -7,14 +7,14 @@ from support.configs import ROOT
 from support.multiprocess import COMMON
 
 
-def train_here(capsys, workdir, config, *overrides, devices=4) -> tuple[int, str]:
-    """(main's exit code, its stdout and stderr) of training `config` with `overrides` (and the
-    multi-process tests' COMMON) on `devices` of this process's CPU devices."""
+def train_here(capsys, workdir, config, *overrides, devices=4, common=True) -> tuple[int, str]:
+    """(main's exit code, its stdout and stderr) of training `config` with `overrides` (and, if
+    `common`, the multi-process tests' COMMON) on `devices` of this process's CPU devices."""
     from engine.cli import main
 
     path = ROOT / config
     args = ["--config", str(path) if path.exists() else config, "--workdir", str(workdir)]
     capsys.readouterr()  # what came before is not this run's
-    code = main([*args, *overrides, *COMMON, f"mesh.num_devices={devices}"])
+    code = main([*args, *overrides, *(COMMON if common else ()), f"mesh.num_devices={devices}"])
     out, err = capsys.readouterr()
     return code, out + err
