@@ -6,8 +6,9 @@ before it intact (the run resumes from it); `sample` and `export` of the LoRA re
 import time
 
 import pytest
-from support.cli import run_cli, start_cli
+from support.cli import child_env, run_cli, start_cli
 from support.grpo import overrides, write_files
+from support.one_process import run_steps
 
 from engine.runtime.rundir import read_records
 
@@ -50,22 +51,25 @@ def test_sigkill_then_rerun_writes_the_same_records(tmp_path, files):
 
 
 def test_a_raising_reward_exits_2_naming_it_and_the_checkpoint_before_stays(tmp_path, files):
-    workdir = tmp_path / "run"
-    first = run_cli(*args(files, workdir, steps=4, reward="broken_later"))
-    assert first.returncode == 0, first.stderr
-    (files[3].parent / "break").write_text("")
-    try:
-        failed = run_cli(*args(files, workdir, steps=8, reward="broken_later"))
-    finally:
-        (files[3].parent / "break").unlink()
-    assert failed.returncode == 2, failed.stderr
-    assert "broken_later raised ValueError: no answer field" in failed.stderr
-    assert "prompt" in failed.stderr and "Traceback" not in failed.stderr
-    resumed = run_cli(*args(files, workdir, steps=8, reward="broken_later"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from step 4" in resumed.stdout + resumed.stderr
+    """Its five command lines through the CLI's main in one process (tests/support/one_process.py)."""
+    workdir, broken = tmp_path / "run", files[3].parent / "break"
+    first, failed, resumed, sampled, exported = run_steps(
+        tmp_path,
+        [
+            {"argv": args(files, workdir, steps=4, reward="broken_later")},
+            {"argv": args(files, workdir, steps=8, reward="broken_later"), "create": str(broken)},
+            {"argv": args(files, workdir, steps=8, reward="broken_later"), "remove": str(broken)},
+            {"argv": ["sample", "--workdir", str(workdir), "--chat", "--prompt", "hello there", "--max-tokens", "4"]},
+            {"argv": ["export", "--workdir", str(workdir), "--out", str(tmp_path / "export")]},
+        ],
+        env=child_env({"HOME": str(tmp_path)}),
+    )
+    assert first["code"] == 0 and not first["escaped"], first["escaped"] or first["stderr"]
+    assert failed["code"] == 2 and not failed["escaped"], failed["escaped"] or failed["stderr"]
+    assert "broken_later raised ValueError: no answer field" in failed["stderr"]
+    assert "prompt" in failed["stderr"] and "Traceback" not in failed["stderr"]
+    assert resumed["code"] == 0 and not resumed["escaped"], resumed["escaped"] or resumed["stderr"]
+    assert "resuming from step 4" in resumed["stdout"] + resumed["stderr"]
     assert [r["step"] for r in train_records(workdir)] == list(range(1, 9))
-    sampled = run_cli("sample", "--workdir", str(workdir), "--chat", "--prompt", "hello there", "--max-tokens", "4")
-    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr  # (the LoRA result's own sampler)
-    exported = run_cli("export", "--workdir", str(workdir), "--out", str(tmp_path / "export"))
-    assert exported.returncode == 0 and (tmp_path / "export" / "export.json").is_file(), exported.stderr
+    assert sampled["code"] == 0 and sampled["stdout"].strip(), sampled["stderr"]  # (the LoRA result's own sampler)
+    assert exported["code"] == 0 and (tmp_path / "export" / "export.json").is_file(), exported["stderr"]
