@@ -9,6 +9,7 @@ import shutil
 import pytest
 from support.cli import run_cli, start_cli, wait_until
 from support.configs import QUIET
+from support.in_process import train_here
 from support.local_tier import local_steps
 
 from engine.checkpoint.local_tier import run_directory
@@ -31,11 +32,14 @@ RUN = [
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_from_the_newer_local_step(tmp_path):
+def test_sigkilled_run_resumes_from_the_newer_local_step(tmp_path, capsys):
+    """The run never stopped is this test's own (support/in_process.py); the others are launched."""
     local_dir = tmp_path / "shm"
     tier = [f"checkpoint.local_dir={local_dir}", "checkpoint.local_every_steps=3"]
-    reference = run_cli(*RUN, "--workdir", str(tmp_path / "ref"), "train.steps=100")
-    assert reference.returncode == 0, reference.stderr
+    config = RUN[RUN.index("--config") + 1]
+    here = [arg for arg in RUN if arg not in ("--config", config)]
+    code, said = train_here(capsys, tmp_path / "ref", config, *here, "train.steps=100", devices=1, common=False)
+    assert code == 0, said[-3000:]
     workdir = tmp_path / "killed"
     first = run_cli(*RUN, "--workdir", str(workdir), "train.steps=20", *tier)  # the persistent tier: step 20
     assert first.returncode == 0, first.stderr

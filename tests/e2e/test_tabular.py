@@ -20,6 +20,7 @@ import pytest
 from support.cli import run_cli, start_cli, wait_until
 from support.configs import QUIET, ROOT
 from support.fuzz_cli import refused_in_one_line, run_in_one_process
+from support.in_process import train_here
 from support.tabular import PENGUINS, ROWS, SPEC, columns_of
 
 from engine.data import features, preprocess
@@ -57,7 +58,8 @@ def _records(workdir: Path):
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
 
 
-def test_sigkill_then_rerun_continues_the_same_table_run(tmp_path):
+def test_sigkill_then_rerun_continues_the_same_table_run(tmp_path, capsys):
+    """The run never stopped is this test's own (support/in_process.py); the killed one and its re-run are launched."""
     args = [
         "train.steps=60",
         "checkpoint.every_steps=10",
@@ -71,7 +73,8 @@ def test_sigkill_then_rerun_continues_the_same_table_run(tmp_path):
         return start_cli("--config", f"configs/{PENGUINS}", "--workdir", str(workdir), *QUIET, *args)
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    assert start(reference).wait(timeout=300) == 0
+    code, said = train_here(capsys, reference, f"configs/{PENGUINS}", *QUIET, *args, devices=1, common=False)
+    assert code == 0, said[-3000:]
     proc = start(killed)
     wait_until(lambda: _records(killed) and _records(killed)[-1][0] >= 25, proc, 240, poll=0.02)
     proc.kill()
