@@ -87,13 +87,20 @@ def test_routing_is_causal_a_token_keeps_its_experts_whatever_follows():
     module = REGISTRY["llama"].build(cfg, info, jnp.float32, jnp.float32)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (4, 24))
-    params = unbox(module.init(jax.random.key(0), jnp.asarray(tokens, jnp.int32), train=False))["params"]
+    params = jax.jit(lambda t: unbox(module.init(jax.random.key(0), t, train=False))["params"])(
+        jnp.asarray(tokens, jnp.int32)
+    )
     changed = tokens.copy()
     changed[:, 12:] = rng.integers(0, 64, (4, 12))
 
+    @jax.jit  # (one program for both token sets, not every op dispatched eagerly)
+    def forward(t):
+        logits, sown = module.apply({"params": params}, t, train=False, mutable=["aux"])
+        return logits, _aux_totals(sown["aux"])["dropped"]
+
     def apply(t):
-        logits, sown = module.apply({"params": params}, jnp.asarray(t, jnp.int32), train=False, mutable=["aux"])
-        return np.asarray(logits), float(_aux_totals(sown["aux"])["dropped"])
+        logits, dropped = forward(jnp.asarray(t, jnp.int32))
+        return np.asarray(logits), float(dropped)
 
     (before, dropped), (after, _) = apply(tokens), apply(changed)
     assert dropped > 0  # experts were over capacity

@@ -126,7 +126,9 @@ def test_ragged_generation_with_the_cache_equals_argmax_without_it():
     ragged_cfg = dataclasses.replace(cfg, moe_dispatch="ragged")
     ragged = REGISTRY["llama"].build(ragged_cfg, info, jnp.float32, jnp.float32)
     prompt = [3, 14, 15, 9, 2]
-    params = unbox(onehot.init(jax.random.key(0), jnp.asarray([prompt], jnp.int32), train=False))["params"]
+    params = jax.jit(lambda t: unbox(onehot.init(jax.random.key(0), t, train=False))["params"])(
+        jnp.asarray([prompt], jnp.int32)
+    )  # (one program, not every op dispatched eagerly)
     decoder = REGISTRY["llama"].build(ragged_cfg, info, jnp.float32, jnp.float32, decode=True)
     cached = sampling.generate(decoder, params, [prompt, prompt[:3]], 8, temperature=0.0)
     assert cached[0] == greedy_reference(ragged, params, prompt, 8, length=12)
