@@ -65,11 +65,14 @@ def test_grid_runs_ranks_and_plots_and_parallel_finishes_the_same_runs_as_sequen
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
+def test_killed_sweep_resumes_only_what_is_missing_and_failed_runs_are_retried_only_when_asked(tmp_path):
+    """A sweep SIGKILLed during its second run: the re-run leaves the finished run alone, resumes
+    the killed one and runs the third, which diverges (sgd at lr 1e30): recorded as failed with
+    its reason, exit 1; a re-run has nothing to run, --retry-failed runs it again."""
     path = write_sweep(
         tmp_path / "kill.yaml",
-        grid={"optimizer.learning_rate": [0.001, 0.002, 0.003]},
-        overrides={**FAST, "train.steps": 300},
+        grid={"optimizer.learning_rate": [0.001, 0.002, 1e30]},
+        overrides={**FAST, "train.steps": 300, "optimizer.name": "sgd"},
     )
     out = tmp_path / "out"
     sweep = start_cli("sweep", str(path), start_new_session=True)
@@ -86,12 +89,19 @@ def test_killed_sweep_resumes_only_what_is_missing(tmp_path):
     assert finished == {"learning_rate=0.001"}
     first_log = (out / "learning_rate=0.001" / "metrics.jsonl").read_text()
     proc = run_cli("sweep", str(path), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "3 runs, 1 finished, 0 failed (--retry-failed runs them again), 2 to run (" in proc.stdout
     assert (out / "learning_rate=0.001" / "metrics.jsonl").read_text() == first_log  # not run again
-    assert all(r["status"] == "finished" for r in index(out))
+    runs = {r["name"]: r for r in index(out)}
+    assert runs["learning_rate=0.001"]["status"] == runs["learning_rate=0.002"]["status"] == "finished"
+    assert runs["learning_rate=1e+30"]["status"] == "failed"
+    assert "loss is" in runs["learning_rate=1e+30"]["error"]
     resumed = (out / "learning_rate=0.002" / "run.log").read_text()
     assert resumed.count("done: 300 steps") == 1
+    proc = run_cli("sweep", str(path))
+    assert "0 to run" in proc.stdout
+    proc = run_cli("sweep", str(path), "--retry-failed")
+    assert "1 to run" in proc.stdout
 
 
 def read_metrics_steps(workdir):
@@ -100,25 +110,6 @@ def read_metrics_steps(workdir):
         return 0
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
     return max(steps, default=0)
-
-
-@pytest.mark.slow
-def test_failed_runs_are_recorded_and_retried_only_when_asked(tmp_path):
-    path = write_sweep(
-        tmp_path / "fail.yaml",
-        grid={"optimizer.learning_rate": [0.001, 1e30]},
-        overrides={**FAST, "train.steps": 20, "optimizer.name": "sgd"},
-    )
-    proc = run_cli("sweep", str(path), timeout=600)
-    assert proc.returncode == 1
-    runs = {r["name"]: r for r in index(tmp_path / "out")}
-    assert runs["learning_rate=0.001"]["status"] == "finished"
-    assert runs["learning_rate=1e+30"]["status"] == "failed"
-    assert "loss is" in runs["learning_rate=1e+30"]["error"]
-    proc = run_cli("sweep", str(path))
-    assert "0 to run" in proc.stdout
-    proc = run_cli("sweep", str(path), "--retry-failed")
-    assert "1 to run" in proc.stdout
 
 
 @pytest.mark.slow
