@@ -187,6 +187,7 @@ def _pod_job(args, argv: list[str]) -> int:
     from engine.elastic.pods import check_pod, run_pod_job
     from engine.elastic.srun_steps import task_devices
     from engine.errors import UsageError
+    from engine.runtime.settings import cpu_devices_in
 
     if args.local_processes or args.elastic:
         raise UsageError(
@@ -198,7 +199,7 @@ def _pod_job(args, argv: list[str]) -> int:
     check_pod(cfg, args.processes, member)
     address = args.member_address or socket.gethostbyname(socket.gethostname())
     given = args.devices_per_process if any(a.split("=")[0] == "--devices-per-process" for a in argv) else None
-    if given is None and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    if given is None and cpu_devices_in(os.environ.get("XLA_FLAGS", "")) is None:
         raise UsageError(
             "--rendezvous: pass --devices-per-process M, each pod's accelerators (the shrink plan of the smaller "
             "jobs needs it; a wrong count refuses a smaller round's mesh)"

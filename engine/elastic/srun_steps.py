@@ -31,6 +31,7 @@ from engine.elastic.grow import GROW_EXIT, WhenBack
 from engine.elastic.supervisor import supervise
 from engine.errors import UsageError
 from engine.runtime.launcher import SELF, free_port
+from engine.runtime.settings import cpu_devices_in
 
 # srun's line for a task that ended badly: "srun: error: node1: task 1: Killed",
 # "srun: error: node1: tasks 2-3: Exited with exit code 1"
@@ -83,8 +84,7 @@ def task_devices(given: Optional[int], env: Optional[Mapping[str, str]] = None) 
     gpus = environ.get("SLURM_GPUS_PER_TASK", "").rsplit(":", 1)[-1]
     if gpus.isdigit():
         return int(gpus)
-    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
-    return int(forced.group(1)) if forced else 1
+    return cpu_devices_in(environ.get("XLA_FLAGS", "")) or 1
 
 
 class SrunSteps:

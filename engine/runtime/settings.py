@@ -78,6 +78,12 @@ def with_cpu_devices(flags: str, devices: int) -> str:
     return " ".join([*rest, f"{DEVICE_COUNT_FLAG}{devices}"])
 
 
+def cpu_devices_in(flags: str) -> int | None:
+    """The simulated CPU device count XLA_FLAGS `flags` sets, or None where it sets none."""
+    counts = [flag.removeprefix(DEVICE_COUNT_FLAG) for flag in flags.split() if flag.startswith(DEVICE_COUNT_FLAG)]
+    return int(counts[-1]) if counts and counts[-1].isdigit() else None
+
+
 def _xla_cpu_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and _xla_knows(CPU_SCHEDULER_FLAG):
