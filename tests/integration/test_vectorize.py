@@ -40,9 +40,14 @@ def _losses(losses: dict) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path):
+def test_vectorised_runs_equal_the_same_configs_alone_a_trial_resumes_alone_and_a_big_group_splits(
+    make_config, tmp_path, monkeypatch, capsys
+):
     """On one device, and on 8 with the trial axis on the mesh (4 trials x data=2): both groups
-    against the same four runs alone."""
+    against the same four runs alone. A trial's checkpoints are a run's own: `launch.py train`
+    continues one alone, exactly. With room on the device for the step of 2 trials and not 3, a
+    group of 4 trains as two groups of 2, one after the other, each run with the losses the group
+    of 4 (the one-device group above) gives it."""
     alone = [
         fit(make_config("mnist_mlp.yaml", *COMMON, *variant, workdir=tmp_path / f"alone{i}"))
         for i, variant in enumerate(VARIANTS)
@@ -56,6 +61,8 @@ def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path):
         mesh_shape = dict(group_mesh(cfgs[0], len(cfgs)).shape)
         assert (mesh_shape["trial"], mesh_shape["data"]) == ((4, 2) if devices == 8 else (1, 1))
         trials = fit_group(cfgs)
+        if devices == 1:
+            one_device = trials  # the reference of the group too big for its device, below
         for i, (trial, solo) in enumerate(zip(trials, alone)):
             assert trial.error is None
             assert sorted(trial.losses) == list(range(1, 21))
@@ -69,45 +76,14 @@ def test_vectorised_runs_equal_the_same_configs_alone(make_config, tmp_path):
             assert [r["step"] for r in records if r["split"] == "eval"] == [10, 20]
         # the configs differ: so do their losses (the comparison above is not of one run four times)
         assert len({round(float(_losses(t.losses)[-1]), 6) for t in trials}) == 4
-
-
-@pytest.mark.slow
-def test_a_vectorised_runs_checkpoint_resumes_alone(make_config, tmp_path):
-    """A trial's checkpoints are a run's own: `launch.py train` continues one alone, exactly."""
-    cfgs = [make_config("mnist_mlp.yaml", *COMMON, *v, workdir=tmp_path / f"v{i}") for i, v in enumerate(VARIANTS[:2])]
-    fit_group(cfgs)
-    longer = ["train.steps=30"]
-    resumed = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "v1"))
-    alone = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "alone"))
+    longer = ["train.steps=30"]  # a trial resumed alone
+    resumed = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "d8v1"))
+    unbroken = fit(make_config("mnist_mlp.yaml", *COMMON, *VARIANTS[1], *longer, workdir=tmp_path / "alone"))
     assert sorted(resumed.losses) == list(range(21, 31))
-    np.testing.assert_allclose(_losses(resumed.losses), _losses({s: alone.losses[s] for s in range(21, 31)}), rtol=1e-6)
+    expected = {s: unbroken.losses[s] for s in range(21, 31)}
+    np.testing.assert_allclose(_losses(resumed.losses), _losses(expected), rtol=1e-6)
 
-
-def test_a_diverging_run_stops_alone(make_config, tmp_path):
-    cfgs = [
-        make_config(
-            "mnist_mlp.yaml",
-            *COMMON,
-            f"optimizer.learning_rate={lr}",
-            "optimizer.name=sgd",
-            "optimizer.grad_clip_norm=0",
-            workdir=tmp_path / f"v{i}",
-        )
-        for i, lr in enumerate([0.05, 1e30])
-    ]
-    stopped = []
-    good, bad = fit_group(cfgs, on_stop=lambda cfg, why: stopped.append(cfg.workdir))  # the sweep's status
-    assert stopped == [str(tmp_path / "v1")]
-    assert bad.error is not None and "loss is nan" in bad.error
-    assert good.error is None and sorted(good.losses) == list(range(1, 21))
-    assert not [p for p in (tmp_path / "v1" / "checkpoints").iterdir() if p.name.isdigit()]  # nothing saved after
-    assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
-
-
-@pytest.mark.slow
-def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_path, monkeypatch, capsys):
-    """With room on the device for the step of 2 trials and not 3, a group of 4 trains as two
-    groups of 2, one after the other, each run with the losses the group of 4 gives it."""
+    # a group too big for its device
     import engine.run.vectorize as vectorize
 
     def group(name, variants):
@@ -120,7 +96,7 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
         group = vectorize.build_group(cfgs)
         return max(vectorize.program_bytes(group.compiled.program), vectorize.program_bytes(group.compiled.eval_step))
 
-    whole = fit_group(group("whole", VARIANTS))
+    whole = one_device  # the group of 4 on one device, never split
     cfgs = group("v", VARIANTS)
     one, two = need(cfgs[:1]), need(cfgs[:2])
     room = two + (two - one) / 2  # two trials fit, three do not
@@ -142,11 +118,32 @@ def test_a_group_too_big_for_a_device_trains_as_smaller_groups(make_config, tmp_
     assert alive == [0, 0, 0]  # each group (its device arrays) freed before the next is built
     assert "the group of 4 runs needs" in capsys.readouterr().out
     assert [t.cfg.workdir for t in trials] == [c.workdir for c in cfgs]
-    for trial, alone in zip(trials, whole):
+    for trial, unsplit in zip(trials, whole):
         assert trial.error is None
-        np.testing.assert_allclose(_losses(trial.losses), _losses(alone.losses), rtol=1e-6)
-        assert trial.eval_metrics["loss"] == pytest.approx(alone.eval_metrics["loss"], rel=1e-6)
+        np.testing.assert_allclose(_losses(trial.losses), _losses(unsplit.losses), rtol=1e-6)
+        assert trial.eval_metrics["loss"] == pytest.approx(unsplit.eval_metrics["loss"], rel=1e-6)
     assert sorted(p.name for p in (tmp_path / "v3" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+
+
+def test_a_diverging_run_stops_alone(make_config, tmp_path):
+    cfgs = [
+        make_config(
+            "mnist_mlp.yaml",
+            *COMMON,
+            f"optimizer.learning_rate={lr}",
+            "optimizer.name=sgd",
+            "optimizer.grad_clip_norm=0",
+            workdir=tmp_path / f"v{i}",
+        )
+        for i, lr in enumerate([0.05, 1e30])
+    ]
+    stopped = []
+    good, bad = fit_group(cfgs, on_stop=lambda cfg, why: stopped.append(cfg.workdir))  # the sweep's status
+    assert stopped == [str(tmp_path / "v1")]
+    assert bad.error is not None and "loss is nan" in bad.error
+    assert good.error is None and sorted(good.losses) == list(range(1, 21))
+    assert not [p for p in (tmp_path / "v1" / "checkpoints").iterdir() if p.name.isdigit()]  # nothing saved after
+    assert sorted(p.name for p in (tmp_path / "v0" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
 
 
 @pytest.mark.slow
