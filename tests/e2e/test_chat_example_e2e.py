@@ -4,8 +4,9 @@ rule's answers, its preference pairs reject a wrong answer, its held-out lists n
 and configs/chat_sft.yaml trains on it (then `sample --chat` renders with its template)."""
 
 from support import chat_example as chat_example_helpers
-from support.cli import run_cli
+from support.cli import child_env
 from support.configs import QUIET, ROOT
+from support.one_process import run_steps
 
 from engine.config import load_config
 
@@ -27,12 +28,14 @@ def test_the_shipped_sft_config_trains_on_the_example_and_samples_with_its_templ
     work = tmp_path / "sft"
     args = ["--config", str(ROOT / "configs" / "chat_sft.yaml"), *data, *tiny, "eval.every_steps=2", *QUIET]
     args += ["eval.generate.num_prompts=0"]  # (tests/e2e/test_generation_eval.py runs it)
-    proc = run_cli(*args, "--workdir", str(work))
-    assert proc.returncode == 0, proc.stderr
-    assert "data: chat train: 60 conversations" in proc.stdout
+    sample = ["sample", "--workdir", str(work), "--chat", "--prompt", "sort: 3 1 2", "--max-tokens", "4"]
+    trained, sampled = run_steps(  # (through the CLI's main in one process: tests/support/one_process.py)
+        tmp_path, [{"argv": [*args, "--workdir", str(work)]}, {"argv": sample}], env=child_env({"HOME": str(tmp_path)})
+    )
+    assert trained["code"] == 0 and not trained["escaped"], trained["escaped"] or trained["stderr"]
+    assert "data: chat train: 60 conversations" in trained["stdout"]
     assert (work / "chat_template.jinja").read_bytes() == (example / "chat_template.jinja").read_bytes()
-    proc = run_cli("sample", "--workdir", str(work), "--chat", "--prompt", "sort: 3 1 2", "--max-tokens", "4")
-    assert proc.returncode == 0, proc.stderr
+    assert sampled["code"] == 0 and not sampled["escaped"], sampled["escaped"] or sampled["stderr"]
     dpo = load_config(ROOT / "configs" / "dpo.yaml", [f"finetune.base={work}"])
     assert (dpo.data.name, dpo.train.objective, dpo.dpo.beta, dpo.finetune.lora.rank) == ("preferences", "dpo", 2.0, 8)
     assert (cfg.eval.generate.answer_field, dpo.eval.generate.answer_field) == ("completion", "chosen")

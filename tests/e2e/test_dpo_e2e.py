@@ -8,8 +8,9 @@ import re
 
 import pytest
 from support.chat_data import write_jsonl, write_model_dir
-from support.cli import run_cli
+from support.cli import child_env
 from support.configs import QUIET, ROOT
+from support.one_process import run_steps
 
 TRL_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
 
@@ -30,13 +31,17 @@ def test_dpo_runs_end_to_end_with_trls_metrics(tmp_path):
         "finetune.lora.rank=4", "optimizer.learning_rate=0.01", "train.steps=4", "log.every_steps=2", *QUIET,
         "--workdir", str(tmp_path / "work"),
     ]  # fmt: skip
-    proc = run_cli(*args, "data.name=preferences", "train.objective=dpo")
-    assert proc.returncode == 0, proc.stderr
+    proc, refused = run_steps(  # (through the CLI's main in one process: tests/support/one_process.py)
+        tmp_path,
+        [{"argv": [*args, "data.name=preferences", "train.objective=dpo"]}, {"argv": [*args, "data.name=preferences"]}],
+        env=child_env({"HOME": str(tmp_path)}),
+    )  # (the second: train.objective=lm)
+    assert proc["code"] == 0 and not proc["escaped"], proc["escaped"] or proc["stderr"]
     records = [json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()]
     assert [r["split"] for r in records if "loss" in r] == ["train", "train", "eval"]
     for record in (r for r in records if "loss" in r):
         assert all(math.isfinite(record[name]) for name in (*TRL_NAMES, "logps/rejected"))
         assert record["rewards/margins"] == pytest.approx(record["rewards/chosen"] - record["rewards/rejected"])
-    assert re.search(r"step 2 train: loss=\S+ .*rewards/accuracies=", proc.stdout), proc.stdout
-    proc = run_cli(*args, "data.name=preferences")  # (train.objective=lm)
-    assert proc.returncode == 2 and "set train.objective=dpo" in proc.stderr, proc.stderr
+    assert re.search(r"step 2 train: loss=\S+ .*rewards/accuracies=", proc["stdout"]), proc["stdout"]
+    assert refused["code"] == 2 and not refused["escaped"], refused["escaped"] or refused["stderr"]
+    assert "set train.objective=dpo" in refused["stderr"], refused["stderr"]

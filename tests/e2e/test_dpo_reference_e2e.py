@@ -6,8 +6,9 @@ import json
 import math
 
 import numpy as np
-from support.cli import run_cli
+from support.cli import child_env
 from support.dpo_reference import cli_args
+from support.one_process import run_steps
 
 from engine.run.reference_logps import DIRECTORY, _write, values_digest
 
@@ -17,28 +18,40 @@ def losses(workdir):
     return [(r["split"], r["step"], r["loss"], r["rewards/margins"]) for r in records if "loss" in r]
 
 
+def _run(tmp_path, name, *argvs):
+    """The command lines through the CLI's main in one process (tests/support/one_process.py); each
+    must exit 0 → their stdouts."""
+    (tmp_path / name).mkdir()
+    results = run_steps(tmp_path / name, [{"argv": argv} for argv in argvs], env=child_env({"HOME": str(tmp_path)}))
+    for result in results:
+        assert result["code"] == 0 and not result["escaped"], result["escaped"] or result["stdout"] + result["stderr"]
+    return [result["stdout"] for result in results]
+
+
 def test_precomputed_run_trains_as_the_reference_in_the_step(tmp_path):
     """Full fine-tuning, 4 steps: the same losses with the reference precomputed as with it in the
-    step (rtol 1e-5); the cache is read again by a resumed run, and a damaged one computed again."""
+    step (rtol 1e-5); the cache is read again by a resumed run, and a damaged one computed again.
+    (Five command lines in three processes: the cache is changed between them.)"""
     plain, pre = tmp_path / "plain", tmp_path / "pre"
-    proc = run_cli(*cli_args(tmp_path, plain, "train.steps=4"))
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli(*cli_args(tmp_path, pre, "train.steps=2", "dpo.precompute_reference=true"))
-    assert proc.returncode == 0, proc.stderr
-    assert "computed once, cached in" in proc.stdout, proc.stdout
+    _, out = _run(
+        tmp_path,
+        "first",
+        cli_args(tmp_path, plain, "train.steps=4"),
+        cli_args(tmp_path, pre, "train.steps=2", "dpo.precompute_reference=true"),
+    )
+    assert "computed once, cached in" in out, out
     (cache,) = (pre / DIRECTORY).glob("*.npy")
     values = np.load(cache)
     assert values.shape == (20, 2) and np.all(values < 0)
     shifted = values.copy()
     shifted[:, 0] += 3.0  # one column changed and its KEY.json written to match (issue 57): not the run's values
     _write(cache, shifted, json.loads(cache.with_suffix(".json").read_text())["inputs"])
-    proc = run_cli(*cli_args(tmp_path, pre, "train.steps=3", "dpo.precompute_reference=true"))  # resumed at 2
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "were not the values this run trained with (its checkpoint records another sha256)" in proc.stdout
+    (out,) = _run(tmp_path, "shifted", cli_args(tmp_path, pre, "train.steps=3", "dpo.precompute_reference=true"))
+    assert "were not the values this run trained with (its checkpoint records another sha256)" in out  # resumed at 2
     np.testing.assert_array_equal(np.load(cache), values)
     cache.write_bytes(b"not an array")
-    proc = run_cli(*cli_args(tmp_path, pre, "train.steps=4", "dpo.precompute_reference=true"))  # resumed at 3
-    assert proc.returncode == 0 and "were unreadable" in proc.stdout, proc.stdout + proc.stderr
+    (out,) = _run(tmp_path, "damaged", cli_args(tmp_path, pre, "train.steps=4", "dpo.precompute_reference=true"))
+    assert "were unreadable" in out, out  # resumed at 3
     np.testing.assert_array_equal(np.load(cache), values)
     meta_file = pre / "checkpoints" / "4" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.cli import run_cli
+from support.cli import child_env, run_cli
 from support.finetune import DATA, LORA, imported_base, logits
+from support.one_process import run_steps
 
 from engine.checkpoint.store import load_base, restore_newest
 from engine.config import load_config
@@ -41,16 +42,25 @@ def test_a_lora_run_on_a_lora_run_starts_at_its_adapted_logits_trains_and_refuse
     start = with_frozen(run.init_state(), load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN]))
     np.testing.assert_allclose(logits(run, start), adapted, rtol=1e-5, atol=1e-5)  # B = 0: the merged first run
 
-    proc = run_cli("--config", str(base_dir / "config.yaml"), "--workdir", str(tmp_path / "dpo"), *overrides)
-    assert proc.returncode == 0, proc.stderr
+    # the second LoRA run; then the first run's base trains on (both through the CLI's main in one
+    # process: tests/support/one_process.py)
+    more_args = ["--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, "train.steps=1"]
+    second, more = run_steps(
+        tmp_path,
+        [
+            {"argv": ["--config", str(base_dir / "config.yaml"), "--workdir", str(tmp_path / "dpo"), *overrides]},
+            {"argv": more_args},
+        ],
+        env=child_env({"HOME": str(tmp_path)}),
+    )
+    assert second["code"] == 0 and not second["escaped"], second["escaped"] or second["stderr"][-3000:]
     meta = json.loads((tmp_path / "dpo" / "checkpoints" / "2" / "meta" / "metadata").read_text())
     recorded = meta["base"]  # the adapter run's step and checksum, and its own base's
     assert recorded["path"] == str(sft_dir) and recorded["step"] == 2 and len(recorded["adapters_sha256"]) == 64
     assert recorded["base"]["path"] == str(base_dir) and recorded["sha256"] != recorded["adapters_sha256"]
 
-    # the first run's base trains on: the chain changed, and a resume of the second run exits 2
-    more = run_cli("--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, "train.steps=1")
-    assert more.returncode == 0, more.stderr
+    # the first run's base trained on: the chain changed, and a resume of the second run exits 2
+    assert more["code"] == 0 and not more["escaped"], more["escaped"] or more["stderr"][-3000:]
     assert base_weights(cfg).identity["sha256"] != recorded["sha256"]
     with pytest.raises(UsageError, match=f"finetune.base={sft_dir}: finetune.base=.*the base changed since"):
         load_base(base_weights(cfg), run.abstract_state.model_state[FROZEN])
