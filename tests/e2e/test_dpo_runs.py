@@ -9,17 +9,17 @@ and train.sync=diloco are refused with exit 2 (engine/config/objective.py); cont
 are untested with DPO."""
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from support.chat_data import LLAMA, write_jsonl, write_model_dir
-from support.cli import run_cli, start_cli, wait_until
+from support.cli import child_env, run_cli, start_cli, wait_until
 from support.configs import QUIET, RATES
-from support.fuzz_cli import refused_in_one_line, run_in_one_process
+from support.fuzz_cli import refused_in_one_line
 from support.llama import write_hf_checkpoint
+from support.one_process import run_steps
 
 from engine.runtime.rundir import read_records
 from models.llama import LlamaConfig
@@ -61,17 +61,40 @@ EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """{"root", "hf", "base", "pairs"}: a random tiny Llama in Hugging Face's layout with the test
-    tokenizer and chat template, imported (the LoRA runs' frozen base), and preference pairs."""
+    """{"root", "hf", "base", "pairs", "ran"}: a random tiny Llama in Hugging Face's layout with the
+    test tokenizer and chat template, imported (the LoRA runs' frozen base), preference pairs, and
+    the results of the tests' one-device command lines (one_device: the import first), all
+    through the CLI's main in one process (tests/support/one_process.py)."""
     root = tmp_path_factory.mktemp("dpo_runs")
     write_hf_checkpoint(root / "hf", LlamaConfig(**LLAMA), vocab=VOCAB)
     write_model_dir(root / "hf")
-    proc = run_cli("import-hf", str(root / "hf"), "--workdir", str(root / "base"), *QUIET)
-    assert proc.returncode == 0, proc.stderr
     records = [{"prompt": p, "chosen": "hello", "rejected": "the mat"} for p in PROMPTS * 4]
     records += [{"prompt": p, "chosen": "on the mat", "rejected": "be brief"} for p in PROMPTS]
     pairs = write_jsonl(root / "pairs.jsonl", records)
-    return {"root": root, "hf": root / "hf", "base": root / "base", "pairs": pairs}
+    files = {"root": root, "hf": root / "hf", "base": root / "base", "pairs": pairs}
+    steps = [{"name": name, "argv": argv} for name, argv in one_device(files).items()]
+    (root / "one").mkdir()
+    results = run_steps(root / "one", steps, env=child_env({"HOME": str(root)}))
+    return {**files, "ran": {result["name"]: result for result in results}}
+
+
+def one_device(files) -> dict[str, list[str]]:
+    """The one-device command lines: the import, the LoRA and full fine-tuning runs the others
+    compare with, the sweep test's run alone and a sample of the LoRA run."""
+    root = files["root"]
+    return {
+        "import": ["import-hf", str(files["hf"]), "--workdir", str(files["base"]), *QUIET],
+        "lora": run_args(files, True, root / "lora"),
+        "full": run_args(files, False, root / "full"),
+        "alone": run_args(files, False, root / "alone", **{"optimizer.learning_rate": 0.03, "dpo.beta": 0.5}),
+        "sample": ["sample", "--workdir", str(root / "lora"), "--chat", "--prompt", "hello there", "--max-tokens", "1"],
+    }
+
+
+def ran(files, name) -> dict:
+    result = files["ran"][name]
+    assert result["code"] == 0 and not result["escaped"], result["escaped"] or result["stderr"][-3000:]
+    return result
 
 
 def run_args(files, lora: bool, workdir, **overrides) -> list[str]:
@@ -102,13 +125,38 @@ def records(workdir, split="train") -> list[dict]:
 @pytest.fixture(scope="module")
 def lora_run(files):
     """A one-device DPO run with LoRA adapters on the imported base."""
-    return train(files, True, files["root"] / "lora")
+    ran(files, "import")
+    ran(files, "lora")
+    return files["root"] / "lora"
 
 
 @pytest.fixture(scope="module")
 def full_run(files):
     """A one-device DPO run of full fine-tuning, from the seeded initialisation."""
-    return train(files, False, files["root"] / "full")
+    ran(files, "import")
+    ran(files, "full")
+    return files["root"] / "full"
+
+
+@pytest.fixture(scope="module")
+def eight(files, tmp_path_factory):
+    """On 8 devices, through the CLI's main in one process: both runs at data=2, fsdp=2, tensor=2
+    (4 steps), then mesh.pipeline and train.sync=diloco, each refused → {name: result}."""
+    ran(files, "import")
+    tmp = tmp_path_factory.mktemp("eight")
+    layout = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.steps": 4}
+    steps = [
+        {"name": name, "workdir": str(tmp / name), "argv": run_args(files, name == "lora", tmp / name, **layout)}
+        for name in ("lora", "full")
+    ]
+    for i, (key, value) in enumerate(REFUSED):
+        keys = {key: value, "mesh.data": 2, **({"diloco.replica_axis": "data"} if value == "diloco" else {})}
+        steps.append({"name": key, "argv": run_args(files, False, tmp / f"w{i}", **keys)})
+    results = run_steps(tmp, steps, env=child_env({"HOME": str(tmp), **EIGHT}))
+    return {result["name"]: result for result in results}
+
+
+REFUSED = [("mesh.pipeline", 2), ("train.sync", "diloco")]
 
 
 def assert_same_metrics(got: list[dict], expected: list[dict], rtol: float):
@@ -126,26 +174,18 @@ def assert_same_metrics(got: list[dict], expected: list[dict], rtol: float):
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_data_fsdp_and_tensor_give_the_one_device_metrics(files, lora_run, full_run, lora, tmp_path):
+def test_data_fsdp_and_tensor_give_the_one_device_metrics(lora_run, full_run, eight, lora):
     one = records(lora_run if lora else full_run)
     assert np.ptp([r["loss"] for r in one]) > 1e-3 and max(abs(r["rewards/margins"]) for r in one) > 1e-3  # it trains
-    layout = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.steps": 4}
-    eight = records(train(files, lora, tmp_path / "eight", env=EIGHT, **layout))
-    assert_same_metrics(eight, one[:4], rtol=1e-5)
+    result = eight["lora" if lora else "full"]
+    assert result["code"] == 0 and not result["escaped"], result["escaped"] or result["stderr"][-3000:]
+    assert_same_metrics(records(Path(result["workdir"])), one[:4], rtol=1e-5)
 
 
-def test_pipeline_and_diloco_are_refused_naming_the_key(files, tmp_path):
+def test_pipeline_and_diloco_are_refused_naming_the_key(eight):
     """Each in one line, through the CLI's main in one process of 8 devices."""
-    refused = [("mesh.pipeline", 2), ("train.sync", "diloco")]
-    cases = []
-    for i, (key, value) in enumerate(refused):
-        keys = {key: value, "mesh.data": 2, **({"diloco.replica_axis": "data"} if value == "diloco" else {})}
-        cases.append({"argv": run_args(files, False, tmp_path / f"w{i}", **keys)})
-    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path), **EIGHT}
-    results = run_in_one_process(tmp_path, cases, env=env)
-    assert len(results) == len(refused) == 2
-    for result, (key, value) in zip(results, refused):
-        refused_in_one_line(result, f"train.objective=dpo does not run with {key}={value}")
+    for key, value in REFUSED:
+        refused_in_one_line(eight[key], f"train.objective=dpo does not run with {key}={value}")
 
 
 def test_sigkill_then_rerun_gives_the_same_metrics(files, lora_run, tmp_path):
@@ -175,7 +215,8 @@ def test_a_vectorised_learning_rate_and_beta_sweep_gives_each_trial_its_run_alon
     proc = run_cli("sweep", str(tmp_path / "sweep.yaml"), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "2 runs as 1 program(s) of 2" in proc.stdout, proc.stdout  # one vectorised program
-    alone = train(files, False, tmp_path / "alone", **{"optimizer.learning_rate": 0.03, "dpo.beta": 0.5})
+    ran(files, "alone")
+    alone = files["root"] / "alone"
     trials = {r["name"]: Path(r["workdir"]) for r in map(json.loads, (tmp_path / "out" / "sweep.jsonl").open())}
     assert sorted(trials) == ["beta=0.1,learning_rate=0.01", "beta=0.5,learning_rate=0.03"]
     for name, expected in (("beta=0.1,learning_rate=0.01", full_run), ("beta=0.5,learning_rate=0.03", alone)):
@@ -189,8 +230,8 @@ def test_sample_and_export_of_a_dpo_lora_workdir(files, lora_run, tmp_path):
 
     from engine.hub.hf import export_hf
 
-    proc = run_cli("sample", "--workdir", str(lora_run), "--chat", "--prompt", "hello there", "--max-tokens", "1")
-    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-2000:]
+    sampled = ran(files, "sample")
+    assert sampled["stdout"].strip(), sampled["stderr"][-2000:]
     for out, merge in ((tmp_path / "merged", True), (tmp_path / "adapter", False)):  # (`export --format hf`'s)
         export_hf(str(lora_run), str(out), merge=merge)
     base, merged = (
