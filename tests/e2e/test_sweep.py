@@ -12,6 +12,7 @@ import pytest
 from support import slurm_cluster
 from support.cli import run_cli, start_cli
 from support.configs import ROOT
+from support.fuzz_cli import refused_in_one_line, run_in_one_process
 from support.sweep import FAST, write_sweep
 
 
@@ -47,11 +48,16 @@ def test_grid_runs_ranks_and_plots_and_parallel_finishes_the_same_runs_as_sequen
     assert "| rank | run | status | eval/accuracy |" in (out / "report.md").read_text()
     png = (out / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    again = run_cli("report", str(out), "--out", str(tmp_path / "again"))
-    assert again.returncode == 0 and (tmp_path / "again" / "report.png").exists()
-    typo = run_cli("report", str(out), "--metric", "eval/acc", "--out", str(tmp_path / "typo"))
-    assert typo.returncode == 2 and "--metric eval/acc is in no run's metrics.jsonl" in typo.stderr
-    assert "eval/accuracy" in typo.stderr and not (tmp_path / "typo" / "report.csv").exists()
+    again, typo = run_in_one_process(  # both in one process (support/fuzz_cli.py)
+        tmp_path,
+        [
+            {"argv": ["report", str(out), "--out", str(tmp_path / "again")]},
+            {"argv": ["report", str(out), "--metric", "eval/acc", "--out", str(tmp_path / "typo")]},
+        ],
+    )
+    assert again["code"] == 0 and not again["escaped"] and (tmp_path / "again" / "report.png").exists(), again
+    refused_in_one_line(typo, "--metric eval/acc is in no run's metrics.jsonl", "eval/accuracy")
+    assert not (tmp_path / "typo" / "report.csv").exists()
 
     # the same grid, two runs at a time: the same runs, the same results (same configs, same seeds)
     parallel = write_sweep(tmp_path / "par.yaml", grid=grid, directory=str(tmp_path / "par"))
