@@ -40,18 +40,10 @@ def assert_state_bytes_are_the_sharded_state(make_config, planned, *overrides):
 
 
 @pytest.mark.slow
-def test_llama_tiny_compiles_for_a_v5e_slice_and_its_state_bytes_are_the_sharded_state(make_config):
-    """One slice of v5e-4, fsdp over its chips (two slices: the test below, on the same plan)."""
-    planned = plan(tiny(make_config, "mesh.data=1", "mesh.fsdp=4"), parse_target("v5e-4"))
-    assert planned.target.chips == 4
-    assert_state_bytes_are_the_sharded_state(make_config, planned, "mesh.data=1", "mesh.fsdp=4")
-
-
-@pytest.mark.slow
 def test_llama_1b_with_fsdp_over_four_v5e_chips_fits(make_config):
     """(With remat=dots the saved attention scores of XLA's attention take 13 GiB and it does not.)
     The train program alone: the one that holds the Adam state and the activations (the eval
-    program's compile is proven on llama_tiny above)."""
+    program's compile is proven on llama_tiny below)."""
     cfg = make_config("llama_1b.yaml", "mesh.data=1", "mesh.fsdp=4", "train.global_batch_size=8", "model.remat=full")
     planned = plan(cfg, parse_target("v5e-4"), compile_eval=False)
     assert planned.fits, verdict(planned)
@@ -65,13 +57,15 @@ def dcn_ops(planned) -> set[str]:
 
 @pytest.mark.slow
 def test_across_two_slices_only_the_data_gradient_reduction_crosses_the_slower_network(make_config):
-    """Data across 2 slices, fsdp inside each: every collective whose devices sit in more than
-    one slice is a reduction (the gradients over data); the ICI collectives each stay inside a
-    slice. Putting fsdp across the slices instead sends parameter all-gathers over DCN. Both
-    compile for the 8 chips, and each chip's state bytes are those of its PartitionSpecs."""
+    """Data across 2 slices of v5e-4, fsdp over each slice's chips: every collective whose devices
+    sit in more than one slice is a reduction (the gradients over data); the ICI collectives each
+    stay inside a slice. Putting fsdp across the slices instead sends parameter all-gathers over
+    DCN. Both compile for the 8 chips (the first its train and eval programs), and each chip's
+    state bytes are those of its PartitionSpecs. (One slice: llama_1b's plan above.)"""
     layout = ("mesh.data=2", "mesh.fsdp=4", "mesh.dcn_data=2")
     inside = plan(tiny(make_config, *layout), parse_target("v5e-4", 2))
     assert inside.target.chips == 8 and "data=2 (DCN x2, ICI x1)" in render(inside)
+    assert [p.name for p in inside.programs] == ["train", "eval"]
     assert_state_bytes_are_the_sharded_state(make_config, inside, *layout)
     assert dcn_ops(inside) == {"all-reduce"}
     slice_of = [d.slice_index for d in inside.target.devices]
