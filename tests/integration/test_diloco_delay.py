@@ -63,13 +63,15 @@ def stale_reference(theta, batches, inner_step, outer: str, lr: float, mu: float
     zeros = jax.tree.map(jnp.zeros_like, theta)
     momentum, pending, losses, step = zeros, zeros, [], 0
     states = [(zeros, zeros)] * REPLICAS  # each replica's inner optimizer state lasts the whole run
+    # (compiled once: dispatched eagerly, every op of the gradient is a program of its own)
+    gradient = jax.jit(jax.value_and_grad(mlp_loss))
     for _ in range(ROUNDS):
         replicas = [theta] * REPLICAS  # every replica starts the round at the global parameters
         for _ in range(INNER):
             step, batch, round_losses = step + 1, batches[step], []
             for r in range(REPLICAS):
                 rows = slice(r * BATCH // REPLICAS, (r + 1) * BATCH // REPLICAS)
-                loss, grads = jax.value_and_grad(mlp_loss)(replicas[r], batch["image"][rows], batch["label"][rows])
+                loss, grads = gradient(replicas[r], batch["image"][rows], batch["label"][rows])
                 replicas[r], states[r] = inner_step(replicas[r], grads, states[r], step)
                 round_losses.append(loss)
             losses.append(float(np.mean(round_losses)))
