@@ -91,18 +91,19 @@ class OwnValidator(array_metadata_store_lib.Validator):
             )
 
 
-def own_operation_ids() -> None:
-    """From now on this process numbers its saves apart from the job's other processes.
+def own_operation_ids(lowest: int) -> None:
+    """From now on this process numbers its saves apart from the job's other sub-meshes'
+    (`lowest`: the lowest process of this process's sub-meshes: its runs' other processes count alike).
 
     Orbax keys a save's signals (its step's directories created) in the job's coordination store
     by an operation id that each process counts from 0, the same on every process of a run on all
     of them. Processes saving runs of their own at once (sub-mesh trials within each process)
     would read each other's signals and write before their directories exist; each counts from
-    its own range instead (orbax's OperationIdGenerator)."""
+    its sub-meshes' own range instead (orbax's OperationIdGenerator)."""
     from orbax.checkpoint._src.futures import synchronization
 
     generator = synchronization.OperationIdGenerator
-    generator._operation_id_counter = itertools.count((jax.process_index() + 1) * 10**12)
+    generator._operation_id_counter = itertools.count((lowest + 1) * 10**12)
 
 
 def among(ids: Sequence[int], name: str) -> tuple:

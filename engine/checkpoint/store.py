@@ -106,7 +106,7 @@ class Checkpointer:
         # host, and its commits wait for its own processes alone (engine/runtime/processes.py)
         processes, handled, state = current(), {}, {}
         if not processes.whole_job:
-            name = f"run_{zlib.crc32(str(self.directory).encode()):08x}"
+            name = f"run_{zlib.crc32(str(self.directory).encode()):08x}"  # (its barriers' keys: unique in the job)
             handled["multiprocessing_options"], state = among(processes.ids, name)
             if not self.read_only:  # (orbax creates it only for a run on every process)
                 self.directory.mkdir(parents=True, exist_ok=True)

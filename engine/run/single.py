@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -58,7 +59,8 @@ def fit(
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
         return _open(cfg, run, started, result, closing, watchdog, goodput, devices)
 
-    with running(RunProcesses.of(devices)):  # (a sub-mesh's trial: the processes of its devices)
+    processes = RunProcesses.of(devices, name=f"{zlib.crc32(str(Path(cfg.workdir).absolute()).encode()):08x}")
+    with running(processes):  # (a sub-mesh's trial: the processes of its devices)
         result.state = fit_job(open_job, cfg, started, [Path(cfg.workdir)]).state
     return result
 

@@ -214,8 +214,9 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
 
 
-def barrier(name: str, timeout_seconds: int) -> None:
-    """Waits until every process reaches `name`; DistributedError naming the ones that did not."""
+def barrier(name: str, timeout_seconds: int, among: Any = None) -> None:
+    """Waits until every process (or every one of `among`'s: a RunProcesses of some of them, engine/
+    runtime/processes.py) reaches `name`; DistributedError naming the ones that did not."""
     if jax.process_count() == 1:
         return
     from jax._src import distributed as jax_distributed  # the coordination-service client
@@ -223,7 +224,10 @@ def barrier(name: str, timeout_seconds: int) -> None:
     client = jax_distributed.global_state.client
     assert client is not None, "jax.distributed is initialised when there are several processes"
     try:
-        client.wait_at_barrier(name, timeout_seconds * 1000)
+        if among is None:
+            client.wait_at_barrier(name, timeout_seconds * 1000)
+        else:
+            client.wait_at_barrier(f"{name}@{among.name}", timeout_seconds * 1000, process_ids=list(among.ids))
     except Exception as e:  # the client raises jaxlib's own error type, which names the missing tasks
         missing = missing_processes(first_line(e))
         who = f"process(es) {missing}" if missing else "some process"

@@ -11,23 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+import itertools
+import json
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 
+WAIT_MS = 24 * 3600 * 1000  # how long a process of a run waits for its chief's broadcast
+
 
 @dataclass(frozen=True)
 class RunProcesses:
     ids: tuple[int, ...]  # the run's processes, lowest first
+    name: str = ""  # the run's (its keys in the job's store: unique in the job, the same on its processes)
+    _sent: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
 
     @classmethod
-    def of(cls, devices: Optional[Sequence] = None) -> "RunProcesses":
+    def of(cls, devices: Optional[Sequence] = None, name: str = "") -> "RunProcesses":
         """The processes of `devices` (None: every process of the job)."""
         if devices is None:
-            return cls(tuple(range(jax.process_count())))
-        return cls(tuple(sorted({device.process_index for device in devices})))
+            return cls(tuple(range(jax.process_count())), name)
+        return cls(tuple(sorted({device.process_index for device in devices})), name)
 
     @property
     def chief(self) -> bool:
@@ -47,28 +53,31 @@ class RunProcesses:
     def whole_job(self) -> bool:
         return self.count == jax.process_count()
 
-    def _several(self, what: str) -> bool:
-        """Whether `what` needs other processes (the run's being the whole job's; a run on some of
-        several processes is not built: launch.py sweep refuses such sub-meshes)."""
-        if self.count == 1:
-            return False
-        assert self.whole_job, f"{what} among processes {self.ids} of {jax.process_count()}"
-        return True
-
     def barrier(self, name: str, timeout_seconds: int) -> None:
         """Waits until every process of the run reaches `name`."""
-        if self._several("a barrier"):
-            from engine.runtime.distributed import barrier
+        from engine.runtime.distributed import barrier
 
-            barrier(name, timeout_seconds)
+        if self.count > 1:
+            barrier(name, timeout_seconds, None if self.whole_job else self)
 
     def broadcast(self, value: Any) -> np.ndarray:
-        """The chief's `value` (an array of one shape on every process), on each of the run's processes."""
-        if not self._several("a broadcast"):
+        """The chief's `value` (an array of one shape on every process), on each of the run's processes
+        (the job's: a collective; some of its processes: through the coordination service's store)."""
+        if self.count == 1:
             return np.asarray(value)
-        from jax.experimental import multihost_utils
+        if self.whole_job:
+            from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.broadcast_one_to_all(value))
+            return np.asarray(multihost_utils.broadcast_one_to_all(value))
+        from jax._src import distributed
+
+        client, key = distributed.global_state.client, f"engine_run/{self.name}/{self.ids}/{next(self._sent)}"
+        assert client is not None, "several processes: jax.distributed is initialised"
+        array = np.asarray(value)
+        if self.chief:
+            client.key_value_set(key, json.dumps(array.tolist()))
+            return array
+        return np.asarray(json.loads(client.blocking_key_value_get(key, WAIT_MS)), array.dtype).reshape(array.shape)
 
 
 _CURRENT: contextvars.ContextVar[Optional[RunProcesses]] = contextvars.ContextVar("run_processes", default=None)

@@ -65,15 +65,15 @@ def submeshes(devices: list, per_trial: int) -> list[list]:
 
 
 def check_layout(per_trial: int, per_process: int, processes: int) -> None:
-    """UsageError unless each sub-mesh of `per_trial` devices lies within one process or is the whole job."""
-    total = per_process * processes
-    if processes == 1 or per_trial == total or (per_trial <= per_process and per_process % per_trial == 0):
+    """UsageError unless each sub-mesh of `per_trial` devices lies within one process or spans whole processes."""
+    if processes == 1 or (per_process % per_trial == 0 if per_trial <= per_process else per_trial % per_process == 0):
         return
     within = [n for n in range(1, per_process + 1) if per_process % n == 0]
+    spanning = [per_process * n for n in range(2, processes + 1) if processes % n == 0]
     raise UsageError(
         f"--devices-per-trial {per_trial} in a job of {processes} processes x {per_process} devices: a sub-mesh "
-        f"spanning some of the processes is not built; use --devices-per-trial {', '.join(map(str, within))} "
-        f"(trials within one process) or {total} (each trial on every process)"
+        f"lies within one process or spans whole processes; use --devices-per-trial {', '.join(map(str, within))} "
+        f"(trials within one process) or {', '.join(map(str, spanning))} (each trial on whole processes)"
     )
 
 
@@ -340,11 +340,11 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
                 f"a search sweep's trials span no processes (their pruning is judged on one): use --devices-per-trial "
                 f"{jax.local_device_count()} or fewer, or make it a grid or random sweep"
             )
-    if jax.process_count() > 1 and per_trial <= jax.local_device_count():  # each process saves its own runs
+    mine = [i for i, mesh in enumerate(meshes) if jax.process_index() in RunProcesses.of(mesh).ids]
+    if jax.process_count() > 1 and len(mine) < len(meshes):  # each sub-mesh's processes number their saves apart
         from engine.checkpoint.among import own_operation_ids
 
-        own_operation_ids()
-    mine = [i for i, mesh in enumerate(meshes) if jax.process_index() in RunProcesses.of(mesh).ids]
+        own_operation_ids(RunProcesses.of(meshes[mine[0]]).ids[0])
     serial_saves()  # (orbax's saves share one process-wide operation id)
     queue = Queue(sweep, retry_failed, client)
     total = sweep.search["trials"] if sweep.search else len(sweep.runs)

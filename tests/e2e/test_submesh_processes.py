@@ -1,8 +1,9 @@
 """A sub-mesh sweep (`launch.py sweep --devices-per-trial N`, engine/sweep/submesh.py) in a job of
-2 processes x 2 devices: sub-meshes within one process (N=2) and a sub-mesh spanning both (N=4).
-Each job is killed with SIGKILL (every process) and run again: the finished run is not trained
-again, the interrupted one resumes from its checkpoint with the losses of the same config trained
-alone on N devices, the one not yet begun starts."""
+several processes: sub-meshes within one process (2 processes x 2 devices, N=2) and sub-meshes
+each spanning two processes of four (4 x 1, N=2). Each job is killed with SIGKILL (every process)
+and run again: the finished run is not trained again, the interrupted one resumes from its
+checkpoint with the losses of the same config trained alone on N devices, the one not yet begun
+starts. And an Optuna search whose processes share its study."""
 
 import json
 import os
@@ -27,6 +28,7 @@ COMMON = {
     "model.dropout_rate": 0.0,
 }
 JOB = ["--local-processes", "2", "--devices-per-process", "2"]
+SPANNING = ["--local-processes", "4", "--devices-per-process", "1"]
 
 
 def losses(workdir) -> dict[int, float]:
@@ -42,7 +44,7 @@ def kill_job(proc) -> None:
     proc.wait()
 
 
-def killed_and_resumed(tmp_path, per_trial: int, runs: dict, unstarted: bool) -> tuple[Path, list[Path], str]:
+def killed_and_resumed(tmp_path, runs: dict, unstarted: bool, job: list[str]) -> tuple[Path, list[Path], str]:
     """Runs the sweep, kills it once its first run finished and its second saved (the last not begun,
     when `unstarted`), runs it again to the end; (its directory, the runs' workdirs, the first's records)."""
     spec = {
@@ -56,7 +58,7 @@ def killed_and_resumed(tmp_path, per_trial: int, runs: dict, unstarted: bool) ->
     path.write_text(yaml.safe_dump(spec))
     names = [f"hidden_sizes={w[0]},steps={s}" for w, s in zip(runs["model.hidden_sizes"], runs["train.steps"])]
     workdirs = [tmp_path / "s" / name for name in names]
-    command = ["sweep", str(path), "--devices-per-trial", str(per_trial), *JOB]
+    command = ["sweep", str(path), "--devices-per-trial", "2", *job]
     proc = start_cli(*command)
 
     def killable() -> bool:
@@ -105,7 +107,7 @@ def check_resumed(tmp_path, workdir: Path, devices: int, steps: int) -> None:
 @pytest.mark.slow
 def test_sub_meshes_within_each_process_of_a_killed_job_resume(tmp_path):
     runs = {"model.hidden_sizes": [[8], [16], [24], [32]], "train.steps": [20, 200, 200, 40]}
-    directory, (first, long, _, unstarted), finished = killed_and_resumed(tmp_path, 2, runs, unstarted=True)
+    directory, (first, long, _, unstarted), finished = killed_and_resumed(tmp_path, runs, True, JOB)
     assert (first / "metrics.jsonl").read_text() == finished
     starts = [json.loads(line) for line in (directory / "submesh.jsonl").read_text().splitlines()]
     devices = {tuple(e["devices"]) for e in starts if e["event"] == "start"}
@@ -115,12 +117,15 @@ def test_sub_meshes_within_each_process_of_a_killed_job_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sub_mesh_spanning_both_processes_of_a_killed_job_resumes(tmp_path):
+def test_sub_meshes_spanning_two_processes_each_of_a_killed_job_resume(tmp_path):
     runs = {"model.hidden_sizes": [[8], [16]], "train.steps": [20, 200]}
-    _, (first, long), finished = killed_and_resumed(tmp_path, 4, runs, unstarted=False)
+    directory, (first, long), finished = killed_and_resumed(tmp_path, runs, False, SPANNING)
     assert (first / "metrics.jsonl").read_text() == finished
-    assert (long / "run.process1.log").is_file()  # process 1 trained it too
-    check_resumed(tmp_path, long, 4, 200)
+    starts = [json.loads(line) for line in (directory / "submesh.jsonl").read_text().splitlines()]
+    devices = {tuple(e["devices"]) for e in starts if e["event"] == "start"}
+    assert len(devices) == 2 and all(len({d // 2048 for d in mesh}) == 2 for mesh in devices)  # two processes' each
+    assert len(list(long.glob("run.process*.log"))) == 1  # its other process trained it too
+    check_resumed(tmp_path, long, 2, 200)
 
 
 @pytest.mark.slow

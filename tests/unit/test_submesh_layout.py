@@ -1,5 +1,6 @@
 """Which sub-meshes a multi-process sub-mesh sweep builds (engine/sweep/submesh.py check_layout):
-within one process, or the whole job; one spanning some of the processes is refused naming the fix."""
+within one process, or spanning whole processes; one cutting a process in parts is refused naming
+the fix."""
 
 import pytest
 
@@ -7,20 +8,19 @@ from engine.errors import UsageError
 from engine.sweep.submesh import check_layout
 
 
-def test_sub_meshes_lie_within_a_process_or_span_the_whole_job():
-    for per_trial in (1, 2, 4, 8):  # 2 processes x 4 devices: within one process, or all 8
-        check_layout(per_trial, 4, 2)
+def test_sub_meshes_lie_within_a_process_or_span_whole_processes():
+    for per_trial in (1, 2, 4, 8, 16):  # 4 processes x 4 devices: within one process, or 2 or 4 whole ones
+        check_layout(per_trial, 4, 4)
     check_layout(3, 6, 1)  # one process: any divisor of its devices (submeshes() checks)
 
 
-def test_a_sub_mesh_spanning_some_processes_is_refused_naming_the_fix():
+def test_a_sub_mesh_cutting_a_process_in_parts_is_refused_naming_the_fix():
     with pytest.raises(UsageError) as error:
-        check_layout(2, 1, 4)
+        check_layout(6, 4, 4)  # (one process's 4 devices and half of another's)
     assert str(error.value) == (
-        "--devices-per-trial 2 in a job of 4 processes x 1 devices: a sub-mesh spanning some of the processes is "
-        "not built; use --devices-per-trial 1 (trials within one process) or 4 (each trial on every process)"
+        "--devices-per-trial 6 in a job of 4 processes x 4 devices: a sub-mesh lies within one process or spans "
+        "whole processes; use --devices-per-trial 1, 2, 4 (trials within one process) or 8, 16 (each trial on "
+        "whole processes)"
     )
-    with pytest.raises(UsageError, match="use --devices-per-trial 1, 2, 4 .* or 16"):
-        check_layout(8, 4, 4)
-    with pytest.raises(UsageError, match="use --devices-per-trial 1, 3 "):
+    with pytest.raises(UsageError, match="use --devices-per-trial 1, 3 .* or 6 "):
         check_layout(2, 3, 2)  # (2 does not divide a process's 3 devices)
