@@ -12,11 +12,12 @@ import jax
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
-from support.cli import run_cli
+from support.cli import child_env, run_cli
 from support.configs import ROOT
 from support.finetune import DATA, LORA, TOKENS, imported_base, logits
 from support.fuzz_cli import run_in_one_process
 from support.llama import TINY, transformers_logits, write_hf_checkpoint
+from support.one_process import run_steps
 from support.parallel import train_losses
 
 from engine.checkpoint import store as checkpoint
@@ -171,26 +172,36 @@ def _fine_tune_run(make_config, common, *layout):
 
 def test_a_resumed_fine_tuning_continues_exactly_and_refuses_a_changed_base(base, lora_run, tmp_path):
     """Stopped at 2 and resumed, a LoRA run (dropout 0.1) logs the losses of lora_run, never stopped
-    (on the base's copy: the same bytes at another path)."""
+    (on the base's copy: the same bytes at another path). (The four command lines through the CLI's
+    main in one process: tests/support/one_process.py.)"""
     _, imported = base
     base_dir = tmp_path / "base"
     shutil.copytree(imported, base_dir)
     common = ["--config", str(base_dir / "config.yaml"), *config_args(base_dir), *STRAIGHT[:-1]]
-    assert run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=2").returncode == 0
-    proc = run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=4")
-    assert proc.returncode == 0 and "resuming from step 2" in proc.stdout, proc.stderr
+    resumed = ["--workdir", str(tmp_path / "resumed")]
+    # the base trains one more step: a new checkpoint, another checksum; the adapters' run refuses it
+    more = ["--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, "train.steps=1"]
+    stopped, proc, more, refused = run_steps(
+        tmp_path,
+        [
+            {"argv": [*common, *resumed, "train.steps=2"]},
+            {"argv": [*common, *resumed, "train.steps=4"]},
+            {"argv": more},
+            {"argv": [*common, *resumed, "train.steps=6"]},
+        ],
+        env=child_env({"HOME": str(tmp_path)}),
+    )
+    for result in (stopped, proc, more):
+        assert result["code"] == 0 and not result["escaped"], result["escaped"] or result["stderr"][-3000:]
+    assert "resuming from step 2" in proc["stdout"]
 
     def losses(work):
         return [(r["step"], r["loss"]) for r in read_records(work / "metrics.jsonl") if r["split"] == "train"]
 
     assert len(losses(lora_run[0])) == 4
-    assert losses(tmp_path / "resumed") == losses(lora_run[0])
-    # the base trains one more step: a new checkpoint, another checksum; the adapters' run refuses it
-    more = run_cli("--config", str(base_dir / "config.yaml"), "--workdir", str(base_dir), *DATA, "train.steps=1")
-    assert more.returncode == 0, more.stderr
-    proc = run_cli(*common, "--workdir", str(tmp_path / "resumed"), "train.steps=6")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"finetune.base={base_dir}: the base changed since" in proc.stderr, proc.stderr
+    assert losses(tmp_path / "resumed") == losses(lora_run[0])  # (and the refused run trained nothing)
+    assert refused["code"] == 2 and not refused["escaped"] and "Traceback" not in refused["stderr"], refused
+    assert f"finetune.base={base_dir}: the base changed since" in refused["stderr"], refused["stderr"]
 
 
 def _flip(path, count=64):
@@ -285,12 +296,18 @@ def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
         "--config": [*QUICK_TEXT[1:], "train.steps=2"],  # (data.max_bytes is python_source's: the run reads tokens)
         "sample": ["--chat", "--max-tokens", "300"],  # (> seq_len 32, through the base's chat template)
     }
+    steps = []  # (each line's command line through the CLI's main, all in one process: tests/support/one_process.py)
     for line in block.strip().splitlines():
         line = line.replace("HF_DIR", str(hf)).replace("TEXT_DIR", str(tmp_path / "own" / "text"))
+        assert shlex.split(line)[:2] == ["python", "launch.py"], line
         args = [a.replace("runs/", f"{tmp_path}/runs/") for a in shlex.split(line)[2:]]
-        proc = run_cli(*args, *quick.get(args[0], []), cwd=tmp_path)
-        assert proc.returncode == 0, (line, proc.stderr)
-    merged, lora = tmp_path / "runs" / "lora_merged", tmp_path / "runs" / "lora"
+        steps.append({"line": line, "argv": [*args, *quick.get(args[0], [])]})
+    named = ["--format", "hf", "--base-model", "org/tiny-llama", "--out", str(tmp_path / "named")]
+    lora = tmp_path / "runs" / "lora"
+    steps.append({"line": "export --base-model", "argv": ["export", "--workdir", str(lora), *named]})
+    for result in run_steps(tmp_path, steps, env=child_env({"HOME": str(tmp_path)})):
+        assert result["code"] == 0 and not result["escaped"], (result["line"], result["escaped"] or result["stderr"])
+    merged = tmp_path / "runs" / "lora_merged"
     assert (merged / "model.safetensors").is_file()
     assert not (tmp_path / "cache").exists()  # the import tokenized nothing (the LoRA run reads its own corpus)
     # the base's model facts reach the LoRA run's export and sample: context, special ids, template
@@ -306,8 +323,6 @@ def test_the_readme_recipe_runs_on_a_tiny_model(tmp_path):
     assert adapter["base_model_name_or_path"] == str(hf) and (tmp_path / "adapter" / "tokenizer_config.json").is_file()
     with pytest.raises(checkpoint.UsageError, match="--base-model names the base of a LoRA run's adapter"):
         export_hf(str(lora), str(tmp_path / "merged-named"), merge=True, base_model="org/tiny-llama")
-    named = ["--format", "hf", "--base-model", "org/tiny-llama", "--out", str(tmp_path / "named")]
-    assert run_cli("export", "--workdir", str(lora), *named).returncode == 0
     assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
         "org/tiny-llama"
     )

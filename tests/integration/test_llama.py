@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.configs import QUIET, ROOT
 from support.llama import (
     INFO,
     LLAMA,
@@ -19,6 +20,7 @@ from support.llama import (
     write_hf_checkpoint,
 )
 
+from engine.config import load_config
 from engine.parallel.sharding import unbox
 from engine.run.cost import compiled_flops
 from engine.run.setup import build_run
@@ -137,13 +139,25 @@ def train_losses(run, steps, state=None):
     return losses
 
 
+@pytest.fixture(scope="module")
+def one_device(compilation_cache, tmp_path_factory):
+    """(the one-device run of LLAMA, scanned layers, as make_config builds it; its first 4 losses
+    from its initial state): what three tests compare with, built and trained once."""
+    quiet = [*QUIET, f"train.compilation_cache_dir={compilation_cache}", "train.steps_per_call=1"]
+    workdir = tmp_path_factory.mktemp("one_device") / "run"
+    run = build_run(
+        load_config(ROOT / "configs" / "mnist_mlp.yaml", [*quiet, *LLAMA, "mesh.num_devices=1"], str(workdir))
+    )
+    return run, train_losses(run, 4)
+
+
 @pytest.mark.slow
-def test_scan_changes_compile_work_not_losses(make_config):
-    scanned = build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1"))
+def test_scan_changes_compile_work_not_losses(make_config, one_device):
+    scanned, scanned_losses = one_device
     unscanned = build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1", "model.scan_layers=false"))
     start = scanned.init_state()  # the same weights in both layouts (Adam's moments start at zero in both)
     same_start = unscanned.init_state().replace(params=unstacked(jax.device_get(start.params), 2))
-    np.testing.assert_allclose(train_losses(scanned, 4, start), train_losses(unscanned, 4, same_start), rtol=1e-5)
+    np.testing.assert_allclose(scanned_losses, train_losses(unscanned, 4, same_start), rtol=1e-5)
     # the scan is a loop XLA's cost analysis counts once: MFU counts the unscanned step
     assert scanned.cost.source == "XLA cost analysis of the same step without scan_layers=True"
     # (a lowered program's count runs a few percent below the compiled one's: BENCHMARKS.md)
@@ -157,8 +171,8 @@ def test_scan_changes_compile_work_not_losses(make_config):
     ids=["data2-fsdp2-tensor2", "fsdp2-tensor4-kv-replicated"],
 )
 @pytest.mark.slow
-def test_mesh_layouts_give_the_one_device_losses(make_config, layout):
-    one = train_losses(build_run(make_config("mnist_mlp.yaml", *LLAMA, "mesh.num_devices=1")), 4)
+def test_mesh_layouts_give_the_one_device_losses(make_config, layout, one_device):
+    _, one = one_device
     run = build_run(make_config("mnist_mlp.yaml", *LLAMA, *layout))
     kernel = run.abstract_state.params["layers"]["block"]["attn"]["key"]["kernel"]
     tensor = run.mesh.shape["tensor"]
