@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from support.context_experts import LLAMA, MOE, assert_same_training
 from support.parallel import addressable_bytes
+from support.same_training import same_training_runs
 from support.tokens import LLAMA_TOKENS, tokenized_corpus
 
 from engine.data import DataInfo
@@ -44,13 +45,14 @@ def test_context_parallel_packed_documents_match_one_device(make_config, packed_
 
 
 @pytest.mark.slow
-def test_moe_over_expert_axes_matches_one_device(make_config):
+def test_moe_over_expert_axes_matches_one_device_each_holding_its_share_of_the_experts(make_config):
     """Top-2 of 8 experts with tokens over capacity dropped (factor 1.0), over expert 4 (with
     fsdp) and 8, and over expert 2 with a shared expert and sigmoid router beside context and
     tensor (on unpacked sequences: plain causal attention, cuDNN's on a GPU without a context
-    split)."""
+    split). Over expert 8 each device holds an eighth of the experts' weights and tokens reach
+    them by all-to-all."""
     args = [*LLAMA, *MOE, "model.expert_capacity_factor=1.0"]
-    assert_same_training(
+    runs = same_training_runs(
         make_config,
         args,
         [
@@ -58,6 +60,12 @@ def test_moe_over_expert_axes_matches_one_device(make_config):
             ["mesh.data=1", "mesh.expert=8"],
         ],
     )
+    run, state = runs[1]
+    experts = {name: leaf for name, leaf in state.params["layers"]["block"]["moe"].items() if name != "router"}
+    total = sum(leaf.nbytes for leaf in experts.values())
+    for device in run.mesh.devices.flat:
+        assert addressable_bytes(experts, device) == total // 8
+    assert "all-to-all" in {c.op for c in hlo.hlo_collectives(run.compiled.program.as_text(), 8)}
     assert_same_training(
         make_config,
         [*args, "model.shared_expert=true", "model.router=sigmoid", "model.scan_layers=false", "model.moe_interval=2"],
@@ -118,18 +126,6 @@ def test_a_context_split_holds_a_fraction_of_the_activations(make_config):
     assert split.compiled.memory.temp_size_in_bytes < 0.4 * one
     found = {c.op for c in hlo.hlo_collectives(split.compiled.program.as_text(), 4)}
     assert "all-gather" in found
-
-
-@pytest.mark.slow
-def test_an_expert_split_holds_its_share_of_the_experts_and_sends_tokens_by_all_to_all(make_config):
-    run = build_run(make_config("llama_tiny", *LLAMA, *MOE, "mesh.data=2", "mesh.expert=4"))
-    experts = {
-        name: leaf for name, leaf in run.init_state().params["layers"]["block"]["moe"].items() if name != "router"
-    }
-    total = sum(leaf.nbytes for leaf in experts.values())
-    for device in run.mesh.devices.flat:
-        assert addressable_bytes(experts, device) == total // 4
-    assert "all-to-all" in {c.op for c in hlo.hlo_collectives(run.compiled.program.as_text(), 8)}
 
 
 @pytest.mark.parametrize(
