@@ -9,7 +9,6 @@ import time
 import pytest
 from support.cli import run_cli, start_cli, wait_until, wrote_metrics
 from support.configs import QUIET
-from support.in_process import train_here
 
 
 def _train(workdir, *extra):
@@ -18,7 +17,7 @@ def _train(workdir, *extra):
 
 
 @pytest.mark.slow
-def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path, capsys):
+def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path):
     workdir = tmp_path / "run"
     first = _train(workdir, "train.steps=1000000", "log.every_steps=10", "checkpoint.every_steps=50")
     wait_until(lambda: wrote_metrics(workdir), first)
@@ -30,12 +29,18 @@ def test_one_training_job_per_workdir_and_no_stale_lock_after_sigkill(tmp_path, 
     assert (workdir / "config.yaml").read_text() == config_before  # the refused run wrote nothing
     first.kill()  # SIGKILL: no chance to clean up
     first.wait()
-    # the OS released the lock with the process: a run (in this test's process) takes the workdir
-    steps = ["train.steps=100", "log.progress=false", "log.tensorboard=false", "checkpoint.every_steps=50"]
-    code, said = train_here(
-        capsys, workdir, "configs/mnist_mlp.yaml", *steps, "log.every_steps=10", devices=1, common=False
+    third = run_cli(
+        "--config",
+        "configs/mnist_mlp.yaml",
+        "--workdir",
+        str(workdir),
+        "train.steps=100",
+        "log.progress=false",
+        "log.tensorboard=false",
+        "checkpoint.every_steps=50",
+        "log.every_steps=10",
     )
-    assert code == 0, said[-3000:]
+    assert third.returncode == 0, third.stderr  # the OS released the lock with the process
 
 
 def test_ctrl_c_saves_and_exits_130(tmp_path):
