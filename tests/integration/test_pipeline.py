@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from support.context_experts import assert_same_training
 from support.pipeline import DEEP, losses_of
+from support.same_training import same_training_runs
 from support.tokens import LLAMA_TOKENS, tokenized_corpus
 
 from engine.errors import UsageError
@@ -20,8 +21,9 @@ from engine.run.single import fit
 def test_pipelines_alone_and_beside_other_axes_give_the_one_device_training(make_config):
     """Stages 2 and 4, GPipe and circular, with data, fsdp and tensor: the one-device losses and
     weights of the same run (rtol 1e-5) over 4 steps. (2 stages beside data alone, and 4 circular
-    stages of 2 repeats beside fsdp: the checkpoint test below, against one device too.)"""
-    assert_same_training(
+    stages of 2 repeats beside fsdp: the checkpoint test below, against one device too.) Under
+    data=2 x pipeline=4 a stage holds its share of the layers."""
+    runs = same_training_runs(
         make_config,
         DEEP,
         [
@@ -30,6 +32,7 @@ def test_pipelines_alone_and_beside_other_axes_give_the_one_device_training(make
             ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=2", "model.remat=full"],
         ],
     )
+    assert_a_stage_holds_its_share_of_the_layers(runs[0][0])
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +47,9 @@ def test_a_pipeline_over_packed_documents_gives_the_one_device_training(make_con
     assert_same_training(make_config, args, [["mesh.data=2", "mesh.pipeline=4", "pipeline.schedule=gpipe"]])
 
 
-def test_a_stage_holds_its_share_of_the_layers(make_config):
+def assert_a_stage_holds_its_share_of_the_layers(run):
     """Under mesh.pipeline=4 each device holds a quarter of the stacked layers' parameters (and
     of their Adam moments); the embedding and the head are whole on every stage."""
-    run = build_run(make_config("llama_tiny.yaml", *DEEP, "mesh.data=2", "mesh.pipeline=4"))
     stacked = {p.path for p in run.model.param_layouts if p.logical[:1] == ("layers",)}
     leaves = jax.tree_util.tree_leaves_with_path(run.abstract_state.params)
     layer_leaves = [leaf for path, leaf in leaves if jax.tree_util.keystr(path).startswith("['layers']")]
