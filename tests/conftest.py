@@ -14,11 +14,20 @@ from pathlib import Path
 
 # The tests compile far more than they run: XLA:CPU's code generation without LLVM's
 # optimisation passes compiles ~2.4x faster (BENCHMARKS.md "Test suite"); every in-process test
-# uses it, so both sides of each comparison are compiled alike.
+# and every process a test launches (tests/support/cli.py child_env) uses these flags, so both
+# sides of each comparison are compiled alike.
+# XLA:CPU's older loop emitters in place of its fusion emitters compile the tests' programs in ~0.57x
+# the CPU time (tests/integration/test_parallel.py + test_step.py: 106 -> 61 CPU-s; BENCHMARKS.md).
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"  # (engine/runtime/settings.py: CPU_SCHEDULER_FLAG)
 ).strip()
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    from engine.runtime.settings import xla_knows  # (an unknown flag would abort every process; imports no jax)
+
+    if xla_knows(_LEGACY_EMITTERS):
+        os.environ["XLA_FLAGS"] += " " + _LEGACY_EMITTERS
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("ENGINE_TEST_GPU") == "1" else "cpu"
 # The engine's caches (tokenized corpora, tables' features, XLA programs: engine/runtime/caches.py) in a
 # folder of this test process's own, for it and every process it launches: a test passes or fails

@@ -86,11 +86,11 @@ def cpu_devices_in(flags: str) -> int | None:
 
 def _xla_cpu_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and _xla_knows(CPU_SCHEDULER_FLAG):
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and xla_knows(CPU_SCHEDULER_FLAG):
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
 
 
-def _xla_knows(flag: str) -> bool:
+def xla_knows(flag: str) -> bool:
     """Whether this jaxlib's XLA defines the flag (an unknown flag in XLA_FLAGS aborts the process)."""
     import importlib.util
     import mmap
