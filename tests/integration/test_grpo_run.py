@@ -32,7 +32,9 @@ def records(workdir, split="train"):
 
 
 def test_lora_grpo_raises_a_learnable_reward(make_config, files, tmp_path):
-    cfg = grpo_config(make_config, files, f"eval.every_steps={STEPS}")
+    # (learning rate 0.02: +0.21 with XLA:CPU's fusion emitters and with its loop emitters alike; at 0.03
+    # the rise depended on the emitters' rounding: it passed with one, +0.08 with the other)
+    cfg = grpo_config(make_config, files, f"eval.every_steps={STEPS}", "optimizer.learning_rate=0.02")
     fit(cfg)
     train = records(tmp_path / "run")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
