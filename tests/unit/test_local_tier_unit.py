@@ -38,9 +38,9 @@ def test_local_tier_keys_are_checked(tmp_path):
 def test_a_killed_save_s_leftover_is_removed_at_the_next_save(tmp_path):
     """Issue 57: a persistent save killed mid-write left `N.orbax-checkpoint-tmp-*` behind for good."""
     cfg = load_config(ROOT / "configs" / "mnist_mlp.yaml", [], str(tmp_path / "run"))
-    checkpointer = open_checkpoints(tmp_path / "run" / "checkpoints", cfg, write=True)
     leftover = tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-1764288000"
-    (leftover / "state").mkdir(parents=True)
+    (leftover / "state").mkdir(parents=True)  # (there before the next run opens its checkpoints, as a killed save's is)
+    checkpointer = open_checkpoints(tmp_path / "run" / "checkpoints", cfg, write=True)
     checkpointer.save(5, {"w": jax.device_put(np.ones(4, np.float32))}, {"step": 5})
     checkpointer.close()
     assert checkpointer.steps() == [5] and not leftover.exists()
