@@ -12,8 +12,9 @@ watchdog.phase("save"): ...`), and leaving one restarts the clock of the phase a
 In a job of several processes the first watchdog to fire is often not the hung process's: its
 peers wait for it in a collective (or a checkpoint's barrier) and the process hosting the
 coordination service takes every other down when it exits. So a watchdog that fires asks its
-peers for their state first (a census: `hang-census-<time>.json` in the workdir), and each
-peer's watchdog thread, which polls once a second whatever its main thread does, answers with
+peers for their state first (a census: the workdir's `hang-census.json`, naming the asker and
+the time), and each peer's watchdog thread, which `stat`s that one path once a second whatever
+its main thread does (no listing of the workdir: cheap on a shared file system), answers with
 `hang-status-<time>-process<K>.txt` (the step its loop last began, how long it went without
 progress) before the asker exits: the elastic supervisor then blames the process behind.
 """
@@ -45,7 +46,7 @@ WHAT = {
 # how a hang file's headline names the step the process's loop last began: the process behind its
 # peers (they wait for it in that step's collectives) is the one that hung (engine/elastic/accounting.py)
 REACHED = "its loop last began step"
-CENSUS = "hang-census-"  # a firing watchdog's request for its peers' state (a .json file)
+CENSUS = "hang-census.json"  # a firing watchdog's request for its peers' state (the newest asker's)
 STATUS = "hang-status-"  # a peer's answer (a .txt file, read as a hang file is)
 CENSUS_SECONDS = 3.0  # how long a firing watchdog waits for the answers (peers poll once a second)
 
@@ -58,7 +59,7 @@ class Watchdog:
         self.who = who  # "evaluator": its stacks go to hang-evaluator-<time>.txt
         self.processes = processes  # the job's: above 1, a firing watchdog asks the others' state first
         self.started = time.time()  # (censuses of an earlier start are not answered)
-        self.answered: set[str] = set()
+        self.answered: set[tuple[int, int]] = set()  # (the census files answered: inode, mtime)
         self.phases, self.since = ["compile"], time.monotonic()
         self.in_flight: list = []
         self.ready = 0
@@ -126,31 +127,35 @@ class Watchdog:
         )
 
     def _answer_census(self) -> None:
-        """Answers a peer's census (its watchdog fired) with this process's state, once per census."""
-        for path in self.workdir.glob(f"{CENSUS}*.json"):
-            if path.name in self.answered:
-                continue
-            self.answered.add(path.name)
-            try:
-                asker, written = json.loads(path.read_text())["process"], path.stat().st_mtime
-            except (OSError, ValueError, KeyError, TypeError):  # (a census being written is renamed into place)
-                continue
-            if written < self.started or asker == self.process_index:
-                continue
-            phase = self.phases[-1]
-            state = self._state(phase, time.monotonic() - self.since, self.limits.get(phase, 0))
-            name = f"{STATUS}{time.strftime('%Y%m%d-%H%M%S')}-process{self.process_index}.txt"
-            with contextlib.suppress(OSError):  # (a full disk: the asker's own file is the report)
-                write_atomic(self.workdir / name, f"{state}\n(answering the census of process {asker}'s watchdog)\n")
+        """Answers a peer's census (its watchdog fired) with this process's state, once per census:
+        one stat of the census file while there is none or it is the one answered last."""
+        path = self.workdir / CENSUS
+        try:
+            stat = path.stat()
+        except OSError:
+            return
+        seen = (stat.st_ino, stat.st_mtime_ns)  # (each census is a new file renamed into place)
+        if seen in self.answered:
+            return
+        try:
+            census = json.loads(path.read_text())
+            asker, asked = census["process"], census["asked"]
+        except (OSError, ValueError, KeyError, TypeError):  # (a census is renamed into place whole)
+            return
+        self.answered.add(seen)
+        if asked < self.started or asker == self.process_index:
+            return
+        phase = self.phases[-1]
+        state = self._state(phase, time.monotonic() - self.since, self.limits.get(phase, 0))
+        name = f"{STATUS}{time.strftime('%Y%m%d-%H%M%S')}-process{self.process_index}.txt"
+        with contextlib.suppress(OSError):  # (a full disk: the asker's own file is the report)
+            write_atomic(self.workdir / name, f"{state}\n(answering the census of process {asker}'s watchdog)\n")
 
     def _census(self) -> None:
         """Asks the peers' watchdogs for their state and waits up to CENSUS_SECONDS for the answers."""
         asked, before = time.time(), set(self.workdir.glob(f"{STATUS}*.txt"))
         try:
-            write_atomic(
-                self.workdir / f"{CENSUS}{asked:.6f}-{self.process_index}.json",
-                json.dumps({"process": self.process_index}),
-            )
+            write_atomic(self.workdir / CENSUS, json.dumps({"process": self.process_index, "asked": asked}))
         except OSError:
             return
         deadline = time.monotonic() + CENSUS_SECONDS
