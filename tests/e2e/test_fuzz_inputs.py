@@ -5,8 +5,6 @@ fixed seed and a fixed number of variants per file, all run in one process."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pyarrow.parquet as pq
 import yaml
 from support.cli import run_cli
 from support.configs import ROOT
+from support.fuzz_cli import run_in_one_process
 from support.llama import TINY, write_hf_checkpoint
 from support.tokens import _corpus_files, tokenized_corpus
 
@@ -144,19 +143,7 @@ def test_damaged_inputs_keep_the_exit_code_contract(tmp_path):
             out = str(tmp_path / "exports" / f"{name}-{i}")
             cases.append({"argv": ["export", "--workdir", str(bad), "--out", out]})
 
-    cases_file, results_file = tmp_path / "cases.json", tmp_path / "results.json"
-    cases_file.write_text(json.dumps(cases))
-    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}  # no sbatch
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "fuzz_cli.py"), str(cases_file), str(results_file)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(results_file.read_text())
+    results = run_in_one_process(tmp_path, cases, timeout=900)  # (no sbatch on its PATH)
     assert len(results) == len(cases) >= 80
     broken = [
         (r["argv"][:3], r["code"], r["escaped"] or r["stderr"][-400:])
@@ -167,23 +154,6 @@ def test_damaged_inputs_keep_the_exit_code_contract(tmp_path):
     refused = [r for r in results if r["code"] == 2]
     assert len(refused) > len(results) // 2  # most damage is bad input, said in one line
     assert all(len(r["stderr"].strip().splitlines()) >= 1 for r in refused)
-
-
-def run_in_one_process(tmp_path, cases: list[dict], timeout: int = 600) -> list[dict]:
-    """Each case's exit code, stderr and any escaped exception, all run by tests/support/fuzz_cli.py in one process."""
-    cases_file, results_file = tmp_path / "cases.json", tmp_path / "results.json"
-    cases_file.write_text(json.dumps(cases))
-    env = {"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "support" / "fuzz_cli.py"), str(cases_file), str(results_file)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(results_file.read_text())
 
 
 def damaged_copies(directory: Path, name: str, tmp_path: Path, rng) -> list[Path]:

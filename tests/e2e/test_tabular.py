@@ -275,7 +275,7 @@ HOSTILE = {  # (the table's bytes, data.features, what the one line says)
 
 
 def test_hostile_tables_and_features_are_one_line_exit_2_and_leave_nothing(tmp_path):
-    """Each case in one process (tests/support/fuzz_cli.py): exit 2, one line naming the problem, no
+    """Each case in one process (tests/support/fuzz_cli.py run_in_one_process): exit 2, one line naming the problem, no
     traceback, no workdir left behind; sizes that cannot fit are refused before allocation."""
     cases = []
     for i, (name, (data, spec, message)) in enumerate(HOSTILE.items()):
@@ -285,21 +285,7 @@ def test_hostile_tables_and_features_are_one_line_exit_2_and_leave_nothing(tmp_p
         args = [f"data.path={table}", "data.label=label", "data.eval_fraction=0.2", f"data.features={spec}"]
         argv = ["--config", str(ROOT / "configs" / PENGUINS), "--workdir", str(table.parent / "run"), *args]
         cases.append({"name": name, "message": message, "workdir": str(table.parent / "run"), "argv": argv})
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "support" / "fuzz_cli.py"),
-            str(tmp_path / "cases.json"),
-            str(tmp_path / "out.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
-    )
-    assert proc.returncode == 0, proc.stderr
-    for result in json.loads((tmp_path / "out.json").read_text()):
+    for result in run_in_one_process(tmp_path, cases, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}):
         where = f"{result['name']}: {result['stderr']} {result['escaped']}"
         assert result["code"] == 2 and not result["escaped"], where
         assert result["message"] in result["stderr"], where

@@ -1,8 +1,9 @@
 """Several launch.py command lines through the engine's `main`, one after another, in one fresh
 process (jax and the engine imported once; a program compiled by one command loads from the
 persistent cache in the next): for tests whose property is what each command does, not that it
-runs in a process of its own. Unlike tests/support/fuzz_cli.py, a step may create or remove a
-file before its command runs, and each result keeps its whole stdout and stderr:
+runs in a process of its own, and for the tests of bad input that check many command lines at
+once (tests/support/fuzz_cli.py). A step may create or remove a file before its command runs;
+each result keeps its whole stdout and stderr:
 
     python tests/support/one_process.py STEPS.json RESULTS.json
 """
