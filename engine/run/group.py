@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -29,6 +30,7 @@ from engine.run.outputs import Evaluation, NonFiniteLoss, RunOutputs, TrialOutpu
 from engine.run.setup import with_config_hparams
 from engine.run.vectorize import Group, TooBig, build_group, check_fits
 from engine.runtime.preemption import starting
+from engine.runtime.processes import RunProcesses, running
 from engine.runtime.watchdog import Watchdog
 from engine.state.columns import MetricColumns, fetch_rows
 
@@ -63,28 +65,41 @@ class Trial:
             self.stop(str(e))
 
 
-def fit_group(cfgs: list[Config], started: Optional[float] = None, on_stop: Optional[Callable] = None) -> list[Trial]:
+def fit_group(
+    cfgs: list[Config],
+    started: Optional[float] = None,
+    on_stop: Optional[Callable] = None,
+    devices: Optional[Sequence] = None,
+) -> list[Trial]:
     """Trains the group to train.steps from the trials' newest checkpoints (or from scratch);
     each trial logs, evaluates and saves into its own workdir as a run alone does. A trial
     with a non-finite loss (train.nan_policy=stop) stops alone (on_stop(cfg, why) is called);
     a signal saves every live trial and raises Preempted. A full, read-only or unwritable
     workdir is one StorageError, as for a run alone. A group whose compiled step would not
-    fit in a device's memory (check_fits) trains as smaller groups, in turn."""
+    fit in a device's memory (check_fits) trains as smaller groups, in turn. `devices`: the
+    group's own (a sweep's sub-mesh within one process: engine/sweep/submesh.py)."""
     _refuse_watched(cfgs)
     trials: list[Trial] = []
 
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
-        return _open(cfgs, on_stop, trials, closing, watchdog, goodput)
+        return _open(cfgs, on_stop, trials, closing, watchdog, goodput, devices)
 
+    processes = RunProcesses.of(devices, name=f"{zlib.crc32(str(Path(cfgs[0].workdir).absolute()).encode()):08x}")
+    assert processes.count == 1 or devices is None, "a vectorised group's sub-mesh lies within one process"
     try:
-        fit_job(open_job, cfgs[0], started, [Path(cfg.workdir) for cfg in cfgs])
+        with running(processes):  # (on a sub-mesh of a job's process: that process alone)
+            fit_job(open_job, cfgs[0], started, [Path(cfg.workdir) for cfg in cfgs])
         return trials
     except TooBig as big:  # (nothing was written: the check comes before the trials' files)
         fits, why = big.fits, str(big)  # (the group itself is freed with the exception, before the parts train)
     parts = [cfgs[i : i + fits] for i in range(0, len(cfgs), fits)]
     print(f"vectorize: {why}; training its runs as {len(parts)} groups of up to {fits}", flush=True)
     # each later group's goodput counts from its own start, not from the groups before it
-    return [trial for i, part in enumerate(parts) for trial in fit_group(part, started if i == 0 else None, on_stop)]
+    return [
+        trial
+        for i, part in enumerate(parts)
+        for trial in fit_group(part, started if i == 0 else None, on_stop, devices)
+    ]
 
 
 def _refuse_watched(cfgs: list[Config]) -> None:
@@ -112,10 +127,11 @@ def _open(
     closing: contextlib.ExitStack,
     watchdog: Watchdog,
     goodput: Goodput,
+    devices: Optional[Sequence] = None,
 ) -> Started:
     starting("loading data and compiling")
     outputs = [TrialOutputs(cfg, closing) for cfg in cfgs]  # each workdir claimed
-    group = build_group(cfgs)
+    group = build_group(cfgs, devices)
     check_fits(group)
     goodput.compile_seconds = group.compiled.compile_seconds
     for cfg, output in zip(cfgs, outputs):

@@ -164,7 +164,11 @@ class TrialOutputs(RunOutputs):
 
     def open_writer(self, start: int) -> MetricWriter:
         options: dict[str, Any] = dict(
-            start_step=0, progress=False, name=self.workdir.name, trackers=open_trackers(self.cfg)
+            start_step=0,
+            progress=False,
+            name=self.workdir.name,
+            trackers=open_trackers(self.cfg),
+            judged=Judged.on_thread(self.cfg.workdir),  # (a group on a sweep's sub-mesh: each trial's records shown)
         )
         self.writer = self._enter(MetricWriter(self.workdir, **self._writer_options(), **options))
         return self.writer

@@ -125,9 +125,13 @@ class Group:
         )
 
 
-def _check_group(cfgs: list[Config]) -> None:
-    if jax.process_count() > 1:
-        raise UsageError("vectorize trains a group in one process; run the sweep without --local-processes")
+def _check_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> None:
+    own = devices is not None and len({getattr(d, "process_index", 0) for d in devices}) == 1  # (a sub-mesh's)
+    if jax.process_count() > 1 and not own:
+        raise UsageError(
+            "vectorize trains a group in one process; run the sweep without --local-processes, or with "
+            "--devices-per-trial at most a process's devices (each process packs groups on its sub-meshes)"
+        )
     for cfg in cfgs:
         check_vectorizable(cfg, f"run {cfg.workdir}")  # (finetune.base, precompute_reference included)
         differs = shape_differences(cfgs[0], cfg)
@@ -140,8 +144,8 @@ def _check_group(cfgs: list[Config]) -> None:
 
 def build_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> Group:
     """Plans the first run on a mesh with a trial axis and compiles its steps under vmap
-    (`devices`: a TPU topology's, for `launch.py sweep --plan`)."""
-    _check_group(cfgs)
+    (`devices`: a TPU topology's, for `launch.py sweep --plan`, or a sweep's sub-mesh)."""
+    _check_group(cfgs, devices)
     first, trials = cfgs[0], len(cfgs)
     mesh = group_mesh(first, trials, devices)
     traced = trace_run(first, mesh)

@@ -24,7 +24,7 @@ class Judged:
 
     @classmethod
     def from_env(cls) -> Optional["Judged"]:
-        own = _by_thread.get(threading.get_ident())
+        own = cls.on_thread()
         if own is not None:  # a trial on a thread of the sweep's own process
             return own
         fds = os.environ.pop(ENV, "")  # (popped: processes this one starts are not judged)
@@ -32,6 +32,15 @@ class Judged:
             return None
         read_fd, write_fd = (int(fd) for fd in fds.split(","))
         return cls(read_fd, write_fd)
+
+    @staticmethod
+    def on_thread(workdir: Optional[str] = None) -> Optional["Judged"]:
+        """The judge judged_here set on this thread (for the run in `workdir`: a vectorised group's
+        trial), or None."""
+        own = _by_thread.get(threading.get_ident())
+        if isinstance(own, dict):
+            return own.get(str(workdir))
+        return own
 
     def ask(self, record: dict) -> None:
         """Sends `record`, waits for the verdict; a sweep that went away (a closed pipe) lets the run go on."""
@@ -64,12 +73,13 @@ class InProcess(Judged):
         return None
 
 
-_by_thread: dict[int, Judged] = {}
+_by_thread: dict[int, Judged | dict[str, Judged]] = {}
 
 
 @contextlib.contextmanager
-def judged_here(judged: Judged):
-    """While inside, a run that starts on this thread is judged by `judged`."""
+def judged_here(judged: Judged | dict[str, Judged]):
+    """While inside, a run that starts on this thread is judged by `judged` (a dict: each
+    vectorised group trial's by its workdir, as its config names it)."""
     ident = threading.get_ident()
     _by_thread[ident] = judged
     try:

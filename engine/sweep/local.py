@@ -74,8 +74,7 @@ def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int
     """Trains runs that share a compiled program as one vectorised child process (its output
     in the sweep directory's group-<id>.log); each run's status is its own: the child marks
     a run whose loss diverged failed, the others follow its exit code."""
-    names = [run.name for run in runs]
-    ident = hashlib.sha1("\n".join(names).encode()).hexdigest()[:10]
+    names, ident = [run.name for run in runs], group_ident(runs)
     groups = sweep.directory / "groups"
     groups.mkdir(exist_ok=True)
     write_atomic(groups / f"{ident}.json", json.dumps(names))
@@ -88,6 +87,11 @@ def run_group(sweep: Sweep, runs: list[RunSpec], env: dict | None = None) -> int
         if read_status(sweep.workdir(run)).get("status") == "running":
             write_json(sweep.workdir(run) / STATUS, {**_ended(code, log, start), "group": ident})
     return code
+
+
+def group_ident(runs: list[RunSpec]) -> str:
+    """A vectorised group's name in the sweep directory's groups/ (its runs' names hashed)."""
+    return hashlib.sha1("\n".join(run.name for run in runs).encode()).hexdigest()[:10]
 
 
 def _child(argv: list[str], log_path: Path, env: dict | None) -> int:

@@ -1,12 +1,14 @@
 """A sub-mesh sweep's console (engine/sweep/submesh.py): on a terminal one line per sub-mesh,
 updated in place (tqdm bars at fixed positions: its trial, state, step and the sweep's metric);
 elsewhere (a log file, a pipe) plain lines as trials start, evaluate and end. Then the
-sweep's summary: how many trials ended how, and the time.
+sweep's summary: how many trials ended how, and the time. `Routed`: sys.stdout and sys.stderr
+while the trials train, each trial thread's text going to its own log.
 
 Imports no jax."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections import Counter
@@ -50,7 +52,8 @@ class Progress:
             elif record["split"] == "train" and "loss" in record:
                 line["loss"] = record["loss"]
         if not self.terminal and record["split"] == self.split and self.name in record:
-            self._say(f"{line['run']} step {record['step']}: {self.metric}={record[self.name]:.4g}")
+            run = record.get("run", line["run"])  # (a vectorised group's trial names itself)
+            self._say(f"{run} step {record['step']}: {self.metric}={record[self.name]:.4g}")
 
     def ended(self, slot: int, run: str, status: dict) -> None:
         state = status.get("status", "?")
@@ -93,3 +96,29 @@ class Progress:
     def _say(self, line: str) -> None:
         with self.lock:
             print(line, file=self.stream, flush=True)
+
+
+class Routed(io.TextIOBase):
+    """sys.stdout or sys.stderr, writing each thread's text to that thread's file if it has one
+    (a trial's run.log), else to the stream it replaced."""
+
+    def __init__(self, stream):
+        self.stream, self.files = stream, {}
+
+    def write(self, text: str) -> int:
+        target = self.files.get(threading.get_ident(), self.stream)
+        target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.files.get(threading.get_ident(), self.stream).flush()
+
+    def isatty(self) -> bool:
+        return threading.get_ident() not in self.files and self.stream.isatty()
+
+    def fileno(self) -> int:  # (faulthandler's stacks, a hang's: the process's own stream)
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return self.stream.encoding

@@ -8,7 +8,11 @@ devices. The trials form a queue (a grid/zip/random sweep's pending runs, or an 
 study's next trials); when a trial finishes, is pruned or fails, its sub-mesh takes the
 next one. A failure (a NaN loss, a layout that does not fit the sub-mesh, an exception in
 its data or step) ends that trial alone, recorded with its reason in its status.json and
-sweep.jsonl; the others train on.
+sweep.jsonl; the others train on. With `vectorize` in the sweep file, trials that share a
+compiled program are packed: a sub-mesh takes such a group (engine/run/group.py, its trials
+side by side on a `trial` axis of the sub-mesh where its size allows) as one queue item, each
+trial keeping its own workdir, records, checkpoints and status (a NaN stops it alone), and
+the group's console in DIRECTORY/groups/<id>.log as a sweep's vectorised child process has.
 
 In a job of several processes (every process runs the sweep command) each process trains the
 sub-meshes that hold its devices: a sub-mesh lies within one process (N divides its devices)
@@ -28,7 +32,6 @@ and eval records and its end, with times and sub-meshes (the benchmark reads it)
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import os
@@ -41,11 +44,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from engine.errors import UsageError
-from engine.runtime.judged import InProcess, judged_here
+from engine.runtime.judged import InProcess, Judged, judged_here
 from engine.runtime.processes import RunProcesses
 from engine.runtime.rundir import STATUS, append_line, read_status, write_json
-from engine.sweep.local import pending_runs, write_index
-from engine.sweep.progress import Progress
+from engine.sweep.local import group_ident, pending_runs, units, write_index
+from engine.sweep.progress import Progress, Routed
 from engine.sweep.spec import RunSpec, Sweep
 
 EVENTS = "submesh.jsonl"
@@ -64,17 +67,31 @@ def submeshes(devices: list, per_trial: int) -> list[list]:
     return [devices[i : i + per_trial] for i in range(0, len(devices), per_trial)]
 
 
-def check_layout(per_trial: int, per_process: int, processes: int) -> None:
-    """UsageError unless each sub-mesh of `per_trial` devices lies within one process or spans whole processes."""
-    if processes == 1 or (per_process % per_trial == 0 if per_trial <= per_process else per_trial % per_process == 0):
+def check_layout(per_trial: int, per_process: int, processes: int, sweep: Optional[Sweep] = None) -> None:
+    """UsageError unless each sub-mesh of `per_trial` devices lies within one process or spans whole
+    processes, and (`sweep`) what it trains may span processes: a search's trials are judged on one
+    process, a vectorised group trains within one."""
+    if processes == 1:
         return
-    within = [n for n in range(1, per_process + 1) if per_process % n == 0]
-    spanning = [per_process * n for n in range(2, processes + 1) if processes % n == 0]
-    raise UsageError(
-        f"--devices-per-trial {per_trial} in a job of {processes} processes x {per_process} devices: a sub-mesh "
-        f"lies within one process or spans whole processes; use --devices-per-trial {', '.join(map(str, within))} "
-        f"(trials within one process) or {', '.join(map(str, spanning))} (each trial on whole processes)"
-    )
+    if not (per_process % per_trial == 0 if per_trial <= per_process else per_trial % per_process == 0):
+        within = [n for n in range(1, per_process + 1) if per_process % n == 0]
+        spanning = [per_process * n for n in range(2, processes + 1) if processes % n == 0]
+        raise UsageError(
+            f"--devices-per-trial {per_trial} in a job of {processes} processes x {per_process} devices: a sub-mesh "
+            f"lies within one process or spans whole processes; use --devices-per-trial {', '.join(map(str, within))} "
+            f"(trials within one process) or {', '.join(map(str, spanning))} (each trial on whole processes)"
+        )
+    if sweep is not None and sweep.search and per_trial > per_process:
+        raise UsageError(
+            f"a search sweep's trials span no processes (their pruning is judged on one): use --devices-per-trial "
+            f"{per_process} or fewer, or make it a grid or random sweep"
+        )
+    if sweep is not None and sweep.vectorize and per_trial > per_process:
+        raise UsageError(
+            f"a vectorised group trains within one process: use --devices-per-trial {per_process} or fewer to pack "
+            f"trials that share a program on sub-meshes, or remove vectorize from the sweep file (each trial then "
+            f"spans {per_trial // per_process} processes alone)"
+        )
 
 
 def job_client():
@@ -84,59 +101,38 @@ def job_client():
     return distributed.global_state.client
 
 
-class Routed(io.TextIOBase):
-    """sys.stdout or sys.stderr, writing each thread's text to that thread's file if it has one
-    (a trial's run.log), else to the stream it replaced."""
-
-    def __init__(self, stream):
-        self.stream, self.files = stream, {}
-
-    def write(self, text: str) -> int:
-        target = self.files.get(threading.get_ident(), self.stream)
-        target.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        self.files.get(threading.get_ident(), self.stream).flush()
-
-    def isatty(self) -> bool:
-        return threading.get_ident() not in self.files and self.stream.isatty()
-
-    def fileno(self) -> int:  # (faulthandler's stacks, a hang's: the process's own stream)
-        return self.stream.fileno()
-
-    @property
-    def encoding(self):
-        return self.stream.encoding
-
-
 class Queue:
-    """The trials still to start: a grid/zip/random sweep's pending runs in order, or a search's
-    next trials (an abandoned one first, as search.py does); thread-safe."""
+    """The trials still to start: a grid/zip/random sweep's pending runs in order (with
+    `vectorize`: packed into groups that share a compiled program, local.units), or a search's
+    next trials (an abandoned one first, as search.py does); thread-safe. An item is a list of
+    runs: one, or a vectorised group's."""
 
     def __init__(self, sweep: Sweep, retry_failed: bool, client=None):
         # (a job's search: its processes share the study, which hands each trial to one of them)
         self.sweep, self.lock, self.client = sweep, threading.RLock(), None if sweep.search else client
         self.study: Any = None  # (a search's Optuna study)
+        self.todo: list[list[RunSpec]] = []
         if sweep.search:
             from engine.sweep.search import open_study
 
-            self.study, self.todo = open_study(sweep), []
-        else:
-            self.todo = pending_runs(sweep, retry_failed)
-        if self.client is not None:  # a job's: process 0's list, the same on every process
+            self.study = open_study(sweep)
+        elif self.client is None:
+            self.todo = units(sweep, pending_runs(sweep, retry_failed))
+        else:  # a job's: process 0's list, the same on every process
             import jax
 
             if jax.process_index() == 0:
-                client.key_value_set(f"{KEY}/todo", json.dumps([run.name for run in self.todo]))
+                todo = units(sweep, pending_runs(sweep, retry_failed))
+                client.key_value_set(f"{KEY}/todo", json.dumps([[run.name for run in unit] for unit in todo]))
             names = json.loads(client.blocking_key_value_get(f"{KEY}/todo", WAIT_MS))
-            self.todo = [self.run(name) for name in names]
+            self.todo = [[self.run(name) for name in unit] for unit in names]
 
     def run(self, name: str) -> RunSpec:
         return next(run for run in self.sweep.runs if run.name == name)
 
-    def take(self, stopping: threading.Event) -> Optional[tuple[RunSpec, Any]]:
-        """(the next run, its Optuna trial or None), or None when nothing is left to start."""
+    def take(self, stopping: threading.Event) -> Optional[tuple[list[RunSpec], Any]]:
+        """(the next runs: one, or a vectorised group's; the Optuna trial or None), or None when
+        nothing is left to start."""
         with self.lock:
             if stopping.is_set():
                 return None
@@ -148,7 +144,7 @@ class Queue:
             from engine.sweep.search import next_trial, trial_run
 
             trial = next_trial(self.sweep, self.study)
-            return (trial_run(trial), trial) if trial is not None else None
+            return ([trial_run(trial)], trial) if trial is not None else None
 
     def ended(self, trial, status: str, value: Optional[float]) -> None:
         """Tells the study how a search trial ended, and writes the sweep's index."""
@@ -219,14 +215,17 @@ class Scheduler:
             if taken is None:
                 self.progress.idle(slot)
                 return
-            run, trial = taken
-            status = self.train(index, slot, devices, run, trial)
-            value = status.get("final", {}).get(self.sweep.metric)
-            if processes.chief:
-                self.queue.ended(trial, status["status"], value)
-            self.progress.ended(slot, run.name, status)
+            runs, trial = taken
+            if len(runs) == 1:
+                ended = [(runs[0], self.train(index, slot, devices, runs[0], trial))]
+            else:
+                ended = self.train_group(index, slot, devices, runs)
+            for run, status in ended:
+                if processes.chief:
+                    self.queue.ended(trial, status["status"], status.get("final", {}).get(self.sweep.metric))
+                self.progress.ended(slot, run.name, status)
 
-    def next(self, index: int, processes: RunProcesses, turn: int) -> Optional[tuple[RunSpec, Any]]:
+    def next(self, index: int, processes: RunProcesses, turn: int) -> Optional[tuple[list[RunSpec], Any]]:
         """The sub-mesh's next trial: its lowest process takes it from the queue and tells the others."""
         if processes.count == 1:
             return self.queue.take(self.stopping)
@@ -234,15 +233,16 @@ class Scheduler:
         assert client is not None, "a sub-mesh of several processes trains a grid, zip or random sweep"
         if processes.chief:
             taken = self.queue.take(self.stopping)
-            client.key_value_set(key, taken[0].name if taken else "")
+            assert taken is None or len(taken[0]) == 1, "no vectorised group spans processes (run_submeshes)"
+            client.key_value_set(key, taken[0][0].name if taken else "")
             return taken
         name = client.blocking_key_value_get(key, WAIT_MS)
-        return (self.queue.run(name), None) if name else None
+        return ([self.queue.run(name)], None) if name else None
 
     def train(self, index: int, slot: int, devices: list, run: RunSpec, trial) -> dict:
         """Trains (or resumes) one run on `devices` on this thread; its status, as recorded (by the
         run's chief: the lowest of its processes; the others log to run.process<P>.log)."""
-        from engine.run.single import NonFiniteLoss, Preempted, fit
+        from engine.run.single import fit
         from engine.runtime.preemption import thread_stop
         from engine.runtime.rundir import final_metrics
 
@@ -251,9 +251,7 @@ class Scheduler:
         started, chief = time.time(), RunProcesses.of(devices).chief
         if chief:
             write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "submesh": index})
-        stop = self.stops[index] = threading.Event()
-        if self.stopping.is_set():
-            stop.set()
+        stop = self.trial_stop(index)
         verdict = self.queue.verdict(trial)
         pruned: list[bool] = []
 
@@ -268,35 +266,101 @@ class Scheduler:
         self.progress.started(slot, run.name, devices)
         if chief:
             self.event("start", index, run.name, devices=[d.id for d in devices])
-        ident = threading.get_ident()
-        record: dict[str, Any] = {"status": "failed", "submesh": index}
         with open(workdir / log_name(chief), "a") as log, judged_here(InProcess(judge, stop)), thread_stop(stop):
-            self.stdout.files[ident] = self.stderr.files[ident] = log
-            try:
-                with self.config_lock:  # (the sweep's cache of loaded configs)
-                    cfg = self.sweep.config(run)
-                fit(cfg, started=started, devices=devices)
-                record["status"] = "finished"
-            except Preempted:
-                record["status"] = "pruned" if pruned else "interrupted"
-            except NonFiniteLoss as e:
-                record["error"] = f"error: training stopped: {e}"
-            except UsageError as e:  # (a layout its sub-mesh cannot hold, a bad value)
-                record["error"] = f"error: {e}"
-            except Exception as e:  # (its data, its step): this trial ends, the others train on
-                traceback.print_exc(file=log)
-                record["error"] = f"error: {type(e).__name__}: {e}"
-            finally:
-                del self.stdout.files[ident], self.stderr.files[ident]
-            if "error" in record:
-                print(record["error"], file=log, flush=True)
-        record.update(seconds=round(time.time() - started, 2), exit_code=0 if record["status"] == "finished" else 1)
+            with self.config_lock:  # (the sweep's cache of loaded configs)
+                cfg = self.sweep.config(run)
+            record = self.outcome(log, lambda: fit(cfg, started=started, devices=devices), pruned)
+        record.update(submesh=index, seconds=round(time.time() - started, 2))
+        record["exit_code"] = 0 if record["status"] == "finished" else 1
         if trial is not None:
             record["trial"] = trial.number
         if chief:
             write_json(workdir / STATUS, record)
             self.event("end", index, run.name, status=record["status"], error=record.get("error"))
         return {**record, "final": final_metrics(workdir)}
+
+    def train_group(self, index: int, slot: int, devices: list, runs: list[RunSpec]) -> list[tuple[RunSpec, dict]]:
+        """Trains (or resumes) runs that share a compiled program as one vectorised group on
+        `devices` (a sub-mesh within this process) on this thread; each run's status, as recorded.
+        A run whose loss becomes non-finite fails alone; anything else that ends the group ends
+        each of its runs the same way."""
+        from engine.run.group import fit_group
+        from engine.runtime.preemption import thread_stop
+        from engine.runtime.rundir import final_metrics
+
+        started, ident = time.time(), group_ident(runs)
+        (self.sweep.directory / "groups").mkdir(parents=True, exist_ok=True)
+        workdirs = {run.name: self.sweep.workdir(run) for run in runs}
+        for workdir in workdirs.values():
+            workdir.mkdir(parents=True, exist_ok=True)
+            write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "submesh": index, "group": ident})
+        stop, stopped = self.trial_stop(index), {}  # (workdir → why its run stopped alone)
+
+        def judge_of(run: RunSpec) -> InProcess:  # (a grid's runs: nothing is pruned; records shown and logged)
+            def judge(record: dict) -> bool:
+                self.progress.record(slot, {**record, "run": run.name})
+                self.event(record["split"], index, run.name, step=record["step"])
+                return True
+
+            return InProcess(judge, stop)
+
+        self.progress.started(slot, f"{runs[0].name} (+{len(runs) - 1} in one program)", devices)
+        for run in runs:
+            self.event("start", index, run.name, devices=[d.id for d in devices], group=ident)
+        judges: dict[str, Judged] = {str(workdirs[run.name]): judge_of(run) for run in runs}
+        log_path = self.sweep.directory / "groups" / f"{ident}.log"
+        with open(log_path, "a") as log, judged_here(judges), thread_stop(stop):
+            with self.config_lock:
+                cfgs = [self.sweep.config(run) for run in runs]
+
+            def on_stop(cfg, why: str) -> None:
+                stopped[str(Path(cfg.workdir))] = why
+
+            group = self.outcome(log, lambda: fit_group(cfgs, started, on_stop=on_stop, devices=devices), [])
+        ended = []
+        for run in runs:
+            workdir = workdirs[run.name]
+            record = dict(group, submesh=index, group=ident, seconds=round(time.time() - started, 2))
+            if str(workdir) in stopped:
+                record.update(status="failed", error=f"error: training stopped: {stopped[str(workdir)]}")
+            record["exit_code"] = 0 if record["status"] == "finished" else 1
+            write_json(workdir / STATUS, record)
+            self.event("end", index, run.name, status=record["status"], error=record.get("error"))
+            ended.append((run, {**record, "final": final_metrics(workdir)}))
+        return ended
+
+    def trial_stop(self, index: int) -> threading.Event:
+        """A new stop for sub-mesh `index`'s next trial (set at once if the sweep is stopping)."""
+        stop = self.stops[index] = threading.Event()
+        if self.stopping.is_set():
+            stop.set()
+        return stop
+
+    def outcome(self, log, train: Callable[[], Any], pruned: list) -> dict[str, Any]:
+        """Runs `train` with this thread's console going to `log`: how it ended ({"status"}, and an
+        "error" if it failed: a NaN loss, a layout its sub-mesh cannot hold, an exception in its
+        data or step, which ends this trial while the others train on)."""
+        from engine.run.single import NonFiniteLoss, Preempted
+
+        ident, record = threading.get_ident(), {"status": "failed"}
+        self.stdout.files[ident] = self.stderr.files[ident] = log
+        try:
+            train()
+            record["status"] = "finished"
+        except Preempted:
+            record["status"] = "pruned" if pruned else "interrupted"
+        except NonFiniteLoss as e:
+            record["error"] = f"error: training stopped: {e}"
+        except UsageError as e:
+            record["error"] = f"error: {e}"
+        except Exception as e:
+            traceback.print_exc(file=log)
+            record["error"] = f"error: {type(e).__name__}: {e}"
+        finally:
+            del self.stdout.files[ident], self.stderr.files[ident]
+        if "error" in record:
+            print(record["error"], file=log, flush=True)
+        return record
 
     def run(self) -> None:
         previous = {
@@ -325,21 +389,10 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
     143 if stopped, else 1."""
     import jax
 
-    if sweep.vectorize:
-        raise UsageError(
-            "vectorize and --devices-per-trial do not combine: remove vectorize from the sweep file (each trial "
-            "trains on its own sub-mesh), or drop --devices-per-trial"
-        )
     from engine.checkpoint.store import serial_saves
 
     meshes, client = submeshes(jax.devices(), per_trial), job_client()
-    if jax.process_count() > 1:
-        check_layout(per_trial, jax.local_device_count(), jax.process_count())
-        if sweep.search and per_trial > jax.local_device_count():
-            raise UsageError(
-                f"a search sweep's trials span no processes (their pruning is judged on one): use --devices-per-trial "
-                f"{jax.local_device_count()} or fewer, or make it a grid or random sweep"
-            )
+    check_layout(per_trial, jax.local_device_count(), jax.process_count(), sweep)
     mine = [i for i, mesh in enumerate(meshes) if jax.process_index() in RunProcesses.of(mesh).ids]
     if jax.process_count() > 1 and len(mine) < len(meshes):  # each sub-mesh's processes number their saves apart
         from engine.checkpoint.among import own_operation_ids

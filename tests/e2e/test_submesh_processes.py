@@ -3,7 +3,8 @@ several processes: sub-meshes within one process (2 processes x 2 devices, N=2) 
 each spanning two processes of four (4 x 1, N=2). Each job is killed with SIGKILL (every process)
 and run again: the finished run is not trained again, the interrupted one resumes from its
 checkpoint with the losses of the same config trained alone on N devices, the one not yet begun
-starts. And an Optuna search whose processes share its study."""
+starts. An Optuna search whose processes share its study; and trials that share a program packed
+into one vectorised group on each process's sub-mesh."""
 
 import json
 import os
@@ -89,6 +90,7 @@ def alone(tmp_path, workdir: Path, devices: int) -> dict[int, float]:
         **COMMON,
         "model.hidden_sizes": cfg["model"]["hidden_sizes"],
         "train.steps": cfg["train"]["steps"],
+        "optimizer.learning_rate": cfg["optimizer"]["learning_rate"],
         "mesh.num_devices": devices,
     }
     overrides = [f"{k}={json.dumps(v)}" for k, v in values.items()] + ["log.progress=false"]
@@ -148,3 +150,35 @@ def test_an_optuna_search_shares_its_study_between_the_processes_sub_meshes(tmp_
     assert [(r["name"], r["status"]) for r in index] == [(f"trial-000{n}", "finished") for n in range(3)]
     starts = [json.loads(line) for line in (tmp_path / "s" / "submesh.jsonl").read_text().splitlines()]
     assert sorted(e["run"] for e in starts if e["event"] == "start") == [f"trial-000{n}" for n in range(3)]  # once each
+
+
+@pytest.mark.slow
+def test_trials_that_share_a_program_train_as_a_group_on_each_process_s_sub_mesh(tmp_path):
+    spec = {
+        "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+        "overrides": {**COMMON, "train.steps": 20},
+        "zip": {"model.hidden_sizes": [[8], [16], [8], [16]], "optimizer.learning_rate": [0.001, 0.001, 0.003, 0.003]},
+        "metric": "eval/loss",
+        "directory": str(tmp_path / "s"),
+        "vectorize": "auto",
+    }
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, out + err
+    index = [json.loads(line) for line in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in index] == ["finished"] * 4
+    events = map(json.loads, (tmp_path / "s" / "submesh.jsonl").read_text().splitlines())
+    starts = {e["run"]: e for e in events if e["event"] == "start"}
+    groups = {}
+    for run in index:  # each width's pair one group, on one process's sub-mesh; the two groups on both processes
+        event = starts[run["name"]]
+        groups.setdefault(event["group"], set()).add((run["name"].split(",")[0], tuple(event["devices"])))
+    assert sorted(len(members) for members in groups.values()) == [1, 1], groups
+    assert {devices[0] // 2048 for ((_, devices),) in groups.values()} == {0, 1}, groups
+    workdir = tmp_path / "s" / index[2]["name"]
+    mine, theirs = losses(workdir), alone(tmp_path, workdir, 2)
+    assert sorted(mine) == sorted(theirs) == [10, 20]
+    for step, loss in mine.items():
+        assert loss == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), step

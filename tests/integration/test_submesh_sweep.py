@@ -151,3 +151,44 @@ def test_plan_compiles_each_trial_for_its_sub_mesh_of_a_tpu_target(tmp_path, cap
     )
     with pytest.raises(UsageError, match="does not cut"):
         plan_submeshes(sweep, "v5e-8", 3)
+
+
+@pytest.mark.slow
+def test_trials_that_share_a_program_train_as_one_group_per_sub_mesh_with_their_solo_losses(tmp_path):
+    # two programs (widths) of two learning rates each; one trial's loss becomes NaN
+    overrides = {**COMMON, "train.steps": 40, "eval.every_steps": 20, "optimizer.name": "sgd"}
+    path = write_sweep(
+        tmp_path,
+        overrides=overrides,
+        zip={"model.hidden_sizes": [[8], [8], [16], [16]], "optimizer.learning_rate": [0.05, 1.0e30, 0.05, 0.1]},
+        vectorize="auto",
+    )
+    assert sweep_main(str(path), 1, "local", False, devices_per_trial=4) == 1  # (one run failed)
+    sweep, directory = load_sweep(path), tmp_path / "s"
+    runs = index(directory)
+    names = [run.name for run in sweep.runs]
+    assert [runs[name]["status"] for name in names] == ["finished", "failed", "finished", "finished"]
+    assert "nan" in runs[names[1]]["error"], runs[names[1]]
+    log = events(directory)
+    starts = {e["run"]: e for e in log if e["event"] == "start"}
+    # each program's pair on one sub-mesh as one group, the two groups on the two sub-meshes at once
+    assert (
+        starts[names[0]]["group"] == starts[names[1]]["group"] != starts[names[2]]["group"] == starts[names[3]]["group"]
+    )
+    assert {starts[names[0]]["submesh"], starts[names[2]]["submesh"]} == {0, 1}
+    train = [e["submesh"] for e in sorted(log, key=lambda e: e["time"]) if e["event"] == "train"]
+    assert sum(a != b for a, b in zip(train, train[1:])) > 2, train
+    from engine.run.single import fit
+
+    for run in (sweep.runs[0], sweep.runs[2], sweep.runs[3]):  # each as the same config alone on 4 devices
+        values = {**overrides, **run.overrides, "mesh.num_devices": 4}
+        alone = tmp_path / "alone" / run.name
+        fit(
+            load_config(
+                ROOT / "configs" / "mnist_mlp.yaml", [f"{k}={json.dumps(v)}" for k, v in values.items()], str(alone)
+            )
+        )
+        mine, theirs = losses(directory / run.name), losses(alone)
+        assert sorted(mine) == sorted(theirs) == list(range(5, 41, 5))
+        for step in mine:
+            assert mine[step] == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), (run.name, step)

@@ -103,11 +103,11 @@ def test_vectorised_runs_equal_the_same_configs_alone_a_trial_resumes_alone_and_
     monkeypatch.setattr(vectorize, "device_memory_bytes", lambda mesh: room / vectorize.MEMORY_FRACTION)
     built, alive, groups, build = [], [], [], vectorize.build_group
 
-    def recorded(cfgs):
+    def recorded(cfgs, devices=None):
         gc.collect()
         alive.append(sum(group() is not None for group in groups))
         built.append(len(cfgs))
-        group = build(cfgs)
+        group = build(cfgs, devices)
         groups.append(weakref.ref(group))
         return group
 

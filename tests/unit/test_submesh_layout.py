@@ -24,3 +24,18 @@ def test_a_sub_mesh_cutting_a_process_in_parts_is_refused_naming_the_fix():
     )
     with pytest.raises(UsageError, match="use --devices-per-trial 1, 3 .* or 6 "):
         check_layout(2, 3, 2)  # (2 does not divide a process's 3 devices)
+
+
+def test_a_search_or_a_vectorised_sweep_spanning_processes_is_refused_naming_the_fix():
+    from types import SimpleNamespace
+
+    grid, search, packed = (
+        SimpleNamespace(search=s, vectorize=v) for s, v in ((None, 0), ({"trials": 4}, 0), (None, 8))
+    )
+    check_layout(8, 4, 2, grid)  # a grid's trials may span processes
+    check_layout(4, 4, 2, packed)  # groups within each process
+    with pytest.raises(UsageError, match=r"search sweep's trials span no processes \(.*\): use --devices-per-trial 4 or fewer"):
+        check_layout(8, 4, 2, search)
+    with pytest.raises(UsageError, match="vectorised group trains within one process: use --devices-per-trial 4 or"):
+        check_layout(8, 4, 2, packed)
+    check_layout(8, 8, 1, packed)  # (a process alone: every sub-mesh is within it)

@@ -73,7 +73,7 @@ def test_a_random_sweep_s_draws_are_taken_once_each_in_order(tmp_path):
     sweep = sweep_file(tmp_path, random={"samples": 5, "seed": 1, "params": params})
     queue, stopping = Queue(sweep, retry_failed=False), threading.Event()
     taken = [queue.take(stopping) for _ in range(6)]
-    assert [t[0].name for t in taken[:5]] == [run.name for run in sweep.runs] and taken[5] is None
-    assert len({t[0].overrides["optimizer.learning_rate"] for t in taken[:5]}) == 5
+    assert [t[0][0].name for t in taken[:5]] == [run.name for run in sweep.runs] and taken[5] is None
+    assert len({t[0][0].overrides["optimizer.learning_rate"] for t in taken[:5]}) == 5
     stopping.set()
     assert Queue(sweep, retry_failed=False).take(stopping) is None  # (a stopped sweep starts nothing)
