@@ -137,7 +137,14 @@ class PreemptionWatch:
 
     def should_stop(self, first: int, last: int) -> bool:
         """After steps first..last (one call): stop now? JAX's sync point is one exact step,
-        so every step of the call is reported to it (several with train.steps_per_call)."""
+        so every step of the call is reported to it (several with train.steps_per_call). A sweep
+        trial on some of a job's processes (its stop: the sweep's, per thread) asks its processes
+        after each call instead, through the store: JAX's sync point is the whole job's."""
+        if self.multi_process and self.thread_stop is not None:
+            from engine.runtime.processes import current
+
+            self.requested = current().any_of(self.thread_stop.is_set())
+            return self.requested
         if self.multi_process:
             from jax.experimental import multihost_utils
 

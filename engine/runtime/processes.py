@@ -27,6 +27,7 @@ class RunProcesses:
     ids: tuple[int, ...]  # the run's processes, lowest first
     name: str = ""  # the run's (its keys in the job's store: unique in the job, the same on its processes)
     _sent: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
+    _asked: Iterator[int] = field(default_factory=itertools.count, compare=False, repr=False)
 
     @classmethod
     def of(cls, devices: Optional[Sequence] = None, name: str = "") -> "RunProcesses":
@@ -78,6 +79,22 @@ class RunProcesses:
             client.key_value_set(key, json.dumps(array.tolist()))
             return array
         return np.asarray(json.loads(client.blocking_key_value_get(key, WAIT_MS)), array.dtype).reshape(array.shape)
+
+    def any_of(self, flag: bool) -> bool:
+        """Whether any of the run's processes passes True, on each of them (each calls it at the same
+        points of the run, as it would a collective). Through the coordination service's store, so it
+        needs no devices: a sub-mesh trial's processes agree on the step a stop takes effect."""
+        if self.count == 1:
+            return flag
+        from jax._src import distributed
+
+        client, asked = distributed.global_state.client, next(self._asked)
+        assert client is not None, "several processes: jax.distributed is initialised"
+        prefix = f"engine_run/{self.name}/{self.ids}/any"
+        client.key_value_set(f"{prefix}{asked}/{jax.process_index()}", "1" if flag else "0")
+        if asked >= 2:  # every process has read that one: each had set its key of the question after it
+            client.key_value_delete(f"{prefix}{asked - 2}/{jax.process_index()}")
+        return any(client.blocking_key_value_get(f"{prefix}{asked}/{pid}", WAIT_MS) == "1" for pid in self.ids)
 
 
 _CURRENT: contextvars.ContextVar[Optional[RunProcesses]] = contextvars.ContextVar("run_processes", default=None)

@@ -1,7 +1,8 @@
 """A sub-mesh sweep (`launch.py sweep --devices-per-trial N`, engine/sweep/submesh.py) in a job of
 several processes: sub-meshes within one process (2 processes x 2 devices, N=2) and sub-meshes
-each spanning two processes of four (4 x 1, N=2). Each job is killed with SIGKILL (every process)
-and run again: the finished run is not trained again, the interrupted one resumes from its
+each spanning two processes of four (4 x 1, N=2). The first job is killed with SIGKILL (every
+process), the second stopped with SIGTERM (its trials save and exit 143), and each is run again:
+the finished run is not trained again, the interrupted one resumes from its
 checkpoint with the losses of the same config trained alone on N devices, the one not yet begun
 starts. An Optuna search whose processes share its study; and trials that share a program packed
 into one vectorised group on each process's sub-mesh."""
@@ -45,9 +46,13 @@ def kill_job(proc) -> None:
     proc.wait()
 
 
-def killed_and_resumed(tmp_path, runs: dict, unstarted: bool, job: list[str]) -> tuple[Path, list[Path], str]:
-    """Runs the sweep, kills it once its first run finished and its second saved (the last not begun,
-    when `unstarted`), runs it again to the end; (its directory, the runs' workdirs, the first's records)."""
+def killed_and_resumed(
+    tmp_path, runs: dict, unstarted: bool, job: list[str], stop: str = "kill"
+) -> tuple[Path, list[Path], str]:
+    """Runs the sweep, kills it (`stop`: "kill", SIGKILL to every process; "term", SIGTERM to the
+    launcher, which every trial must answer by saving the step it reached and exiting 143) once its
+    first run finished and its second saved (the last not begun, when `unstarted`), runs it again to
+    the end; (its directory, the runs' workdirs, the first's records)."""
     spec = {
         "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
         "overrides": COMMON,
@@ -68,8 +73,14 @@ def killed_and_resumed(tmp_path, runs: dict, unstarted: bool, job: list[str]) ->
         return read_status(workdirs[0]).get("status") == "finished" and bool(saved) and not begun
 
     wait_until(killable, proc, seconds=300)
-    kill_job(proc)
-    assert read_status(workdirs[1]).get("status") == "running"
+    if stop == "kill":
+        kill_job(proc)
+        assert read_status(workdirs[1]).get("status") == "running"
+    else:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, out + err  # (a process that did not stop: SIGKILLed after the grace)
+        assert read_status(workdirs[1]).get("status") == "interrupted", out + err
     finished = (workdirs[0] / "metrics.jsonl").read_text()
     done = start_cli(*command)
     out, err = done.communicate(timeout=600)
@@ -119,9 +130,10 @@ def test_sub_meshes_within_each_process_of_a_killed_job_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_sub_meshes_spanning_two_processes_each_of_a_killed_job_resume(tmp_path):
+def test_sub_meshes_spanning_two_processes_each_of_a_stopped_job_resume(tmp_path):
+    # SIGTERM: the processes of the spanning trial agree on the step to stop at (through the store)
     runs = {"model.hidden_sizes": [[8], [16]], "train.steps": [20, 200]}
-    directory, (first, long), finished = killed_and_resumed(tmp_path, runs, False, SPANNING)
+    directory, (first, long), finished = killed_and_resumed(tmp_path, runs, False, SPANNING, stop="term")
     assert (first / "metrics.jsonl").read_text() == finished
     starts = [json.loads(line) for line in (directory / "submesh.jsonl").read_text().splitlines()]
     devices = {tuple(e["devices"]) for e in starts if e["event"] == "start"}

@@ -34,7 +34,8 @@ def test_a_search_or_a_vectorised_sweep_spanning_processes_is_refused_naming_the
     )
     check_layout(8, 4, 2, grid)  # a grid's trials may span processes
     check_layout(4, 4, 2, packed)  # groups within each process
-    with pytest.raises(UsageError, match=r"search sweep's trials span no processes \(.*\): use --devices-per-trial 4 or fewer"):
+    spans = r"search sweep's trials span no processes \(.*\): use --devices-per-trial 4 or fewer"
+    with pytest.raises(UsageError, match=spans):
         check_layout(8, 4, 2, search)
     with pytest.raises(UsageError, match="vectorised group trains within one process: use --devices-per-trial 4 or"):
         check_layout(8, 4, 2, packed)
