@@ -133,7 +133,7 @@ def run(args, argv: list[str]) -> int:
         raise UsageError(f"launch.py sweep takes no override {args.job[0]!r}: put overrides in the sweep file")
     if args.devices_per_trial is not None:
         _join_job(args.job)
-    return sweep_main(
+    code = sweep_main(
         args.sweep_file,
         args.parallel,
         args.backend,
@@ -143,6 +143,13 @@ def run(args, argv: list[str]) -> int:
         args.run_group,
         args.devices_per_trial,
     )
+    if args.devices_per_trial is not None:
+        from engine.errors import exit_now
+        from engine.sweep.submesh import stuck
+
+        if stuck():  # (its results and report are written)
+            exit_now("sweep: a hung trial's thread is still stuck; the sweep process ends here", code)
+    return code
 
 
 COMMAND = Command(parser, run, trains=trains, runs_jax=runs_jax)

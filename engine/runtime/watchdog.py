@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 from engine.errors import exit_now
 from engine.runtime.rundir import write_atomic
@@ -51,6 +51,23 @@ STATUS = "hang-status-"  # a peer's answer (a .txt file, read as a hang file is)
 CENSUS_SECONDS = 3.0  # how long a firing watchdog waits for the answers (peers poll once a second)
 
 
+_on_hang: dict[int, Callable[[str], None]] = {}  # thread → what a hang of the run it trains does instead of exiting
+
+
+@contextlib.contextmanager
+def hang_here(callback: Callable[[str], None]) -> Iterator[None]:
+    """While inside, a run that starts on this thread does not end the process when its watchdog
+    fires: the watchdog writes its hang file, calls callback(why) on its own thread and stops (the
+    run's thread stays where it hung). A sweep trial on a sub-mesh within its process
+    (engine/sweep/submesh.py): the trial fails alone, the other sub-meshes train on."""
+    ident = threading.get_ident()
+    _on_hang[ident] = callback
+    try:
+        yield
+    finally:
+        _on_hang.pop(ident, None)
+
+
 class Watchdog:
     def __init__(
         self, limits: dict[str, int], workdir: Path, process_index: int = 0, who: str = "", processes: int = 1
@@ -65,6 +82,7 @@ class Watchdog:
         self.ready = 0
         self.step: Optional[int] = None
         self.stopped = threading.Event()
+        self.on_hang = _on_hang.get(threading.get_ident())  # (set on the thread the run is built on)
         self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self.thread.start()
 
@@ -187,6 +205,9 @@ class Watchdog:
             where = f"stderr only ({self.workdir / name}: {e.strerror})"
         if self.processes > 1 and not self.who:
             self._census()
+        if self.on_hang is not None:
+            self.on_hang(f"{headline}; the stacks are in {where}")
+            return
         exit_now(
             f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), a stalled "
             f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow",

@@ -32,6 +32,8 @@ and eval records and its end, with times and sub-meshes (the benchmark reads it)
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import os
@@ -41,19 +43,19 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from engine.errors import UsageError
 from engine.runtime.judged import InProcess, Judged, judged_here
 from engine.runtime.processes import RunProcesses
 from engine.runtime.rundir import STATUS, append_line, read_status, write_json
-from engine.sweep.local import group_ident, pending_runs, units, write_index
+from engine.runtime.watchdog import hang_here
+from engine.sweep.local import group_ident
 from engine.sweep.progress import Progress, Routed
 from engine.sweep.spec import RunSpec, Sweep
+from engine.sweep.trials import KEY, WAIT_MS, Queue
 
 EVENTS = "submesh.jsonl"
-KEY = "engine_sweep"  # the job's keys in the coordination service's store
-WAIT_MS = 7 * 24 * 3600 * 1000  # a process waits this long for the others (their trials may take days)
 
 
 def submeshes(devices: list, per_trial: int) -> list[list]:
@@ -101,90 +103,6 @@ def job_client():
     return distributed.global_state.client
 
 
-class Queue:
-    """The trials still to start: a grid/zip/random sweep's pending runs in order (with
-    `vectorize`: packed into groups that share a compiled program, local.units), or a search's
-    next trials (an abandoned one first, as search.py does); thread-safe. An item is a list of
-    runs: one, or a vectorised group's."""
-
-    def __init__(self, sweep: Sweep, retry_failed: bool, client=None):
-        # (a job's search: its processes share the study, which hands each trial to one of them)
-        self.sweep, self.lock, self.client = sweep, threading.RLock(), None if sweep.search else client
-        self.study: Any = None  # (a search's Optuna study)
-        self.todo: list[list[RunSpec]] = []
-        if sweep.search:
-            from engine.sweep.search import open_study
-
-            self.study = open_study(sweep)
-        elif self.client is None:
-            self.todo = units(sweep, pending_runs(sweep, retry_failed))
-        else:  # a job's: process 0's list, the same on every process
-            import jax
-
-            if jax.process_index() == 0:
-                todo = units(sweep, pending_runs(sweep, retry_failed))
-                client.key_value_set(f"{KEY}/todo", json.dumps([[run.name for run in unit] for unit in todo]))
-            names = json.loads(client.blocking_key_value_get(f"{KEY}/todo", WAIT_MS))
-            self.todo = [[self.run(name) for name in unit] for unit in names]
-
-    def run(self, name: str) -> RunSpec:
-        return next(run for run in self.sweep.runs if run.name == name)
-
-    def take(self, stopping: threading.Event) -> Optional[tuple[list[RunSpec], Any]]:
-        """(the next runs: one, or a vectorised group's; the Optuna trial or None), or None when
-        nothing is left to start."""
-        with self.lock:
-            if stopping.is_set():
-                return None
-            if self.client is not None:  # the job's next: the store's counter
-                taken = self.client.key_value_increment(f"{KEY}/next", 1) - 1
-                return (self.todo[taken], None) if taken < len(self.todo) else None
-            if self.study is None:
-                return (self.todo.pop(0), None) if self.todo else None
-            from engine.sweep.search import next_trial, trial_run
-
-            trial = next_trial(self.sweep, self.study)
-            return ([trial_run(trial)], trial) if trial is not None else None
-
-    def ended(self, trial, status: str, value: Optional[float]) -> None:
-        """Tells the study how a search trial ended, and writes the sweep's index."""
-        import optuna
-
-        with self.lock:
-            if trial is not None:
-                states = {"pruned": optuna.trial.TrialState.PRUNED, "failed": optuna.trial.TrialState.FAIL}
-                if status == "finished" and value is not None:
-                    self.study.tell(trial, value)
-                elif status in states or status == "finished":  # (finished without the metric: failed)
-                    self.study.tell(trial, state=states.get(status, optuna.trial.TrialState.FAIL))
-                # interrupted: the trial stays running in the study; the next sweep process resumes it
-            if self.study is not None:  # (its trials: this process's and any other's)
-                from engine.sweep.search import trial_run
-
-                self.sweep.runs = [trial_run(t) for t in self.study.trials]
-            write_index(self.sweep)
-
-    def verdict(self, trial) -> Callable[[dict], bool]:
-        """A search trial's judge: reports the sweep's metric to the study; False to prune."""
-        split, name = self.sweep.metric.split("/", 1)
-        seen = set()
-        if trial is not None:
-            from engine.sweep.search import reported_steps
-
-            with self.lock:
-                seen = reported_steps(self.study, trial)
-
-        def judge(record: dict) -> bool:
-            if trial is None or record["split"] != split or name not in record or record["step"] in seen:
-                return True
-            seen.add(record["step"])
-            with self.lock:
-                trial.report(float(record[name]), record["step"])
-                return not trial.should_prune()
-
-        return judge
-
-
 class Scheduler:
     """One worker thread per sub-mesh of this process (`mine`: their indices in `meshes`, the
     job's), each training the queue's next trial until none is left."""
@@ -193,6 +111,7 @@ class Scheduler:
         self.sweep, self.meshes, self.queue, self.progress, self.mine = sweep, meshes, queue, progress, mine
         self.stopping = threading.Event()
         self.stops: dict[int, threading.Event] = {}  # sub-mesh → its trial's stop
+        self.hung: dict[int, str] = {}  # slot → why its trial was failed as hung (its sub-mesh given up)
         self.events_lock, self.config_lock = threading.Lock(), threading.Lock()
         self.stdout, self.stderr = Routed(sys.stdout), Routed(sys.stderr)
 
@@ -216,10 +135,14 @@ class Scheduler:
                 self.progress.idle(slot)
                 return
             runs, trial = taken
-            if len(runs) == 1:
-                ended = [(runs[0], self.train(index, slot, devices, runs[0], trial))]
-            else:
-                ended = self.train_group(index, slot, devices, runs)
+            hung = functools.partial(self.abandon, slot, index, runs, trial)  # (its watchdog's, on a hang)
+            with hang_here(hung) if processes.count == 1 else contextlib.nullcontext():
+                if len(runs) == 1:
+                    ended = [(runs[0], self.train(index, slot, devices, runs[0], trial))]
+                else:
+                    ended = self.train_group(index, slot, devices, runs)
+            if slot in self.hung:  # (its thread moved again after its trial was failed: the sub-mesh stays given up)
+                return
             for run, status in ended:
                 if processes.chief:
                     self.queue.ended(trial, status["status"], status.get("final", {}).get(self.sweep.metric))
@@ -274,7 +197,7 @@ class Scheduler:
         record["exit_code"] = 0 if record["status"] == "finished" else 1
         if trial is not None:
             record["trial"] = trial.number
-        if chief:
+        if chief and slot not in self.hung:
             write_json(workdir / STATUS, record)
             self.event("end", index, run.name, status=record["status"], error=record.get("error"))
         return {**record, "final": final_metrics(workdir)}
@@ -317,8 +240,8 @@ class Scheduler:
                 stopped[str(Path(cfg.workdir))] = why
 
             group = self.outcome(log, lambda: fit_group(cfgs, started, on_stop=on_stop, devices=devices), [])
-        ended = []
-        for run in runs:
+        ended: list[tuple[RunSpec, dict]] = []
+        for run in runs if slot not in self.hung else ():
             workdir = workdirs[run.name]
             record = dict(group, submesh=index, group=ident, seconds=round(time.time() - started, 2))
             if str(workdir) in stopped:
@@ -328,6 +251,20 @@ class Scheduler:
             self.event("end", index, run.name, status=record["status"], error=record.get("error"))
             ended.append((run, {**record, "final": final_metrics(workdir)}))
         return ended
+
+    def abandon(self, slot: int, index: int, runs: list[RunSpec], trial, why: str) -> None:
+        """A trial's watchdog fired (on its own thread; the trial's thread stays where it hung): its
+        runs fail with the reason, and its sub-mesh is given up (a hung collective may hold its
+        devices) while the other sub-meshes train on."""
+        self.hung[slot] = why
+        self.stops[index].set()  # (should it move again: it saves and stops, recording nothing)
+        for run in runs:
+            record = {"status": "failed", "submesh": index, "error": f"error: hung: {why}", "exit_code": 1}
+            write_json(self.sweep.workdir(run) / STATUS, record)
+            self.event("end", index, run.name, status="failed", error=record["error"])
+            self.queue.ended(trial, "failed", None)
+            self.progress.ended(slot, run.name, record)
+        print(f"sub-mesh {index} is given up: {runs[0].name} hung", file=sys.__stderr__, flush=True)
 
     def trial_stop(self, index: int) -> threading.Event:
         """A new stop for sub-mesh `index`'s next trial (set at once if the sweep is stopping)."""
@@ -362,25 +299,47 @@ class Scheduler:
             print(record["error"], file=log, flush=True)
         return record
 
-    def run(self) -> None:
+    @contextlib.contextmanager
+    def stopped_by_signals(self) -> Iterator[None]:
+        """While inside, SIGTERM and SIGINT stop the sweep (stop()) instead of ending the process: a
+        process whose trials have ended waits for the job's others (process 0 holds the job's
+        coordination service: if it went first, the others' trials could not save)."""
         previous = {
             sig: signal.signal(sig, lambda signum, frame: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)
         }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def run(self) -> None:
         old = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = self.stdout, self.stderr
-        threads = [threading.Thread(target=self.work, args=(s,), name=f"submesh-{i}") for s, i in enumerate(self.mine)]
+        threads = [  # (daemons: a hung trial's thread may never end)
+            threading.Thread(target=self.work, args=(s,), name=f"submesh-{i}", daemon=True)
+            for s, i in enumerate(self.mine)
+        ]
         try:
             for thread in threads:
                 thread.start()
-            while any(thread.is_alive() for thread in threads):
+            while any(thread.is_alive() and slot not in self.hung for slot, thread in enumerate(threads)):
                 self.progress.refresh()
                 for thread in threads:
                     thread.join(timeout=0.5 / len(threads))
         finally:
             sys.stdout, sys.stderr = old
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self.progress.close()
+            _given_up.extend(thread for slot, thread in enumerate(threads) if slot in self.hung)
+
+
+_given_up: list[threading.Thread] = []  # the threads of hung trials, given up
+
+
+def stuck() -> bool:
+    """Whether a hung trial's thread is still where it hung (the process must then end with
+    os._exit: an interpreter's exit would wait for, or abort in, that thread)."""
+    return any(thread.is_alive() for thread in _given_up)
 
 
 def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
@@ -408,9 +367,10 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
     )
     progress = Progress(len(mine), sweep.metric, sys.stderr, labels=mine)
     scheduler = Scheduler(sweep, meshes, queue, progress, mine)
-    scheduler.run()
-    if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
-        client.wait_at_barrier(f"{KEY}/end", WAIT_MS)
+    with scheduler.stopped_by_signals():
+        scheduler.run()
+        if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
+            client.wait_at_barrier(f"{KEY}/end", WAIT_MS)
     if jax.process_index() == 0:
         queue.ended(None, "", None)  # the index (a search's: every process's trials)
     if scheduler.stopping.is_set():

@@ -192,3 +192,39 @@ def test_trials_that_share_a_program_train_as_one_group_per_sub_mesh_with_their_
         assert sorted(mine) == sorted(theirs) == list(range(5, 41, 5))
         for step in mine:
             assert mine[step] == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), (run.name, step)
+
+
+@pytest.mark.slow
+def test_a_hung_trial_fails_alone_and_its_sub_mesh_is_given_up_while_the_others_finish(tmp_path, monkeypatch):
+    import threading
+
+    import engine.run.single
+
+    release, build_run = threading.Event(), engine.run.single.build_run
+
+    def stuck_reader(cfg, **options):  # (a data reader that never returns, until the test lets it fail)
+        if "compile=2" in str(cfg.workdir):
+            release.wait(600)
+            raise OSError("the reader gave up")
+        return build_run(cfg, **options)
+
+    monkeypatch.setattr(engine.run.single, "build_run", stuck_reader)
+    path = write_sweep(
+        tmp_path,
+        overrides={**COMMON, "train.steps": 20, "eval.every_steps": 20},
+        zip={"model.hidden_sizes": [[8], [16], [24]], "watchdog.compile": [7200, 2, 7200]},
+    )
+    try:
+        assert sweep_main(str(path), 1, "local", False, devices_per_trial=4) == 1
+        runs, log = list(index(tmp_path / "s").values()), events(tmp_path / "s")
+    finally:
+        release.set()
+    assert [r["status"] for r in runs] == ["finished", "failed", "finished"]
+    assert "hung: no progress for" in runs[1]["error"] and "watchdog.compile=2" in runs[1]["error"], runs[1]
+    assert list((tmp_path / "s" / runs[1]["name"]).glob("hang-*.txt"))  # its stacks
+    starts = {e["run"]: e["submesh"] for e in log if e["event"] == "start"}
+    assert starts[runs[2]["name"]] == starts[runs[0]["name"]] != starts[runs[1]["name"]]  # (the hung one's given up)
+    for thread in threading.enumerate():  # the hung trial's thread, let go, records nothing more
+        if thread.name.startswith("submesh-"):
+            thread.join(30)
+    assert "error: hung" in json.loads((tmp_path / "s" / runs[1]["name"] / "status.json").read_text())["error"]

@@ -1,4 +1,4 @@
-"""The sub-mesh scheduler's queue (engine/sweep/submesh.py `Queue`) with each of Optuna's pruners
+"""The sub-mesh scheduler's queue (engine/sweep/trials.py `Queue`) with each of Optuna's pruners
 and with a random sweep: trials taken one after another, their eval records judged as a trial's
 thread judges them, a pruned trial stopped at the rung its pruner judged, the study told how each
 ended. (Trials trained on sub-meshes under the median pruner: tests/integration/test_submesh_sweep.py.)"""
@@ -11,7 +11,7 @@ import yaml
 from support.configs import ROOT
 
 from engine.sweep import load_sweep
-from engine.sweep.submesh import Queue
+from engine.sweep.trials import Queue
 
 EVALS = (40, 80, 120)  # the steps a trial logs its eval loss at (train.steps 120, eval every 40)
 
