@@ -27,6 +27,7 @@ from engine.lm.rewards import load_rewards
 from engine.lm.rollouts import DecodeSpec, build_decode, rollout_key
 from engine.lm.tokenizer import eos_ids, load_tokenizer_file
 from engine.objectives.grpo_rollout import rollout_batch
+from engine.runtime.processes import current
 from engine.state.train_state import model_variables
 from models.family import BuildOptions, projections
 
@@ -141,6 +142,6 @@ class Rollouts:
     def local_rows(self, size: int) -> np.ndarray:
         """The rows of a batch of `size` prompts this process gives the decode (data.process_rows;
         one process: all)."""
-        if jax.process_count() == 1 or self.sharding is None:
+        if current().count == 1 or self.sharding is None:
             return np.arange(size)
         return process_rows(self.sharding, size)

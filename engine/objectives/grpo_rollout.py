@@ -26,6 +26,7 @@ from engine.errors import UsageError
 from engine.lm import grpo_math
 from engine.lm.rewards import RewardFunction, grpo_rewards
 from engine.lm.rollouts import Decode
+from engine.runtime.processes import current
 
 ROLLOUT_FIELDS = ("completion_tokens", "logprobs", "completion_mask", "stopped")
 
@@ -40,8 +41,9 @@ def sampled_rows(decode: Decode, params, rows: dict, record_index, key, sharding
     the whole batch's prompts' record indices) from this process's `rows` (its prompts repeated)
     and `record_index` (its prompts'). One process: its rows are the batch. Several: each
     process's rows become the global arrays `sharding` (the decode's batch sharding) places, the
-    decode runs on them, and everything is gathered to every process in the batch's order."""
-    if jax.process_count() == 1 or sharding is None:
+    decode runs on them, and everything is gathered to every process in the batch's order. (The
+    run's processes: a sweep trial's may be some of the job's, engine/runtime/processes.py.)"""
+    if current().count == 1 or sharding is None:
         rollout = jax.device_get(decode(params, rows["prompt_tokens"], rows["prompt_mask"], key))
         return rows, {name: np.asarray(getattr(rollout, name)) for name in ROLLOUT_FIELDS}, np.asarray(record_index)
     from jax.experimental import multihost_utils
@@ -62,16 +64,16 @@ def sampled_rows(decode: Decode, params, rows: dict, record_index, key, sharding
 
 
 def scored_on_process_0(score: Callable[[], np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-    """score()'s float64 array of `shape`, called on process 0 alone and broadcast to every process
-    bit for bit (as uint32 halves: without jax_enable_x64 a float64 would be cut to float32 on its
-    way). Its failure reaches every process: a UsageError (a reward function that raised or
-    answered wrongly) is raised on each with process 0's message, anything else is re-raised on
-    process 0 and a RuntimeError naming it on the others."""
-    if jax.process_count() == 1:
+    """score()'s float64 array of `shape`, called on the run's chief alone (process 0 of a run on
+    the whole job) and broadcast to the run's every process bit for bit (as uint32 halves: without
+    jax_enable_x64 a float64 would be cut to float32 on its way). Its failure reaches every
+    process: a UsageError (a reward function that raised or answered wrongly) is raised on each
+    with the chief's message, anything else is re-raised on the chief and a RuntimeError naming
+    it on the others."""
+    processes = current()
+    if processes.count == 1:
         return score()
-    from jax.experimental import multihost_utils
-
-    chief = jax.process_index() == 0
+    chief = processes.chief
     scores, code = np.zeros(shape, np.float64), 0
     failure: Optional[Exception] = None
     if chief:
@@ -82,17 +84,17 @@ def scored_on_process_0(score: Callable[[], np.ndarray], shape: tuple[int, ...])
         except Exception as e:  # (a fault of ours: said on process 0 with its traceback, named on the others)
             failure, code = e, 1
     text = str(failure).encode() if failure is not None else b""
-    header = multihost_utils.broadcast_one_to_all(np.array([code, len(text)], np.int32))
+    header = processes.broadcast(np.array([code, len(text)], np.int32))
     code, size = int(header[0]), int(header[1])
     if code:
         said = np.frombuffer(text, np.uint8).astype(np.int32) if chief else np.zeros(size, np.int32)
-        message = bytes(np.asarray(multihost_utils.broadcast_one_to_all(said), np.uint8)).decode()
+        message = bytes(np.asarray(processes.broadcast(said), np.uint8)).decode()
         if failure is not None:
             raise failure
         if code == 2:
             raise UsageError(message)
-        raise RuntimeError(f"process 0 failed scoring the rollouts' rewards: {message}")
-    halves = multihost_utils.broadcast_one_to_all(scores.view(np.uint32))
+        raise RuntimeError(f"process {processes.ids[0]} failed scoring the rollouts' rewards: {message}")
+    halves = processes.broadcast(scores.view(np.uint32))
     return np.ascontiguousarray(np.asarray(halves, np.uint32)).view(np.float64).reshape(shape)
 
 

@@ -29,6 +29,7 @@ from engine.lm import finetune
 from engine.lm.rewards import RESERVED, RewardFunction, call_reward, load_rewards
 from engine.lm.template_clock import rendering_at
 from engine.lm.tokenizer import context_length, eos_ids
+from engine.runtime.processes import current
 from engine.state.train_state import model_variables
 from models.family import BuildOptions, projections
 
@@ -77,11 +78,11 @@ def check(cfg) -> None:
         )
     if section.top_p > 1:
         raise UsageError(f"{KEY}.top_p={section.top_p} must be in (0, 1]")
-    if jax.process_count() > 1:  # (the sampler reads each step's tokens on the host: one process's devices)
+    if current().count > 1:  # (the sampler reads each step's tokens on the host: one process's devices)
         raise UsageError(
-            f"{KEY}.num_prompts={section.num_prompts}: generation-based eval runs in a job of one process, this "
-            f"one has {jax.process_count()}; set {KEY}.num_prompts=0 and score a checkpoint with `launch.py eval "
-            f"--workdir DIR {KEY}.num_prompts=N` in one process"
+            f"{KEY}.num_prompts={section.num_prompts}: generation-based eval runs on one process's devices, this "
+            f"run's are on {current().count} processes; set {KEY}.num_prompts=0 and score a checkpoint with "
+            f"`launch.py eval --workdir DIR {KEY}.num_prompts=N` in one process"
         )
 
 

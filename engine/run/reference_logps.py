@@ -43,6 +43,7 @@ from engine.data import Dataset, eval_batches
 from engine.errors import UsageError
 from engine.objectives import objective_part
 from engine.parallel import sharding
+from engine.runtime.processes import current
 from engine.state.train_state import FROZEN
 
 DIRECTORY = "reference_logps"  # in the workdir
@@ -241,9 +242,9 @@ def fill(
             lines.append(f"note: the cached reference log-probabilities {path} were {problem}; computed again")
         check_trained(values, trained, path)
         lines.append(f"dpo: the reference's log-probabilities of {rows:,} pairs computed once, cached in {path}")
-        if jax.process_index() == 0:
+        if current().chief:  # (the run's: a sweep trial's may be on some of the job's processes)
             _write(path, values, parts)
-    if jax.process_index() == 0:
+    if current().chief:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / RECORD).write_text(json.dumps({"params": digest}) + "\n")
     train = len(dataset.train[REF_LOGPS])

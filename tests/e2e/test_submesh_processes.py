@@ -194,3 +194,62 @@ def test_trials_that_share_a_program_train_as_a_group_on_each_process_s_sub_mesh
     assert sorted(mine) == sorted(theirs) == [10, 20]
     for step, loss in mine.items():
         assert loss == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), step
+
+
+LOGGED = """import os
+
+import jax
+
+
+def even_ids_logged(prompts, completions, completion_ids, **fields):
+    with open(os.path.join(os.path.dirname(__file__), "calls.txt"), "a") as calls:
+        calls.write(f"{jax.process_index()}\\n")
+    return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+"""
+
+
+@pytest.mark.slow
+def test_grpo_trials_within_each_process_sample_and_score_on_their_own_process(tmp_path):
+    """A GRPO trial on a sub-mesh of process 1 scores its rollouts there (its run's chief), not on
+    the job's process 0, and trains as the same config alone on 2 devices does."""
+    from support.grpo import overrides, write_files
+
+    from engine.run.single import fit
+
+    files = write_files(tmp_path)
+    (tmp_path / "logged.py").write_text(LOGGED)
+    given = dict(item.split("=", 1) for item in overrides(files, 2) if not item.startswith("mesh."))
+    given.update({"grpo.rewards": f"[{tmp_path / 'logged.py'}:even_ids_logged]", "log.tensorboard": "false"})
+    spec = {
+        "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
+        "overrides": {key: yaml.safe_load(value) for key, value in given.items()},
+        "zip": {"optimizer.learning_rate": [0.03, 0.01]},
+        "metric": "train/loss",
+        "directory": str(tmp_path / "s"),
+    }
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, out + err
+    # a call a step and one for the final eval, each trial on its own process
+    assert sorted((tmp_path / "calls.txt").read_text().split()) == ["0"] * 3 + ["1"] * 3
+    workdir = tmp_path / "s" / "learning_rate=0.01"
+    alone = tmp_path / "alone"
+    fit(
+        load_config(
+            ROOT / "configs" / "mnist_mlp.yaml",
+            [
+                *overrides(files, 2),
+                "mesh.num_devices=2",
+                "optimizer.learning_rate=0.01",
+                "log.progress=false",
+                f"grpo.rewards=[{files[3]}:even_ids]",
+            ],
+            str(alone),
+        )
+    )
+    mine, theirs = losses(workdir), losses(alone)
+    assert sorted(mine) == sorted(theirs) == [1, 2]
+    for step, loss in mine.items():
+        assert loss == pytest.approx(theirs[step], rel=1e-5, abs=1e-6), step
