@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +38,8 @@ from engine.sweep.spec import RunSpec, Sweep
 
 STUDY = "study.db"
 CLAIM_SECONDS = 60.0  # a trial asked for this recently, with no run status yet, belongs to whoever asked
+BEAT_SECONDS = 30.0  # how often a sweep process on several hosts says its running trials are still its own
+STALE_SECONDS = 180.0  # a trial of another host whose status has not beaten for this long is abandoned
 STOP = threading.Event()  # this sweep process was told to stop: the running trial saves and stops too
 
 
@@ -232,7 +235,7 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     run = trial_run(trial)
     workdir = sweep.workdir(run)
     workdir.mkdir(parents=True, exist_ok=True)
-    write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "trial": trial.number})
+    write_json(workdir / STATUS, running_status(trial=trial.number))
     split, name = sweep.metric.split("/", 1)
     seen, pruned, stopped, start = reported_steps(study, trial), False, False, time.time()
     judge = Judge()  # the run waits at each record it logs for the pruner's verdict (engine/sweep/judge.py)
@@ -286,9 +289,20 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     return status
 
 
-def _alive(pid) -> bool:
+def running_status(**fields) -> dict:
+    """A running trial's status: the sweep process that trains it (host and pid) and when it last
+    said so (`beat`: a sub-mesh sweep on several hosts writes it again every BEAT_SECONDS)."""
+    return {"status": "running", "host": socket.gethostname(), "pid": os.getpid(), "beat": time.time(), **fields}
+
+
+def _alive(status: dict) -> bool:
+    """Whether the sweep process a running status names still trains it: on this host, its pid
+    lives; on another (whose pids this host cannot see), its status beat within STALE_SECONDS."""
+    host = status.get("host")
+    if host and host != socket.gethostname():
+        return time.time() - float(status.get("beat", 0)) < STALE_SECONDS
     try:
-        os.kill(int(pid), 0)
+        os.kill(int(status.get("pid")), 0)  # type: ignore[arg-type]
     except (ProcessLookupError, TypeError, ValueError):
         return False
     except PermissionError:  # another user's process
@@ -306,7 +320,7 @@ def abandoned_trials(sweep: Sweep, study) -> tuple[list, list]:
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         workdir = sweep.workdir(trial_run(trial))
         status = read_status(workdir)
-        if status.get("status") == "running" and _alive(status.get("pid")):
+        if status.get("status") == "running" and _alive(status):
             continue  # its sweep process trains it
         if not status and time.time() - trial.datetime_start.timestamp() < CLAIM_SECONDS:
             continue  # just asked for by another sweep process, which has not written its status yet

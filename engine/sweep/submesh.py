@@ -36,7 +36,6 @@ import contextlib
 import functools
 import itertools
 import json
-import os
 import signal
 import sys
 import threading
@@ -52,6 +51,7 @@ from engine.runtime.rundir import STATUS, append_line, read_status, write_json
 from engine.runtime.watchdog import hang_here
 from engine.sweep.local import group_ident
 from engine.sweep.progress import Progress, Routed
+from engine.sweep.search import BEAT_SECONDS, running_status
 from engine.sweep.spec import RunSpec, Sweep
 from engine.sweep.trials import KEY, WAIT_MS, Queue
 
@@ -112,6 +112,8 @@ class Scheduler:
         self.stopping = threading.Event()
         self.stops: dict[int, threading.Event] = {}  # sub-mesh → its trial's stop
         self.hung: dict[int, str] = {}  # slot → why its trial was failed as hung (its sub-mesh given up)
+        self.running: dict[Path, dict] = {}  # workdir → the status of a run this process trains (beat())
+        self.status_lock = threading.Lock()
         self.events_lock, self.config_lock = threading.Lock(), threading.Lock()
         self.stdout, self.stderr = Routed(sys.stdout), Routed(sys.stderr)
 
@@ -173,7 +175,7 @@ class Scheduler:
         workdir.mkdir(parents=True, exist_ok=True)
         started, chief = time.time(), RunProcesses.of(devices).chief
         if chief:
-            write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "submesh": index})
+            self.set_status(workdir, running_status(submesh=index))
         stop = self.trial_stop(index)
         verdict = self.queue.verdict(trial)
         pruned: list[bool] = []
@@ -198,7 +200,7 @@ class Scheduler:
         if trial is not None:
             record["trial"] = trial.number
         if chief and slot not in self.hung:
-            write_json(workdir / STATUS, record)
+            self.set_status(workdir, record)
             self.event("end", index, run.name, status=record["status"], error=record.get("error"))
         return {**record, "final": final_metrics(workdir)}
 
@@ -216,7 +218,7 @@ class Scheduler:
         workdirs = {run.name: self.sweep.workdir(run) for run in runs}
         for workdir in workdirs.values():
             workdir.mkdir(parents=True, exist_ok=True)
-            write_json(workdir / STATUS, {"status": "running", "pid": os.getpid(), "submesh": index, "group": ident})
+            self.set_status(workdir, running_status(submesh=index, group=ident))
         stop, stopped = self.trial_stop(index), {}  # (workdir → why its run stopped alone)
 
         def judge_of(run: RunSpec) -> InProcess:  # (a grid's runs: nothing is pruned; records shown and logged)
@@ -247,7 +249,7 @@ class Scheduler:
             if str(workdir) in stopped:
                 record.update(status="failed", error=f"error: training stopped: {stopped[str(workdir)]}")
             record["exit_code"] = 0 if record["status"] == "finished" else 1
-            write_json(workdir / STATUS, record)
+            self.set_status(workdir, record)
             self.event("end", index, run.name, status=record["status"], error=record.get("error"))
             ended.append((run, {**record, "final": final_metrics(workdir)}))
         return ended
@@ -260,11 +262,28 @@ class Scheduler:
         self.stops[index].set()  # (should it move again: it saves and stops, recording nothing)
         for run in runs:
             record = {"status": "failed", "submesh": index, "error": f"error: hung: {why}", "exit_code": 1}
-            write_json(self.sweep.workdir(run) / STATUS, record)
+            self.set_status(self.sweep.workdir(run), record)
             self.event("end", index, run.name, status="failed", error=record["error"])
             self.queue.ended(trial, "failed", None)
             self.progress.ended(slot, run.name, record)
         print(f"sub-mesh {index} is given up: {runs[0].name} hung", file=sys.__stderr__, flush=True)
+
+    def set_status(self, workdir: Path, record: dict) -> None:
+        """Writes a run's status.json; a running one's is written again by beat() while it runs."""
+        with self.status_lock:
+            write_json(workdir / STATUS, record)
+            if record["status"] == "running":
+                self.running[workdir] = record
+            else:
+                self.running.pop(workdir, None)
+
+    def beat(self) -> None:
+        """Each running trial's status, its `beat` renewed: a sweep process on another host (which
+        cannot see this one's pid) takes a trial whose status stopped beating for abandoned."""
+        with self.status_lock:
+            for workdir, record in self.running.items():
+                record["beat"] = time.time()
+                write_json(workdir / STATUS, record)
 
     def trial_stop(self, index: int) -> threading.Event:
         """A new stop for sub-mesh `index`'s next trial (set at once if the sweep is stopping)."""
@@ -323,7 +342,11 @@ class Scheduler:
         try:
             for thread in threads:
                 thread.start()
+            beaten = time.monotonic()
             while any(thread.is_alive() and slot not in self.hung for slot, thread in enumerate(threads)):
+                if time.monotonic() - beaten > BEAT_SECONDS:
+                    self.beat()
+                    beaten = time.monotonic()
                 self.progress.refresh()
                 for thread in threads:
                     thread.join(timeout=0.5 / len(threads))

@@ -3,6 +3,7 @@ and with a random sweep: trials taken one after another, their eval records judg
 thread judges them, a pruned trial stopped at the rung its pruner judged, the study told how each
 ended. (Trials trained on sub-meshes under the median pruner: tests/integration/test_submesh_sweep.py.)"""
 
+import json
 import threading
 
 import optuna
@@ -77,3 +78,46 @@ def test_a_random_sweep_s_draws_are_taken_once_each_in_order(tmp_path):
     assert len({t[0][0].overrides["optimizer.learning_rate"] for t in taken[:5]}) == 5
     stopping.set()
     assert Queue(sweep, retry_failed=False).take(stopping) is None  # (a stopped sweep starts nothing)
+
+
+def test_a_running_trial_of_another_host_is_its_while_its_status_beats_then_abandoned(tmp_path):
+    """A sweep on several hosts: a trial whose status names another host is that host's while its
+    `beat` is fresh (this host cannot see its pid), and resumed here once it went stale; one of
+    this host is its own while its pid lives."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from engine.runtime.rundir import STATUS, write_json
+    from engine.sweep.search import STALE_SECONDS, running_status, trial_run
+
+    params = {"optimizer.learning_rate": {"log_uniform": [1.0e-4, 1.0e-1]}}
+    sweep = sweep_file(tmp_path, search={"sampler": "random", "trials": 1, "seed": 0, "params": params})
+    queue, stopping = Queue(sweep, retry_failed=False), threading.Event()
+    (run,), trial = queue.take(stopping)
+    workdir = sweep.workdir(run)
+    workdir.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cases = [  # (the status, whether a sweep process still trains it)
+        ({**running_status(), "host": "another-host", "pid": os.getpid()}, True),
+        ({**running_status(), "host": "another-host", "beat": time.time() - STALE_SECONDS - 1}, False),
+        (running_status(), True),  # (this process's)
+        ({**running_status(), "pid": int(gone.stdout)}, False),  # (a process of this host that ended)
+    ]
+    for status, alive in cases:
+        write_json(workdir / STATUS, status)
+        taken = Queue(sweep, retry_failed=False).take(stopping)
+        assert (taken is None) == alive, status  # (the study has its one trial: only a resume is left to take)
+        if taken is not None:
+            assert trial_run(taken[1]).name == run.name == trial_run(trial).name
+    from engine.sweep.submesh import Scheduler
+
+    scheduler = Scheduler(sweep, [], queue, None, [])  # (its statuses alone)
+    scheduler.set_status(workdir, {**running_status(), "host": "another-host", "beat": time.time() - STALE_SECONDS - 1})
+    assert Queue(sweep, retry_failed=False).take(stopping) is not None  # (stale: abandoned)
+    scheduler.beat()  # (what its wait loop does every BEAT_SECONDS)
+    assert Queue(sweep, retry_failed=False).take(stopping) is None  # beating again: its own
+    scheduler.set_status(workdir, {"status": "interrupted"})
+    scheduler.beat()  # (an ended run's status is left as it ended)
+    assert json.loads((workdir / STATUS).read_text()) == {"status": "interrupted"}
