@@ -117,7 +117,8 @@ def test_a_killed_task_s_job_goes_on_as_a_new_srun_step_then_grows_back(tmp_path
     (recovery,) = records(workdir, "recovery")
     assert recovery["lost_process"] == 1 and "SIGKILL" in recovery["how"] and recovery["recovered"]
     assert (recovery["processes_before"], recovery["processes_now"], recovery["tier"]) == (2, 1, "local")
-    assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= 2
+    # (the newest local save, or the one before it when the kill came while that save was still in flight)
+    assert 0 <= recovery["step_reached"] - recovery["step_restored"] <= 4
     # the node stayed up, so the job of 1 grows back to 2 tasks at its persistent checkpoint of step 6
     (grown,) = records(workdir, "grow")
     assert (grown["processes_before"], grown["processes_now"], grown["step_restored"]) == (1, 2, 6), grown
