@@ -1,13 +1,16 @@
 """Eight digits-MLP trials of different widths on 8 simulated CPU devices, four ways, rounds
 interleaved: in one process on sub-meshes of 1 and of 2 devices (`--devices-per-trial`), one
 after another each on all 8 (data parallel: plain `launch.py sweep`), and as separate
-processes 4 at a time on 2 devices each (`--parallel 4`). Wall time of the whole
+processes 4 at a time on 2 devices each (`--parallel 4`). And packing (`--modes packing`):
+sixteen trials, two widths x eight learning rates, on sub-meshes of 4, each trial alone or the
+trials of one program packed into one vectorised group per sub-mesh (`vectorize: auto`). Wall time of the whole
 `launch.py sweep` process, and each device's busy fraction: the time the runs on it spent in
 training steps (steps x mean step seconds from each run's summary record) over the wall
 time. (XLA:CPU's simulated devices share the host's cores: a device's busy time is the time
 a run holding it stepped, not a core's utilisation.)
 
     python benchmarks/submesh_sweep.py --rounds 2
+    python benchmarks/submesh_sweep.py --rounds 2 --modes packing
 """
 
 from __future__ import annotations
@@ -33,11 +36,18 @@ MODES = {  # flags, devices per run
     "sub-meshes of 2": (["--devices-per-trial", "2"], 2),
     "one after another on 8": ([], 8),
     "--parallel 4": (["--parallel", "4"], 2),
+    "sub-meshes of 4, each trial alone": (["--devices-per-trial", "4"], 4),
+    "sub-meshes of 4, packed": (["--devices-per-trial", "4"], 4),
 }
+PACKING = ["sub-meshes of 4, each trial alone", "sub-meshes of 4, packed"]
+RATES = [0.0005, 0.001, 0.002, 0.003, 0.005, 0.007, 0.01, 0.02]
 
 
 def sweep(mode: str, steps: int, directory: Path) -> dict:
     flags, per_run = MODES[mode]
+    grid: dict = {"model.hidden_sizes": WIDTHS}
+    if mode in PACKING:  # two programs of eight trials
+        grid = {"model.hidden_sizes": [[64], [128]], "optimizer.learning_rate": RATES}
     spec = {
         "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
         "directory": str(directory),
@@ -48,9 +58,10 @@ def sweep(mode: str, steps: int, directory: Path) -> dict:
             "log.every_steps": steps // 10,
             "log.tensorboard": False,
         },
-        "grid": {"model.hidden_sizes": WIDTHS},
+        "grid": grid,
         "metric": "eval/accuracy",
         "mode": "max",
+        **({"vectorize": "auto"} if mode.endswith("packed") else {}),
     }
     path = directory.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(spec))
@@ -77,11 +88,17 @@ def busy(directory: Path, per_run: int, wall: float) -> list[float]:
     from engine.runtime.rundir import read_records
     from engine.sweep.submesh import events
 
-    placed = {e["run"]: e["devices"] for e in events(directory) if e["event"] == "start"}
-    seconds = [0.0] * DEVICES
+    starts = {e["run"]: e for e in events(directory) if e["event"] == "start"}
+    placed = {run: e["devices"] for run, e in starts.items()}
+    seconds, groups = [0.0] * DEVICES, set()
     for workdir in directory.iterdir():
         if not (workdir / "metrics.jsonl").is_file():
             continue
+        group = starts.get(workdir.name, {}).get("group")
+        if group in groups:  # (a vectorised group's trials step together: its time once)
+            continue
+        if group:
+            groups.add(group)
         summary = [r for r in read_records(workdir / "metrics.jsonl") if r["split"] == "summary"][-1]
         stepping = summary["mean_step_seconds"] * summary["step"]
         if workdir.name in placed:
@@ -97,9 +114,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument(
+        "--modes",
+        default=",".join(m for m in MODES if m not in PACKING),
+        help="comma-separated subset of: " + ", ".join(MODES) + "; or packing",
+    )
     args = parser.parse_args()
-    modes = args.modes.split(",")
+    modes = PACKING if args.modes == "packing" else args.modes.split(",")
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
