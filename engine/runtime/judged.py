@@ -12,6 +12,8 @@ import signal
 import threading
 from typing import Callable, Optional
 
+from engine.runtime.per_thread import given
+
 ENV = "ENGINE_JUDGE_FDS"  # "r,w": the run reads answers from r and writes records to w
 GO, STOP = b"go\n", b"stop\n"
 
@@ -80,9 +82,5 @@ _by_thread: dict[int, Judged | dict[str, Judged]] = {}
 def judged_here(judged: Judged | dict[str, Judged]):
     """While inside, a run that starts on this thread is judged by `judged` (a dict: each
     vectorised group trial's by its workdir, as its config names it)."""
-    ident = threading.get_ident()
-    _by_thread[ident] = judged
-    try:
+    with given(_by_thread, judged):
         yield
-    finally:
-        _by_thread.pop(ident, None)

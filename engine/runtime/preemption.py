@@ -9,6 +9,7 @@ import threading
 from typing import Callable, Optional
 
 from engine.errors import exit_now
+from engine.runtime.per_thread import given
 
 
 class Preempted(Exception):
@@ -78,12 +79,8 @@ def thread_stop(event: threading.Event):
     """While inside, a training loop on this thread stops once `event` is set as on SIGTERM
     (it saves the step reached and raises Preempted): a sweep trial trained on a thread of the
     sweep's process (engine/sweep/submesh.py), which signals cannot single out."""
-    ident = threading.get_ident()
-    _thread_stops[ident] = event
-    try:
+    with given(_thread_stops, event):
         yield
-    finally:
-        _thread_stops.pop(ident, None)
 
 
 def end_startup() -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from engine.errors import exit_now
+from engine.runtime.per_thread import given
 from engine.runtime.rundir import write_atomic
 
 WHAT = {
@@ -60,12 +61,8 @@ def hang_here(callback: Callable[[str], None]) -> Iterator[None]:
     fires: the watchdog writes its hang file, calls callback(why) on its own thread and stops (the
     run's thread stays where it hung). A sweep trial on a sub-mesh within its process
     (engine/sweep/submesh.py): the trial fails alone, the other sub-meshes train on."""
-    ident = threading.get_ident()
-    _on_hang[ident] = callback
-    try:
+    with given(_on_hang, callback):
         yield
-    finally:
-        _on_hang.pop(ident, None)
 
 
 class Watchdog:

@@ -33,6 +33,21 @@ JOB = ["--local-processes", "2", "--devices-per-process", "2"]
 SPANNING = ["--local-processes", "4", "--devices-per-process", "1"]
 
 
+def swept(tmp_path, spec: dict) -> tuple[list[dict], list[dict]]:
+    """Runs the sweep `spec` (its directory: tmp_path/s) to its end as a job of 2 processes x 2
+    devices on sub-meshes of 2; (its sweep.jsonl records, its submesh.jsonl events)."""
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**spec, "directory": str(tmp_path / "s")}))
+    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, out + err
+    read = [[json.loads(line) for line in (tmp_path / "s" / name).read_text().splitlines()] for name in FILES]
+    return read[0], read[1]
+
+
+FILES = ("sweep.jsonl", "submesh.jsonl")
+
+
 def losses(workdir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_records(workdir / "metrics.jsonl") if r["split"] == "train"}
 
@@ -150,17 +165,10 @@ def test_an_optuna_search_shares_its_study_between_the_processes_sub_meshes(tmp_
         "base": str(ROOT / "configs" / "mnist_mlp.yaml"),
         "overrides": {**COMMON, "train.steps": 10, "eval.every_steps": 10},
         "metric": "eval/loss",
-        "directory": str(tmp_path / "s"),
         "search": {"trials": 3, "seed": 0, "params": {"optimizer.learning_rate": {"log_uniform": [1e-4, 1e-1]}}},
     }
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
-    out, err = done.communicate(timeout=600)
-    assert done.returncode == 0, out + err
-    index = [json.loads(line) for line in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    index, starts = swept(tmp_path, spec)
     assert [(r["name"], r["status"]) for r in index] == [(f"trial-000{n}", "finished") for n in range(3)]
-    starts = [json.loads(line) for line in (tmp_path / "s" / "submesh.jsonl").read_text().splitlines()]
     assert sorted(e["run"] for e in starts if e["event"] == "start") == [f"trial-000{n}" for n in range(3)]  # once each
 
 
@@ -171,17 +179,10 @@ def test_trials_that_share_a_program_train_as_a_group_on_each_process_s_sub_mesh
         "overrides": {**COMMON, "train.steps": 20},
         "zip": {"model.hidden_sizes": [[8], [16], [8], [16]], "optimizer.learning_rate": [0.001, 0.001, 0.003, 0.003]},
         "metric": "eval/loss",
-        "directory": str(tmp_path / "s"),
         "vectorize": "auto",
     }
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
-    out, err = done.communicate(timeout=600)
-    assert done.returncode == 0, out + err
-    index = [json.loads(line) for line in (tmp_path / "s" / "sweep.jsonl").read_text().splitlines()]
+    index, events = swept(tmp_path, spec)
     assert [r["status"] for r in index] == ["finished"] * 4
-    events = map(json.loads, (tmp_path / "s" / "submesh.jsonl").read_text().splitlines())
     starts = {e["run"]: e for e in events if e["event"] == "start"}
     groups = {}
     for run in index:  # each width's pair one group, on one process's sub-mesh; the two groups on both processes
@@ -225,13 +226,8 @@ def test_grpo_trials_within_each_process_sample_and_score_on_their_own_process(t
         "overrides": {key: yaml.safe_load(value) for key, value in given.items()},
         "zip": {"optimizer.learning_rate": [0.03, 0.01]},
         "metric": "train/loss",
-        "directory": str(tmp_path / "s"),
     }
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    done = start_cli("sweep", str(path), "--devices-per-trial", "2", *JOB)
-    out, err = done.communicate(timeout=600)
-    assert done.returncode == 0, out + err
+    swept(tmp_path, spec)
     # a call a step and one for the final eval, each trial on its own process
     assert sorted((tmp_path / "calls.txt").read_text().split()) == ["0"] * 3 + ["1"] * 3
     workdir = tmp_path / "s" / "learning_rate=0.01"
