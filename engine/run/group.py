@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -84,10 +83,9 @@ def fit_group(
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
         return _open(cfgs, on_stop, trials, closing, watchdog, goodput, devices)
 
-    processes = RunProcesses.of(devices, name=f"{zlib.crc32(str(Path(cfgs[0].workdir).absolute()).encode()):08x}")
-    assert processes.count == 1 or devices is None, "a vectorised group's sub-mesh lies within one process"
     try:
-        with running(processes):  # (on a sub-mesh of a job's process: that process alone)
+        # (on a sub-mesh of one of a job's processes: that process alone)
+        with running(RunProcesses.for_run(devices, cfgs[0].workdir)):
             fit_job(open_job, cfgs[0], started, [Path(cfg.workdir) for cfg in cfgs])
         return trials
     except TooBig as big:  # (nothing was written: the check comes before the trials' files)

@@ -130,7 +130,7 @@ def train(ready: Started, goodput: Goodput, watchdog: Watchdog, closing: context
     cfg = job.cfg
     total, per_call, per_block = ready.end or cfg.train.steps, job.steps_per_call, job.steps_per_block
     batches = closing.enter_context(contextlib.closing(Prefetcher(job.block, start // per_block, cfg.data.prefetch)))
-    preemption = closing.enter_context(contextlib.closing(PreemptionWatch(current().count, current().any_of)))
+    preemption = closing.enter_context(contextlib.closing(PreemptionWatch(current())))
     grow = GrowWatch.begin(cfg) if cfg.fault.elastic else None
     trace = StepTrace(cfg.log.profile_steps, start, job.workdir, per_call)
     closing.enter_context(contextlib.closing(trace))

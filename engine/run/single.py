@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -59,8 +58,7 @@ def fit(
     def open_job(closing: contextlib.ExitStack, watchdog: Watchdog, goodput: Goodput) -> Started:
         return _open(cfg, run, started, result, closing, watchdog, goodput, devices)
 
-    processes = RunProcesses.of(devices, name=f"{zlib.crc32(str(Path(cfg.workdir).absolute()).encode()):08x}")
-    with running(processes):  # (a sub-mesh's trial: the processes of its devices)
+    with running(RunProcesses.for_run(devices, cfg.workdir)):  # (a sub-mesh's trial: the processes of its devices)
         result.state = fit_job(open_job, cfg, started, [Path(cfg.workdir)]).state
     return result
 

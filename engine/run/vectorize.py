@@ -37,6 +37,7 @@ from engine.parallel.sharding import per_device_bytes
 from engine.run.backends import Compiled, compile_jit
 from engine.run.setup import Traced, run_hparams, trace_run, traced_cost, train_batches
 from engine.runtime.memory import device_memory_bytes
+from engine.runtime.processes import RunProcesses
 from engine.runtime.units import human_bytes
 
 TRIAL = "trial"  # the mesh axis over trials
@@ -126,8 +127,7 @@ class Group:
 
 
 def _check_group(cfgs: list[Config], devices: Optional[Sequence] = None) -> None:
-    own = devices is not None and len({getattr(d, "process_index", 0) for d in devices}) == 1  # (a sub-mesh's)
-    if jax.process_count() > 1 and not own:
+    if jax.process_count() > 1 and (devices is None or RunProcesses.of(devices).count > 1):
         raise UsageError(
             "vectorize trains a group in one process; run the sweep without --local-processes, or with "
             "--devices-per-trial at most a process's devices (each process packs groups on its sub-meshes)"

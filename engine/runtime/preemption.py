@@ -6,10 +6,13 @@ import contextlib
 import signal
 import socket
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from engine.errors import exit_now
 from engine.runtime.per_thread import given
+
+if TYPE_CHECKING:  # (processes.py imports this module through distributed.py)
+    from engine.runtime.processes import RunProcesses
 
 
 class Preempted(Exception):
@@ -116,13 +119,13 @@ class PreemptionWatch:
     With several processes, jax.distributed's own SIGTERM notifier feeds that sync point, so
     no Python handler is installed over it."""
 
-    def __init__(self, processes: int = 1, any_of: Optional[Callable[[bool], bool]] = None):
-        """`processes`: the run's (engine/runtime/processes.py; a sub-mesh trial's may be one of several);
-        `any_of`: whether any of them passes True (RunProcesses.any_of: their agreement on a sweep's stop)."""
-        self.any_of = any_of
+    def __init__(self, processes: Optional["RunProcesses"] = None):
+        """`processes`: the run's (engine/runtime/processes.py; a sub-mesh trial's may be some of the
+        job's, who agree on a sweep's stop with RunProcesses.any_of). None: one process."""
+        self.processes = processes
         self.requested = bool(_noted)  # a signal from start-up, noted after the last check
         self.signum = _noted[0] if _noted else signal.SIGTERM  # what asked to stop
-        self.multi_process = processes > 1
+        self.multi_process = processes is not None and processes.count > 1
         self.thread_stop = _thread_stops.get(threading.get_ident())
         self._previous = {}
         if not self.multi_process and threading.current_thread() is threading.main_thread():
@@ -140,8 +143,8 @@ class PreemptionWatch:
         trial on some of a job's processes (its stop: the sweep's, per thread) asks its processes
         after each call instead, through the store: JAX's sync point is the whole job's."""
         if self.multi_process and self.thread_stop is not None:
-            assert self.any_of is not None, "a sweep trial on several processes agrees on its stop (any_of)"
-            self.requested = self.any_of(self.thread_stop.is_set())
+            assert self.processes is not None  # (multi_process)
+            self.requested = self.processes.any_of(self.thread_stop.is_set())
             return self.requested
         if self.multi_process:
             from jax.experimental import multihost_utils

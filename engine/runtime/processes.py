@@ -13,7 +13,9 @@ import contextlib
 import contextvars
 import itertools
 import json
+import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import jax
@@ -35,6 +37,11 @@ class RunProcesses:
         if devices is None:
             return cls(tuple(range(jax.process_count())), name)
         return cls(tuple(sorted({device.process_index for device in devices})), name)
+
+    @classmethod
+    def for_run(cls, devices: Optional[Sequence], workdir) -> "RunProcesses":
+        """The processes of a run on `devices`, named after its workdir (its keys in the job's store)."""
+        return cls.of(devices, name=f"{zlib.crc32(str(Path(workdir).absolute()).encode()):08x}")
 
     @property
     def chief(self) -> bool:
@@ -78,7 +85,11 @@ class RunProcesses:
         if self.chief:
             client.key_value_set(key, json.dumps(array.tolist()))
             return array
-        return np.asarray(json.loads(client.blocking_key_value_get(key, WAIT_MS)), array.dtype).reshape(array.shape)
+        text = client.blocking_key_value_get(key, WAIT_MS)
+        if client.key_value_increment(f"{key}/read", 1) == self.count - 1:  # the last reader: the store keeps nothing
+            client.key_value_delete(key)
+            client.key_value_delete(f"{key}/read")
+        return np.asarray(json.loads(text), array.dtype).reshape(array.shape)
 
     def any_of(self, flag: bool) -> bool:
         """Whether any of the run's processes passes True, on each of them (each calls it at the same

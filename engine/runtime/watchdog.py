@@ -203,8 +203,11 @@ class Watchdog:
         if self.processes > 1 and not self.who:
             self._census()
         if self.on_hang is not None:
-            self.on_hang(f"{headline}; the stacks are in {where}")
-            return
+            try:
+                self.on_hang(f"{headline}; the stacks are in {where}")
+                return
+            except Exception as e:  # (its records could not be written: a full disk) the process ends, as alone
+                headline += f" (and recording it as the sweep trial's failed: {type(e).__name__}: {e})"
         exit_now(
             f"error: {headline}; the stacks are in {where}. A hung collective (a peer stopped?), a stalled "
             f"file system or data reader are the usual causes; raise watchdog.{phase} if this phase is just slow",

@@ -230,8 +230,6 @@ def reported_steps(study, trial) -> set[int]:
 def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
     """Trains (or resumes) one trial's run, reporting the metric as it is logged; tells the
     study how it ended. Returns the run's status: finished, pruned, failed or interrupted."""
-    import optuna
-
     run = trial_run(trial)
     workdir = sweep.workdir(run)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -250,7 +248,11 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
         )
         judge.started()
         preload_report()
+        beaten = time.time()
         while True:
+            if time.time() - beaten > BEAT_SECONDS:  # (a sweep process on another host sees it is still trained)
+                write_json(workdir / STATUS, running_status(trial=trial.number))
+                beaten = time.time()
             if STOP.is_set() and not pruned and not stopped:
                 stopped = True  # it saves and exits 143: resumed by the next sweep process
                 child.send_signal(signal.SIGTERM)
@@ -270,23 +272,28 @@ def train_trial(sweep: Sweep, study, trial, env: dict | None = None) -> str:
         child.wait()
         judge.close()
     code = child.returncode
-    value = final_metrics(workdir).get(sweep.metric)
-    if pruned:
-        status = "pruned"
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-    elif code == 0 and value is not None:
-        status = "finished"
-        study.tell(trial, value)
-    elif code in (143, 130) or STOP.is_set():
-        status = "interrupted"  # the trial stays running in the study; the next sweep process resumes it
-    else:
-        status = "failed"
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    status = _tell(study, trial, pruned, code, final_metrics(workdir).get(sweep.metric))
     write_json(
         workdir / STATUS,
         {"status": status, "exit_code": code, "trial": trial.number, "seconds": round(time.time() - start, 2)},
     )
     return status
+
+
+def _tell(study, trial, pruned: bool, code: int, value) -> str:
+    """Tells the study how a trial's run ended (pruned, its exit code, its final metric); its status."""
+    import optuna
+
+    if pruned:
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return "pruned"
+    if code == 0 and value is not None:
+        study.tell(trial, value)
+        return "finished"
+    if code in (143, 130) or STOP.is_set():
+        return "interrupted"  # the trial stays running in the study; the next sweep process resumes it
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    return "failed"
 
 
 def running_status(**fields) -> dict:

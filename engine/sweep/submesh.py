@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from engine.errors import UsageError
 from engine.runtime.judged import InProcess, Judged, judged_here
+from engine.runtime.per_thread import given
 from engine.runtime.processes import RunProcesses
 from engine.runtime.rundir import STATUS, append_line, read_status, write_json
 from engine.runtime.watchdog import hang_here
@@ -146,9 +147,10 @@ class Scheduler:
             if slot in self.hung:  # (its thread moved again after its trial was failed: the sub-mesh stays given up)
                 return
             for run, status in ended:
-                if processes.chief:
-                    self.queue.ended(trial, status["status"], status.get("final", {}).get(self.sweep.metric))
                 self.progress.ended(slot, run.name, status)
+            if processes.chief:  # (the study told how a search's one trial ended; the index written once)
+                status = ended[0][1]
+                self.queue.ended(trial, status["status"], status.get("final", {}).get(self.sweep.metric))
 
     def next(self, index: int, processes: RunProcesses, turn: int) -> Optional[tuple[list[RunSpec], Any]]:
         """The sub-mesh's next trial: its lowest process takes it from the queue and tells the others."""
@@ -264,8 +266,8 @@ class Scheduler:
             record = {"status": "failed", "submesh": index, "error": f"error: hung: {why}", "exit_code": 1}
             self.set_status(self.sweep.workdir(run), record)
             self.event("end", index, run.name, status="failed", error=record["error"])
-            self.queue.ended(trial, "failed", None)
             self.progress.ended(slot, run.name, record)
+        self.queue.ended(trial, "failed", None)
         print(f"sub-mesh {index} is given up: {runs[0].name} hung", file=sys.__stderr__, flush=True)
 
     def set_status(self, workdir: Path, record: dict) -> None:
@@ -298,10 +300,10 @@ class Scheduler:
         data or step, which ends this trial while the others train on)."""
         from engine.run.single import NonFiniteLoss, Preempted
 
-        ident, record = threading.get_ident(), {"status": "failed"}
-        self.stdout.files[ident] = self.stderr.files[ident] = log
+        record = {"status": "failed"}
         try:
-            train()
+            with given(self.stdout.files, log), given(self.stderr.files, log):
+                train()
             record["status"] = "finished"
         except Preempted:
             record["status"] = "pruned" if pruned else "interrupted"
@@ -312,8 +314,6 @@ class Scheduler:
         except Exception as e:
             traceback.print_exc(file=log)
             record["error"] = f"error: {type(e).__name__}: {e}"
-        finally:
-            del self.stdout.files[ident], self.stderr.files[ident]
         if "error" in record:
             print(record["error"], file=log, flush=True)
         return record
@@ -395,7 +395,7 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
         if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
             client.wait_at_barrier(f"{KEY}/end", WAIT_MS)
     if jax.process_index() == 0:
-        queue.ended(None, "", None)  # the index (a search's: every process's trials)
+        queue.ended(None, "", None)  # (no trial: the index alone, a search's with every process's trials)
     if scheduler.stopping.is_set():
         return 143
     statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]
