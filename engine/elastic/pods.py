@@ -57,7 +57,7 @@ from engine.elastic.precompile import Precompiles, check_precompile
 from engine.elastic.rendezvous import MEMBER, POLL_SECONDS, Heartbeat, Rendezvous
 from engine.elastic.shrink import shrink_plan
 from engine.errors import UsageError
-from engine.runtime.launcher import SELF, free_port, stop_with
+from engine.runtime.launcher import SELF, distributed_args, free_port, stop_with
 
 ORDERLY = (0, 2, 130, 143, GROW_EXIT)  # a peer's process that ended so is not a failure: its round ends alike
 STOPPED = "was lost (its pod stopped heartbeating)"
@@ -325,18 +325,6 @@ class PodDryRun:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.child.pid, signal.SIGKILL)
         self.child.wait()
-
-
-def distributed_args(coordinator: str, processes: int, rank: int) -> list[str]:
-    """The overrides that make a process `rank` of a job of `processes` at `coordinator`."""
-    args = [
-        f"distributed.coordinator_address={coordinator}",
-        f"distributed.num_processes={processes}",
-        f"distributed.process_id={rank}",
-    ]
-    if coordinator.startswith("127.0.0.1:"):  # (a test's pods on one machine)
-        args.append(f"distributed.coordinator_bind_address={coordinator}")
-    return args
 
 
 def _failure(attempt: int, process: int, how: str, step, when: float, processes: int) -> dict:

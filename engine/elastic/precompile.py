@@ -97,7 +97,7 @@ class Precompiles:
     """The background dry runs of the job's smaller sizes (nothing unless fault.precompile),
     each started by `launch` (the membership's: where a dry run of that size runs)."""
 
-    def __init__(self, args: list[str], plans: dict[int, list[str]], devices: int, cfg, launch: Launch = local_dry_run):
+    def __init__(self, args: list[str], plans: dict[int, list[str]], devices: int, cfg, launch: Launch):
         self.args, self.plans, self.devices, self.launch = args, plans, devices, launch
         self.enabled, self.workdir = cfg.fault.precompile, Path(cfg.workdir)
         self.stopped = threading.Event()

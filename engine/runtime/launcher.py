@@ -144,10 +144,7 @@ def _start(args: list[str], processes: int, devices_per_process: int, extra: dic
         command = [
             *SELF,
             *args,
-            f"distributed.coordinator_address=127.0.0.1:{port}",
-            f"distributed.coordinator_bind_address=127.0.0.1:{port}",
-            f"distributed.num_processes={processes}",
-            f"distributed.process_id={index}",
+            *distributed_args(f"127.0.0.1:{port}", processes, index),
         ]
         child = subprocess.Popen(
             command,
@@ -270,3 +267,15 @@ def _stop(children: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> Non
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)  # its whole process group
             child.wait()
+
+
+def distributed_args(coordinator: str, processes: int, rank: int) -> list[str]:
+    """The overrides that make a process `rank` of a job of `processes` at `coordinator`."""
+    args = [
+        f"distributed.coordinator_address={coordinator}",
+        f"distributed.num_processes={processes}",
+        f"distributed.process_id={rank}",
+    ]
+    if coordinator.startswith("127.0.0.1:"):  # (a test's pods on one machine)
+        args.append(f"distributed.coordinator_bind_address={coordinator}")
+    return args

@@ -12,9 +12,9 @@ from support.elastic import JOB, local_job, records
 from support.faults import HANG, INJECT, FaultAt
 
 from engine.config import load_config
-from engine.elastic.pods import PodDryRun, distributed_args
-from engine.elastic.precompile import Precompiles
-from engine.runtime.launcher import free_port
+from engine.elastic.pods import PodDryRun
+from engine.elastic.precompile import Precompiles, local_dry_run
+from engine.runtime.launcher import distributed_args, free_port
 
 STEPS = 12  # (test_elastic.JOB's train.steps)
 
@@ -47,7 +47,7 @@ def test_a_hung_process_is_ended_by_its_watchdog_and_the_job_goes_on(tmp_path):
 def test_the_smaller_job_precompiled_in_the_background_compiles_nothing(tmp_path):
     workdir, cache = tmp_path / "run", [f"train.compilation_cache_dir={tmp_path / 'xla'}", "fault.precompile=true"]
     args = ["--config", JOB[0], "--workdir", str(workdir), *JOB[1:], *cache]
-    precompiles = Precompiles(args, {1: []}, 1, load_config(JOB[0], [*JOB[1:], *cache], str(workdir)))
+    precompiles = Precompiles(args, {1: []}, 1, load_config(JOB[0], [*JOB[1:], *cache], str(workdir)), local_dry_run)
     precompiles.start(2)  # as the launcher does beside a job of 2 processes, once the job has written metrics
     workdir.mkdir()
     (workdir / "metrics.jsonl").touch()
