@@ -148,9 +148,8 @@ class Scheduler:
                 return
             for run, status in ended:
                 self.progress.ended(slot, run.name, status)
-            if processes.chief:  # (the study told how a search's one trial ended; the index written once)
-                status = ended[0][1]
-                self.queue.ended(trial, status["status"], status.get("final", {}).get(self.sweep.metric))
+            if processes.chief:  # (once per queue item)
+                self.queue.index()
 
     def next(self, index: int, processes: RunProcesses, turn: int) -> Optional[tuple[list[RunSpec], Any]]:
         """The sub-mesh's next trial: its lowest process takes it from the queue and tells the others."""
@@ -201,10 +200,12 @@ class Scheduler:
         record["exit_code"] = 0 if record["status"] == "finished" else 1
         if trial is not None:
             record["trial"] = trial.number
-        if chief and slot not in self.hung:
+        final = final_metrics(workdir)
+        if chief and slot not in self.hung:  # (the study told first: queue.tell)
+            self.queue.tell(trial, record["status"], final.get(self.sweep.metric))
             self.set_status(workdir, record)
             self.event("end", index, run.name, status=record["status"], error=record.get("error"))
-        return {**record, "final": final_metrics(workdir)}
+        return {**record, "final": final}
 
     def train_group(self, index: int, slot: int, devices: list, runs: list[RunSpec]) -> list[tuple[RunSpec, dict]]:
         """Trains (or resumes) runs that share a compiled program as one vectorised group on
@@ -262,12 +263,13 @@ class Scheduler:
         devices) while the other sub-meshes train on."""
         self.hung[slot] = why
         self.stops[index].set()  # (should it move again: it saves and stops, recording nothing)
+        self.queue.tell(trial, "failed", None)
         for run in runs:
             record = {"status": "failed", "submesh": index, "error": f"error: hung: {why}", "exit_code": 1}
             self.set_status(self.sweep.workdir(run), record)
             self.event("end", index, run.name, status="failed", error=record["error"])
             self.progress.ended(slot, run.name, record)
-        self.queue.ended(trial, "failed", None)
+        self.queue.index()
         print(f"sub-mesh {index} is given up: {runs[0].name} hung", file=sys.__stderr__, flush=True)
 
     def set_status(self, workdir: Path, record: dict) -> None:
@@ -395,7 +397,7 @@ def run_submeshes(sweep: Sweep, per_trial: int, retry_failed: bool) -> int:
         if client is not None:  # every process's trials have ended (or saved, stopped) before any reads how
             client.wait_at_barrier(f"{KEY}/end", WAIT_MS)
     if jax.process_index() == 0:
-        queue.ended(None, "", None)  # (no trial: the index alone, a search's with every process's trials)
+        queue.index()
     if scheduler.stopping.is_set():
         return 143
     statuses = [read_status(sweep.workdir(run)).get("status") for run in sweep.runs]

@@ -61,16 +61,28 @@ class Queue:
 
     def ended(self, trial, status: str, value: Optional[float]) -> None:
         """Tells the study how a search trial ended, and writes the sweep's index."""
+        self.tell(trial, status, value)
+        self.index()
+
+    def tell(self, trial, status: str, value: Optional[float]) -> None:
+        """Tells the study how a search trial ended (None: not a search's). Before the run's final
+        status is written: a trial the study still calls running whose status says it ended is
+        taken for abandoned by the search's other processes (search.abandoned_trials)."""
         import optuna
 
+        if trial is None:
+            return
         with self.lock:
-            if trial is not None:
-                states = {"pruned": optuna.trial.TrialState.PRUNED, "failed": optuna.trial.TrialState.FAIL}
-                if status == "finished" and value is not None:
-                    self.study.tell(trial, value)
-                elif status in states or status == "finished":  # (finished without the metric: failed)
-                    self.study.tell(trial, state=states.get(status, optuna.trial.TrialState.FAIL))
-                # interrupted: the trial stays running in the study; the next sweep process resumes it
+            states = {"pruned": optuna.trial.TrialState.PRUNED, "failed": optuna.trial.TrialState.FAIL}
+            if status == "finished" and value is not None:
+                self.study.tell(trial, value)
+            elif status in states or status == "finished":  # (finished without the metric: failed)
+                self.study.tell(trial, state=states.get(status, optuna.trial.TrialState.FAIL))
+            # interrupted: the trial stays running in the study; the next sweep process resumes it
+
+    def index(self) -> None:
+        """Writes the sweep's index (a search's: every process's trials)."""
+        with self.lock:
             if self.study is not None:  # (its trials: this process's and any other's)
                 from engine.sweep.search import trial_run
 
